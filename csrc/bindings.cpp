@@ -1,0 +1,138 @@
+// Python binding: torch tensors in, typed spans out. Thin and defensive; the ring lives elsewhere.
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+
+#include "shm/segment.h"
+
+namespace rr = ringreduce;
+
+#ifdef RINGREDUCE_WITH_CUDA
+// Defined in csrc/cuda/binding_cuda.cpp: adds the CUDA communicator classes to the module.
+void register_cuda(py::module_& m);
+#endif
+
+namespace {
+
+rr::DType to_dtype(const at::Tensor& t, const char* arg) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return rr::DType::F32;
+    case at::kDouble: return rr::DType::F64;
+    case at::kHalf: return rr::DType::F16;
+    case at::kBFloat16: return rr::DType::BF16;
+    case at::kChar: return rr::DType::I8;
+    case at::kByte: return rr::DType::U8;
+    case at::kInt: return rr::DType::I32;
+    case at::kLong: return rr::DType::I64;
+    default:
+      TORCH_CHECK_TYPE(false, "ringreduce: ", arg, " has dtype ", t.scalar_type(),
+                       "; expected one of float32, float64, float16, bfloat16, int8, uint8, int32, int64");
+  }
+}
+
+rr::RedOp to_op(int op) {
+  TORCH_CHECK_VALUE(op >= 0 && op < static_cast<int>(rr::RedOp::kCount), "ringreduce: op code ", op,
+                    " is not SUM, AVG, MIN, MAX or PRODUCT");
+  return static_cast<rr::RedOp>(op);
+}
+
+void check_cpu(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "ringreduce: ", arg, " is on ", t.device(),
+                    "; the shared-memory transport takes CPU tensors");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "ringreduce: ", arg, " must be contiguous");
+}
+
+class ShmComm {
+ public:
+  ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
+          double timeout_s, int64_t spin_ns) {
+    rr::shm::Options opt;
+    opt.rank = rank;
+    opt.nranks = nranks;
+    opt.timeout_s = timeout_s;
+    opt.spin_ns = spin_ns;
+    nranks_ = nranks;
+    TORCH_CHECK_VALUE(slice_bytes >= 64, "ringreduce: slice_bytes must be >= 64, got ", slice_bytes);
+    comm_ = std::make_unique<rr::shm::Comm>(name, create, opt, slice_bytes);
+  }
+
+  void all_reduce(at::Tensor t, int op) {
+    check_cpu(t, "tensor");
+    run({rr::Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), t.data_ptr(), t.data_ptr()});
+  }
+
+  void reduce_scatter(at::Tensor out, const at::Tensor& in, int op) {
+    check_cpu(out, "output");
+    check_cpu(in, "input");
+    TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output dtype ",
+                     out.scalar_type(), " differs from input dtype ", in.scalar_type());
+    TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks(), "ringreduce: input has ", in.numel(),
+                      " elements; expected output.numel() * world size = ", out.numel() * nranks());
+    run({rr::Coll::ReduceScatter, to_dtype(in, "input"), to_op(op), in.numel(), in.data_ptr(),
+         out.data_ptr()});
+  }
+
+  void all_gather(at::Tensor out, const at::Tensor& in) {
+    check_cpu(out, "output_tensor");
+    check_cpu(in, "input_tensor");
+    TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output_tensor dtype ",
+                     out.scalar_type(), " differs from input_tensor dtype ", in.scalar_type());
+    TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks(), "ringreduce: output_tensor has ",
+                      out.numel(), " elements; expected input_tensor.numel() * world size = ",
+                      in.numel() * nranks());
+    run({rr::Coll::AllGather, to_dtype(in, "input_tensor"), rr::RedOp::Sum, out.numel(), in.data_ptr(),
+         out.data_ptr()});
+  }
+
+  void abort(const std::string& why) {
+    if (!comm_->closed()) comm_->ring().abort(why);
+  }
+  bool broken() { return !comm_->closed() && comm_->ring().broken(); }
+  std::string reason() { return comm_->closed() ? "" : comm_->ring().abort_reason(); }
+  int64_t slice_bytes() { return static_cast<int64_t>(comm_->ring().slice_bytes()); }
+  int64_t op_seq() { return static_cast<int64_t>(comm_->ring().op_seq()); }
+  void close() { comm_->close(); }
+  bool closed() { return comm_->closed(); }
+
+ private:
+  int nranks() const { return nranks_; }
+  void run(const rr::shm::Call& c) {
+    py::gil_scoped_release nogil;
+    comm_->ring().run(c);
+  }
+
+  std::unique_ptr<rr::shm::Comm> comm_;
+  int nranks_ = 0;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ringreduce native core: ring collectives over shared memory";
+  py::register_exception<rr::RingError>(m, "RingReduceError", PyExc_RuntimeError);
+
+  py::class_<ShmComm>(m, "ShmComm")
+      .def(py::init<const std::string&, bool, int, int, size_t, double, int64_t>(),
+           py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("nranks"), py::arg("slice_bytes"),
+           py::arg("timeout_s"), py::arg("spin_ns"))
+      .def("all_reduce", &ShmComm::all_reduce, py::arg("tensor"), py::arg("op"))
+      .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("output"), py::arg("input"), py::arg("op"))
+      .def("all_gather", &ShmComm::all_gather, py::arg("output"), py::arg("input"))
+      .def("abort", &ShmComm::abort, py::arg("why"))
+      .def("broken", &ShmComm::broken)
+      .def("reason", &ShmComm::reason)
+      .def("slice_bytes", &ShmComm::slice_bytes)
+      .def("op_seq", &ShmComm::op_seq)
+      .def("close", &ShmComm::close)
+      .def("closed", &ShmComm::closed);
+
+  m.def("shm_unlink", &rr::shm::Comm::unlink, py::arg("name"));
+  m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
+#ifdef RINGREDUCE_WITH_CUDA
+  m.attr("cuda_compiled") = true;
+  register_cuda(m);
+#else
+  m.attr("cuda_compiled") = false;
+#endif
+}

@@ -1,0 +1,215 @@
+#include "cpu/reduce.h"
+
+#include <algorithm>
+#include <cstring>
+#include <immintrin.h>
+#include <type_traits>
+
+namespace ringreduce {
+
+size_t dtype_size(DType t) {
+  static const size_t sizes[] = {4, 8, 2, 2, 1, 1, 4, 8};
+  return sizes[static_cast<int>(t)];
+}
+const char* dtype_name(DType t) {
+  static const char* names[] = {"float32", "float64", "float16", "bfloat16",
+                                "int8",    "uint8",   "int32",   "int64"};
+  return t < DType::kCount ? names[static_cast<int>(t)] : "unknown";
+}
+const char* op_name(RedOp op) {
+  static const char* names[] = {"SUM", "AVG", "MIN", "MAX", "PRODUCT"};
+  return op < RedOp::kCount ? names[static_cast<int>(op)] : "unknown";
+}
+bool dtype_is_float(DType t) { return t <= DType::BF16; }
+
+namespace cpu {
+namespace {
+
+uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+}  // namespace
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  if (exp == 0) return from_bits(sign | bits(static_cast<float>(mant) * 5.9604644775390625e-8f));
+  if (exp == 31) return from_bits(sign | 0x7f800000u | (mant << 13));
+  return from_bits(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+uint16_t float_to_half(float f) {
+  uint32_t x = bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return sign | 0x7c00 | (x > 0x7f800000u ? 0x200 : 0);  // inf, nan
+  if (x >= 0x477ff000u) return sign | 0x7c00;               // rounds to >= 65536: inf
+  if (x < 0x38800000u) {                                     // half subnormal: let the FPU round
+    const float t = from_bits(x) + 0.5f;                     // ulp at 0.5 is 2^-24, half's step
+    return static_cast<uint16_t>(sign | (bits(t) - 0x3f000000u));
+  }
+  x += 0xc8000fffu + ((x >> 13) & 1);                        // rebias exponent, round to even
+  return static_cast<uint16_t>(sign | (x >> 13));
+}
+
+float bf16_to_float(uint16_t h) { return from_bits(static_cast<uint32_t>(h) << 16); }
+
+uint16_t float_to_bf16(float f) {
+  const uint32_t x = bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // quiet nan
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
+}
+
+namespace {
+
+// Conversion of blocks; fp16 uses the F16C instructions when the CPU has them.
+__attribute__((target("avx2,f16c"))) void h2f_f16c(const uint16_t* s, float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  for (; i < n; ++i) d[i] = half_to_float(s[i]);
+}
+__attribute__((target("avx2,f16c"))) void f2h_f16c(const float* s, uint16_t* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) d[i] = float_to_half(s[i]);
+}
+const bool kHasF16C = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+
+struct Half { uint16_t v; };
+struct BF16 { uint16_t v; };
+
+template <class T> struct IsHalf : std::false_type {};
+template <> struct IsHalf<Half> : std::true_type {};
+template <> struct IsHalf<BF16> : std::true_type {};
+
+void to_float(const Half* s, float* d, int64_t n) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(s);
+  if (kHasF16C) return h2f_f16c(u, d, n);
+  for (int64_t i = 0; i < n; ++i) d[i] = half_to_float(u[i]);
+}
+void from_float(const float* s, Half* d, int64_t n) {
+  uint16_t* u = reinterpret_cast<uint16_t*>(d);
+  if (kHasF16C) return f2h_f16c(s, u, n);
+  for (int64_t i = 0; i < n; ++i) u[i] = float_to_half(s[i]);
+}
+void to_float(const BF16* s, float* d, int64_t n) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(s);
+  for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_float(u[i]);
+}
+void from_float(const float* s, BF16* d, int64_t n) {
+  uint16_t* u = reinterpret_cast<uint16_t*>(d);
+  for (int64_t i = 0; i < n; ++i) u[i] = float_to_bf16(s[i]);
+}
+
+// Integer SUM/PROD go through the unsigned type so that overflow wraps instead of being undefined.
+template <class T> T add(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+  } else {
+    return a + b;
+  }
+}
+template <class T> T mul(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
+    return static_cast<T>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+  } else {
+    return a * b;
+  }
+}
+
+// Plain loops over one compute type; the compiler keeps them in SIMD registers (-O3).
+template <class T>
+void reduce_plain(RedOp op, T* d, const T* a, const T* b, int64_t n, int divisor) {
+  switch (op) {
+    case RedOp::Sum:
+    case RedOp::Avg:
+      for (int64_t i = 0; i < n; ++i) d[i] = add(a[i], b[i]);
+      break;
+    case RedOp::Prod:
+      for (int64_t i = 0; i < n; ++i) d[i] = mul(a[i], b[i]);
+      break;
+    case RedOp::Min:
+      for (int64_t i = 0; i < n; ++i) d[i] = b[i] < a[i] ? b[i] : a[i];
+      break;
+    case RedOp::Max:
+      for (int64_t i = 0; i < n; ++i) d[i] = a[i] < b[i] ? b[i] : a[i];
+      break;
+    default:
+      break;
+  }
+  if (op == RedOp::Avg && divisor > 1) {
+    const T div = static_cast<T>(divisor);
+    for (int64_t i = 0; i < n; ++i) d[i] = d[i] / div;
+  }
+}
+
+// fp16/bf16: convert a block to fp32, reduce there, round once.
+template <class H>
+void reduce_half(RedOp op, H* d, const H* a, const H* b, int64_t n, int divisor) {
+  constexpr int64_t kBlock = 512;  // two fp32 blocks of 2 KiB stay in L1
+  alignas(64) float fa[kBlock], fb[kBlock];
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t m = std::min(kBlock, n - i);
+    to_float(a + i, fa, m);
+    to_float(b + i, fb, m);
+    reduce_plain<float>(op, fa, fa, fb, m, divisor);
+    from_float(fa, d + i, m);
+  }
+}
+
+template <class T>
+void reduce_t(RedOp op, void* d, const void* a, const void* b, int64_t n, int divisor) {
+  if constexpr (IsHalf<T>::value)
+    reduce_half(op, static_cast<T*>(d), static_cast<const T*>(a), static_cast<const T*>(b), n, divisor);
+  else
+    reduce_plain(op, static_cast<T*>(d), static_cast<const T*>(a), static_cast<const T*>(b), n, divisor);
+}
+
+template <class F>
+void dispatch(DType t, F&& f) {
+  switch (t) {
+    case DType::F32: return f(float{});
+    case DType::F64: return f(double{});
+    case DType::F16: return f(Half{});
+    case DType::BF16: return f(BF16{});
+    case DType::I8: return f(int8_t{});
+    case DType::U8: return f(uint8_t{});
+    case DType::I32: return f(int32_t{});
+    case DType::I64: return f(int64_t{});
+    default: return;
+  }
+}
+
+}  // namespace
+
+void reduce(DType t, RedOp op, void* dst, const void* a, const void* b, int64_t n, int divisor) {
+  if (n <= 0) return;
+  dispatch(t, [&](auto tag) { reduce_t<decltype(tag)>(op, dst, a, b, n, divisor); });
+}
+
+void divide(DType t, void* dst, const void* src, int64_t n, int divisor) {
+  if (n <= 0) return;
+  // MAX of x with itself is x; AVG with divisor applies the division only.
+  dispatch(t, [&](auto tag) {
+    using T = decltype(tag);
+    reduce_t<T>(RedOp::Max, dst, src, src, n, 1);
+    if (divisor > 1) {
+      if constexpr (IsHalf<T>::value) {
+        reduce_half(RedOp::Avg, static_cast<T*>(dst), static_cast<const T*>(dst),
+                    static_cast<const T*>(dst), n, 2 * divisor);  // (x + x) / 2N in fp32: exact doubling
+      } else {
+        T* d = static_cast<T*>(dst);
+        const T div = static_cast<T>(divisor);
+        for (int64_t i = 0; i < n; ++i) d[i] = d[i] / div;
+      }
+    }
+  });
+}
+
+}  // namespace cpu
+}  // namespace ringreduce

@@ -1,0 +1,35 @@
+// Typed reduce/copy of spans on the CPU. Knows nothing about ranks or torch.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace ringreduce {
+
+// Values are part of the wire format (message headers) and of the Python binding.
+enum class DType : uint8_t { F32 = 0, F64, F16, BF16, I8, U8, I32, I64, kCount };
+enum class RedOp : uint8_t { Sum = 0, Avg, Min, Max, Prod, kCount };
+
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+const char* op_name(RedOp op);
+bool dtype_is_float(DType t);
+
+namespace cpu {
+
+// dst[i] = a[i] op b[i] for i < n; dst may be the same pointer as a or b.
+// fp16/bf16 are computed in fp32 and rounded once. Integer SUM/PROD wrap around.
+// AVG reduces as SUM; when divisor > 1 the result is divided by it (the rank that finishes a chunk
+// passes the world size): floats in their compute type, integers truncating toward zero (as NCCL).
+void reduce(DType t, RedOp op, void* dst, const void* a, const void* b, int64_t n, int divisor = 1);
+
+// dst[i] = src[i] / divisor, same rules as above (AVG on a single rank).
+void divide(DType t, void* dst, const void* src, int64_t n, int divisor);
+
+// fp16 <-> fp32 conversions (round to nearest even), exposed for tests.
+float half_to_float(uint16_t h);
+uint16_t float_to_half(float f);
+float bf16_to_float(uint16_t h);
+uint16_t float_to_bf16(float f);
+
+}  // namespace cpu
+}  // namespace ringreduce

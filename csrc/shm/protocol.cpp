@@ -1,0 +1,332 @@
+#include "shm/protocol.h"
+
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <new>
+
+#include "ring/schedule.h"
+
+namespace ringreduce {
+
+const char* coll_name(Coll c) {
+  switch (c) {
+    case Coll::AllReduce: return "all_reduce";
+    case Coll::ReduceScatter: return "reduce_scatter";
+    case Coll::AllGather: return "all_gather";
+  }
+  return "unknown";
+}
+
+namespace shm {
+namespace {
+
+constexpr uint32_t kMagic = 0x52524431;  // "RRD1"
+// How long one futex sleep lasts before the waiter re-checks abort, deadline and peer liveness.
+constexpr auto kSleepSlice = std::chrono::milliseconds(10);
+// How often a waiter looks in /proc for the peer it waits on.
+constexpr auto kPeerCheck = std::chrono::milliseconds(50);
+
+using Clock = std::chrono::steady_clock;
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+size_t slot_stride(size_t slice_bytes) { return sizeof(MsgHeader) + round_up(slice_bytes, 64); }
+
+// Wrap-around safe "v has reached target" for the 32-bit futex counters.
+bool reached(uint32_t v, uint32_t target) { return static_cast<int32_t>(v - target) >= 0; }
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
+  timespec ts{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kSleepSlice).count()};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+void futex_wake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+void post(Counter& c, uint32_t v) {
+  c.value.store(v, std::memory_order_seq_cst);
+  if (c.waiters.load(std::memory_order_seq_cst) != 0) futex_wake(&c.value);
+}
+
+std::string describe(uint8_t coll, uint8_t dtype, uint8_t op, int64_t numel) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s)", coll_name(Coll(coll)),
+                static_cast<long long>(numel), dtype_name(DType(dtype)), op_name(RedOp(op)));
+  return buf;
+}
+
+}  // namespace
+
+size_t segment_bytes(int nranks, size_t slice_bytes) {
+  return sizeof(GroupHeader) + nranks * sizeof(RankArea) + nranks * kSlots * slot_stride(slice_bytes);
+}
+
+void init_segment(void* base, int nranks, size_t slice_bytes) {
+  auto* hdr = new (base) GroupHeader();
+  hdr->nranks = nranks;
+  hdr->slice_bytes = slice_bytes;
+  hdr->abort.store(0);
+  hdr->reason_ready.store(0);
+  auto* areas = reinterpret_cast<RankArea*>(static_cast<char*>(base) + sizeof(GroupHeader));
+  for (int r = 0; r < nranks; ++r) new (&areas[r]) RankArea();
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  hdr->magic = kMagic;
+}
+
+struct Ring::Ctx {
+  const Call& call;
+  const char* phase;
+  int step;
+  int64_t slice;
+};
+
+Ring::Ring(void* base, size_t bytes, const Options& opt) : opt_(opt) {
+  hdr_ = static_cast<GroupHeader*>(base);
+  if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
+    throw std::invalid_argument("ringreduce: rank " + std::to_string(opt.rank) + " out of range for " +
+                                std::to_string(opt.nranks) + " ranks");
+  if (hdr_->magic != kMagic || hdr_->nranks != static_cast<uint32_t>(opt.nranks))
+    throw RingError("ringreduce: shared segment is not an initialised ring of " +
+                    std::to_string(opt.nranks) + " ranks");
+  slice_bytes_ = hdr_->slice_bytes;
+  slot_stride_ = slot_stride(slice_bytes_);
+  if (bytes < segment_bytes(opt.nranks, slice_bytes_))
+    throw RingError("ringreduce: shared segment too small for its ring");
+  areas_ = reinterpret_cast<RankArea*>(reinterpret_cast<char*>(base) + sizeof(GroupHeader));
+  slots_ = reinterpret_cast<char*>(areas_ + opt.nranks);
+  up_ = ring::mod(opt.rank - 1, opt.nranks);
+  down_ = ring::mod(opt.rank + 1, opt.nranks);
+  areas_[opt.rank].pid.store(static_cast<int32_t>(getpid()));
+}
+
+char* Ring::slot(int r, uint32_t m) const {
+  return slots_ + (static_cast<size_t>(r) * kSlots + m % kSlots) * slot_stride_;
+}
+
+bool Ring::broken() const { return broken_ || hdr_->abort.load() != 0; }
+
+std::string Ring::abort_reason() const {
+  if (hdr_->abort.load() == 0) return "";
+  // The aborting rank writes the reason right after claiming the flag; give it a moment.
+  auto until = Clock::now() + std::chrono::milliseconds(200);
+  while (!hdr_->reason_ready.load(std::memory_order_acquire) && Clock::now() < until) _mm_pause();
+  if (!hdr_->reason_ready.load(std::memory_order_acquire)) return "(no reason recorded)";
+  return std::string(hdr_->reason, strnlen(hdr_->reason, sizeof(hdr_->reason)));
+}
+
+void Ring::abort(const std::string& why) {
+  uint32_t expected = 0;
+  if (hdr_->abort.compare_exchange_strong(expected, 1 + opt_.rank)) {
+    std::snprintf(hdr_->reason, sizeof(hdr_->reason), "%s", why.c_str());
+    hdr_->reason_ready.store(1, std::memory_order_release);
+  }
+  for (int r = 0; r < opt_.nranks; ++r) {
+    futex_wake(&areas_[r].posted.value);
+    futex_wake(&areas_[r].consumed.value);
+  }
+}
+
+void Ring::fail(const std::string& msg) {
+  broken_ = true;
+  abort(msg);
+  throw RingError(msg);
+}
+
+void Ring::raise_aborted(const Ctx& ctx) {
+  broken_ = true;
+  const uint32_t who = hdr_->abort.load();
+  throw RingError("ringreduce: rank " + std::to_string(opt_.rank) + ": " + coll_name(ctx.call.coll) +
+                  " #" + std::to_string(op_seq_) + " stopped in " + ctx.phase + " step " +
+                  std::to_string(ctx.step) + " because rank " + std::to_string(who - 1) +
+                  " aborted the group: " + abort_reason());
+}
+
+bool Ring::peer_dead(int peer) const {
+  const int32_t pid = areas_[peer].pid.load();
+  if (pid <= 0 || pid == getpid()) return false;
+  char path[64], buf[512];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return true;
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* p = std::strrchr(buf, ')');  // the state follows the parenthesised command name
+  return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
+
+void Ring::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const char* what) {
+  if (reached(c.value.load(std::memory_order_acquire), target)) return;
+  const auto t0 = Clock::now();
+  const auto spin_until = t0 + std::chrono::nanoseconds(opt_.spin_ns);
+  do {
+    for (int i = 0; i < 64; ++i) {
+      if (reached(c.value.load(std::memory_order_acquire), target)) return;
+      _mm_pause();
+    }
+    if (hdr_->abort.load(std::memory_order_relaxed)) raise_aborted(ctx);
+  } while (Clock::now() < spin_until);
+
+  const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(
+                                 std::chrono::duration<double>(opt_.timeout_s));
+  auto next_peer_check = t0 + kPeerCheck;
+  for (;;) {
+    c.waiters.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t v = c.value.load(std::memory_order_seq_cst);
+    if (!reached(v, target) && !hdr_->abort.load()) futex_wait(&c.value, v);
+    c.waiters.fetch_sub(1, std::memory_order_seq_cst);
+    if (reached(c.value.load(std::memory_order_acquire), target)) return;
+    if (hdr_->abort.load()) raise_aborted(ctx);
+    const auto now = Clock::now();
+    const std::string where = std::string(coll_name(ctx.call.coll)) + " #" + std::to_string(op_seq_) +
+                              " (" + ctx.phase + " step " + std::to_string(ctx.step) + ", slice " +
+                              std::to_string(ctx.slice) + ")";
+    if (now >= deadline) {
+      char t[32];
+      std::snprintf(t, sizeof t, "%g", opt_.timeout_s);
+      fail("ringreduce: rank " + std::to_string(opt_.rank) + ": " + where + " timed out after " + t +
+           " s waiting for " + what + " rank " + std::to_string(peer) +
+           " (RINGREDUCE_TIMEOUT; did every rank make the same call?)");
+    }
+    if (now >= next_peer_check) {
+      next_peer_check = now + kPeerCheck;
+      if (peer_dead(peer))
+        fail("ringreduce: rank " + std::to_string(opt_.rank) + ": " + where + ": peer rank " +
+             std::to_string(peer) + " (pid " + std::to_string(areas_[peer].pid.load()) + ") died");
+    }
+  }
+}
+
+char* Ring::acquire_send(const Ctx& ctx) {
+  wait_ge(areas_[down_].consumed, sent_ + 1 - kSlots, down_, ctx, "a free slot, consumed by");
+  return slot(opt_.rank, sent_) + sizeof(MsgHeader);
+}
+
+void Ring::post_send(const Ctx& ctx, uint64_t nbytes) {
+  auto* h = reinterpret_cast<MsgHeader*>(slot(opt_.rank, sent_));
+  h->op_seq = op_seq_;
+  h->numel = ctx.call.numel;
+  h->nbytes = nbytes;
+  h->index = msg_in_call_++;
+  h->coll = static_cast<uint8_t>(ctx.call.coll);
+  h->dtype = static_cast<uint8_t>(ctx.call.dtype);
+  h->op = static_cast<uint8_t>(ctx.call.op);
+  post(areas_[opt_.rank].posted, ++sent_);
+}
+
+const char* Ring::recv(const Ctx& ctx, uint64_t expect_bytes) {
+  wait_ge(areas_[up_].posted, received_ + 1, up_, ctx, "a message from");
+  const char* s = slot(up_, received_);
+  const auto* h = reinterpret_cast<const MsgHeader*>(s);
+  const Call& c = ctx.call;
+  const auto coll = static_cast<uint8_t>(c.coll), dt = static_cast<uint8_t>(c.dtype),
+             op = static_cast<uint8_t>(c.op);
+  if (h->op_seq != op_seq_ || h->coll != coll || h->dtype != dt || h->op != op || h->numel != c.numel)
+    fail("ringreduce: mismatched collective calls: rank " + std::to_string(up_) + " called " +
+         describe(h->coll, h->dtype, h->op, h->numel) + " as its call #" + std::to_string(h->op_seq) +
+         " on this communicator, while rank " + std::to_string(opt_.rank) + " called " +
+         describe(coll, dt, op, c.numel) + " as its call #" + std::to_string(op_seq_));
+  if (h->nbytes != expect_bytes)
+    fail("ringreduce: rank " + std::to_string(opt_.rank) + ": message of " + std::to_string(h->nbytes) +
+         " bytes from rank " + std::to_string(up_) + " where " + std::to_string(expect_bytes) +
+         " were expected (inconsistent schedules)");
+  return s + sizeof(MsgHeader);
+}
+
+void Ring::release_recv() { post(areas_[opt_.rank].consumed, ++received_); }
+
+void Ring::run(const Call& c) {
+  if (broken()) {
+    broken_ = true;
+    throw RingError("ringreduce: communicator is broken by an earlier failure: " + abort_reason());
+  }
+  const int n = opt_.nranks, r = opt_.rank;
+  if (c.coll != Coll::AllReduce && c.numel % n != 0)
+    throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
+                                std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
+  ++op_seq_;
+  msg_in_call_ = 0;
+  const size_t es = dtype_size(c.dtype);
+  const char* in = static_cast<const char*>(c.in);
+  char* out = static_cast<char*>(c.out);
+  const int divisor = c.op == RedOp::Avg ? n : 1;
+  if (n == 1) {
+    if (c.op == RedOp::Avg || in != out) cpu::divide(c.dtype, out, in, c.numel, 1);
+    return;
+  }
+  const bool ar = c.coll == Coll::AllReduce;
+  const bool rs = c.coll != Coll::AllGather, ag = c.coll != Coll::ReduceScatter;
+  const int64_t m = c.numel / n;
+  auto chunk_of = [&](int k) { return ar ? ring::chunk(c.numel, n, k) : ring::Span{k * m, m}; };
+  const int64_t S = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es));
+  const int64_t ns = ring::num_slices(ar ? (c.numel + n - 1) / n : m, S);
+  // Reduce-scatter's output holds only chunk r; all-gather's input holds only chunk r.
+  const int64_t out_shift = c.coll == Coll::ReduceScatter ? r * m : 0;
+  const int64_t in_shift = c.coll == Coll::AllGather ? r * m : 0;
+
+  Ctx ctx{c, "reduce-scatter", 0, 0};
+  for (int64_t j = 0; j < ns; ++j) {
+    ctx.slice = j;
+    if (rs) {
+      ctx.phase = "reduce-scatter";
+      ctx.step = 0;
+      const ring::Span sp = ring::slice(chunk_of(ring::rs_send_chunk(r, 0, n)), j, S);
+      char* d = acquire_send(ctx);
+      std::memcpy(d, in + sp.begin * es, sp.count * es);
+      post_send(ctx, sp.count * es);
+      for (int s = 0; s < n - 1; ++s) {
+        ctx.step = s;
+        const ring::Span rp = ring::slice(chunk_of(ring::rs_recv_chunk(r, s, n)), j, S);
+        const uint64_t bytes = rp.count * es;
+        const char* src = recv(ctx, bytes);
+        const char* own = in + rp.begin * es;
+        if (s < n - 2) {  // recv, reduce, send
+          char* sd = acquire_send(ctx);
+          cpu::reduce(c.dtype, c.op, sd, src, own, rp.count);
+          post_send(ctx, bytes);
+        } else {  // recv, reduce, copy (the chunk is final here), and send it on for all-gather
+          char* dst = out + (rp.begin - out_shift) * es;
+          cpu::reduce(c.dtype, c.op, dst, src, own, rp.count, divisor);
+          if (ag) {
+            char* sd = acquire_send(ctx);
+            std::memcpy(sd, dst, bytes);
+            post_send(ctx, bytes);
+          }
+        }
+        release_recv();
+      }
+    }
+    if (ag) {
+      ctx.phase = "all-gather";
+      ctx.step = 0;
+      if (!rs) {  // all-gather alone: this rank's chunk comes from the input
+        const ring::Span sp = ring::slice(chunk_of(r), j, S);
+        const char* src = in + (sp.begin - in_shift) * es;
+        if (src != out + sp.begin * es) std::memmove(out + sp.begin * es, src, sp.count * es);
+        char* d = acquire_send(ctx);
+        std::memcpy(d, src, sp.count * es);
+        post_send(ctx, sp.count * es);
+      }
+      for (int t = 0; t < n - 1; ++t) {
+        ctx.step = t;
+        const ring::Span rp = ring::slice(chunk_of(ring::ag_recv_chunk(r, t, n)), j, S);
+        const uint64_t bytes = rp.count * es;
+        const char* src = recv(ctx, bytes);
+        std::memcpy(out + rp.begin * es, src, bytes);
+        if (t < n - 2) {  // recv, copy, send
+          char* sd = acquire_send(ctx);
+          std::memcpy(sd, src, bytes);
+          post_send(ctx, bytes);
+        }
+        release_recv();
+      }
+    }
+  }
+}
+
+}  // namespace shm
+}  // namespace ringreduce

@@ -1,0 +1,146 @@
+"""The torch.distributed-shaped API: all_reduce, reduce_scatter_tensor, all_gather_into_tensor."""
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import _comm
+
+ReduceOp = dist.ReduceOp
+
+# Codes understood by the native core (csrc/cpu/reduce.h, RedOp).
+_OP_CODES = (
+    (ReduceOp.SUM, 0),
+    (ReduceOp.AVG, 1),
+    (ReduceOp.MIN, 2),
+    (ReduceOp.MAX, 3),
+    (ReduceOp.PRODUCT, 4),
+)
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+                    torch.uint8, torch.int32, torch.int64)
+TRANSPORTS = ("auto", "shm", "p2p", "nccl")
+
+
+def _op_code(op, fn):
+    for known, code in _OP_CODES:
+        try:
+            if op == known:
+                return code
+        except TypeError:
+            break
+    raise ValueError(f"ringreduce.{fn}: op must be ReduceOp.SUM, AVG, MIN, MAX or PRODUCT, "
+                     f"got {op!r}")
+
+
+def _check_tensor(t, arg, fn):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"ringreduce.{fn}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"ringreduce.{fn}: {arg} has dtype {t.dtype}; expected one of {names}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"ringreduce.{fn}: {arg} is on device {t.device}; expected a CPU or CUDA "
+                         f"tensor")
+    if t.is_sparse or t.layout != torch.strided:
+        raise ValueError(f"ringreduce.{fn}: {arg} must be a dense (strided) tensor")
+
+
+def _transport(device):
+    choice = os.environ.get("RINGREDUCE_TRANSPORT", "auto").strip().lower() or "auto"
+    if choice not in TRANSPORTS:
+        raise ValueError(f"RINGREDUCE_TRANSPORT must be one of {', '.join(TRANSPORTS)}, "
+                         f"got {choice!r}")
+    if device.type == "cpu" and choice not in ("auto", "shm"):
+        raise ValueError(f"RINGREDUCE_TRANSPORT={choice} cannot move CPU tensors; use shm or auto")
+    return choice
+
+
+def _comm_for(group, device, fn):
+    """The communicator that moves tensors on device for group; None if this rank is not in it."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"ringreduce.{fn}: torch.distributed is not initialized; call "
+                           f"torch.distributed.init_process_group(...) first")
+    g = group if group is not None else dist.group.WORLD
+    if dist.get_rank(g) < 0:
+        return None  # like torch.distributed: a rank outside the group does nothing
+    choice = _transport(device)
+    if device.type == "cuda":
+        from . import _cuda  # the CUDA transports (p2p, nccl); raises if this build has no CUDA
+        return _cuda.get_communicator(g, device, choice)
+    return _comm.get_communicator(g)
+
+
+def _span(t):
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _overlap(a, b):
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    """Reduces tensor across the group in place; every rank ends with the same result."""
+    fn = "all_reduce"
+    _check_tensor(tensor, "tensor", fn)
+    code = _op_code(op, fn)
+    comm = _comm_for(group, tensor.device, fn)
+    if comm is None:
+        return None
+    return comm.all_reduce(tensor, code, async_op)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    """Reduces input across the group; rank r gets chunk r of the result in output."""
+    fn = "reduce_scatter_tensor"
+    _check_tensor(output, "output", fn)
+    _check_tensor(input, "input", fn)
+    code = _op_code(op, fn)
+    if output.dtype != input.dtype:
+        raise TypeError(f"ringreduce.{fn}: output dtype {output.dtype} differs from input dtype "
+                        f"{input.dtype}")
+    comm = _comm_for(group, input.device, fn)
+    if comm is None:
+        return None
+    n = comm.world_size
+    if input.numel() != output.numel() * n:
+        raise ValueError(f"ringreduce.{fn}: input has {input.numel()} elements; expected "
+                         f"output.numel() * world size = {output.numel()} * {n} = "
+                         f"{output.numel() * n}")
+    if output.device != input.device:
+        raise ValueError(f"ringreduce.{fn}: output is on {output.device}, input on {input.device}")
+    if output.numel() and _overlap(output, input) and not (
+            output.is_contiguous() and input.is_contiguous() and output.data_ptr() ==
+            input.data_ptr() + comm.rank * output.numel() * output.element_size()):
+        raise ValueError(f"ringreduce.{fn}: output overlaps input other than as input's chunk "
+                         f"{comm.rank} (this rank's)")
+    return comm.reduce_scatter(output, input, code, async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    """Concatenates every rank's input_tensor (in rank order) into output_tensor."""
+    fn = "all_gather_into_tensor"
+    _check_tensor(output_tensor, "output_tensor", fn)
+    _check_tensor(input_tensor, "input_tensor", fn)
+    if output_tensor.dtype != input_tensor.dtype:
+        raise TypeError(f"ringreduce.{fn}: output_tensor dtype {output_tensor.dtype} differs from "
+                        f"input_tensor dtype {input_tensor.dtype}")
+    comm = _comm_for(group, input_tensor.device, fn)
+    if comm is None:
+        return None
+    n = comm.world_size
+    if output_tensor.numel() != input_tensor.numel() * n:
+        raise ValueError(f"ringreduce.{fn}: output_tensor has {output_tensor.numel()} elements; "
+                         f"expected input_tensor.numel() * world size = {input_tensor.numel()} * "
+                         f"{n} = {input_tensor.numel() * n}")
+    if output_tensor.device != input_tensor.device:
+        raise ValueError(f"ringreduce.{fn}: output_tensor is on {output_tensor.device}, "
+                         f"input_tensor on {input_tensor.device}")
+    if input_tensor.numel() and _overlap(output_tensor, input_tensor) and not (
+            output_tensor.is_contiguous() and input_tensor.is_contiguous() and
+            input_tensor.data_ptr() == output_tensor.data_ptr() +
+            comm.rank * input_tensor.numel() * input_tensor.element_size()):
+        raise ValueError(f"ringreduce.{fn}: input_tensor overlaps output_tensor other than as its "
+                         f"chunk {comm.rank} (this rank's)")
+    return comm.all_gather(output_tensor, input_tensor, async_op)

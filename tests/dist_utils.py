@@ -1,0 +1,74 @@
+"""Runs a function on N real processes joined by a Gloo process group (file store, no ports)."""
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+
+def _entry(rank, world, store_path, fn, args, q, env):
+    os.environ.update(env or {})
+    import torch.distributed as dist
+    import ringreduce
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        q.put((rank, "ok", result))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            ringreduce.destroy()
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def spawn(world, fn, *args, env=None):
+    """Starts the ranks; returns (processes, result queue, store dir) for tests that kill ranks."""
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="rr-test-")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), fn, args, q, env),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs, q, tmp
+
+
+def collect(procs, q, timeout, expect=None):
+    """Results by rank of the ranks in expect (default all); kills everything left at the end."""
+    expect = set(range(len(procs)) if expect is None else expect)
+    results, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while expect - set(results) - set(errors):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(expect - set(results) - set(errors))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout} s; "
+                                   f"errors so far: {errors}")
+            try:
+                rank, status, value = q.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            (results if status == "ok" else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results, errors
+
+
+def run_ranks(world, fn, *args, timeout=180, env=None):
+    """Runs fn(rank, world, *args) on every rank; returns the results in rank order or raises
+    with every failing rank's traceback."""
+    procs, q, _ = spawn(world, fn, *args, env=env)
+    results, errors = collect(procs, q, timeout)
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [results[r] for r in range(world)]
