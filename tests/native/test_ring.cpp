@@ -1,0 +1,221 @@
+// The shared-memory ring with threads playing the ranks: every collective x dtype x op x world size
+// x edge sizes against an exact reference, bitwise agreement across ranks, tiny slices (many
+// pipeline steps), mismatched calls and timeouts raising on every rank.
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "check.h"
+#include "shm/protocol.h"
+
+using namespace ringreduce;
+using shm::Ring;
+
+// One zeroed, initialised segment; each thread builds its own Ring on it, as each process would.
+static void with_ring(int n, size_t slice_bytes, double timeout_s,
+                      const std::function<void(int, Ring&)>& body) {
+  const size_t bytes = shm::segment_bytes(n, slice_bytes);
+  void* mem = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  std::memset(mem, 0, bytes);
+  shm::init_segment(mem, n, slice_bytes);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      shm::Options opt;
+      opt.rank = r;
+      opt.nranks = n;
+      opt.timeout_s = timeout_s;
+      opt.spin_ns = 1000;  // threads > cores here: sleep early
+      Ring ring(mem, bytes, opt);
+      body(r, ring);
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::free(mem);
+}
+
+// Element i of rank r: a small integer, exact in every dtype, products of 5 stay in int8.
+static int value(int r, int64_t i) { return static_cast<int>((i * 7 + r * 3) % 5) - 2; }
+
+static double combine(RedOp op, double a, double b) {
+  switch (op) {
+    case RedOp::Sum: case RedOp::Avg: return a + b;
+    case RedOp::Prod: return a * b;
+    case RedOp::Min: return std::min(a, b);
+    case RedOp::Max: return std::max(a, b);
+    default: return 0;
+  }
+}
+
+// Stores a double into a buffer of dtype t (small integers: exact everywhere).
+static void put(DType t, void* p, int64_t i, double v) {
+  switch (t) {
+    case DType::F32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case DType::F64: static_cast<double*>(p)[i] = v; break;
+    case DType::F16: static_cast<uint16_t*>(p)[i] = cpu::float_to_half(static_cast<float>(v)); break;
+    case DType::BF16: static_cast<uint16_t*>(p)[i] = cpu::float_to_bf16(static_cast<float>(v)); break;
+    case DType::I8: static_cast<int8_t*>(p)[i] = static_cast<int8_t>(v); break;
+    case DType::U8: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(static_cast<int>(v)); break;
+    case DType::I32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
+    case DType::I64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
+    default: break;
+  }
+}
+
+// The expected element: reduce the ranks' values, finish AVG the way the kernels do.
+static void expect_at(DType t, RedOp op, int n, int64_t i, void* out) {
+  // Integers wrap in their own type: reduce in that type by running the CPU kernel on scalars
+  // would be circular; instead reduce in double (no overflow for these values) and wrap at the end.
+  double acc = value(0, i);
+  if (t == DType::U8) acc = static_cast<uint8_t>(value(0, i));
+  for (int r = 1; r < n; ++r) {
+    double v = value(r, i);
+    if (t == DType::U8) v = static_cast<uint8_t>(value(r, i));
+    acc = combine(op, acc, v);
+  }
+  if (op == RedOp::Avg) {
+    if (dtype_is_float(t)) {
+      if (t == DType::F64) acc = acc / n;
+      else acc = static_cast<double>(static_cast<float>(acc) / static_cast<float>(n));
+      if (t == DType::F16) acc = cpu::half_to_float(cpu::float_to_half(static_cast<float>(acc)));
+      if (t == DType::BF16) acc = cpu::bf16_to_float(cpu::float_to_bf16(static_cast<float>(acc)));
+    } else {
+      // wrap the sum to the type first, then truncate toward zero
+      int64_t s = static_cast<int64_t>(acc);
+      if (t == DType::I8) s = static_cast<int8_t>(s);
+      if (t == DType::U8) s = static_cast<uint8_t>(s);
+      if (t == DType::I32) s = static_cast<int32_t>(s);
+      acc = static_cast<double>(s / n);
+    }
+  } else if (t == DType::U8 || t == DType::I8) {
+    acc = static_cast<double>(static_cast<int64_t>(acc) & 0xff);  // wrap: put() reinterprets
+    if (t == DType::I8) acc = static_cast<int8_t>(static_cast<uint8_t>(static_cast<int64_t>(acc)));
+  }
+  put(t, out, 0, acc);
+}
+
+static const DType kTypes[] = {DType::F32, DType::F64, DType::F16, DType::BF16,
+                               DType::I8,  DType::U8,  DType::I32, DType::I64};
+
+static void sweep(Coll coll, int n, size_t slice_bytes) {
+  std::vector<int64_t> sizes = {0, 1, n - 1, n + 1, 1001, 12345};
+  if (coll != Coll::AllReduce) sizes = {0, 1, 3, 257};  // per-rank elements
+  std::vector<std::vector<char>> out(n);
+  for (DType t : kTypes) {
+    const size_t es = dtype_size(t);
+    for (int opi = 0; opi < static_cast<int>(RedOp::kCount); ++opi) {
+      const RedOp op = coll == Coll::AllGather ? RedOp::Sum : RedOp(opi);
+      if (coll == Coll::AllGather && opi > 0) break;
+      for (int64_t sz : sizes) {
+        const int64_t numel = coll == Coll::AllReduce ? sz : sz * n;
+        with_ring(n, slice_bytes, 30.0, [&](int r, Ring& ring) {
+          std::vector<char> in(std::max<int64_t>(1, numel) * es);
+          const int64_t in_n = coll == Coll::AllGather ? sz : numel;
+          for (int64_t i = 0; i < in_n; ++i)
+            put(t, in.data(), i, value(r, coll == Coll::AllGather ? r * sz + i : i));
+          std::vector<char> res(std::max<int64_t>(1, numel) * es);
+          void* dst = coll == Coll::AllReduce ? in.data() : res.data();
+          ring.run({coll, t, op, numel, in.data(), dst});
+          const int64_t out_n = coll == Coll::ReduceScatter ? sz : numel;
+          out[r].assign(static_cast<char*>(dst), static_cast<char*>(dst) + out_n * es);
+        });
+        const int64_t out_n = coll == Coll::ReduceScatter ? sz : numel;
+        for (int r = 0; r < n; ++r) {
+          for (int64_t i = 0; i < out_n; ++i) {
+            char want[8] = {0};
+            if (coll == Coll::AllGather) put(t, want, 0, value(static_cast<int>(i / sz), i));
+            else expect_at(t, op, n, coll == Coll::ReduceScatter ? r * sz + i : i, want);
+            if (std::memcmp(out[r].data() + i * es, want, es) != 0) {
+              CHECK(false, "%s n=%d %s %s numel=%lld slice=%zu rank %d element %lld wrong",
+                    coll_name(coll), n, dtype_name(t), op_name(op), (long long)numel, slice_bytes, r,
+                    (long long)i);
+              break;
+            }
+          }
+          if (coll == Coll::AllReduce)
+            CHECK(out[r] == out[0], "all_reduce ranks 0 and %d differ (%s %s)", r, dtype_name(t),
+                  op_name(op));
+        }
+      }
+    }
+  }
+}
+
+// Large float data with rounding: results still bitwise identical across ranks.
+static void bitwise_floats() {
+  const int n = 4;
+  const int64_t numel = 300001;
+  std::vector<std::vector<float>> res(n);
+  with_ring(n, 4096, 30.0, [&](int r, Ring& ring) {
+    std::mt19937 rng(r);
+    std::uniform_real_distribution<float> u(-1, 1);
+    std::vector<float> x(numel);
+    for (auto& v : x) v = u(rng);
+    ring.run({Coll::AllReduce, DType::F32, RedOp::Sum, numel, x.data(), x.data()});
+    res[r] = x;
+  });
+  for (int r = 1; r < n; ++r) CHECK(res[r] == res[0], "rank %d differs bitwise", r);
+}
+
+static void mismatch() {
+  const int n = 3;
+  std::atomic<int> raised{0}, mentioned{0};
+  with_ring(n, 1024, 10.0, [&](int r, Ring& ring) {
+    std::vector<float> x(100, 1.0f);
+    const int64_t numel = r == 2 ? 90 : 100;
+    try {
+      ring.run({Coll::AllReduce, DType::F32, RedOp::Sum, numel, x.data(), x.data()});
+    } catch (const RingError& e) {
+      ++raised;
+      if (std::string(e.what()).find("mismatched") != std::string::npos) ++mentioned;
+    }
+    // Broken afterwards: the next call raises at once.
+    try {
+      ring.run({Coll::AllReduce, DType::F32, RedOp::Sum, 100, x.data(), x.data()});
+    } catch (const RingError&) {
+      ++raised;
+    }
+  });
+  CHECK(raised == 2 * n, "every rank raises twice, got %d", raised.load());
+  CHECK(mentioned == n, "every message names the mismatch, got %d", mentioned.load());
+}
+
+static void timeout() {
+  const int n = 3;
+  std::atomic<int> raised{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  with_ring(n, 1024, 0.5, [&](int r, Ring& ring) {
+    if (r == 1) return;  // never calls
+    std::vector<float> x(1000, 1.0f);
+    try {
+      ring.run({Coll::AllReduce, DType::F32, RedOp::Sum, 1000, x.data(), x.data()});
+    } catch (const RingError& e) {
+      ++raised;
+    }
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(raised == n - 1, "every calling rank raises, got %d", raised.load());
+  CHECK(secs < 5.0, "raised within the timeout bound: %.2f s", secs);
+}
+
+int main() {
+  for (int n = 1; n <= 5; ++n) {
+    for (size_t slice : {size_t{64}, shm::kDefaultSliceBytes}) {
+      sweep(Coll::AllReduce, n, slice);
+      sweep(Coll::ReduceScatter, n, slice);
+      sweep(Coll::AllGather, n, slice);
+    }
+  }
+  bitwise_floats();
+  mismatch();
+  timeout();
+  return finish("test_ring");
+}
