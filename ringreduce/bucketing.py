@@ -1,0 +1,254 @@
+"""Gradient bucketing for hand-written data-parallel loops (DDP's overlap without DDP).
+
+    bucketer = GradientBucketer(model.parameters(), bucket_cap_mb=25.0)
+    for x, y in data:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()   # buckets are all-reduced while backward runs
+        bucketer.wait()                   # the rest; .grad now holds the average over the group
+        optimizer.step()
+
+How it works. Parameters are packed into buckets (one dtype and device per bucket) in the order
+backward produces their gradients: at first in reverse registration order, then, after the first
+synchronised step, in the order rank 0 observed (shared with every rank, so all ranks cut the same
+buckets). The first bucket is capped at 1 MiB, like DDP's, so that communication starts early; the
+others at bucket_cap_mb. A post-accumulate-grad hook marks a parameter ready; when every parameter
+of a bucket is ready (and every earlier bucket is launched: all ranks must launch buckets in the same
+order) the gradients are copied into the bucket's flat buffer, divided by the group's size, and an
+async ring all-reduce is launched. wait() launches the buckets that are still open, waits for all of
+them, and writes the averaged gradients back into each parameter's .grad.
+
+Parameters without a gradient. Each bucket carries one extra element per parameter, set to 1 on the
+ranks where that parameter got a gradient in this step (or in a no_sync() step since the last
+synchronisation) and summed along with the gradients, so every rank learns, at no extra collective,
+whether any rank produced one:
+  - some rank produced one: every rank's .grad becomes the group average, ranks without a gradient
+    counting as zeros (a .grad left from earlier steps counts with its value, which keeps gradient
+    accumulation across steps exact; call optimizer.zero_grad() between steps as usual). A .grad that
+    was None is created. This is what DDP does with find_unused_parameters=True.
+  - no rank produced one: .grad is left as it is (None stays None, so optimizers skip the
+    parameter), identically on every rank.
+
+no_sync(): within it, backward only accumulates into .grad (no communication) and wait() returns at
+once; the first backward after it synchronises the accumulated gradients. A second synchronised
+backward after a bucket was launched, without wait() between, raises: that gradient would be lost.
+"""
+import contextlib
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .collectives import SUPPORTED_DTYPES, all_reduce
+
+# DDP's first bucket size (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): small, so that the first
+# collective starts as soon as the last layer's gradients exist.
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+class _Bucket:
+    def __init__(self, device, dtype):
+        self.device, self.dtype = device, dtype
+        self.indices, self.offsets = [], []
+        self.numel = 0
+        self.ready = 0
+        self.buffer = None  # [gradients..., one flag per parameter], allocated on first launch
+        self.work = None
+
+    def add(self, index, numel):
+        self.indices.append(index)
+        self.offsets.append(self.numel)
+        self.numel += numel
+
+    @property
+    def nbytes(self):
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class GradientBucketer:
+    """All-reduces the gradients of params in buckets while backward runs; wait() averages them
+    into .grad. Create it with the same parameters, in the same order, on every rank of group."""
+
+    def __init__(self, params, bucket_cap_mb=25.0, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("GradientBucketer: torch.distributed is not initialized; call "
+                               "torch.distributed.init_process_group(...) first")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"GradientBucketer: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        unique, seen = [], set()
+        for p in params:
+            if isinstance(p, dict):
+                raise TypeError("GradientBucketer: pass tensors (e.g. model.parameters()), not "
+                                "optimizer parameter groups")
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                unique.append(p)
+        for p in unique:
+            if not p.is_leaf:
+                raise ValueError("GradientBucketer: every parameter must be a leaf tensor")
+            if p.dtype not in SUPPORTED_DTYPES or not p.is_floating_point():
+                raise TypeError(f"GradientBucketer: parameter dtype {p.dtype} is not supported; "
+                                f"expected a floating dtype ringreduce reduces")
+        self.params = unique
+        self.group = group
+        self.world_size = dist.get_world_size(group if group is not None else dist.group.WORLD)
+        self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
+        self._lock = threading.Lock()
+        self._sync = True
+        n = len(unique)
+        self._fired = [False] * n      # got a gradient in this synchronised backward
+        self._used = [False] * n       # got a gradient in a no_sync() backward since the last sync
+        self._order = []               # firing order in the first synchronised step
+        self._rebuilt = False
+        self._build(list(reversed(range(n))))
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                         for i, p in enumerate(unique)]
+
+    # -- bucket assignment -------------------------------------------------------------------
+    def _build(self, order):
+        buckets, open_by_key, closed_by_key = [], {}, {}
+        for i in order:
+            p = self.params[i]
+            key = (p.device, p.dtype)
+            bucket = open_by_key.get(key)
+            if bucket is None:
+                bucket = open_by_key[key] = _Bucket(p.device, p.dtype)
+                buckets.append(bucket)
+            bucket.add(i, p.numel())
+            first = closed_by_key.get(key, 0) == 0
+            limit = min(FIRST_BUCKET_BYTES, self.bucket_cap_bytes) if first else self.bucket_cap_bytes
+            if bucket.nbytes >= limit:
+                del open_by_key[key]
+                closed_by_key[key] = closed_by_key.get(key, 0) + 1
+        self.buckets = buckets
+        self._bucket_of = {}
+        for b in buckets:
+            for i in b.indices:
+                self._bucket_of[i] = b
+        self._next = 0  # index of the next bucket to launch
+
+    def _rebuild_from_rank0_order(self):
+        """Re-cuts the buckets in the gradient order rank 0 saw (collective, once)."""
+        n = len(self.params)
+        seen = set(self._order)
+        order = self._order + [i for i in reversed(range(n)) if i not in seen]
+        device = self.params[0].device
+        shared = torch.tensor(order, dtype=torch.int64, device=device)
+        if dist.get_rank(self.group if self.group is not None else dist.group.WORLD) != 0:
+            shared.zero_()
+        all_reduce(shared, group=self.group)  # rank 0's order + zeros = rank 0's order
+        order = shared.tolist()
+        if order != [i for b in self.buckets for i in b.indices]:
+            self._build(order)
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _make_hook(self, i):
+        def hook(param):
+            self._on_grad(i)
+        return hook
+
+    def _on_grad(self, i):
+        with self._lock:
+            if not self._sync:
+                self._used[i] = True
+                return
+            bucket = self._bucket_of[i]
+            if self._fired[i]:
+                if bucket.work is not None:
+                    raise RuntimeError(
+                        "GradientBucketer: a parameter got a second gradient after its bucket "
+                        "was all-reduced; call wait() after each synchronised backward, and run "
+                        "the other backward passes of a step inside no_sync()")
+                return  # accumulated into .grad; the bucket reads .grad when it launches
+            self._fired[i] = True
+            if not self._rebuilt:
+                self._order.append(i)
+            bucket.ready += 1
+            while self._next < len(self.buckets):
+                b = self.buckets[self._next]
+                if b.ready < len(b.indices):
+                    break
+                self._launch(b)
+
+    def _launch(self, bucket):
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(bucket.numel + len(bucket.indices), dtype=bucket.dtype,
+                                        device=bucket.device)
+        buf = bucket.buffer
+        flags = []
+        for i, off in zip(bucket.indices, bucket.offsets):
+            p = self.params[i]
+            view = buf[off:off + p.numel()].view(p.shape)
+            g = p.grad
+            if g is None:
+                view.zero_()
+            elif g.is_sparse:
+                raise RuntimeError("GradientBucketer: sparse gradients are not supported")
+            else:
+                view.copy_(g)
+            flags.append(1.0 if (self._fired[i] or self._used[i]) else 0.0)
+        buf[:bucket.numel].div_(self.world_size)
+        buf[bucket.numel:].copy_(torch.tensor(flags, dtype=bucket.dtype))
+        bucket.work = all_reduce(buf, group=self.group, async_op=True)
+        self._next += 1
+
+    # -- public ------------------------------------------------------------------------------
+    def wait(self):
+        """Launches the buckets still open, waits for every bucket, and writes the averaged
+        gradients into .grad. Call it on every rank after backward, before optimizer.step().
+        Inside no_sync() it does nothing."""
+        if not self._sync:
+            return
+        with self._lock:
+            while self._next < len(self.buckets):
+                self._launch(self.buckets[self._next])
+        try:
+            for b in self.buckets:
+                b.work.wait()
+            for b in self.buckets:
+                self._write_back(b)
+        finally:
+            with self._lock:
+                for b in self.buckets:
+                    b.work, b.ready = None, 0
+                self._next = 0
+                self._fired = [False] * len(self.params)
+                self._used = [False] * len(self.params)
+        if not self._rebuilt and self.params:
+            self._rebuilt = True
+            self._rebuild_from_rank0_order()
+            self._order = []
+
+    def _write_back(self, bucket):
+        buf = bucket.buffer
+        used_anywhere = buf[bucket.numel:].tolist()
+        for i, off, count in zip(bucket.indices, bucket.offsets, used_anywhere):
+            if count <= 0:
+                continue  # no rank produced a gradient: leave .grad as it is
+            p = self.params[i]
+            avg = buf[off:off + p.numel()].view(p.shape)
+            if p.grad is None:
+                p.grad = torch.empty_like(p).copy_(avg)
+            else:
+                p.grad.copy_(avg)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate into .grad; the next one outside synchronises."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def remove(self):
+        """Unregisters the hooks (waiting for any bucket still in flight). Idempotent."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+
+
+__all__ = ["GradientBucketer", "FIRST_BUCKET_BYTES"]

@@ -1,0 +1,82 @@
+"""Inputs from seeds and float64/exact references for the collective tests."""
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+INTS = (torch.int8, torch.uint8, torch.int32, torch.int64)
+DTYPES = FLOATS + INTS
+OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MIN, dist.ReduceOp.MAX,
+       dist.ReduceOp.PRODUCT)
+EPS = {torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -52, torch.float16: 2.0 ** -10,
+       torch.bfloat16: 2.0 ** -7}
+
+
+def make_input(rank, numel, dtype, op, seed=0):
+    """Rank's data, deterministic in (seed, rank). Products stay bounded: values near 1."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    if dtype in FLOATS:
+        if op == dist.ReduceOp.PRODUCT:
+            x = torch.rand(numel, generator=g, dtype=torch.float64) + 0.5
+        else:
+            x = torch.randn(numel, generator=g, dtype=torch.float64)
+        return x.to(dtype)
+    lo, hi = (-3, 4) if dtype != torch.uint8 else (0, 7)
+    if op != dist.ReduceOp.PRODUCT and dtype in (torch.int32, torch.int64):
+        lo, hi = -1000, 1000
+    if op != dist.ReduceOp.PRODUCT and dtype in (torch.int8, torch.uint8):
+        lo, hi = (-100, 100) if dtype == torch.int8 else (0, 200)  # sums wrap: tested
+    return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def reduce_reference(inputs, op):
+    """(expected, tolerance tensor) for reducing the ranks' inputs (all the same dtype)."""
+    dtype, n = inputs[0].dtype, len(inputs)
+    if dtype in INTS:
+        xs = [x.to(torch.int64) for x in inputs]
+        acc = xs[0].clone()
+        for x in xs[1:]:
+            if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                acc = acc + x
+            elif op == dist.ReduceOp.PRODUCT:
+                acc = acc * x
+            elif op == dist.ReduceOp.MIN:
+                acc = torch.minimum(acc, x)
+            else:
+                acc = torch.maximum(acc, x)
+        acc = acc.to(dtype)  # wraps like the ring does
+        if op == dist.ReduceOp.AVG:
+            acc = torch.div(acc.to(torch.int64), n, rounding_mode="trunc").to(dtype)
+        return acc, None
+    xs = [x.to(torch.float64) for x in inputs]
+    eps = EPS[dtype]
+    if op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+        f = torch.minimum if op == dist.ReduceOp.MIN else torch.maximum
+        acc = xs[0]
+        for x in xs[1:]:
+            acc = f(acc, x)
+        return acc, torch.zeros_like(acc)
+    if op == dist.ReduceOp.PRODUCT:
+        acc = xs[0].clone()
+        for x in xs[1:]:
+            acc = acc * x
+        return acc, 2 * n * eps * acc.abs()
+    acc = sum(xs)
+    mag = sum(x.abs() for x in xs)
+    if op == dist.ReduceOp.AVG:
+        acc, mag = acc / n, mag / n
+    # n - 1 roundings of partial sums plus the final one, each at most eps * magnitude
+    return acc, 2 * n * eps * mag + 1e-300
+
+
+def check_close(got, expected, tol):
+    """Number of elements outside tolerance (exact for integers)."""
+    if tol is None:
+        return int((got != expected).sum())
+    diff = (got.to(torch.float64) - expected).abs()
+    return int((diff > tol).sum())
+
+
+def digest(t):
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -1,0 +1,215 @@
+"""The public collectives on CPU tensors over real processes (Gloo group for bootstrap)."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringreduce as rr
+from dist_utils import run_ranks
+from reference import DTYPES, OPS, check_close, digest, make_input, reduce_reference
+
+
+def sweep_worker(rank, world, sizes, dtypes, ops):
+    """Every collective x dtype x op x size; returns failures and result digests."""
+    failures, digests = [], []
+    for dtype in dtypes:
+        for op in ops:
+            for numel in sizes:
+                tag = f"{dtype} {op} numel={numel} world={world}"
+                # all_reduce, in place
+                ins = [make_input(r, numel, dtype, op, seed=numel) for r in range(world)]
+                t = ins[rank].clone()
+                storage = t.data_ptr()
+                rr.all_reduce(t, op=op)
+                exp, tol = reduce_reference(ins, op)
+                bad = check_close(t, exp, tol)
+                if bad or t.data_ptr() != storage:
+                    failures.append(f"all_reduce {tag}: {bad} wrong")
+                digests.append(digest(t))
+                # reduce_scatter_tensor: numel elements per rank
+                ins = [make_input(r, numel * world, dtype, op, seed=numel + 1) for r in range(world)]
+                out = torch.empty(numel, dtype=dtype)
+                inp = ins[rank].clone()
+                rr.reduce_scatter_tensor(out, inp, op=op)
+                exp, tol = reduce_reference(ins, op)
+                lo, hi = rank * numel, (rank + 1) * numel
+                bad = check_close(out, exp[lo:hi], None if tol is None else tol[lo:hi])
+                if bad or not torch.equal(inp, ins[rank]):
+                    failures.append(f"reduce_scatter {tag}: {bad} wrong or input modified")
+            # all_gather_into_tensor (no op)
+            for numel in sizes:
+                mine = make_input(rank, numel, dtype, dist.ReduceOp.SUM, seed=7)
+                out = torch.empty(numel * world, dtype=dtype)
+                rr.all_gather_into_tensor(out, mine)
+                exp = torch.cat([make_input(r, numel, dtype, dist.ReduceOp.SUM, seed=7)
+                                 for r in range(world)])
+                if not torch.equal(out, exp):
+                    failures.append(f"all_gather {dtype} numel={numel} world={world}")
+    return failures, digests
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_sweep(world):
+    sizes = sorted({0, 1, max(world - 1, 0), world + 1, 100003})
+    results = run_ranks(world, sweep_worker, sizes, DTYPES, OPS, timeout=300)
+    for failures, _ in results:
+        assert failures == []
+    # every rank ends with bitwise-identical all_reduce results
+    for _, digests in results[1:]:
+        assert digests == results[0][1]
+
+
+def test_tiny_slices_force_many_steps():
+    """64-byte slices: a 100003-element tensor moves in thousands of pipelined messages."""
+    sizes = [0, 1, 2, 4, 5003, 100003]
+    results = run_ranks(3, sweep_worker, sizes, (torch.float32, torch.float16, torch.int64),
+                        (dist.ReduceOp.SUM, dist.ReduceOp.AVG), timeout=300,
+                        env={"RINGREDUCE_SLICE_BYTES": "64"})
+    for failures, _ in results:
+        assert failures == []
+    for _, digests in results[1:]:
+        assert digests == results[0][1]
+
+
+def api_worker(rank, world):
+    out = {}
+    # async handles: several in flight, completed in order, futures carry the tensors
+    ts = [torch.full((1000,), float(rank + i)) for i in range(4)]
+    works = [rr.all_reduce(t, async_op=True) for t in ts]
+    fut = works[-1].get_future()
+    for w in works:
+        assert w.wait() is True
+        assert w.is_completed()
+    out["async"] = [t[0].item() for t in ts]
+    out["future_value_is_tensor"] = fut.value()[0] is ts[-1]
+    # a synchronous call after async ones runs after them
+    t = torch.ones(10)
+    w = rr.all_reduce(torch.ones(10_000), async_op=True)
+    rr.all_reduce(t)
+    w.wait()
+    out["after_async"] = t[0].item()
+    # non-contiguous tensor: reduced through the view
+    base = torch.arange(20, dtype=torch.float32).reshape(4, 5)
+    view = base.t()
+    rr.all_reduce(view, op=rr.ReduceOp.MAX)
+    out["noncontig"] = torch.equal(base, torch.arange(20, dtype=torch.float32).reshape(4, 5))
+    col = base[:, 1]
+    rr.all_reduce(col)
+    out["col"] = base[:, 1].tolist()
+    out["col_untouched_rest"] = base[:, 0].tolist()
+    # subgroups: evens and odds, each their own ring; the world group still works after
+    evens = dist.new_group([r for r in range(world) if r % 2 == 0])
+    odds = dist.new_group([r for r in range(world) if r % 2 == 1])
+    mine = evens if rank % 2 == 0 else odds
+    t = torch.tensor([float(rank)])
+    rr.all_reduce(t, group=mine)
+    out["subgroup"] = t.item()
+    other = odds if rank % 2 == 0 else evens
+    t2 = torch.tensor([5.0])
+    out["not_member"] = rr.all_reduce(t2, group=other) is None and t2.item() == 5.0
+    t = torch.tensor([1.0])
+    rr.all_reduce(t)
+    out["world_after"] = t.item()
+    # in-place reduce_scatter and all_gather (chunk of the other tensor is this rank's)
+    buf = torch.arange(world * 3, dtype=torch.float32)
+    rr.reduce_scatter_tensor(buf[rank * 3:(rank + 1) * 3], buf)
+    out["rs_inplace"] = buf[rank * 3:(rank + 1) * 3].tolist()
+    g = torch.zeros(world * 2)
+    g[rank * 2:(rank + 1) * 2] = rank
+    rr.all_gather_into_tensor(g, g[rank * 2:(rank + 1) * 2])
+    out["ag_inplace"] = g.tolist()
+    return out
+
+
+def test_api_semantics():
+    world = 4
+    results = run_ranks(world, api_worker)
+    for rank, out in enumerate(results):
+        assert out["async"] == [sum(r + i for r in range(world)) for i in range(4)]
+        assert out["future_value_is_tensor"]
+        assert out["after_async"] == world
+        assert out["noncontig"]
+        assert out["col"] == [world * v for v in (1.0, 6.0, 11.0, 16.0)]
+        assert out["col_untouched_rest"] == [0.0, 5.0, 10.0, 15.0]
+        members = [r for r in range(world) if r % 2 == rank % 2]
+        assert out["subgroup"] == sum(members)
+        assert out["not_member"]
+        assert out["world_after"] == world
+        assert out["rs_inplace"] == [world * v for v in range(rank * 3, rank * 3 + 3)]
+        assert out["ag_inplace"] == [float(r) for r in range(world) for _ in range(2)]
+
+
+def bad_input_worker(rank, world):
+    """Every bad argument: the right exception, a message naming the argument, data untouched."""
+    cases = []
+
+    def expect(exc, words, fn, *tensors):
+        before = [t.clone() for t in tensors]
+        try:
+            fn()
+        except exc as e:
+            msg = str(e)
+            ok = all(w in msg for w in words)
+            cases.append((ok, msg))
+        else:
+            cases.append((False, f"no {exc.__name__} for {words}"))
+        for b, t in zip(before, tensors):
+            if not torch.equal(b, t):
+                cases.append((False, f"tensor modified by a refused call {words}"))
+
+    t = torch.ones(8)
+    expect(TypeError, ["tensor", "torch.Tensor", "list"], lambda: rr.all_reduce([1, 2]))
+    c = torch.ones(4, dtype=torch.complex64)
+    expect(TypeError, ["tensor", "complex64"], lambda: rr.all_reduce(c), c)
+    b = torch.ones(4, dtype=torch.bool)
+    expect(TypeError, ["tensor", "bool"], lambda: rr.all_reduce(b), b)
+    m = torch.ones(4, device="meta")
+    expect(ValueError, ["tensor", "meta"], lambda: rr.all_reduce(m))
+    expect(ValueError, ["op", "BAND"], lambda: rr.all_reduce(t, op=dist.ReduceOp.BAND), t)
+    expect(ValueError, ["op"], lambda: rr.all_reduce(t, op="sum"), t)
+    out, inp = torch.zeros(3), torch.ones(3 * world + 1)
+    expect(ValueError, ["input", "elements", "world size"],
+           lambda: rr.reduce_scatter_tensor(out, inp), out, inp)
+    out2 = torch.zeros(3, dtype=torch.float64)
+    inp2 = torch.ones(3 * world)
+    expect(TypeError, ["output", "dtype", "float64", "float32"],
+           lambda: rr.reduce_scatter_tensor(out2, inp2), out2, inp2)
+    g_out, g_in = torch.zeros(5 * world - 1), torch.ones(5)
+    expect(ValueError, ["output_tensor", "elements", "world size"],
+           lambda: rr.all_gather_into_tensor(g_out, g_in), g_out, g_in)
+    g_in2 = torch.ones(5, dtype=torch.int32)
+    g_out2 = torch.zeros(5 * world)
+    expect(TypeError, ["output_tensor", "dtype"], lambda: rr.all_gather_into_tensor(g_out2, g_in2),
+           g_out2, g_in2)
+    # overlapping buffers that are not the in-place layout
+    buf = torch.arange(4 * world, dtype=torch.float32)
+    expect(ValueError, ["overlaps"],
+           lambda: rr.all_gather_into_tensor(buf, buf[1:5]) if world > 1 else
+           (_ for _ in ()).throw(ValueError("overlaps")), buf)
+    os.environ["RINGREDUCE_TRANSPORT"] = "nccl"
+    expect(ValueError, ["RINGREDUCE_TRANSPORT", "CPU"], lambda: rr.all_reduce(t), t)
+    os.environ["RINGREDUCE_TRANSPORT"] = "bogus"
+    expect(ValueError, ["RINGREDUCE_TRANSPORT", "bogus"], lambda: rr.all_reduce(t), t)
+    del os.environ["RINGREDUCE_TRANSPORT"]
+    # the communicator is still healthy after refused calls
+    t = torch.ones(8)
+    rr.all_reduce(t)
+    cases.append((t[0].item() == world, "collective after bad inputs"))
+    return cases
+
+
+def test_bad_inputs():
+    for cases in run_ranks(2, bad_input_worker):
+        for ok, msg in cases:
+            assert ok, msg
+
+
+def test_not_initialized():
+    assert not dist.is_initialized()
+    t = torch.ones(3)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        rr.all_reduce(t)
+    assert torch.equal(t, torch.ones(3))
+    assert issubclass(rr.RingReduceError, RuntimeError)
+    assert rr.ReduceOp is dist.ReduceOp
