@@ -1,0 +1,152 @@
+"""Failure behaviour: dead peers, mismatched calls, ranks that never call, setup that never
+completes. Every surviving rank must raise RingReduceError within a bound derived from the timeout,
+and /dev/shm must hold nothing of ours afterwards."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringreduce as rr
+from dist_utils import collect, run_ranks, spawn
+
+
+def shm_entries():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("ringreduce-"))
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leak():
+    before = shm_entries()
+    yield
+    assert shm_entries() == before, "shared-memory segments left in /dev/shm"
+
+
+def raised(fn):
+    """(exception class name, message, seconds) of fn()."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return None, None, time.monotonic() - t0
+
+
+def victim_worker(rank, world, victim, how, ready_dir):
+    t = torch.ones(1 << 20)
+    rr.all_reduce(t)  # communicator set up, every rank alive
+    if rank == victim:
+        if how == "exit_inside_collective":
+            threading.Timer(0.2, lambda: os._exit(3)).start()
+            while True:
+                rr.all_reduce(t)
+        open(os.path.join(ready_dir, "ready"), "w").close()
+        time.sleep(120)  # killed from outside before the next collective
+    if how == "sigkill_before_call":
+        while not os.path.exists(os.path.join(ready_dir, "ready")):
+            time.sleep(0.01)
+        time.sleep(0.5)  # the test kills the victim now
+
+    def loop():
+        while True:
+            rr.all_reduce(t)
+    first = raised(loop)
+    again = raised(lambda: rr.all_reduce(torch.ones(4)))
+    return first, again
+
+
+@pytest.mark.parametrize("how", ["sigkill_before_call", "exit_inside_collective"])
+def test_dead_peer(how, tmp_path):
+    world, victim = 3, 1
+    procs, q, _ = spawn(world, victim_worker, victim, how, str(tmp_path),
+                        env={"RINGREDUCE_TIMEOUT": "60"})
+    if how == "sigkill_before_call":
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline, "victim never got ready"
+            time.sleep(0.01)
+        os.kill(procs[victim].pid, signal.SIGKILL)  # stays a zombie until joined: still "dead"
+    results, errors = collect(procs, q, timeout=90, expect=[r for r in range(world) if r != victim])
+    assert not errors, errors
+    for rank, (first, again) in results.items():
+        name, msg, secs = first
+        assert name == "RingReduceError", (rank, first)
+        assert secs < 10, f"rank {rank} took {secs:.1f} s to notice (timeout 60 s)"
+        assert "died" in msg or "aborted" in msg, msg
+        assert again[0] == "RingReduceError" and again[2] < 1.0, again  # broken: raises at once
+
+
+def mismatch_worker(rank, world, kind):
+    t = torch.ones(12)
+    rr.all_reduce(t)  # a good call first: the communicator exists on every rank
+
+    def call():
+        odd = rank == world - 1
+        if kind == "numel":
+            rr.all_reduce(torch.ones(13 if odd else 12))
+        elif kind == "dtype":
+            rr.all_reduce(torch.ones(12, dtype=torch.float64 if odd else torch.float32))
+        elif kind == "op":
+            rr.all_reduce(torch.ones(12), op=dist.ReduceOp.MAX if odd else dist.ReduceOp.SUM)
+        else:  # collective
+            if odd:
+                rr.reduce_scatter_tensor(torch.empty(12 // world), torch.ones(12))
+            else:
+                rr.all_reduce(torch.ones(12))
+    return raised(call)
+
+
+@pytest.mark.parametrize("kind", ["numel", "dtype", "op", "collective"])
+def test_mismatched_calls(kind):
+    world = 3
+    words = {"numel": "numel=13", "dtype": "float64", "op": "MAX", "collective": "reduce_scatter"}
+    for rank, (name, msg, secs) in enumerate(run_ranks(world, mismatch_worker, kind,
+                                                       env={"RINGREDUCE_TIMEOUT": "60"})):
+        assert name == "RingReduceError", (rank, msg)
+        assert "mismatched" in msg and words[kind] in msg, msg
+        assert secs < 10
+
+
+def silent_rank_worker(rank, world, skip_setup):
+    if skip_setup:
+        if rank == 1:
+            time.sleep(4)  # never joins the communicator
+            return None
+        return raised(lambda: rr.all_reduce(torch.ones(8)))
+    rr.all_reduce(torch.ones(8))
+    if rank == 1:
+        time.sleep(4)  # never makes the second call
+        return None
+    return raised(lambda: rr.all_reduce(torch.ones(8)))
+
+
+@pytest.mark.parametrize("skip_setup", [False, True], ids=["in_collective", "in_setup"])
+def test_rank_that_never_calls(skip_setup):
+    results = run_ranks(3, silent_rank_worker, skip_setup, env={"RINGREDUCE_TIMEOUT": "1.5"})
+    for rank, res in enumerate(results):
+        if rank == 1:
+            continue
+        name, msg, secs = res
+        assert name == "RingReduceError", msg
+        assert "timed out" in msg or "aborted" in msg, msg
+        assert 1.0 <= secs < 6, secs
+
+
+def close_worker(rank, world):
+    comm = rr.get_communicator()
+    rr.all_reduce(torch.ones(4))
+    comm.close()
+    comm.close()  # idempotent
+    closed = raised(lambda: comm.all_reduce(torch.ones(4), 0, False))
+    t = torch.ones(4)
+    rr.all_reduce(t)  # a new communicator replaces the closed one
+    return closed[0], t[0].item()
+
+
+def test_close_is_idempotent_and_final():
+    for name, value in run_ranks(2, close_worker):
+        assert name == "RingReduceError"
+        assert value == 2.0
