@@ -299,10 +299,9 @@ def get_communicator(group=None, **options):
     apply only when this call creates it.
     """
     g = group if group is not None else dist.group.WORLD
-    with _comms_lock:
-        entry = _comms.get(id(g))
-        if entry is not None and entry[0] is g and not entry[1]._closed:
-            return entry[1]
+    entry = _comms.get(id(g))  # a dict read is atomic; creation below takes the lock
+    if entry is not None and entry[0] is g and not entry[1]._closed:
+        return entry[1]
     comm = Communicator(g, **options)
     with _comms_lock:
         _comms[id(g)] = (g, comm)

@@ -46,7 +46,10 @@ def _check_tensor(t, arg, fn):
 
 
 def _transport(device):
-    choice = os.environ.get("RINGREDUCE_TRANSPORT", "auto").strip().lower() or "auto"
+    choice = os.environ.get("RINGREDUCE_TRANSPORT")
+    if choice is None:
+        return "auto"
+    choice = choice.strip().lower() or "auto"
     if choice not in TRANSPORTS:
         raise ValueError(f"RINGREDUCE_TRANSPORT must be one of {', '.join(TRANSPORTS)}, "
                          f"got {choice!r}")
