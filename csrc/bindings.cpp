@@ -15,6 +15,12 @@ void register_cuda(py::module_& m);
 
 namespace {
 
+// Python delivers signals to the main thread only; the module is imported there.
+unsigned long& main_thread_ident() {
+  static unsigned long ident = 0;
+  return ident;
+}
+
 rr::DType to_dtype(const at::Tensor& t, const char* arg) {
   switch (t.scalar_type()) {
     case at::kFloat: return rr::DType::F32;
@@ -97,9 +103,24 @@ class ShmComm {
 
  private:
   int nranks() const { return nranks_; }
+  // Waits release the GIL. On the main thread a pending signal (Ctrl-C) ends the wait: the group
+  // is aborted and the handler's exception (KeyboardInterrupt) is raised instead of RingReduceError.
   void run(const rr::shm::Call& c) {
-    py::gil_scoped_release nogil;
-    comm_->ring().run(c);
+    std::unique_ptr<py::error_already_set> pending;
+    const std::function<bool()> check = [&pending] {
+      py::gil_scoped_acquire gil;
+      if (PyErr_CheckSignals() == 0) return false;
+      pending = std::make_unique<py::error_already_set>();
+      return true;
+    };
+    const bool main_thread = PyThread_get_thread_ident() == main_thread_ident();
+    try {
+      py::gil_scoped_release nogil;
+      comm_->ring().run(c, main_thread ? &check : nullptr);
+    } catch (const rr::RingError&) {
+      if (pending) throw *pending;
+      throw;
+    }
   }
 
   std::unique_ptr<rr::shm::Comm> comm_;
@@ -111,6 +132,7 @@ class ShmComm {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ringreduce native core: ring collectives over shared memory";
   py::register_exception<rr::RingError>(m, "RingReduceError", PyExc_RuntimeError);
+  main_thread_ident() = PyThread_get_thread_ident();
 
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init<const std::string&, bool, int, int, size_t, double, int64_t>(),

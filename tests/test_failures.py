@@ -150,3 +150,26 @@ def test_close_is_idempotent_and_final():
     for name, value in run_ranks(2, close_worker):
         assert name == "RingReduceError"
         assert value == 2.0
+
+
+def interrupt_worker(rank, world):
+    import signal as sig
+    rr.all_reduce(torch.ones(4))
+    if rank == 1:  # Ctrl-C while waiting for peers that have not called yet
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), sig.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            rr.all_reduce(torch.ones(4))
+        except KeyboardInterrupt:
+            return "KeyboardInterrupt", time.monotonic() - t0
+        return "no interrupt", time.monotonic() - t0
+    time.sleep(2)
+    name, msg, secs = raised(lambda: rr.all_reduce(torch.ones(4)))
+    return name, secs
+
+
+def test_ctrl_c_interrupts_a_waiting_rank():
+    results = run_ranks(3, interrupt_worker, env={"RINGREDUCE_TIMEOUT": "60"})
+    assert results[1][0] == "KeyboardInterrupt" and results[1][1] < 2, results[1]
+    for rank in (0, 2):
+        assert results[rank][0] == "RingReduceError" and results[rank][1] < 1, results[rank]

@@ -194,6 +194,8 @@ void Ring::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const 
     }
     if (now >= next_peer_check) {
       next_peer_check = now + kPeerCheck;
+      if (interrupted_ && (*interrupted_)())
+        fail("ringreduce: rank " + std::to_string(opt_.rank) + ": " + where + " interrupted by a signal");
       if (peer_dead(peer))
         fail("ringreduce: rank " + std::to_string(opt_.rank) + ": " + where + ": peer rank " +
              std::to_string(peer) + " (pid " + std::to_string(areas_[peer].pid.load()) + ") died");
@@ -239,7 +241,8 @@ const char* Ring::recv(const Ctx& ctx, uint64_t expect_bytes) {
 
 void Ring::release_recv() { post(areas_[opt_.rank].consumed, ++received_); }
 
-void Ring::run(const Call& c) {
+void Ring::run(const Call& c, const std::function<bool()>* interrupted) {
+  interrupted_ = interrupted;
   if (broken()) {
     broken_ = true;
     throw RingError("ringreduce: communicator is broken by an earlier failure: " + abort_reason());

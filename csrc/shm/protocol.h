@@ -4,6 +4,7 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -82,8 +83,9 @@ class Ring {
  public:
   Ring(void* base, size_t bytes, const Options& opt);
   // Runs one collective. Throws RingError on timeout, dead peer, mismatch or abort; after that the
-  // ring is broken and every later call throws at once.
-  void run(const Call& c);
+  // ring is broken and every later call throws at once. interrupted (optional) is polled while
+  // waiting, every 50 ms: true aborts the group (the binding uses it for Ctrl-C).
+  void run(const Call& c, const std::function<bool()>* interrupted = nullptr);
   // Marks the whole group broken (all ranks raise); safe from any thread.
   void abort(const std::string& why);
   bool broken() const;
@@ -113,6 +115,7 @@ class Ring {
   uint64_t op_seq_ = 0;
   uint32_t msg_in_call_ = 0;
   bool broken_ = false;
+  const std::function<bool()>* interrupted_ = nullptr;
 };
 
 }  // namespace shm
