@@ -118,8 +118,14 @@ void Ring::connect(const std::string& up_handle, const std::string& down_handle)
     }
     return static_cast<char*>(p);
   };
+  ipc_ = true;
   up_area_ = open(up_handle, up_);
   down_area_ = up_ == down_ ? up_area_ : open(down_handle, down_);
+}
+
+void Ring::connect_local(const Ring& up, const Ring& down) {
+  up_area_ = up.area_;
+  down_area_ = down.area_;
 }
 
 void Ring::run(const shm::Call& c, cudaStream_t stream) {
@@ -239,8 +245,8 @@ void Ring::abort(const std::string& why) {
 void Ring::close() {
   DeviceScope scope(device_);
   if (side_) cudaStreamSynchronize(side_);
-  if (up_area_) cudaIpcCloseMemHandle(up_area_);
-  if (down_area_ && down_area_ != up_area_) cudaIpcCloseMemHandle(down_area_);
+  if (ipc_ && up_area_) cudaIpcCloseMemHandle(up_area_);
+  if (ipc_ && down_area_ && down_area_ != up_area_) cudaIpcCloseMemHandle(down_area_);
   up_area_ = down_area_ = nullptr;
   if (area_) cudaFree(area_);
   area_ = nullptr;

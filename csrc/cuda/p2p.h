@@ -138,6 +138,8 @@ class Ring {
   std::string handle() const;
   // Maps the neighbours' areas (handles from handle() on ranks rank-1 and rank+1).
   void connect(const std::string& up_handle, const std::string& down_handle);
+  // Native tests only: ranks as streams of one process, neighbours' areas used directly.
+  void connect_local(const Ring& up, const Ring& down);
   // Enqueues one collective on stream (ordered after what is already there). Throws RingError when
   // the ring is broken; a failure inside the kernel is seen later by failure().
   void run(const shm::Call& c, cudaStream_t stream);
@@ -161,6 +163,7 @@ class Ring {
   char* area_ = nullptr;  // own area (cudaMalloc)
   char* up_area_ = nullptr;
   char* down_area_ = nullptr;
+  bool ipc_ = false;  // the neighbours' areas are IPC mappings (closed on close())
   HostCtl* ctl_ = nullptr;  // host-mapped (cudaHostAlloc)
   HostCtl* ctl_dev_ = nullptr;  // the same memory as the device sees it
   uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the own area
