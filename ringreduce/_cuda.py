@@ -136,6 +136,7 @@ class Communicator:
         self.timeout = float(timeout) if timeout is not None else default_timeout()
         self.transport = transport
         self._closed = False
+        self._lock = threading.Lock()  # calls from several threads enqueue one at a time
         self._setup = _Setup(self.group, tuple(dist.get_process_group_ranks(self.group)),
                              self.timeout, "cuda-" + transport)
         self._native = self._bootstrap_p2p() if transport == "p2p" else self._bootstrap_nccl()
@@ -187,6 +188,18 @@ class Communicator:
             raise RingReduceError("ringreduce: communicator is closed")
 
     def all_reduce(self, tensor, op_code, async_op):
+        with self._lock:
+            return self._all_reduce(tensor, op_code, async_op)
+
+    def reduce_scatter(self, output, input, op_code, async_op):
+        with self._lock:
+            return self._reduce_scatter(output, input, op_code, async_op)
+
+    def all_gather(self, output, input, async_op):
+        with self._lock:
+            return self._all_gather(output, input, async_op)
+
+    def _all_reduce(self, tensor, op_code, async_op):
         self._check_open()
         if tensor.is_contiguous():
             return self._wrap(self._native.all_reduce(tensor, op_code, async_op), [tensor])
@@ -194,7 +207,7 @@ class Communicator:
         work = self._native.all_reduce(buf, op_code, async_op)
         return self._copy_back(work, buf, tensor)
 
-    def reduce_scatter(self, output, input, op_code, async_op):
+    def _reduce_scatter(self, output, input, op_code, async_op):
         self._check_open()
         src = input.contiguous()
         dst = output if output.is_contiguous() else torch.empty_like(
@@ -202,7 +215,7 @@ class Communicator:
         work = self._native.reduce_scatter(dst, src, op_code, async_op)
         return self._copy_back(work, dst, output) if dst is not output else self._wrap(work, [output])
 
-    def all_gather(self, output, input, async_op):
+    def _all_gather(self, output, input, async_op):
         self._check_open()
         src = input.contiguous()
         dst = output if output.is_contiguous() else torch.empty_like(
@@ -241,9 +254,10 @@ class Communicator:
     def close(self):
         """Waits for the collectives in flight (each ends by its deadline), waits (bounded) until
         every rank has done so, so nobody reads memory being freed, then frees. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         try:
             self._native.synchronize()
         except Exception:  # a failure was already raised, or will not matter any more
