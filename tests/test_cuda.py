@@ -220,9 +220,8 @@ def silent_worker(rank, world, silent):
         finish()
         return "silent"
     t0 = time.monotonic()
-    work = rr.all_reduce(t, async_op=True)
-    try:
-        work.synchronize()
+    try:  # the failure shows when the host waits (or at the call, if NCCL cannot even enqueue)
+        rr.all_reduce(t, async_op=True).synchronize()
         first = "no error"
     except rr.RingReduceError as e:
         first = str(e)
