@@ -7,6 +7,7 @@ for that). Gloo is the bootstrap group. Skipped without a GPU.
     pytest -m gpu tests/test_cuda.py -v
 """
 import hashlib
+import os
 import sys
 import time
 
@@ -37,6 +38,18 @@ NCCL_TINY = {**NCCL_ENV, "RINGREDUCE_NCCL_STAGING_BYTES": "4096"}
 
 def device_of(rank):
     return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def setup_rank(rank):
+    """Selects the rank's GPU. NCCL older than 2.30 has no NCCL_MULTI_RANK_GPU_ENABLE: ranks that
+    share a GPU then pose as separate hosts (distinct NCCL_HOSTID; NCCL's socket transport)."""
+    from ringreduce import _C, _cuda
+    dev = device_of(rank)
+    torch.cuda.set_device(dev)
+    if os.environ.get("RINGREDUCE_TRANSPORT") == "nccl" and torch.cuda.device_count() == 1 and \
+            _C.nccl_version(_cuda._nccl_lib()) < 23000:
+        os.environ["NCCL_HOSTID"] = f"ringreduce-test-rank-{rank}"
+    return dev
 
 
 def make_input(rank, numel, dtype, op, seed):
@@ -108,8 +121,7 @@ def finish():
 
 def sweep_worker(rank, world, sizes, dtypes):
     import ringreduce as rr
-    dev = device_of(rank)
-    torch.cuda.set_device(dev)
+    dev = setup_rank(rank)
     failures, digests = [], []
     for dtype in dtypes:
         for op in OPS:
@@ -162,8 +174,7 @@ def test_sweep(world, env):
 
 def stream_worker(rank, world):
     import ringreduce as rr
-    dev = device_of(rank)
-    torch.cuda.set_device(dev)
+    dev = setup_rank(rank)
     total = sum(range(1, world + 1))
     errors = []
     for side in (False, True):
@@ -209,8 +220,7 @@ def test_stream_semantics(env):
 
 def silent_worker(rank, world, silent):
     import ringreduce as rr
-    dev = device_of(rank)
-    torch.cuda.set_device(dev)
+    dev = setup_rank(rank)
     store = dist.distributed_c10d._get_default_store()
     t = torch.ones(1 << 16, device=dev)
     rr.all_reduce(t)  # creates the communicator everywhere
@@ -251,8 +261,7 @@ def test_silent_rank_times_out(env):
 
 def mismatch_worker(rank, world):
     import ringreduce as rr
-    dev = device_of(rank)
-    torch.cuda.set_device(dev)
+    dev = setup_rank(rank)
     t = torch.ones(1000 + (rank == 1), device=dev)  # rank 1 calls with another numel
     try:
         rr.all_reduce(t, async_op=True).synchronize()
@@ -278,8 +287,7 @@ def logged_worker(rank, world):
     handler.emit = records.append
     logging.getLogger("ringreduce").addHandler(handler)
     logging.getLogger("ringreduce").setLevel(logging.DEBUG)
-    torch.cuda.set_device(device_of(rank))
-    rr.all_reduce(torch.ones(3, device=device_of(rank)))
+    rr.all_reduce(torch.ones(3, device=setup_rank(rank)))
     finish()
     return [r.getMessage() for r in records]
 
