@@ -21,7 +21,9 @@ def find_cuda_home():
         candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     candidates.append("/usr/local/cuda")
     for c in candidates:
-        if c and os.path.isfile(os.path.join(c, "bin", "nvcc")):
+        # A toolkit has headers too: /usr/local/bin/nvcc may be a wrapper script, not a link.
+        if c and os.path.isfile(os.path.join(c, "bin", "nvcc")) and os.path.isfile(
+                os.path.join(c, "include", "cuda_runtime_api.h")):
             return c
     return None
 

@@ -1,0 +1,22 @@
+# The CUDA kernels (torch-free) and their native test. Included by CMakeLists.txt when a CUDA
+# compiler is found; the test skips itself (exit 0) on a machine without a GPU.
+# Architectures as in setup.py (sm_80, sm_90); override with -DCMAKE_CUDA_ARCHITECTURES=...
+if(NOT CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES 80 90)
+endif()
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+set(CMAKE_CUDA_STANDARD 17)
+set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+
+add_library(ringreduce_cuda STATIC csrc/cuda/reduce.cu csrc/cuda/p2p_kernel.cu csrc/cuda/p2p.cpp)
+target_link_libraries(ringreduce_cuda PUBLIC ringreduce_core CUDA::cudart)
+# --expt-relaxed-constexpr: as setup.py passes it (constexpr host helpers in device code).
+target_compile_options(ringreduce_cuda PRIVATE
+  $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xcompiler=-Wall>
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
+
+add_executable(test_cuda_kernels tests/native/test_cuda_kernels.cu)
+target_link_libraries(test_cuda_kernels PRIVATE ringreduce_cuda)
+add_test(NAME test_cuda_kernels COMMAND test_cuda_kernels)
+set_tests_properties(test_cuda_kernels PROPERTIES TIMEOUT 600)

@@ -1,0 +1,31 @@
+// Launcher API of the CUDA reduce kernel (typed spans on a stream). Torch-free; used by
+// the NCCL transport, the torch binding and tests/native/test_cuda_kernels.cu.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cpu/reduce.h"
+#include "shm/protocol.h"  // RingError
+
+namespace ringreduce::cuda {
+
+// Throws RingError naming the failed call; CUDA errors are not recoverable for a communicator.
+void check(cudaError_t e, const char* what);
+#define RR_CUDA_CHECK(expr) ::ringreduce::cuda::check((expr), #expr)
+
+// Threads per block of every kernel here: 512 is what NCCL's simple protocol uses per channel and
+// keeps 16-byte loads of a whole block in flight (512 x 16 B x unroll 4 = 32 KiB per round).
+constexpr int kThreads = 512;
+
+// dst[i] = a[i] op b[i] (AVG: SUM, then divided by divisor when divisor > 1), i < n. fp16/bf16 are
+// computed in fp32 and rounded once; integer SUM/PROD wrap; integer AVG truncates toward zero.
+// The same element rules as cpu::reduce. dst may equal a or b. n == 0 launches nothing.
+void launch_reduce(DType t, RedOp op, void* dst, const void* a, const void* b, int64_t n,
+                   int divisor, cudaStream_t stream);
+
+// Number of streaming multiprocessors of the current device (cached per device).
+int sm_count();
+
+}  // namespace ringreduce::cuda

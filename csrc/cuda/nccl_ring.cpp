@@ -1,0 +1,377 @@
+#include "cuda/nccl_ring.h"
+
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <type_traits>
+
+#include "cuda/kernels.h"
+#include "ring/schedule.h"
+
+namespace ringreduce::cuda::nccl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The few NCCL entry points we use, looked up in the already loaded library.
+struct Api {
+  decltype(&ncclGetVersion) get_version = nullptr;
+  decltype(&ncclGetUniqueId) get_unique_id = nullptr;
+  decltype(&ncclCommInitRankConfig) init_rank_config = nullptr;
+  decltype(&ncclCommFinalize) finalize = nullptr;
+  decltype(&ncclCommDestroy) destroy = nullptr;
+  decltype(&ncclCommAbort) abort = nullptr;
+  decltype(&ncclCommGetAsyncError) async_error = nullptr;
+  decltype(&ncclGetErrorString) error_string = nullptr;
+  decltype(&ncclGetLastError) last_error = nullptr;
+  decltype(&ncclGroupStart) group_start = nullptr;
+  decltype(&ncclGroupEnd) group_end = nullptr;
+  decltype(&ncclSend) send = nullptr;
+  decltype(&ncclRecv) recv = nullptr;
+  int version = 0;
+};
+
+const Api& api(const std::string& lib) {
+  static std::once_flag once;
+  static Api a;
+  static std::string error;
+  std::call_once(once, [&] {
+    // The copy torch loaded first (same soname), then the given path, then the default search.
+    void* h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
+    if (!h && !lib.empty()) h = dlopen(lib.c_str(), RTLD_NOW);
+    if (!h) h = dlopen("libnccl.so.2", RTLD_NOW);
+    if (!h) {
+      const char* e = dlerror();
+      error = std::string("ringreduce: cannot load libnccl.so.2 (") + (e ? e : "?") +
+              "); the nccl transport needs the NCCL that comes with torch (nvidia-nccl-cu13)";
+      return;
+    }
+    bool ok = true;
+    auto get = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
+      if (!fn) {
+        ok = false;
+        error = std::string("ringreduce: libnccl.so.2 lacks ") + name + " (NCCL >= 2.18 needed)";
+      }
+    };
+    get(a.get_version, "ncclGetVersion");
+    get(a.get_unique_id, "ncclGetUniqueId");
+    get(a.init_rank_config, "ncclCommInitRankConfig");
+    get(a.finalize, "ncclCommFinalize");
+    get(a.destroy, "ncclCommDestroy");
+    get(a.abort, "ncclCommAbort");
+    get(a.async_error, "ncclCommGetAsyncError");
+    get(a.error_string, "ncclGetErrorString");
+    get(a.last_error, "ncclGetLastError");
+    get(a.group_start, "ncclGroupStart");
+    get(a.group_end, "ncclGroupEnd");
+    get(a.send, "ncclSend");
+    get(a.recv, "ncclRecv");
+    if (ok && a.get_version(&a.version) != ncclSuccess) a.version = 0;
+    if (!ok) a.get_version = nullptr;
+  });
+  if (!a.get_version) throw RingError(error);
+  return a;
+}
+
+class DeviceScope {
+ public:
+  explicit DeviceScope(int dev) {
+    cudaGetDevice(&prev_);
+    if (prev_ != dev) cudaSetDevice(dev);
+  }
+  ~DeviceScope() { cudaSetDevice(prev_); }
+
+ private:
+  int prev_ = 0;
+};
+
+std::string seconds(double s) {
+  char t[32];
+  std::snprintf(t, sizeof t, "%g", s);
+  return t;
+}
+
+}  // namespace
+
+int version(const std::string& lib) { return api(lib).version; }
+
+std::string unique_id(const std::string& lib) {
+  ncclUniqueId id;
+  const ncclResult_t r = api(lib).get_unique_id(&id);
+  if (r != ncclSuccess)
+    throw RingError(std::string("ringreduce: ncclGetUniqueId failed: ") + api(lib).error_string(r));
+  return std::string(id.internal, sizeof id.internal);
+}
+
+Ring::Ring(const Options& opt, const std::string& id) : opt_(opt) {
+  if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
+    throw std::invalid_argument("ringreduce: rank out of range");
+  if (id.size() != sizeof(ncclUniqueId)) throw RingError("ringreduce: bad NCCL unique id");
+  const Api& nc = api(opt.lib);
+  RR_CUDA_CHECK(cudaGetDevice(&device_));
+  up_ = ring::mod(opt.rank - 1, opt.nranks);
+  down_ = ring::mod(opt.rank + 1, opt.nranks);
+  try {
+    for (char*& s : staging_) {
+      void* p = nullptr;
+      RR_CUDA_CHECK(cudaMalloc(&p, opt.staging_bytes));
+      s = static_cast<char*>(p);
+    }
+    if (opt.nranks > 1) {
+      ncclUniqueId uid;
+      std::memcpy(uid.internal, id.data(), sizeof uid.internal);
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;  // every call returns; we poll with a deadline (settle) and can abort
+      std::lock_guard<std::mutex> lk(mu_);
+      ncclComm_t comm = nullptr;
+      const ncclResult_t r = nc.init_rank_config(&comm, opt.nranks, uid, opt.rank, &config);
+      comm_ = comm;
+      if (r != ncclSuccess && r != ncclInProgress) nccl_check(r, "ncclCommInitRankConfig");
+      settle("ncclCommInitRankConfig (did every rank of the group create the communicator?)");
+    }
+  } catch (...) {
+    close();
+    throw;
+  }
+  watchdog_ = std::thread([this] { watch(); });
+}
+
+Ring::~Ring() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+void Ring::set_failure(const std::string& why) {
+  std::lock_guard<std::mutex> lk(fmu_);
+  if (failure_.empty()) failure_ = why;
+}
+
+std::string Ring::failure() {
+  std::lock_guard<std::mutex> lk(fmu_);
+  return failure_;
+}
+
+void Ring::fail_locked(const std::string& why) {
+  set_failure(why);
+  if (comm_) api(opt_.lib).abort(comm_);  // makes NCCL's kernels return; the comm is gone after
+  comm_ = nullptr;
+  abort_requested_ = false;
+}
+
+void Ring::nccl_check(int res, const char* what) {
+  if (res == ncclSuccess) return;
+  const Api& nc = api(opt_.lib);
+  std::string msg = std::string("ringreduce: rank ") + std::to_string(opt_.rank) + ": " + what +
+                    " failed: " + nc.error_string(static_cast<ncclResult_t>(res));
+  const char* last = comm_ ? nc.last_error(comm_) : nullptr;
+  if (last && *last) msg += std::string(" (") + last + ")";
+  fail_locked(msg);
+  throw RingError(msg);
+}
+
+void Ring::settle(const char* what) {
+  const Api& nc = api(opt_.lib);
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(opt_.timeout_s));
+  for (;;) {
+    if (!comm_) throw RingError(failure());
+    if (abort_requested_) {
+      fail_locked(failure());
+      throw RingError(failure());
+    }
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = nc.async_error(comm_, &state);
+    if (r != ncclSuccess) nccl_check(r, "ncclCommGetAsyncError");
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) nccl_check(state, what);
+    if (Clock::now() > deadline) {
+      const std::string msg = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + what +
+                              " timed out after " + seconds(opt_.timeout_s) + " s (RINGREDUCE_TIMEOUT)";
+      fail_locked(msg);
+      throw RingError(msg);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+void Ring::group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream) {
+  const Api& nc = api(opt_.lib);
+  nccl_check(nc.group_start(), "ncclGroupStart");
+  nccl_check(nc.send(sbuf, sbytes, ncclInt8, down_, comm_, stream), "ncclSend");
+  nccl_check(nc.recv(rbuf, rbytes, ncclInt8, up_, comm_, stream), "ncclRecv");
+  const ncclResult_t r = nc.group_end();
+  if (r != ncclInProgress) nccl_check(r, "ncclGroupEnd");
+  settle("ncclGroupEnd (send/recv with the ring neighbours)");
+}
+
+void Ring::run(const shm::Call& c, cudaStream_t stream) {
+  if (closed_) throw RingError("ringreduce: nccl communicator is closed");
+  const std::string f = failure();
+  if (!f.empty()) throw RingError("ringreduce: communicator is broken by an earlier failure: " + f);
+  const int n = opt_.nranks, r = opt_.rank;
+  if (c.coll != Coll::AllReduce && c.numel % n != 0)
+    throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
+                                std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
+  std::lock_guard<std::mutex> lk(mu_);
+  ++op_seq_;
+  const size_t es = dtype_size(c.dtype);
+  const char* in = static_cast<const char*>(c.in);
+  char* out = static_cast<char*>(c.out);
+  if (n == 1 || c.numel == 0) {
+    if (c.in != c.out && c.numel > 0)
+      RR_CUDA_CHECK(cudaMemcpyAsync(out, in, c.numel * es, cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  const bool ar = c.coll == Coll::AllReduce;
+  const bool rs = c.coll != Coll::AllGather, ag = c.coll != Coll::ReduceScatter;
+  const int64_t m = c.numel / n;
+  auto chunk_of = [&](int k) { return ar ? ring::chunk(c.numel, n, k) : ring::Span{k * m, m}; };
+  const int64_t S = static_cast<int64_t>(opt_.staging_bytes / es);
+  const int64_t ns = ring::num_slices(ar ? (c.numel + n - 1) / n : m, S);
+  const int64_t out_shift = c.coll == Coll::ReduceScatter ? r * m : 0;
+  const int64_t in_shift = c.coll == Coll::AllGather ? r * m : 0;
+  const int divisor = c.op == RedOp::Avg ? n : 1;
+  for (int64_t j = 0; j < ns; ++j) {
+    if (rs) {
+      for (int s = 0; s < n - 1; ++s) {
+        const ring::Span sp = ring::slice(chunk_of(ring::rs_send_chunk(r, s, n)), j, S);
+        const ring::Span rp = ring::slice(chunk_of(ring::rs_recv_chunk(r, s, n)), j, S);
+        // Step s sends what step s-1 reduced (the same chunk), alternating the two buffers.
+        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];
+        char* rbuf = staging_[s & 1];
+        group(sbuf, sp.count * es, rbuf, rp.count * es, stream);
+        const bool last = s == n - 2;
+        void* dst = last ? out + (rp.begin - out_shift) * es : rbuf;
+        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,
+                      stream);
+      }
+    }
+    if (ag) {
+      if (!rs) {  // all-gather alone: this rank's chunk comes from the input
+        const ring::Span sp = ring::slice(chunk_of(r), j, S);
+        const char* src = in + (sp.begin - in_shift) * es;
+        if (src != out + sp.begin * es && sp.count > 0)
+          RR_CUDA_CHECK(cudaMemcpyAsync(out + sp.begin * es, src, sp.count * es,
+                                        cudaMemcpyDeviceToDevice, stream));
+      }
+      for (int t = 0; t < n - 1; ++t) {
+        const ring::Span sp = ring::slice(chunk_of(ring::ag_send_chunk(r, t, n)), j, S);
+        const ring::Span rp = ring::slice(chunk_of(ring::ag_recv_chunk(r, t, n)), j, S);
+        group(out + sp.begin * es, sp.count * es, out + rp.begin * es, rp.count * es, stream);
+      }
+    }
+  }
+  // The watchdog times the call from here (or from when the call before it finished).
+  cudaEvent_t done = nullptr;
+  RR_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  RR_CUDA_CHECK(cudaEventRecord(done, stream));
+  std::lock_guard<std::mutex> qlk(qmu_);
+  inflight_.push_back({done, op_seq_, Clock::now()});
+}
+
+void Ring::watch() {
+  cudaSetDevice(device_);
+  const auto timeout = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(opt_.timeout_s));
+  Clock::time_point last_done = Clock::now();
+  std::unique_lock<std::mutex> qlk(qmu_);
+  while (!stop_) {
+    qcv_.wait_for(qlk, kWatchPeriod);
+    if (stop_) break;
+    while (!inflight_.empty()) {
+      Pending& p = inflight_.front();
+      const cudaError_t q = cudaEventQuery(p.done);
+      if (q == cudaErrorNotReady) break;
+      cudaGetLastError();
+      cudaEventDestroy(p.done);
+      inflight_.pop_front();
+      last_done = Clock::now();
+    }
+    std::string why;
+    if (!inflight_.empty()) {
+      const Pending& p = inflight_.front();
+      const auto started = std::max(p.enqueued, last_done);
+      if (Clock::now() - started > timeout)
+        why = "ringreduce: rank " + std::to_string(opt_.rank) + ": collective #" +
+              std::to_string(p.seq) + " on the nccl transport timed out after " +
+              seconds(opt_.timeout_s) + " s (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
+    }
+    qlk.unlock();
+    if (why.empty() && failure().empty()) {
+      std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+      if (lk.owns_lock() && comm_) {
+        ncclResult_t state = ncclSuccess;
+        api(opt_.lib).async_error(comm_, &state);
+        if (state != ncclSuccess && state != ncclInProgress)
+          why = std::string("ringreduce: rank ") + std::to_string(opt_.rank) + ": NCCL error: " +
+                api(opt_.lib).error_string(state);
+      }
+    }
+    if (!why.empty() && failure().empty()) {
+      set_failure(why);
+      std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+      if (lk.owns_lock())
+        fail_locked(why);
+      else
+        abort_requested_ = true;  // the thread inside NCCL aborts when it next polls (settle)
+    }
+    qlk.lock();
+  }
+}
+
+void Ring::abort(const std::string& why) {
+  const std::string msg = "ringreduce: rank " + std::to_string(opt_.rank) + ": aborted: " + why;
+  set_failure(msg);
+  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+  if (lk.owns_lock())
+    fail_locked(msg);
+  else
+    abort_requested_ = true;
+}
+
+void Ring::close() {
+  if (closed_) return;
+  closed_ = true;
+  {
+    std::lock_guard<std::mutex> qlk(qmu_);
+    stop_ = true;
+  }
+  qcv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  DeviceScope scope(device_);
+  std::lock_guard<std::mutex> lk(mu_);
+  if (comm_) {
+    const Api& nc = api(opt_.lib);
+    bool clean = failure().empty();
+    if (clean) {
+      const ncclResult_t r = nc.finalize(comm_);  // flushes, then the state settles to success
+      clean = r == ncclSuccess || r == ncclInProgress;
+    }
+    if (clean) {
+      try {
+        settle("ncclCommFinalize");
+      } catch (const RingError&) {
+        clean = false;  // settle aborted the communicator
+      }
+    }
+    if (clean && comm_) nc.destroy(comm_);
+    else if (comm_) nc.abort(comm_);
+    comm_ = nullptr;
+  }
+  for (Pending& p : inflight_) cudaEventDestroy(p.done);
+  inflight_.clear();
+  for (char*& s : staging_) {
+    if (s) cudaFree(s);
+    s = nullptr;
+  }
+  cudaGetLastError();
+}
+
+}  // namespace ringreduce::cuda::nccl

@@ -1,0 +1,262 @@
+// Host side of the p2p transport: the area and flags of one rank, IPC mappings of its neighbours,
+// launches, and failures read back from host-mapped memory.
+#include "cuda/p2p.h"
+
+#include <atomic>
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+#include "cuda/kernels.h"
+
+namespace ringreduce::cuda::p2p {
+namespace {
+
+// Makes dev current for a scope (CUDA calls act on the calling thread's current device).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int dev) {
+    cudaGetDevice(&prev_);
+    if (prev_ != dev) cudaSetDevice(dev);
+  }
+  ~DeviceScope() {
+    int cur = prev_;
+    cudaGetDevice(&cur);
+    if (cur != prev_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0;
+};
+
+std::string call_text(const MsgHeader& h) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s)", coll_name(Coll(h.coll)),
+                static_cast<long long>(h.numel), dtype_name(DType(h.dtype)), op_name(RedOp(h.op)));
+  return buf;
+}
+
+const char* cause_text(uint32_t cause) {
+  switch (cause) {
+    case kTimeout: return "timed out";
+    case kMismatch: return "saw mismatched collective calls";
+    case kBadSize: return "saw a message of the wrong size";
+    case kHostAbort: return "was aborted";
+    default: return "stopped";
+  }
+}
+
+}  // namespace
+
+Ring::Ring(const Options& opt) : opt_(opt) {
+  if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
+    throw std::invalid_argument("ringreduce: rank " + std::to_string(opt.rank) + " out of range for " +
+                                std::to_string(opt.nranks) + " ranks");
+  if (opt.channels < 1 || opt.channels > kMaxChannels)
+    throw std::invalid_argument("ringreduce: channels must be 1.." + std::to_string(kMaxChannels) +
+                                ", got " + std::to_string(opt.channels));
+  if (opt.slice_bytes < kVecBytes || opt.slice_bytes % kVecBytes)
+    throw std::invalid_argument("ringreduce: p2p slice_bytes must be a positive multiple of 16, got " +
+                                std::to_string(opt.slice_bytes));
+  RR_CUDA_CHECK(cudaGetDevice(&device_));
+  up_ = ring::mod(opt.rank - 1, opt.nranks);
+  down_ = ring::mod(opt.rank + 1, opt.nranks);
+  try {
+    RR_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    void* p = nullptr;
+    RR_CUDA_CHECK(cudaMalloc(&p, area_bytes(opt.channels, opt.slice_bytes)));
+    area_ = static_cast<char*>(p);
+    RR_CUDA_CHECK(cudaHostAlloc(&p, sizeof(HostCtl), cudaHostAllocMapped | cudaHostAllocPortable));
+    ctl_ = static_cast<HostCtl*>(p);
+    std::memset(static_cast<void*>(ctl_), 0, sizeof(HostCtl));
+    RR_CUDA_CHECK(cudaHostGetDevicePointer(&p, ctl_, 0));
+    ctl_dev_ = static_cast<HostCtl*>(p);
+    RR_CUDA_CHECK(cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocPortable));
+    abort_src_ = static_cast<uint32_t*>(p);
+    *abort_src_ = 0;
+    // Counters and abort word start at zero; slot data needs no initialisation.
+    RR_CUDA_CHECK(cudaMemsetAsync(area_, 0, data_offset(), side_));
+    RR_CUDA_CHECK(cudaStreamSynchronize(side_));
+  } catch (...) {
+    close();
+    throw;
+  }
+}
+
+Ring::~Ring() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+std::string Ring::handle() const {
+  if (!area_) throw RingError("ringreduce: p2p ring is closed");
+  cudaIpcMemHandle_t h;
+  RR_CUDA_CHECK(cudaIpcGetMemHandle(&h, area_));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof h);
+}
+
+void Ring::connect(const std::string& up_handle, const std::string& down_handle) {
+  if (opt_.nranks == 1) return;
+  if (up_handle.size() != sizeof(cudaIpcMemHandle_t) || down_handle.size() != sizeof(cudaIpcMemHandle_t))
+    throw RingError("ringreduce: p2p bootstrap: IPC handles have the wrong size");
+  DeviceScope scope(device_);
+  auto open = [&](const std::string& bytes, int peer) {
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, bytes.data(), sizeof h);
+    void* p = nullptr;
+    // The lazy flag enables peer access when the peer's memory is on another device.
+    const cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw RingError(std::string("ringreduce: rank ") + std::to_string(opt_.rank) +
+                      ": cannot map the memory of rank " + std::to_string(peer) +
+                      " through CUDA IPC (" + cudaGetErrorString(e) +
+                      "); the devices may not be peers: use RINGREDUCE_TRANSPORT=nccl");
+    }
+    return static_cast<char*>(p);
+  };
+  ipc_ = true;
+  up_area_ = open(up_handle, up_);
+  down_area_ = up_ == down_ ? up_area_ : open(down_handle, down_);
+}
+
+void Ring::connect_local(const Ring& up, const Ring& down) {
+  up_area_ = up.area_;
+  down_area_ = down.area_;
+}
+
+void Ring::run(const shm::Call& c, cudaStream_t stream) {
+  if (!area_) throw RingError("ringreduce: p2p communicator is closed");
+  if (broken())
+    throw RingError("ringreduce: communicator is broken by an earlier failure: " + failure_);
+  const int n = opt_.nranks;
+  if (c.coll != Coll::AllReduce && c.numel % n != 0)
+    throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
+                                std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
+  ++op_seq_;
+  const size_t es = dtype_size(c.dtype);
+  if (n == 1) {  // AVG over one rank divides by 1: a copy at most
+    if (c.in != c.out && c.numel > 0)
+      RR_CUDA_CHECK(cudaMemcpyAsync(c.out, c.in, c.numel * es, cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  if (!up_area_) throw RingError("ringreduce: p2p ring is not connected");
+  RingArgs a{};
+  a.self = reinterpret_cast<Area*>(area_);
+  a.up = reinterpret_cast<const Area*>(up_area_);
+  a.down = reinterpret_cast<const Area*>(down_area_);
+  a.self_data = area_ + data_offset();
+  a.up_data = up_area_ + data_offset();
+  a.ctl = ctl_dev_;
+  a.in = c.in;
+  a.out = c.out;
+  a.numel = c.numel;
+  a.slice_elems = static_cast<int64_t>(opt_.slice_bytes / es);
+  a.num_slices = slices_per_channel(c.coll, c.numel, n, opt_.channels, a.slice_elems);
+  a.base = base_;
+  a.op_seq = op_seq_;
+  a.timeout_ns = static_cast<uint64_t>(opt_.timeout_s * 1e9);
+  a.slot_stride = slot_stride(opt_.slice_bytes);
+  a.rank = opt_.rank;
+  a.nranks = n;
+  a.nch = opt_.channels;
+  a.divisor = c.op == RedOp::Avg ? n : 1;
+  a.coll = static_cast<uint8_t>(c.coll);
+  a.dtype = static_cast<uint8_t>(c.dtype);
+  a.op = static_cast<uint8_t>(c.op);
+  launch_ring(a, stream);
+  base_ += static_cast<uint64_t>(a.num_slices) * messages_per_slice(c.coll, n);
+}
+
+std::string Ring::describe(const ErrorRecord& e, int channel) const {
+  const uint32_t cause = abort_cause(e.word);
+  const int who = abort_rank(e.word);
+  char where[200];
+  std::snprintf(where, sizeof where, "%s #%llu (%s step %d, slice %lld, channel %d)",
+                coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
+                e.phase ? "all-gather" : "reduce-scatter", e.step, static_cast<long long>(e.slice),
+                channel);
+  const std::string me = "ringreduce: rank " + std::to_string(opt_.rank) + ": ";
+  if (!e.local)
+    return me + where + " stopped because rank " + std::to_string(who) + " " + cause_text(cause) +
+           " (see the error on that rank)";
+  switch (cause) {
+    case kTimeout: {
+      char t[32];
+      std::snprintf(t, sizeof t, "%g", opt_.timeout_s);
+      return me + where + " timed out after " + t + " s waiting for " +
+             (e.waiting_for_slot ? "a free slot, consumed by rank " : "a message from rank ") +
+             std::to_string(e.peer) + " (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
+    }
+    case kMismatch:
+      return "ringreduce: mismatched collective calls: rank " + std::to_string(e.peer) + " called " +
+             call_text(e.got) + " as its call #" + std::to_string(e.got.op_seq) +
+             " on this communicator, while rank " + std::to_string(opt_.rank) + " called " +
+             call_text(e.mine) + " as its call #" + std::to_string(e.mine.op_seq);
+    case kBadSize:
+      return me + where + ": message of " + std::to_string(e.got.nbytes) + " bytes from rank " +
+             std::to_string(e.peer) + " where " + std::to_string(e.mine.nbytes) +
+             " were expected (inconsistent schedules)";
+    case kHostAbort:
+      return me + where + " stopped: aborted on this rank: " +
+             (reason_.empty() ? std::string("(no reason given)") : reason_);
+    default:
+      return me + where + " stopped (cause " + std::to_string(cause) + ")";
+  }
+}
+
+std::string Ring::failure() {
+  if (!failure_.empty() || !ctl_) return failure_;
+  // Prefer a record of a block that saw the cause itself over one that learned of it.
+  int pick = -1;
+  for (int k = 0; k < opt_.channels; ++k) {
+    const volatile ErrorRecord* e = &ctl_->err[k];
+    if (e->word == 0) continue;
+    if (pick < 0 || (e->local && !ctl_->err[pick].local)) pick = k;
+  }
+  if (pick < 0) return failure_;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  ErrorRecord rec;
+  std::memcpy(&rec, const_cast<const ErrorRecord*>(&ctl_->err[pick]), sizeof rec);
+  failure_ = describe(rec, pick);
+  return failure_;
+}
+
+void Ring::abort(const std::string& why) {
+  if (!ctl_) return;
+  if (reason_.empty()) reason_ = why;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = 1;
+  // Also stop the neighbours, which read only device memory: copy the abort word into the area on
+  // a side stream, beside a kernel that may be spinning. Not awaited here (close() synchronizes).
+  if (area_ && opt_.nranks > 1 && *abort_src_ == 0) {
+    *abort_src_ = abort_word(kHostAbort, opt_.rank);
+    DeviceScope scope(device_);
+    cudaMemcpyAsync(area_ + offsetof(Area, abort), abort_src_, sizeof(uint32_t),
+                    cudaMemcpyHostToDevice, side_);
+    cudaGetLastError();
+  }
+  if (failure_.empty()) failure_ = "ringreduce: rank " + std::to_string(opt_.rank) + ": aborted: " + why;
+}
+
+void Ring::close() {
+  DeviceScope scope(device_);
+  if (side_) cudaStreamSynchronize(side_);
+  if (ipc_ && up_area_) cudaIpcCloseMemHandle(up_area_);
+  if (ipc_ && down_area_ && down_area_ != up_area_) cudaIpcCloseMemHandle(down_area_);
+  up_area_ = down_area_ = nullptr;
+  if (area_) cudaFree(area_);
+  area_ = nullptr;
+  if (ctl_) cudaFreeHost(ctl_);
+  ctl_ = ctl_dev_ = nullptr;
+  if (abort_src_) cudaFreeHost(abort_src_);
+  abort_src_ = nullptr;
+  if (side_) cudaStreamDestroy(side_);
+  side_ = nullptr;
+  cudaGetLastError();
+}
+
+}  // namespace ringreduce::cuda::p2p
