@@ -9,6 +9,7 @@ import datetime
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -309,12 +310,15 @@ def get_communicator(group=None, **options):
 
 
 def destroy(group=None):
-    """Closes the communicator of group (None: the default group); idempotent."""
+    """Closes the communicators of group (None: the default group), CPU and CUDA; idempotent."""
     g = group if group is not None else dist.group.WORLD
     with _comms_lock:
         entry = _comms.pop(id(g), None)
     if entry is not None:
         entry[1].close()
+    cuda = sys.modules.get("ringreduce._cuda")  # loaded only once a CUDA tensor was seen
+    if cuda is not None and getattr(_C, "cuda_compiled", False):
+        cuda.destroy(group)
 
 
 def destroy_all():
