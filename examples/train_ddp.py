@@ -48,8 +48,8 @@ def make_model():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--batch-size", type=int, default=16, help="per rank")
-    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--batch-size", type=int, default=8, help="per rank")
+    ap.add_argument("--lr", type=float, default=0.003)
     ap.add_argument("--hook", choices=sorted(HOOKS), default="allreduce")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--checkpoint", default="train_ddp_checkpoint.pt")
@@ -72,7 +72,8 @@ def main(argv=None):
     test_x, test_y = test_set.tensors[0][rank::world].to(device), test_set.tensors[1][rank::world]
 
     torch.manual_seed(0)  # DDP broadcasts rank 0's parameters anyway
-    model = DDP(make_model().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    device_ids = [device.index] if device.type == "cuda" else None
+    model = DDP(make_model().to(device), device_ids=device_ids)
     model.register_comm_hook(None, HOOKS[args.hook])
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 

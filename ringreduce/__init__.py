@@ -10,6 +10,8 @@ from . import _C
 from ._comm import Communicator, RingReduceError, Work, destroy, get_communicator
 from .collectives import (SUPPORTED_DTYPES, all_gather_into_tensor, all_reduce,
                           reduce_scatter_tensor)
+from . import ddp
+from .bucketing import GradientBucketer
 
 ReduceOp = _dist.ReduceOp
 __version__ = "0.1.0"
@@ -17,4 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "ReduceOp", "RingReduceError",
     "Communicator", "Work", "get_communicator", "destroy", "SUPPORTED_DTYPES",
+    "ddp", "GradientBucketer",
 ]

@@ -265,6 +265,17 @@ class Work:
         self._fut = fut
 
     def wait(self, timeout=None):
+        """Blocks until the call finished and raises its error, if any. timeout (seconds or a
+        datetime.timedelta, as torch's Work.wait takes) bounds the wait: RingReduceError if the call
+        is still running then (the call itself goes on and is bounded by the communicator's own
+        timeout)."""
+        if timeout is not None and not self._fut.done():
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            done = threading.Event()
+            self._fut.add_done_callback(lambda _: done.set())
+            if not done.wait(max(seconds, 0.0)):
+                raise RingReduceError(f"Work.wait: the collective did not finish within "
+                                      f"timeout={seconds:g} s; it is still running")
         self._fut.wait()  # raises the call's exception, if any
         return True
 

@@ -12,19 +12,21 @@ backward produces their gradients: at first in reverse registration order, then,
 synchronised step, in the order rank 0 observed (shared with every rank, so all ranks cut the same
 buckets). The first bucket is capped at 1 MiB, like DDP's, so that communication starts early; the
 others at bucket_cap_mb. A post-accumulate-grad hook marks a parameter ready; when every parameter
-of a bucket is ready (and every earlier bucket is launched: all ranks must launch buckets in the same
-order) the gradients are copied into the bucket's flat buffer, divided by the group's size, and an
-async ring all-reduce is launched. wait() launches the buckets that are still open, waits for all of
-them, and writes the averaged gradients back into each parameter's .grad.
+of a bucket is ready (and every earlier bucket is launched: all ranks must launch buckets in the
+same order) the gradients are copied into the bucket's flat buffer and an async ring all-reduce
+(AVG) is launched. wait() launches the buckets that are still open, waits for all of them, and
+writes the averaged gradients back into each parameter's .grad. The buckets hold one extra copy of
+the gradients (DDP's gradient_as_bucket_view avoids that copy; this class leaves .grad as ordinary
+tensors).
 
 Parameters without a gradient. Each bucket carries one extra element per parameter, set to 1 on the
 ranks where that parameter got a gradient in this step (or in a no_sync() step since the last
-synchronisation) and summed along with the gradients, so every rank learns, at no extra collective,
-whether any rank produced one:
+synchronisation) and averaged along with the gradients: it is > 0 exactly when some rank produced
+one, which every rank thus learns at no extra collective:
   - some rank produced one: every rank's .grad becomes the group average, ranks without a gradient
     counting as zeros (a .grad left from earlier steps counts with its value, which keeps gradient
-    accumulation across steps exact; call optimizer.zero_grad() between steps as usual). A .grad that
-    was None is created. This is what DDP does with find_unused_parameters=True.
+    accumulation across steps exact; call optimizer.zero_grad() between steps as usual). A .grad
+    that was None is created. This is what DDP does with find_unused_parameters=True.
   - no rank produced one: .grad is left as it is (None stays None, so optimizers skip the
     parameter), identically on every rank.
 
@@ -115,7 +117,9 @@ class GradientBucketer:
                 buckets.append(bucket)
             bucket.add(i, p.numel())
             first = closed_by_key.get(key, 0) == 0
-            limit = min(FIRST_BUCKET_BYTES, self.bucket_cap_bytes) if first else self.bucket_cap_bytes
+            limit = self.bucket_cap_bytes
+            if first:
+                limit = min(FIRST_BUCKET_BYTES, limit)
             if bucket.nbytes >= limit:
                 del open_by_key[key]
                 closed_by_key[key] = closed_by_key.get(key, 0) + 1
@@ -186,9 +190,8 @@ class GradientBucketer:
             else:
                 view.copy_(g)
             flags.append(1.0 if (self._fired[i] or self._used[i]) else 0.0)
-        buf[:bucket.numel].div_(self.world_size)
         buf[bucket.numel:].copy_(torch.tensor(flags, dtype=bucket.dtype))
-        bucket.work = all_reduce(buf, group=self.group, async_op=True)
+        bucket.work = all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
         self._next += 1
 
     # -- public ------------------------------------------------------------------------------
@@ -198,10 +201,10 @@ class GradientBucketer:
         Inside no_sync() it does nothing."""
         if not self._sync:
             return
-        with self._lock:
-            while self._next < len(self.buckets):
-                self._launch(self.buckets[self._next])
         try:
+            with self._lock:
+                while self._next < len(self.buckets):
+                    self._launch(self.buckets[self._next])
             for b in self.buckets:
                 b.work.wait()
             for b in self.buckets:
@@ -209,6 +212,10 @@ class GradientBucketer:
         finally:
             with self._lock:
                 for b in self.buckets:
+                    if b.work is not None and not b.work.is_completed():
+                        # After an error: the buffer must not be reused while the ring writes it.
+                        with contextlib.suppress(Exception):
+                            b.work.wait()
                     b.work, b.ready = None, 0
                 self._next = 0
                 self._fired = [False] * len(self.params)
@@ -220,9 +227,9 @@ class GradientBucketer:
 
     def _write_back(self, bucket):
         buf = bucket.buffer
-        used_anywhere = buf[bucket.numel:].tolist()
-        for i, off, count in zip(bucket.indices, bucket.offsets, used_anywhere):
-            if count <= 0:
+        used_anywhere = buf[bucket.numel:].tolist()  # fraction of ranks that produced a gradient
+        for i, off, used in zip(bucket.indices, bucket.offsets, used_anywhere):
+            if used <= 0:
                 continue  # no rank produced a gradient: leave .grad as it is
             p = self.params[i]
             avg = buf[off:off + p.numel()].view(p.shape)

@@ -27,11 +27,17 @@ def _done_future(value):
 
 
 def allreduce_hook(process_group, bucket):
-    """Averages the bucket with a ring all-reduce; same results as DDP without a hook."""
+    """Averages the bucket with a ring all-reduce: DDP's own results, up to float rounding."""
     buffer = bucket.buffer()
-    # Divide first (as DDP does) so that sums of large gradients stay in range.
-    buffer.div_(_group_size(process_group))
-    work = all_reduce(buffer, group=process_group, async_op=True)
+    if buffer.dtype == torch.float16:
+        # Divide first (as DDP does): a float16 partial sum can overflow where the average does not.
+        buffer.div_(_group_size(process_group))
+        op = dist.ReduceOp.SUM
+    else:
+        # AVG: the ring divides each finished chunk while it is still in cache, which saves a pass
+        # over the bucket (float32, float64 and bfloat16 have range enough for the sum).
+        op = dist.ReduceOp.AVG
+    work = all_reduce(buffer, op=op, group=process_group, async_op=True)
     if work is None:  # this rank is not in process_group
         return _done_future(buffer)
     return work.get_future().then(lambda fut: fut.value()[0])
@@ -39,10 +45,10 @@ def allreduce_hook(process_group, bucket):
 
 def _compress_hook(dtype, process_group, bucket):
     buffer = bucket.buffer()
-    # Divide in the bucket's own precision, then round once to the wire dtype. The bucket's
-    # contents are about to be overwritten with the result, so dividing in place is free.
-    buffer.div_(_group_size(process_group))
-    compressed = buffer.to(dtype)
+    # Divide before the sum (as torch's hooks do) so that partial sums stay in float16's range;
+    # one pass that divides in the bucket's precision and rounds once to the wire dtype.
+    compressed = torch.empty(buffer.shape, dtype=dtype, device=buffer.device)
+    torch.div(buffer, _group_size(process_group), out=compressed)
     work = all_reduce(compressed, group=process_group, async_op=True)
     if work is None:
         return _done_future(buffer)

@@ -38,11 +38,24 @@ def spawn(world, fn, *args, env=None):
     return procs, q, tmp
 
 
+def _note_dead(procs, waiting, dead_since, errors):
+    """A rank that exited without a result (crash, segfault) is an error now, not at the timeout.
+    It gets 2 s after exit for its queued result to arrive."""
+    now = time.monotonic()
+    for r in waiting:
+        code = procs[r].exitcode
+        if code is None:
+            continue
+        if now - dead_since.setdefault(r, now) > 2.0:
+            errors[r] = f"rank {r} exited with code {code} without reporting a result"
+
+
 def collect(procs, q, timeout, expect=None):
     """Results by rank of the ranks in expect (default all); kills everything left at the end."""
     expect = set(range(len(procs)) if expect is None else expect)
     results, errors = {}, {}
     deadline = time.monotonic() + timeout
+    dead_since = {}
     try:
         while expect - set(results) - set(errors):
             left = deadline - time.monotonic()
@@ -53,6 +66,7 @@ def collect(procs, q, timeout, expect=None):
             try:
                 rank, status, value = q.get(timeout=min(left, 0.5))
             except queue.Empty:
+                _note_dead(procs, expect - set(results) - set(errors), dead_since, errors)
                 continue
             (results if status == "ok" else errors)[rank] = value
     finally:

@@ -1,5 +1,7 @@
 """The public collectives on CPU tensors over real processes (Gloo group for bootstrap)."""
+import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -119,6 +121,20 @@ def api_worker(rank, world):
     g[rank * 2:(rank + 1) * 2] = rank
     rr.all_gather_into_tensor(g, g[rank * 2:(rank + 1) * 2])
     out["ag_inplace"] = g.tolist()
+    # Work.wait(timeout) while the peers are late: raises, and the call itself still completes
+    t = torch.ones(4)
+    if rank == 0:
+        w = rr.all_reduce(t, async_op=True)
+        try:
+            w.wait(timeout=datetime.timedelta(seconds=0.2))
+            out["wait_timeout"] = "no error"
+        except rr.RingReduceError as e:
+            out["wait_timeout"] = str(e)
+        w.wait()
+    else:
+        time.sleep(1.5)
+        rr.all_reduce(t)
+    out["late_result"] = t[0].item()
     return out
 
 
@@ -138,6 +154,9 @@ def test_api_semantics():
         assert out["world_after"] == world
         assert out["rs_inplace"] == [world * v for v in range(rank * 3, rank * 3 + 3)]
         assert out["ag_inplace"] == [float(r) for r in range(world) for _ in range(2)]
+        if rank == 0:
+            assert "did not finish within timeout=0.2 s" in out["wait_timeout"], out["wait_timeout"]
+        assert out["late_result"] == world
 
 
 def bad_input_worker(rank, world):

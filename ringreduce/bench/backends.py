@@ -1,0 +1,114 @@
+"""The backends under test, each with the same three calls on this rank's tensors.
+
+  all_reduce(t)               in place
+  reduce_scatter(out, inp)    out may be inp's chunk of this rank (in-place form)
+  all_gather(out, inp)        inp may be out's chunk of this rank (in-place form)
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+import ringreduce as rr
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+              "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
+
+# torch 2.14 renamed the tensor forms (the old names warn); older torch has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _is_chunk_of(small, big, rank):
+    """True when small is big's chunk number rank (the in-place form)."""
+    return small.data_ptr() == big.data_ptr() + rank * small.numel() * small.element_size()
+
+
+class RingReduce:
+    """ringreduce with one transport, chosen through RINGREDUCE_TRANSPORT before every call."""
+
+    def __init__(self, label, op, rank, world):
+        self.label = label
+        self.transport = label.split("/", 1)[1]
+        self.op = REDUCE_OPS[op]
+
+    def supports(self, collective, dtype):
+        return None  # every collective, dtype and op
+
+    def _select(self):
+        os.environ["RINGREDUCE_TRANSPORT"] = self.transport
+
+    def all_reduce(self, t):
+        self._select()
+        rr.all_reduce(t, op=self.op)
+
+    def reduce_scatter(self, out, inp):
+        self._select()
+        rr.reduce_scatter_tensor(out, inp, op=self.op)
+
+    def all_gather(self, out, inp):
+        self._select()
+        rr.all_gather_into_tensor(out, inp)
+
+
+class Torch:
+    """torch.distributed's own collectives (Gloo for CPU tensors, NCCL for CUDA tensors)."""
+
+    def __init__(self, label, op, rank, world):
+        self.label = label
+        self.op_name = op
+        self.op = REDUCE_OPS[op]
+        self.rank = rank
+        self.world = world
+
+    def supports(self, collective, dtype):
+        """None if this backend can run collective on dtype, else the reason it cannot."""
+        if collective != "all_gather" and self.op_name == "avg" and not dtype.is_floating_point:
+            return "torch.distributed has no integer avg"
+        return None
+
+    def all_reduce(self, t):
+        dist.all_reduce(t, op=self.op)
+
+    def reduce_scatter(self, out, inp):
+        _reduce_scatter(out, inp, op=self.op)
+
+    def all_gather(self, out, inp):
+        _all_gather(out, inp)
+
+
+class ParameterServer(Torch):
+    """Rank 0 as a parameter server, from torch.distributed point-to-root ops."""
+
+    def __init__(self, label, op, rank, world):
+        super().__init__(label, op, rank, world)
+        self._scratch = None
+
+    def all_reduce(self, t):
+        dist.reduce(t, dst=0, op=self.op)
+        dist.broadcast(t, src=0)
+
+    def reduce_scatter(self, out, inp):
+        if _is_chunk_of(out, inp, self.rank):
+            full = inp  # in place: reducing into inp is allowed
+        else:  # reduce works in place, so keeping inp intact costs a copy (timed, as a user pays)
+            if self._scratch is None or self._scratch.shape != inp.shape or \
+                    self._scratch.dtype != inp.dtype or self._scratch.device != inp.device:
+                self._scratch = torch.empty_like(inp)
+            full = self._scratch
+            full.copy_(inp)
+        dist.reduce(full, dst=0, op=self.op)
+        dist.scatter(out, list(full.chunk(self.world)) if self.rank == 0 else None, src=0)
+
+    def all_gather(self, out, inp):
+        dist.gather(inp, list(out.chunk(self.world)) if self.rank == 0 else None, dst=0)
+        dist.broadcast(out, src=0)
+
+    def release(self):
+        self._scratch = None
+
+
+def make(label, op, rank, world):
+    kind = label.split("/", 1)[0]
+    cls = {"ringreduce": RingReduce, "torch": Torch, "ps": ParameterServer}[kind]
+    return cls(label, op, rank, world)

@@ -1,0 +1,176 @@
+"""Command-line flags (nccl-tests names where they mean the same) and their defaults."""
+import argparse
+import os
+import re
+
+import torch
+
+# nccl-tests' type names first (the name the table prints), then torch's spellings.
+DTYPES = {
+    "float": torch.float32, "float32": torch.float32,
+    "half": torch.float16, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "double": torch.float64, "float64": torch.float64,
+    "int32": torch.int32, "int": torch.int32,
+    "int64": torch.int64, "long": torch.int64,
+    "int8": torch.int8, "char": torch.int8,
+    "uint8": torch.uint8,
+}
+DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat16",
+               torch.float64: "double", torch.int32: "int32", torch.int64: "int64",
+               torch.int8: "int8", torch.uint8: "uint8"}
+OPS = ("sum", "prod", "min", "max", "avg")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/p2p", "ringreduce/nccl", "torch", "ps")
+
+# Sweep defaults: (minbytes, maxbytes, stepfactor, iters, warmup). The CPU ones keep a default run
+# of 4 ranks on the 2-core dev machine to a few minutes (measured: under 3); the GPU ones follow
+# nccl-tests' habits.
+DEFAULTS_CPU = (4 << 10, 64 << 20, 4, 10, 2)
+DEFAULTS_GPU = (4 << 10, 256 << 20, 4, 20, 5)
+DEFAULTS_QUICK = (1 << 10, 64 << 10, 8, 3, 1)
+DEFAULT_RANKS_CPU = 4
+DEFAULT_RANKS_ONE_GPU = 4
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text):
+    """'4096', '4K', '64M', '1G' (binary multiples; a trailing B or iB is allowed) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (expected e.g. 4096, 4K, 64M, 1G)")
+    value = int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def _int_at_least(low):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _choice_list(choices, what):
+    def parse(text):
+        items = [s.strip().lower() for s in text.split(",") if s.strip()]
+        bad = [s for s in items if s not in choices]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(
+                f"invalid {what} {', '.join(bad) or repr(text)} (choose from {', '.join(choices)})")
+        return list(dict.fromkeys(items))
+    return parse
+
+
+def _nranks(text):
+    try:
+        items = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid rank count list {text!r}") from None
+    if not items or min(items) < 1:
+        raise argparse.ArgumentTypeError(f"rank counts must be >= 1, got {text!r}")
+    return list(dict.fromkeys(items))
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m ringreduce.bench",
+        description="Benchmark ringreduce's collectives against torch.distributed (Gloo/NCCL) "
+                    "and a parameter-server baseline, nccl-tests style.")
+    p.add_argument("-b", "--minbytes", type=parse_size, help="smallest size (default 4K)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, help="largest size (CPU 64M, GPU 256M)")
+    p.add_argument("-f", "--stepfactor", type=_int_at_least(2), help="size multiplier (default 4)")
+    p.add_argument("-n", "--iters", type=_int_at_least(1), help="timed iterations (CPU 10, GPU 20)")
+    p.add_argument("-w", "--warmup_iters", type=_int_at_least(0), help="warmup (CPU 2, GPU 5)")
+    p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
+                   help="check every timed result (default 1)")
+    p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float")
+    p.add_argument("-o", "--op", choices=OPS, default="sum")
+    p.add_argument("--nranks", type=_nranks,
+                   help="rank counts, comma list; the sweep runs once per count (default: CPU 4, "
+                        "one rank per GPU, or 4 on one GPU)")
+    p.add_argument("--collectives", type=_choice_list(COLLECTIVES, "collective"),
+                   default=list(COLLECTIVES), help="comma list (default all)")
+    p.add_argument("--backends", type=_choice_list(BACKENDS, "backend"),
+                   default=["ringreduce", "torch", "ps"],
+                   help="comma list of ringreduce[/shm|/p2p|/nccl], torch, ps (default all)")
+    p.add_argument("--json", metavar="PATH", help="write every row and the machine to PATH")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="busbw vs size plot; with several --nranks also PATH-stem_vs_n.png")
+    p.add_argument("--quick", action="store_true", help="small sweep for smoke tests")
+    # Test-only: corrupts rank 0's result of BACKEND once per row (see the package docstring).
+    p.add_argument("--corrupt-for-test", metavar="BACKEND", help=argparse.SUPPRESS)
+    return p
+
+
+def under_torchrun():
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def parse_args(argv=None):
+    """Parses and completes the flags; errors exit 2 with argparse's message."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    a.device = "cuda" if gpu else "cpu"
+    base = DEFAULTS_QUICK if a.quick else DEFAULTS_GPU if gpu else DEFAULTS_CPU
+    for name, value in zip(("minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters"), base):
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    if a.minbytes > a.maxbytes:
+        parser.error(f"-b/--minbytes ({a.minbytes}) is larger than -e/--maxbytes ({a.maxbytes})")
+    a.dtype = DTYPES[a.datatype]
+    a.type_name = DTYPE_NAMES[a.dtype]
+    a.torchrun = under_torchrun()
+    if a.torchrun:
+        world = int(os.environ["WORLD_SIZE"])
+        if a.nranks and a.nranks != [world]:
+            parser.error(f"--nranks {','.join(map(str, a.nranks))} differs from torchrun's "
+                         f"WORLD_SIZE={world}")
+        a.nranks = [world]
+    elif a.nranks is None:
+        count = torch.cuda.device_count() if gpu else 0
+        a.nranks = [count if count >= 2 else DEFAULT_RANKS_ONE_GPU if gpu else DEFAULT_RANKS_CPU]
+    a.backends = expand_backends(a.backends, a.device, parser)
+    if a.corrupt_for_test in BACKENDS:  # a command-line name: the first label it stands for
+        a.corrupt_for_test = expand_backends([a.corrupt_for_test], a.device, parser)[0]
+    if a.corrupt_for_test and a.corrupt_for_test not in a.backends:
+        parser.error(f"--corrupt-for-test {a.corrupt_for_test}: not one of the backends run "
+                     f"({', '.join(a.backends)})")
+    if a.plot and not a.plot.lower().endswith(".png"):
+        parser.error(f"--plot {a.plot}: the path must end in .png")
+    return a
+
+
+def expand_backends(names, device, parser):
+    """Command-line names -> labels shown in the table, e.g. ringreduce -> ringreduce/shm."""
+    base = "nccl" if device == "cuda" else "gloo"
+    out = []
+    for name in names:
+        if name == "ringreduce":
+            out += ["ringreduce/p2p", "ringreduce/nccl"] if device == "cuda" else ["ringreduce/shm"]
+        elif name.startswith("ringreduce/"):
+            transport = name.split("/", 1)[1]
+            if (transport == "shm") != (device == "cpu"):
+                parser.error(f"--backends {name}: transport {transport} does not move "
+                             f"{device.upper()} tensors")
+            out.append(name)
+        else:
+            out.append(f"{name}/{base}")
+    return list(dict.fromkeys(out))
+
+
+def sizes(a):
+    """The sweep: minbytes, minbytes*f, ... <= maxbytes."""
+    out, size = [], a.minbytes
+    while size <= a.maxbytes:
+        out.append(size)
+        size *= a.stepfactor
+    return out

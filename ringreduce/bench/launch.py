@@ -1,0 +1,187 @@
+"""Starting the ranks: spawned processes on a FileStore (no ports), or one rank under torchrun.
+
+Exit status: 0 when every checked element was right, 1 when some were wrong or a rank failed,
+2 for bad flags (argparse), 130 when interrupted.
+"""
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from . import plot, report, runner
+from .cli import parse_args
+
+GRACE_S = 3.0  # after one rank fails, how long the others get to report before they are killed
+
+
+def _device_setup(device_kind, local_rank, local_world):
+    """Threads per rank, this rank's GPU, and NCCL's consent to share a GPU between ranks."""
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, local_world)))
+    if device_kind != "cuda":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    device = torch.device("cuda", local_rank % count)
+    torch.cuda.set_device(device)
+    if local_world > count:  # several ranks per GPU (DESIGN.md, "Machines and builds")
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        if torch.cuda.nccl.version() < (2, 30):  # older NCCL: pretend to be hosts, use sockets
+            os.environ.setdefault("NCCL_HOSTID", f"ringreduce-bench-{local_rank}")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    return device
+
+
+def _close_ringreduce():
+    """Closes ringreduce's communicators while the process group (their store) still exists.
+    rr.destroy() closes the CPU ones only; the CUDA ones live in ringreduce._cuda."""
+    import ringreduce as rr
+    rr.destroy()
+    if torch.cuda.is_available():
+        from ringreduce import _cuda
+        _cuda.destroy()
+
+
+def _backend(device_kind):
+    return "cpu:gloo,cuda:nccl" if device_kind == "cuda" else "gloo"
+
+
+def run_rank(args, rank, world, device, local_world):
+    """This rank's whole run (process group already initialized); rank 0 returns the run."""
+    ctrl = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+    ctx = runner.Context(args, rank, world, device, ctrl)
+    info = report.machine() if rank == 0 else None  # here, so the launcher never touches a GPU
+    if rank == 0:
+        report.print_machine(info, args, world)
+    if device.type == "cuda" and local_world > torch.cuda.device_count():
+        if torch.cuda.nccl.version() < (2, 30):
+            ctx.note("ranks share a GPU and NCCL < 2.30: torch/nccl and ps/nccl run over sockets "
+                     "(correct, but their times say nothing about NCCL)")
+    membw = [runner.peak_membw(ctx)]
+    runner.probe_backends(ctx)
+    rows = runner.sweep(ctx)
+    membw.append(runner.peak_membw(ctx))  # before and after: the peak is the larger
+    if rank != 0:
+        return None
+    method = (f"{runner.MEMBW_BYTES >> 20} MiB device-to-device copy" if device.type == "cuda"
+              else f"{runner.MEMBW_BYTES >> 20} MiB torch copy, all cores") + ", read+write counted"
+    labels = [b.label for b in ctx.backends]
+    run = {"nranks": world, "device": device.type, "machine": info, "backends": labels,
+           "notes": ctx.notes,
+           "peak_membw_GBps": max(membw), "membw_samples_GBps": membw, "membw_method": method,
+           "rows": rows,
+           "summary": report.summarize(rows, labels)}
+    report.print_summary(run)
+    return run
+
+
+def _spawned_rank(rank, world, tmpdir, args):
+    device = _device_setup(args.device, rank, world)
+    try:
+        store = dist.FileStore(os.path.join(tmpdir, "store"), world)
+        dist.init_process_group(_backend(args.device), store=store, rank=rank, world_size=world)
+        run = run_rank(args, rank, world, device, world)
+        if rank == 0:
+            with open(os.path.join(tmpdir, "result.tmp"), "w") as f:
+                json.dump(run, f)
+            os.replace(os.path.join(tmpdir, "result.tmp"), os.path.join(tmpdir, "result.json"))
+    except BaseException:
+        with open(os.path.join(tmpdir, f"error-{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        sys.exit(1)
+    finally:
+        _close_ringreduce()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn_world(args, world):
+    """Runs one sweep on world spawned ranks; returns rank 0's run or raises RuntimeError."""
+    ctx = mp.get_context("spawn")
+    tmpdir = tempfile.mkdtemp(prefix="ringreduce-bench-")
+    procs = [ctx.Process(target=_spawned_rank, args=(r, world, tmpdir, args), daemon=True)
+             for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        failed_at = None
+        while any(p.exitcode is None for p in procs):
+            mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.5)
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+                break
+        died, errors = [], []  # ranks that died without a word come first: they are the cause
+        for r, p in enumerate(procs):
+            path = os.path.join(tmpdir, f"error-{r}.txt")
+            if os.path.exists(path):
+                with open(path) as f:
+                    errors.append(f"--- rank {r} ---\n{f.read()}")
+            elif p.exitcode not in (None, 0):
+                how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"status {p.exitcode}"
+                died.append(f"--- rank {r} --- died ({how}) without reporting an error")
+        errors = died + errors
+        result = os.path.join(tmpdir, "result.json")
+        if errors or not os.path.exists(result):
+            raise RuntimeError("benchmark failed at nranks %d:\n%s" % (world, "\n".join(errors)))
+        with open(result) as f:
+            return json.load(f)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _finish(args, runs):
+    if len(runs) > 1:
+        report.print_vs_n(runs)
+    if args.json:
+        report.write_json(args.json, args, runs[0]["machine"], runs)
+        print(f"# wrote {args.json}")
+    if args.plot:
+        plot.busbw_vs_size(args.plot, runs)
+        print(f"# wrote {args.plot}")
+        if len(runs) > 1:
+            plot.time_vs_n(plot.vs_n_path(args.plot), runs)
+            print(f"# wrote {plot.vs_n_path(args.plot)}")
+    wrong = sum(r["wrong"] or 0 for run in runs for r in run["rows"])
+    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}", flush=True)
+    return 0 if wrong == 0 else 1
+
+
+def _torchrun_main(args):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = _device_setup(args.device, local_rank, local_world)
+    dist.init_process_group(_backend(args.device), init_method="env://")
+    try:
+        run = run_rank(args, rank, world, device, local_world)
+        return _finish(args, [run]) if rank == 0 else 0
+    finally:
+        _close_ringreduce()
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.torchrun:
+        return _torchrun_main(args)
+    runs = []
+    try:
+        for world in args.nranks:
+            runs.append(_spawn_world(args, world))
+    except RuntimeError as e:
+        print(f"ringreduce.bench: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return _finish(args, runs)

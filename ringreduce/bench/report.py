@@ -1,0 +1,178 @@
+"""Output: the nccl-tests-style table, the summary, the machine description and the JSON file.
+
+Every line that is not a data row starts with '#', so a data row is any other non-empty line:
+  size(B) count type redop backend  time algbw busbw #wrong (out-of-place)  time algbw busbw #wrong
+"""
+import json
+import os
+import platform
+import statistics
+import sys
+
+import torch
+
+_ROW = "{:>12} {:>12} {:>8} {:>6} {:>16}  {:>10} {:>8} {:>8} {:>6}  {:>10} {:>8} {:>8} {:>6}"
+
+
+def human(nbytes):
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes} B"
+
+
+def print_header(collective, world, device):
+    print(f"#\n# {collective}  nranks {world}  device {device.type}")
+    print("#" + " " * 70 + "out-of-place" + " " * 26 + "in-place")
+    print(_comment(_ROW.format("size(B)", "count", "type", "redop", "backend", "time(us)", "algbw",
+                               "busbw", "#wrong", "time(us)", "algbw", "busbw", "#wrong")))
+    print(_comment(_ROW.format("", "(elements)", "", "", "", "", "(GB/s)", "(GB/s)", "", "",
+                               "(GB/s)", "(GB/s)", "")), flush=True)
+
+
+def _comment(line):
+    return "#" + line[1:]
+
+
+def _cells(row):
+    wrong = "N/A" if row["wrong"] is None else str(row["wrong"])
+    return (f"{row['time_us']:.1f}", f"{row['algbw_GBps']:.3f}", f"{row['busbw_GBps']:.3f}", wrong)
+
+
+def print_row(oop, ip):
+    print(_ROW.format(oop["size_bytes"], oop["count"], oop["dtype"], oop["op"], oop["backend"],
+                      *_cells(oop), *_cells(ip)), flush=True)
+
+
+def summarize(rows, backends):
+    """Average busbw per backend and collective; per size, baseline time / ringreduce time
+    (in-place; > 1 means ringreduce is faster)."""
+    avg = {}
+    for b in backends:
+        per = {}
+        for c in dict.fromkeys(r["collective"] for r in rows):
+            vals = [r["busbw_GBps"] for r in rows if r["backend"] == b and r["collective"] == c]
+            if vals:
+                per[c] = statistics.mean(vals)
+        avg[b] = per
+    ours = [b for b in backends if b.startswith("ringreduce/")]
+    bases = [b for b in backends if not b.startswith("ringreduce/")]
+    times = {(r["collective"], r["size_bytes"], r["backend"]): r["time_us"]
+             for r in rows if r["inplace"]}
+    ratios = []
+    for (c, size) in dict.fromkeys((r["collective"], r["size_bytes"]) for r in rows):
+        entry = {"collective": c, "size_bytes": size}
+        for o in ours:
+            for base in bases:
+                if (c, size, o) in times and (c, size, base) in times:
+                    entry[f"{base} / {o}"] = times[(c, size, base)] / times[(c, size, o)]
+        ratios.append(entry)
+    return {"avg_busbw_GBps": avg, "time_ratios_inplace": ratios}
+
+
+def print_summary(run):
+    s, w = run["summary"], run["nranks"]
+    colls = list(dict.fromkeys(c for per in s["avg_busbw_GBps"].values() for c in per))
+    print(f"#\n# summary, nranks {w}: average busbw (GB/s) over sizes, both forms")
+    print("# " + f"{'backend':>16}" + "".join(f"{c:>16}" for c in colls))
+    for b, per in s["avg_busbw_GBps"].items():
+        print("# " + f"{b:>16}" + "".join(f"{per[c]:>16.3f}" if c in per else f"{'-':>16}"
+                                           for c in colls))
+    keys = list(dict.fromkeys(k for e in s["time_ratios_inplace"] for k in e
+                              if k not in ("collective", "size_bytes")))
+    if keys:
+        print(f"#\n# time ratio baseline / ringreduce, in-place (> 1: ringreduce faster)")
+        print("# " + f"{'collective':>16}{'size(B)':>12}" + "".join(f"{k:>34}" for k in keys))
+        for e in s["time_ratios_inplace"]:
+            print("# " + f"{e['collective']:>16}{e['size_bytes']:>12}" +
+                  "".join(f"{e[k]:>34.2f}" if k in e else f"{'-':>34}" for k in keys))
+    if run["peak_membw_GBps"] is not None:
+        print(f"#\n# peak memory bandwidth (rank 0, {run['membw_method']}): "
+              f"{run['peak_membw_GBps']:.1f} GB/s")
+    best = {b: max((r["busbw_GBps"] for r in run["rows"] if r["backend"] == b), default=0.0)
+            for b in s["avg_busbw_GBps"]}
+    print("# best busbw: " + ", ".join(f"{b} {v:.3f} GB/s" for b, v in best.items()))
+    bad = sum(r["wrong"] or 0 for r in run["rows"])
+    print(f"# wrong elements in total: {bad}" + ("" if run["rows"] and
+                                                  run["rows"][0]["wrong"] is not None
+                                                  else " (not checked)"), flush=True)
+
+
+def print_vs_n(runs):
+    """Time (us, in-place) at the largest size of each collective against the rank count."""
+    ns = [r["nranks"] for r in runs]
+    print(f"#\n# time (us) vs nranks at the largest size, in-place")
+    print("# " + f"{'collective':>16}{'size(B)':>12}{'backend':>18}" +
+          "".join(f"{'N=' + str(n):>12}" for n in ns))
+    for c, size, b, t in vs_n(runs):
+        print("# " + f"{c:>16}{size:>12}{b:>18}" + "".join(f"{v:>12.1f}" if v else f"{'-':>12}"
+                                                            for v in t))
+
+
+def vs_n(runs):
+    """(collective, largest size, backend, [time per run or None]) for every pair present."""
+    out = []
+    keys = dict.fromkeys((r["collective"], r["backend"]) for run in runs for r in run["rows"])
+    for c, b in keys:
+        size = max(r["size_bytes"] for run in runs for r in run["rows"] if r["collective"] == c)
+        times = []
+        for run in runs:
+            # reduce_scatter/all_gather round to a multiple of N: take each run's largest size
+            cand = [r for r in run["rows"] if r["collective"] == c and r["backend"] == b
+                    and r["inplace"]]
+            times.append(max(cand, key=lambda r: r["size_bytes"])["time_us"] if cand else None)
+        out.append((c, size, b, times))
+    return out
+
+
+def machine():
+    """Where the numbers come from: CPU, memory, versions, GPU and NCCL if any."""
+    import ringreduce
+    info = {"cpu_model": platform.processor() or platform.machine(),
+            "cpu_cores": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
+            "memory_bytes": None, "platform": platform.platform(),
+            "python": sys.version.split()[0], "torch": torch.__version__,
+            "ringreduce": getattr(ringreduce, "__version__", None),
+            "cuda": torch.version.cuda, "gpu_count": 0, "gpu_name": None, "nccl_version": None}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["memory_bytes"] = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu_count"] = torch.cuda.device_count()
+        info["gpu_name"] = torch.cuda.get_device_name(0)
+        try:
+            info["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            pass
+    return info
+
+
+def print_machine(info, args, world):
+    mem = human(info["memory_bytes"]) if info["memory_bytes"] else "?"
+    print(f"#\n# ringreduce.bench, nranks {world}: {info['cpu_model']}, {info['cpu_affinity']} "
+          f"cores, {mem}; "
+          f"python {info['python']}, torch {info['torch']}, ringreduce {info['ringreduce']}" +
+          (f"; {info['gpu_count']} x {info['gpu_name']}, NCCL {info['nccl_version']}"
+           if info["gpu_name"] else "; no GPU"))
+    print(f"# sizes {args.minbytes}..{args.maxbytes} B x{args.stepfactor}, iters {args.iters}, "
+          f"warmup {args.warmup_iters}, check {args.check}, type {args.type_name}, op {args.op}, "
+          f"backends {','.join(args.backends)}", flush=True)
+
+
+def write_json(path, args, info, runs):
+    keep = ("minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters", "check", "datatype",
+            "op", "nranks", "collectives", "backends", "quick", "device", "torchrun")
+    doc = {"command": [os.path.basename(sys.executable), "-m", "ringreduce.bench"] + sys.argv[1:],
+           "args": {k: getattr(args, k) for k in keep}, "machine": info, "runs": runs}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)

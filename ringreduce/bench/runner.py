@@ -1,0 +1,234 @@
+"""The sweep, run by every rank: buffers, alternation of backends, timing, checking, gathering."""
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import backends as bk
+from . import report
+from .cli import sizes
+from .data import Reference, sentinel
+
+MEMBW_BYTES = 256 << 20  # large enough to leave every cache far behind (L3 is tens of MiB)
+MEMBW_REPEATS = 5
+CORRUPT_DELTA = 100      # added by --corrupt-for-test; far outside any tolerance
+
+
+def bus_factor(collective, world):
+    if world <= 1:
+        return 0.0
+    return 2.0 * (world - 1) / world if collective == "all_reduce" else (world - 1) / world
+
+
+def element_count(collective, size, elsize, world):
+    count = max(1, size // elsize)
+    if collective != "all_reduce":
+        count = max(world, count // world * world)
+    return count
+
+
+class Buffers:
+    """One collective and size on this rank: reference data, an input and an output buffer."""
+
+    def __init__(self, collective, count, ctx):
+        a = ctx.args
+        self.collective, self.count, self.rank = collective, count, ctx.rank
+        self.chunk = count // ctx.world
+        self.ref = Reference(collective, count, ctx.rank, ctx.world, a.dtype, a.op, ctx.device,
+                             check=bool(a.check))
+        self.sentinel = sentinel(a.dtype)
+        out_numel = self.chunk if collective == "reduce_scatter" else count
+        self.inp = torch.empty_like(self.ref.input)
+        self.out = torch.empty(out_numel, dtype=a.dtype, device=ctx.device)
+
+    def prepare(self, backend, inplace):
+        """Resets the buffers (untimed); returns (timed call, tensor holding this rank's result)."""
+        c, r = self.chunk, self.rank
+        if self.collective == "all_reduce":
+            if inplace:
+                self.out.copy_(self.ref.input)
+                return (lambda: backend.all_reduce(self.out)), self.out
+            self.inp.copy_(self.ref.input)
+            self.out.fill_(self.sentinel)
+
+            def out_of_place():  # all_reduce is in place only: the copy is part of the call
+                self.out.copy_(self.inp)
+                backend.all_reduce(self.out)
+            return out_of_place, self.out
+        if self.collective == "reduce_scatter":
+            self.inp.copy_(self.ref.input)
+            if inplace:
+                view = self.inp[r * c:(r + 1) * c]
+                return (lambda: backend.reduce_scatter(view, self.inp)), view
+            self.out.fill_(self.sentinel)
+            return (lambda: backend.reduce_scatter(self.out, self.inp)), self.out
+        self.out.fill_(self.sentinel)
+        if inplace:
+            view = self.out[r * c:(r + 1) * c]
+            view.copy_(self.ref.input)
+            return (lambda: backend.all_gather(self.out, view)), self.out
+        self.inp.copy_(self.ref.input)
+        return (lambda: backend.all_gather(self.out, self.inp)), self.out
+
+
+class Context:
+    def __init__(self, args, rank, world, device, ctrl):
+        self.args, self.rank, self.world, self.device, self.ctrl = args, rank, world, device, ctrl
+        self.cuda = device.type == "cuda"
+        self.backends = [bk.make(label, args.op, rank, world) for label in args.backends]
+        self.notes = []
+        self.tty = sys.stderr.isatty()
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self):
+        self.sync()
+        dist.barrier(group=self.ctrl)
+
+    def note(self, text):
+        self.notes.append(text)
+        if self.rank == 0:
+            print(f"# note: {text}", flush=True)
+
+    def progress(self, text, final=False):
+        if self.rank != 0:
+            return
+        if self.tty:  # one line, rewritten in place
+            sys.stderr.write("\r\033[K" + text + ("\n" if final else ""))
+        else:  # a log: one line per step
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def peak_membw(ctx):
+    """GB/s of a large copy on rank 0 (read + write counted); None on the other ranks."""
+    result = None
+    if ctx.rank == 0:
+        n = MEMBW_BYTES // 4
+        src = torch.ones(n, dtype=torch.float32, device=ctx.device)
+        dst = torch.empty_like(src)
+        threads = torch.get_num_threads()
+        if not ctx.cuda:
+            torch.set_num_threads(len(os.sched_getaffinity(0)))  # the whole host, as a copy can
+        times = []
+        for _ in range(MEMBW_REPEATS + 1):
+            if ctx.cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                stop = torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src)
+                stop.record()
+                stop.synchronize()
+                times.append(start.elapsed_time(stop) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                times.append(time.perf_counter() - t0)
+        torch.set_num_threads(threads)
+        result = 2 * MEMBW_BYTES / statistics.median(times[1:]) / 1e9
+        del src, dst
+    ctx.barrier()
+    return result
+
+
+def probe_backends(ctx):
+    """Drops ringreduce GPU transports that fail a tiny call on any rank (e.g. not built yet)."""
+    keep = []
+    for b in ctx.backends:
+        error = None
+        if isinstance(b, bk.RingReduce) and ctx.cuda:
+            try:
+                b.all_reduce(torch.ones(ctx.world, device=ctx.device))
+                ctx.sync()
+            except Exception as e:  # the transport's own error, reported as a note
+                error = str(e).splitlines()[0] if str(e) else type(e).__name__
+        ok = torch.tensor([0 if error else 1])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.ctrl)
+        if ok.item():
+            keep.append(b)
+        else:
+            ctx.note(f"{b.label} skipped: {error or 'failed on another rank'}")
+    ctx.backends = keep
+
+
+def time_case(ctx, buffers, inplace, backends):
+    """Warmup and timed iterations, backends rotated every iteration; per-backend statistics."""
+    a = ctx.args
+    k = len(backends)
+    times = torch.zeros(k, a.iters, dtype=torch.float64)
+    wrong = torch.zeros(k, a.iters, dtype=torch.int64)
+    for it in range(a.warmup_iters + a.iters):
+        timed = it - a.warmup_iters
+        for j in [(it + s) % k for s in range(k)]:  # rotate the order so no backend is always first
+            b = backends[j]
+            call, result = buffers.prepare(b, inplace)
+            ctx.barrier()
+            t0 = time.perf_counter()
+            call()
+            ctx.sync()
+            t1 = time.perf_counter()
+            if timed < 0:
+                continue
+            times[j, timed] = t1 - t0
+            if a.corrupt_for_test == b.label and timed == 0 and ctx.rank == 0:
+                result[:1].add_(CORRUPT_DELTA)
+            if a.check:
+                wrong[j, timed] = buffers.ref.wrong(result)
+    # The call ends when the slowest rank is done; wrong elements add up over ranks.
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=ctx.ctrl)
+    dist.all_reduce(wrong, op=dist.ReduceOp.SUM, group=ctx.ctrl)
+    out = []
+    for j in range(k):
+        t = times[j].tolist()
+        out.append({"time_us": statistics.median(t) * 1e6, "time_us_min": min(t) * 1e6,
+                    "time_us_max": max(t) * 1e6,
+                    "wrong": int(wrong[j].max()) if a.check else None})
+    return out
+
+
+def sweep(ctx):
+    """Every collective x size x backend on this rank; rank 0 prints and returns the rows."""
+    a = ctx.args
+    rows = []
+    elsize = torch.empty(0, dtype=a.dtype).element_size()
+    for collective in a.collectives:
+        runnable = []
+        for b in ctx.backends:
+            reason = b.supports(collective, a.dtype)
+            if reason:
+                ctx.note(f"{b.label} skips {collective} {a.type_name} {a.op}: {reason}")
+            else:
+                runnable.append(b)
+        if ctx.rank == 0:
+            report.print_header(collective, ctx.world, ctx.device)
+        for size in sizes(a):
+            count = element_count(collective, size, elsize, ctx.world)
+            buffers = Buffers(collective, count, ctx)
+            stats = {}
+            ctx.progress(f"[bench] N={ctx.world} {collective} {report.human(count * elsize)}")
+            for inplace in (False, True):
+                stats[inplace] = time_case(ctx, buffers, inplace, runnable)
+            for j, b in enumerate(runnable):
+                for inplace in (False, True):
+                    s = stats[inplace][j]
+                    algbw = count * elsize / (s["time_us"] * 1e-6) / 1e9
+                    rows.append(dict(collective=collective, backend=b.label, nranks=ctx.world,
+                                     size_bytes=count * elsize, count=count, dtype=a.type_name,
+                                     op="none" if collective == "all_gather" else a.op,
+                                     inplace=inplace, time_us=s["time_us"], algbw_GBps=algbw,
+                                     busbw_GBps=algbw * bus_factor(collective, ctx.world),
+                                     wrong=s["wrong"], iters=a.iters,
+                                     time_us_min=s["time_us_min"], time_us_max=s["time_us_max"]))
+                if ctx.rank == 0:
+                    report.print_row(rows[-2], rows[-1])
+            del buffers
+            for b in runnable:
+                if hasattr(b, "release"):
+                    b.release()
+    ctx.progress(f"[bench] N={ctx.world} done", final=True)
+    return rows

@@ -1,0 +1,200 @@
+"""The benchmark CLI (python -m ringreduce.bench) on CPU ranks: output, JSON, plots, checks, flags.
+
+Each CLI run starts its own ranks; sizes are tiny and worlds small so the file stays within about
+two minutes on a 2-core machine. No assertion is made on speed.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ringreduce.bench import cli, data
+
+RUN_TIMEOUT = 240
+ROW_FIELDS = {"collective", "backend", "nranks", "size_bytes", "count", "dtype", "op", "inplace",
+              "time_us", "algbw_GBps", "busbw_GBps", "wrong", "iters", "time_us_min", "time_us_max"}
+MACHINE_FIELDS = {"cpu_model", "cpu_cores", "memory_bytes", "python", "torch", "ringreduce",
+                  "cuda", "gpu_name", "nccl_version"}
+RUN_FIELDS = {"nranks", "device", "machine", "backends", "notes", "peak_membw_GBps",
+              "membw_method", "rows", "summary"}
+
+
+def bench(*args):
+    env = {k: v for k, v in os.environ.items()  # never mistaken for a torchrun rank
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    return subprocess.run([sys.executable, "-m", "ringreduce.bench", *args], capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT, env=env)
+
+
+def parse_rows(stdout):
+    """Data rows of the table: every non-empty line that does not start with '#'."""
+    rows = []
+    for line in stdout.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        f = line.split()
+        assert len(f) == 13, f"malformed row: {line!r}"
+        rows.append({"size": int(f[0]), "count": int(f[1]), "type": f[2], "redop": f[3],
+                     "backend": f[4],
+                     "oop": (float(f[5]), float(f[6]), float(f[7]), f[8]),
+                     "ip": (float(f[9]), float(f[10]), float(f[11]), f[12])})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    res = bench("--quick", "--nranks", "2,3", "--json", str(out / "r.json"),
+                "--plot", str(out / "r.png"))
+    return res, out
+
+
+def test_quick_table_parses_and_is_right(quick_run):
+    res, _ = quick_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = parse_rows(res.stdout)
+    # 2 worlds x 3 collectives x 3 sizes (1K, 8K, 64K) x 3 backends
+    assert len(rows) == 2 * 3 * 3 * 3
+    assert {r["backend"] for r in rows} == {"ringreduce/shm", "torch/gloo", "ps/gloo"}
+    for r in rows:
+        assert r["type"] == "float"
+        assert r["redop"] in ("sum", "none")
+        assert r["size"] == r["count"] * 4
+        for t, algbw, busbw, wrong in (r["oop"], r["ip"]):
+            assert wrong == "0", r
+            assert t > 0 and algbw >= 0 and busbw >= 0  # printed with 3 decimals
+    assert "Out of bounds values : 0 OK" in res.stdout
+    assert "peak memory bandwidth" in res.stdout
+    assert "[bench]" in res.stderr  # progress lines
+
+
+def test_quick_json_fields(quick_run):
+    res, out = quick_run
+    doc = json.loads((out / "r.json").read_text())
+    assert {"command", "args", "machine", "runs"} <= set(doc)
+    assert MACHINE_FIELDS <= set(doc["machine"])
+    assert doc["machine"]["torch"] == torch.__version__
+    assert [run["nranks"] for run in doc["runs"]] == [2, 3]
+    for run in doc["runs"]:
+        assert RUN_FIELDS <= set(run)
+        assert run["peak_membw_GBps"] > 0
+        assert {"avg_busbw_GBps", "time_ratios_inplace"} <= set(run["summary"])
+        n = run["nranks"]
+        for row in run["rows"]:
+            assert ROW_FIELDS <= set(row)
+            assert row["wrong"] == 0
+            factor = 2 * (n - 1) / n if row["collective"] == "all_reduce" else (n - 1) / n
+            assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factor)
+            assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3)
+
+
+def test_quick_plots_written(quick_run):
+    res, out = quick_run
+    for name in ("r.png", "r_vs_n.png"):
+        png = out / name
+        assert png.exists() and png.stat().st_size > 1000
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("dtype,op", [("half", "prod"), ("int32", "avg"), ("bfloat16", "max")])
+def test_other_types_and_ops_check_clean(dtype, op):
+    res = bench("--quick", "--nranks", "2", "-e", "8K", "-d", dtype, "-o", op)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = parse_rows(res.stdout)
+    assert rows and all(r["oop"][3] == "0" and r["ip"][3] == "0" for r in rows)
+    if op == "avg" and dtype == "int32":  # torch has no integer avg: only all_gather runs there
+        assert "no integer avg" in res.stdout
+        assert {r["backend"] for r in rows if r["redop"] == "avg"} == {"ringreduce/shm"}
+
+
+def test_corrupted_result_is_counted():
+    res = bench("--quick", "--nranks", "2", "-e", "1K", "--corrupt-for-test", "ringreduce")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = parse_rows(res.stdout)
+    assert len(rows) == 3 * 3
+    for r in rows:
+        expect = "1" if r["backend"] == "ringreduce/shm" else "0"
+        assert r["oop"][3] == expect and r["ip"][3] == expect, r
+    assert "FAILED" in res.stdout
+
+
+def test_check_off_prints_na():
+    res = bench("--quick", "--nranks", "2", "-e", "1K", "--collectives", "all_reduce", "-c", "0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = parse_rows(res.stdout)
+    assert rows and all(r["oop"][3] == "N/A" and r["ip"][3] == "N/A" for r in rows)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--bogus"], "unrecognized arguments"),
+    (["-b", "4X"], "invalid size"),
+    (["-d", "float8"], "invalid choice"),
+    (["--nranks", "0"], "must be >= 1"),
+    (["--backends", "nccl"], "invalid backend"),
+    (["-b", "1M", "-e", "1K"], "larger than"),
+    (["--plot", "out.pdf"], "must end in .png"),
+    (["-o", "mean"], "invalid choice"),
+])
+def test_bad_flags_rejected(flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage:" in err
+
+
+def test_bad_flag_exits_2_from_the_command_line():
+    res = bench("-e", "64Q")
+    assert res.returncode == 2
+    assert "invalid size '64Q'" in res.stderr and "usage:" in res.stderr
+    assert not parse_rows(res.stdout)
+
+
+def test_torchrun():
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "-m", "ringreduce.bench", "--quick", "-e", "1K",
+                          "--collectives", "all_gather"], capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = parse_rows(res.stdout)
+    assert len(rows) == 3  # printed once, by rank 0
+    assert all(r["oop"][3] == "0" and r["ip"][3] == "0" for r in rows)
+
+
+@pytest.mark.parametrize("text,value", [("4096", 4096), ("4K", 4096), ("64M", 64 << 20),
+                                        ("1G", 1 << 30), ("8KiB", 8192), ("2kb", 2048)])
+def test_parse_size(text, value):
+    assert cli.parse_size(text) == value
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                   torch.int8, torch.uint8, torch.int32, torch.int64])
+@pytest.mark.parametrize("op", ["sum", "avg", "prod", "min", "max"])
+def test_reference_matches_brute_force(dtype, op):
+    """The closed-form expected result equals reducing every rank's input elementwise."""
+    for world in (1, 2, 3, 5, 8):
+        count = 7 * world
+        inputs = [data.Reference("all_reduce", count, r, world, dtype, op, "cpu").input
+                  for r in range(world)]
+        x = torch.stack(inputs).double() if dtype.is_floating_point else torch.stack(inputs).long()
+        e = {"sum": lambda: x.sum(0), "avg": lambda: x.sum(0), "prod": lambda: x.prod(0),
+             "min": lambda: x.min(0).values, "max": lambda: x.max(0).values}[op]()
+        if op == "avg":
+            e = e / world if dtype.is_floating_point else torch.div(e, world, rounding_mode="trunc")
+        result = e.to(dtype)
+        for r in range(world):
+            ref = data.Reference("all_reduce", count, r, world, dtype, op, "cpu")
+            assert ref.wrong(result) == 0
+            bad = result.clone()
+            bad[r] += 100
+            assert ref.wrong(bad) == 1
+            c = count // world
+            rs = data.Reference("reduce_scatter", count, r, world, dtype, op, "cpu")
+            assert rs.wrong(result[r * c:(r + 1) * c]) == 0
+            ag = data.Reference("all_gather", count, r, world, dtype, op, "cpu")
+            gathered = torch.cat([inp[q * c:(q + 1) * c] for q, inp in enumerate(inputs)])
+            assert ag.wrong(gathered) == 0
+            assert ref.wrong(torch.full((count,), data.sentinel(dtype), dtype=dtype)) == count
