@@ -61,6 +61,7 @@ def _env_int(name, default):
 _setup_counters = {}
 _comms = {}
 _comms_lock = threading.Lock()
+_create_lock = threading.Lock()  # held across a (collective) creation; _comms_lock only briefly
 
 
 class Communicator:
@@ -314,9 +315,13 @@ def get_communicator(group=None, **options):
     entry = _comms.get(id(g))  # a dict read is atomic; creation below takes the lock
     if entry is not None and entry[0] is g and not entry[1]._closed:
         return entry[1]
-    comm = Communicator(g, **options)
-    with _comms_lock:
-        _comms[id(g)] = (g, comm)
+    with _create_lock:  # two threads meeting a group first must not create two communicators
+        entry = _comms.get(id(g))
+        if entry is not None and entry[0] is g and not entry[1]._closed:
+            return entry[1]
+        comm = Communicator(g, **options)
+        with _comms_lock:
+            _comms[id(g)] = (g, comm)
     return comm
 
 

@@ -254,6 +254,10 @@ class Communicator:
     def close(self):
         """Waits for the collectives in flight (each ends by its deadline), waits (bounded) until
         every rank has done so, so nobody reads memory being freed, then frees. Idempotent."""
+        if getattr(self, "_native", None) is None:
+            # __init__ failed before the bootstrap finished (the bootstrap freed what it made):
+            # nothing to free, and no barrier, which would stall __del__ for CLOSE_BARRIER_S.
+            return
         with self._lock:
             if self._closed:
                 return

@@ -177,6 +177,10 @@ def stream_worker(rank, world):
     dev = setup_rank(rank)
     total = sum(range(1, world + 1))
     errors = []
+    # Create the communicator first: its bootstrap (store rendezvous, IPC) outlasts the GPU sleep
+    # below, which then no longer delays the producer, and the first case could not fail.
+    rr.all_reduce(torch.zeros(1, device=dev))
+    torch.cuda.synchronize()
     for side in (False, True):
         stream = torch.cuda.Stream() if side else torch.cuda.current_stream()
         with torch.cuda.stream(stream):

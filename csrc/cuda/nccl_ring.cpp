@@ -112,6 +112,11 @@ Ring::Ring(const Options& opt, const std::string& id) : opt_(opt) {
   if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
     throw std::invalid_argument("ringreduce: rank out of range");
   if (id.size() != sizeof(ncclUniqueId)) throw RingError("ringreduce: bad NCCL unique id");
+  // run() cuts chunks into staging_bytes / element-size pieces: fewer bytes than one element of the
+  // widest dtype (8) would divide by zero there (RINGREDUCE_NCCL_STAGING_BYTES is a test knob).
+  if (opt.staging_bytes < 16)
+    throw std::invalid_argument("ringreduce: nccl staging_bytes must be at least 16, got " +
+                                std::to_string(opt.staging_bytes));
   const Api& nc = api(opt.lib);
   RR_CUDA_CHECK(cudaGetDevice(&device_));
   up_ = ring::mod(opt.rank - 1, opt.nranks);
@@ -314,11 +319,15 @@ void Ring::watch() {
                 api(opt_.lib).error_string(state);
       }
     }
-    if (!why.empty() && failure().empty()) {
-      set_failure(why);
+    if (!why.empty()) set_failure(why);  // the first failure wins
+    // Abort for a timeout seen now, and also for one requested earlier while run() held mu_ (a
+    // timeout here, or abort() from another thread): run() may have returned without polling
+    // again, and then nobody aborted the communicator, NCCL's kernels never returned and every
+    // synchronize() and close() waited forever. Retried each period until the lock is free.
+    if (!why.empty() || abort_requested_) {
       std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
       if (lk.owns_lock())
-        fail_locked(why);
+        fail_locked(failure());
       else
         abort_requested_ = true;  // the thread inside NCCL aborts when it next polls (settle)
     }

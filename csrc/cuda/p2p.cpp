@@ -130,8 +130,9 @@ void Ring::connect_local(const Ring& up, const Ring& down) {
 
 void Ring::run(const shm::Call& c, cudaStream_t stream) {
   if (!area_) throw RingError("ringreduce: p2p communicator is closed");
-  if (broken())
-    throw RingError("ringreduce: communicator is broken by an earlier failure: " + failure_);
+  const std::string failed = failure();
+  if (!failed.empty())
+    throw RingError("ringreduce: communicator is broken by an earlier failure: " + failed);
   const int n = opt_.nranks;
   if (c.coll != Coll::AllReduce && c.numel % n != 0)
     throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
@@ -209,6 +210,7 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
 }
 
 std::string Ring::failure() {
+  std::lock_guard<std::mutex> lk(mu_);
   if (!failure_.empty() || !ctl_) return failure_;
   // Prefer a record of a block that saw the cause itself over one that learned of it.
   int pick = -1;
@@ -226,6 +228,7 @@ std::string Ring::failure() {
 }
 
 void Ring::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lk(mu_);
   if (!ctl_) return;
   if (reason_.empty()) reason_ = why;
   std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -243,6 +246,7 @@ void Ring::abort(const std::string& why) {
 }
 
 void Ring::close() {
+  std::lock_guard<std::mutex> lk(mu_);  // failure() and abort() read ctl_ and area_
   DeviceScope scope(device_);
   if (side_) cudaStreamSynchronize(side_);
   if (ipc_ && up_area_) cudaIpcCloseMemHandle(up_area_);

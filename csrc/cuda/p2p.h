@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "ring/schedule.h"
@@ -169,6 +170,9 @@ class Ring {
   uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the own area
   cudaStream_t side_ = nullptr;  // for that copy, beside a kernel that may be spinning
   uint64_t base_ = 0, op_seq_ = 0;
+  // reason_ and failure_: abort() and failure() are called from other threads (Work.wait(),
+  // Communicator.abort() hold the GIL) while run() calls failure() with the GIL released.
+  std::mutex mu_;
   std::string reason_;  // why this rank aborted (host side)
   std::string failure_;
 };

@@ -79,7 +79,9 @@ __device__ uint32_t wait_ge(const RingArgs& a, const uint64_t* ctr, uint64_t tar
 // Thread 0: records the first stop of this channel for the host and tells the neighbours.
 __device__ void record_stop(const RingArgs& a, uint32_t word, bool local, int peer, const Where& w,
                             bool slot, const MsgHeader& mine, const MsgHeader* got) {
-  atomicCAS(&a.self->abort, 0u, word);
+  // System scope: the neighbours poll this word from other GPUs (ld.relaxed.sys); a plain
+  // atomicCAS is device scope only and not guaranteed to become visible to them.
+  atomicCAS_system(&a.self->abort, 0u, word);
   volatile ErrorRecord* e = &a.ctl->err[blockIdx.x];
   if (e->word) return;
   e->local = local;

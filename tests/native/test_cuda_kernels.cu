@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -279,6 +280,10 @@ static void test_timeout() {
 }
 
 int main() {
+  // The ranks' kernels spin until their neighbours' kernels run, so all must run at once. Streams
+  // beyond CUDA_DEVICE_MAX_CONNECTIONS (default 8) share hardware queues and are serialized behind
+  // each other; a Group of 4 rings makes 8 streams (rank + side streams). Before CUDA starts.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     std::printf("test_cuda_kernels: no CUDA device, skipped\n");
