@@ -5,6 +5,7 @@
 #include <string>
 
 #include "shm/segment.h"
+#include "torch_types.h"
 
 namespace rr = ringreduce;
 
@@ -19,28 +20,6 @@ namespace {
 unsigned long& main_thread_ident() {
   static unsigned long ident = 0;
   return ident;
-}
-
-rr::DType to_dtype(const at::Tensor& t, const char* arg) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return rr::DType::F32;
-    case at::kDouble: return rr::DType::F64;
-    case at::kHalf: return rr::DType::F16;
-    case at::kBFloat16: return rr::DType::BF16;
-    case at::kChar: return rr::DType::I8;
-    case at::kByte: return rr::DType::U8;
-    case at::kInt: return rr::DType::I32;
-    case at::kLong: return rr::DType::I64;
-    default:
-      TORCH_CHECK_TYPE(false, "ringreduce: ", arg, " has dtype ", t.scalar_type(),
-                       "; expected one of float32, float64, float16, bfloat16, int8, uint8, int32, int64");
-  }
-}
-
-rr::RedOp to_op(int op) {
-  TORCH_CHECK_VALUE(op >= 0 && op < static_cast<int>(rr::RedOp::kCount), "ringreduce: op code ", op,
-                    " is not SUM, AVG, MIN, MAX or PRODUCT");
-  return static_cast<rr::RedOp>(op);
 }
 
 void check_cpu(const at::Tensor& t, const char* arg) {
@@ -65,7 +44,7 @@ class ShmComm {
 
   void all_reduce(at::Tensor t, int op) {
     check_cpu(t, "tensor");
-    run({rr::Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), t.data_ptr(), t.data_ptr()});
+    run({rr::Coll::AllReduce, rr::to_dtype(t, "tensor"), rr::to_op(op), t.numel(), t.data_ptr(), t.data_ptr()});
   }
 
   void reduce_scatter(at::Tensor out, const at::Tensor& in, int op) {
@@ -75,7 +54,7 @@ class ShmComm {
                      out.scalar_type(), " differs from input dtype ", in.scalar_type());
     TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks(), "ringreduce: input has ", in.numel(),
                       " elements; expected output.numel() * world size = ", out.numel() * nranks());
-    run({rr::Coll::ReduceScatter, to_dtype(in, "input"), to_op(op), in.numel(), in.data_ptr(),
+    run({rr::Coll::ReduceScatter, rr::to_dtype(in, "input"), rr::to_op(op), in.numel(), in.data_ptr(),
          out.data_ptr()});
   }
 
@@ -87,7 +66,7 @@ class ShmComm {
     TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks(), "ringreduce: output_tensor has ",
                       out.numel(), " elements; expected input_tensor.numel() * world size = ",
                       in.numel() * nranks());
-    run({rr::Coll::AllGather, to_dtype(in, "input_tensor"), rr::RedOp::Sum, out.numel(), in.data_ptr(),
+    run({rr::Coll::AllGather, rr::to_dtype(in, "input_tensor"), rr::RedOp::Sum, out.numel(), in.data_ptr(),
          out.data_ptr()});
   }
 

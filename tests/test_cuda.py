@@ -6,7 +6,6 @@ for that). Gloo is the bootstrap group. Skipped without a GPU.
 
     pytest -m gpu tests/test_cuda.py -v
 """
-import hashlib
 import os
 import sys
 import time
@@ -16,18 +15,15 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_ranks
+from reference import FLOATS, INTS, OPS, check_close, make_input
+from reference import digest as _digest
+from reference import reduce_reference as reference
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-INTS = (torch.int8, torch.uint8, torch.int32, torch.int64)
-OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MIN, dist.ReduceOp.MAX,
-       dist.ReduceOp.PRODUCT)
-EPS = {torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -52, torch.float16: 2.0 ** -10,
-       torch.bfloat16: 2.0 ** -7}
 # One GPU: NCCL refuses two ranks on it unless told (NCCL >= 2.30), see DESIGN.md.
 NCCL_ENV = {"RINGREDUCE_TRANSPORT": "nccl", "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 P2P_ENV = {"RINGREDUCE_TRANSPORT": "p2p"}
@@ -52,65 +48,12 @@ def setup_rank(rank):
     return dev
 
 
-def make_input(rank, numel, dtype, op, seed):
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
-    if dtype in FLOATS:
-        x = (torch.rand(numel, generator=g, dtype=torch.float64) + 0.5
-             if op == dist.ReduceOp.PRODUCT else torch.randn(numel, generator=g, dtype=torch.float64))
-        return x.to(dtype)
-    lo, hi = (-3, 4) if dtype != torch.uint8 else (0, 7)
-    if op != dist.ReduceOp.PRODUCT:
-        lo, hi = {torch.int8: (-100, 100), torch.uint8: (0, 200)}.get(dtype, (-1000, 1000))
-    return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(dtype)
-
-
-def reference(inputs, op):
-    """(expected, tolerance or None for exact) from float64 / int64 arithmetic."""
-    dtype, n = inputs[0].dtype, len(inputs)
-    if dtype in INTS:
-        acc = inputs[0].to(torch.int64)
-        for x in inputs[1:]:
-            x = x.to(torch.int64)
-            if op == dist.ReduceOp.PRODUCT:
-                acc = acc * x
-            elif op == dist.ReduceOp.MIN:
-                acc = torch.minimum(acc, x)
-            elif op == dist.ReduceOp.MAX:
-                acc = torch.maximum(acc, x)
-            else:
-                acc = acc + x
-        acc = acc.to(dtype)  # wraps as the ring does
-        if op == dist.ReduceOp.AVG:
-            acc = torch.div(acc.to(torch.int64), n, rounding_mode="trunc").to(dtype)
-        return acc, None
-    xs = [x.to(torch.float64) for x in inputs]
-    eps = EPS[dtype]
-    if op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX):
-        f = torch.minimum if op == dist.ReduceOp.MIN else torch.maximum
-        acc = xs[0]
-        for x in xs[1:]:
-            acc = f(acc, x)
-        return acc, torch.zeros_like(acc)
-    if op == dist.ReduceOp.PRODUCT:
-        acc = xs[0]
-        for x in xs[1:]:
-            acc = acc * x
-        return acc, 2 * n * eps * acc.abs()
-    acc, mag = sum(xs), sum(x.abs() for x in xs)
-    if op == dist.ReduceOp.AVG:
-        acc, mag = acc / n, mag / n
-    return acc, 2 * n * eps * mag + 1e-300  # n-1 roundings of partial sums and the last one
-
-
 def bad_count(got, expected, tol):
-    got = got.cpu()
-    if tol is None:
-        return int((got != expected).sum())
-    return int(((got.to(torch.float64) - expected).abs() > tol).sum())
+    return check_close(got.cpu(), expected, tol)
 
 
 def digest(t):
-    return hashlib.sha1(t.contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return _digest(t.cpu())
 
 
 def finish():

@@ -14,33 +14,12 @@
 #include "cuda/kernels.h"
 #include "cuda/nccl_ring.h"
 #include "cuda/p2p.h"
+#include "torch_types.h"
 
 namespace rr = ringreduce;
 namespace rc = ringreduce::cuda;
 
 namespace {
-
-rr::DType to_dtype(const at::Tensor& t, const char* arg) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return rr::DType::F32;
-    case at::kDouble: return rr::DType::F64;
-    case at::kHalf: return rr::DType::F16;
-    case at::kBFloat16: return rr::DType::BF16;
-    case at::kChar: return rr::DType::I8;
-    case at::kByte: return rr::DType::U8;
-    case at::kInt: return rr::DType::I32;
-    case at::kLong: return rr::DType::I64;
-    default:
-      TORCH_CHECK_TYPE(false, "ringreduce: ", arg, " has dtype ", t.scalar_type(),
-                       "; expected one of float32, float64, float16, bfloat16, int8, uint8, int32, int64");
-  }
-}
-
-rr::RedOp to_op(int op) {
-  TORCH_CHECK_VALUE(op >= 0 && op < static_cast<int>(rr::RedOp::kCount), "ringreduce: op code ", op,
-                    " is not SUM, AVG, MIN, MAX or PRODUCT");
-  return static_cast<rr::RedOp>(op);
-}
 
 // What a Work needs of its communicator: whether it failed, and the stream it ran on.
 struct Failure {
@@ -117,7 +96,7 @@ class CudaComm {
 
   py::object all_reduce(at::Tensor t, int op, bool async_op) {
     check(t, "tensor");
-    return run({rr::Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), t.data_ptr(),
+    return run({rr::Coll::AllReduce, rr::to_dtype(t, "tensor"), rr::to_op(op), t.numel(), t.data_ptr(),
                 t.data_ptr()}, {t}, async_op);
   }
 
@@ -128,7 +107,7 @@ class CudaComm {
                      out.scalar_type(), " differs from input dtype ", in.scalar_type());
     TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, "ringreduce: input has ", in.numel(),
                       " elements; expected output.numel() * world size = ", out.numel() * nranks_);
-    return run({rr::Coll::ReduceScatter, to_dtype(in, "input"), to_op(op), in.numel(), in.data_ptr(),
+    return run({rr::Coll::ReduceScatter, rr::to_dtype(in, "input"), rr::to_op(op), in.numel(), in.data_ptr(),
                 out.data_ptr()}, {out, in}, async_op);
   }
 
@@ -140,7 +119,7 @@ class CudaComm {
     TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks_, "ringreduce: output_tensor has ",
                       out.numel(), " elements; expected input_tensor.numel() * world size = ",
                       in.numel() * nranks_);
-    return run({rr::Coll::AllGather, to_dtype(in, "input_tensor"), rr::RedOp::Sum, out.numel(),
+    return run({rr::Coll::AllGather, rr::to_dtype(in, "input_tensor"), rr::RedOp::Sum, out.numel(),
                 in.data_ptr(), out.data_ptr()}, {out, in}, async_op);
   }
 

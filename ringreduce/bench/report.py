@@ -81,7 +81,7 @@ def print_summary(run):
     keys = list(dict.fromkeys(k for e in s["time_ratios_inplace"] for k in e
                               if k not in ("collective", "size_bytes")))
     if keys:
-        print(f"#\n# time ratio baseline / ringreduce, in-place (> 1: ringreduce faster)")
+        print("#\n# time ratio baseline / ringreduce, in-place (> 1: ringreduce faster)")
         print("# " + f"{'collective':>16}{'size(B)':>12}" + "".join(f"{k:>34}" for k in keys))
         for e in s["time_ratios_inplace"]:
             print("# " + f"{e['collective']:>16}{e['size_bytes']:>12}" +
@@ -101,7 +101,7 @@ def print_summary(run):
 def print_vs_n(runs):
     """Time (us, in-place) at the largest size of each collective against the rank count."""
     ns = [r["nranks"] for r in runs]
-    print(f"#\n# time (us) vs nranks at the largest size, in-place")
+    print("#\n# time (us) vs nranks at the largest size, in-place")
     print("# " + f"{'collective':>16}{'size(B)':>12}{'backend':>18}" +
           "".join(f"{'N=' + str(n):>12}" for n in ns))
     for c, size, b, t in vs_n(runs):
