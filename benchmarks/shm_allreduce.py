@@ -1,7 +1,10 @@
 """ringreduce.all_reduce (shared-memory ring) vs torch.distributed.all_reduce on Gloo, CPU, float32.
 
-Both run in the same processes, alternating iteration by iteration, after a Gloo barrier so every
-rank starts together; times are rank 0's, medians over --iters. Also prints the machine's memory
+Both run in the same processes, alternating iteration by iteration. An iteration is a checked,
+untimed call, then a Gloo barrier so every rank starts together, then agg calls back to back
+(enough to move 1 MiB, at most 32; 1 from 1 MiB up) timed together: the time is per call, rank
+0's, median over --iters. Timing single calls after a barrier would add the barrier's skew (tens
+of microseconds) to calls that take a few. Also prints the machine's memory
 copy bandwidth measured in the same run (read + write counted), the physical limit here.
 
     python benchmarks/shm_allreduce.py --nranks 2,4
@@ -54,18 +57,22 @@ def worker(rank, world, store_path, sizes, iters, warmup, queue):
         n = nbytes // 4
         t = torch.ones(n)
         ring, gloo = [], []
+        agg = max(1, min(32, (1 << 20) // nbytes))
         for it in range(warmup + iters):
             for name, fn, acc in (("ringreduce", rr.all_reduce, ring),
                                   ("gloo", dist.all_reduce, gloo)):
-                t.fill_(1.0)
-                dist.barrier()
-                t0 = time.perf_counter()
+                t.fill_(1.0)  # checked, untimed call
                 fn(t)
-                dt = time.perf_counter() - t0
-                if it >= warmup:
-                    acc.append(dt)
                 if t[0].item() != world or t[-1].item() != world:
                     raise AssertionError(f"{name}: wrong result {t[0].item()} at {nbytes} B")
+                t.zero_()  # timed calls reduce zeros: the same work, values that never overflow
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(agg):
+                    fn(t)
+                dt = (time.perf_counter() - t0) / agg
+                if it >= warmup:
+                    acc.append(dt)
         rows.append((nbytes, statistics.median(ring), statistics.median(gloo)))
     if rank == 0:
         queue.put(rows)
@@ -96,7 +103,7 @@ def main():
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     print(f"# machine: {os.cpu_count()} cores, torch {torch.__version__}, float32 SUM, "
-          f"median of {args.iters}, rank 0's time after a barrier")
+          f"median of {args.iters}, rank 0's time per call, back to back after a barrier")
     print(f"# memory copy bandwidth (read+write): {copy_bandwidth():.1f} GB/s")
     for world in (int(w) for w in args.nranks.split(",")):
         rows = run(world, sizes, args.iters, args.warmup)

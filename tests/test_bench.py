@@ -15,7 +15,8 @@ from ringreduce.bench import cli, data
 
 RUN_TIMEOUT = 240
 ROW_FIELDS = {"collective", "backend", "nranks", "size_bytes", "count", "dtype", "op", "inplace",
-              "time_us", "algbw_GBps", "busbw_GBps", "wrong", "iters", "time_us_min", "time_us_max"}
+              "time_us", "algbw_GBps", "busbw_GBps", "wrong", "iters", "agg_iters", "time_us_min",
+              "time_us_max"}
 MACHINE_FIELDS = {"cpu_model", "cpu_cores", "memory_bytes", "python", "torch", "ringreduce",
                   "cuda", "gpu_name", "nccl_version"}
 RUN_FIELDS = {"nranks", "device", "machine", "backends", "notes", "peak_membw_GBps",
@@ -99,9 +100,11 @@ def test_quick_plots_written(quick_run):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("dtype,op", [("half", "prod"), ("int32", "avg"), ("bfloat16", "max")])
-def test_other_types_and_ops_check_clean(dtype, op):
-    res = bench("--quick", "--nranks", "2", "-e", "8K", "-d", dtype, "-o", op)
+@pytest.mark.parametrize("dtype,op,agg", [("half", "prod", "1"), ("int32", "avg", "1"),
+                                          ("bfloat16", "max", "1"), ("float", "sum", "3"),
+                                          ("half", "prod", "3")])
+def test_other_types_and_ops_check_clean(dtype, op, agg):
+    res = bench("--quick", "--nranks", "2", "-e", "8K", "-d", dtype, "-o", op, "-m", agg)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = parse_rows(res.stdout)
     assert rows and all(r["oop"][3] == "0" and r["ip"][3] == "0" for r in rows)
@@ -110,8 +113,10 @@ def test_other_types_and_ops_check_clean(dtype, op):
         assert {r["backend"] for r in rows if r["redop"] == "avg"} == {"ringreduce/shm"}
 
 
-def test_corrupted_result_is_counted():
-    res = bench("--quick", "--nranks", "2", "-e", "1K", "--corrupt-for-test", "ringreduce")
+@pytest.mark.parametrize("agg", ["1", "3"])
+def test_corrupted_result_is_counted(agg):
+    res = bench("--quick", "--nranks", "2", "-e", "1K", "-m", agg, "--corrupt-for-test",
+                "ringreduce")
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     rows = parse_rows(res.stdout)
     assert len(rows) == 3 * 3
@@ -119,6 +124,14 @@ def test_corrupted_result_is_counted():
         expect = "1" if r["backend"] == "ringreduce/shm" else "0"
         assert r["oop"][3] == expect and r["ip"][3] == expect, r
     assert "FAILED" in res.stdout
+
+
+def test_agg_iters_default():
+    a = cli.parse_args(["--nranks", "2"])
+    assert [cli.agg_iters(a, n) for n in (4 << 10, 64 << 10, 256 << 10, 1 << 20, 64 << 20)] == \
+        [32, 16, 4, 1, 1]
+    assert cli.agg_iters(cli.parse_args(["--nranks", "2", "-m", "5"]), 4 << 10) == 5
+    assert cli.agg_iters(cli.parse_args(["--quick"]), 1 << 10) == 1
 
 
 def test_check_off_prints_na():
@@ -135,8 +148,9 @@ def test_check_off_prints_na():
     (["--nranks", "0"], "must be >= 1"),
     (["--backends", "nccl"], "invalid backend"),
     (["-b", "1M", "-e", "1K"], "larger than"),
-    (["--plot", "out.pdf"], "must end in .png"),
     (["-o", "mean"], "invalid choice"),
+    (["-m", "0"], "must be >= 1"),
+    (["--plot", "out.pdf"], "must end in .png"),
 ])
 def test_bad_flags_rejected(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:

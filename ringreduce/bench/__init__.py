@@ -31,8 +31,10 @@ Definitions (nccl-tests)
     output). algbw = bytes / time in GB/s (1e9). busbw = algbw * 2(N-1)/N for all_reduce and
     algbw * (N-1)/N for reduce_scatter and all_gather. For reduce_scatter and all_gather the element
     count is rounded down to a multiple of N (at least N). time = median over the timed iterations
-    of the slowest rank's time (each rank times its own call, starting together after a barrier;
-    the call is over when the last rank is done). On CUDA the timed region ends with a device
+    of the slowest rank's time per call (each rank times -m calls back to back, starting together
+    after a barrier, and divides by -m; the calls are over when the last rank is done). -m
+    defaults to enough calls to move 1 MiB, at most 32, so the barrier's skew (tens of us on a
+    loaded host) does not swamp calls that take a few; at 1 MiB and above it is 1. On CUDA the timed region ends with a device
     synchronize.
 
 Out-of-place and in-place

@@ -29,6 +29,10 @@ BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/p2p", "ringreduce/nccl",
 DEFAULTS_CPU = (4 << 10, 64 << 20, 4, 10, 2)
 DEFAULTS_GPU = (4 << 10, 256 << 20, 4, 20, 5)
 DEFAULTS_QUICK = (1 << 10, 64 << 10, 8, 3, 1)
+# Auto -m: back-to-back calls per timed iteration until they move AGG_BYTES (at most AGG_MAX), so
+# that the skew of the barrier before an iteration (tens of microseconds) does not swamp
+# small calls that take a few.
+AGG_BYTES, AGG_MAX = 1 << 20, 32
 DEFAULT_RANKS_CPU = 4
 DEFAULT_RANKS_ONE_GPU = 4
 
@@ -89,6 +93,9 @@ def build_parser():
     p.add_argument("-f", "--stepfactor", type=_int_at_least(2), help="size multiplier (default 4)")
     p.add_argument("-n", "--iters", type=_int_at_least(1), help="timed iterations (CPU 10, GPU 20)")
     p.add_argument("-w", "--warmup_iters", type=_int_at_least(0), help="warmup (CPU 2, GPU 5)")
+    p.add_argument("-m", "--agg_iters", type=_int_at_least(1),
+                   help="calls aggregated back to back in each timed iteration; the time is per "
+                        "call (default: enough for 1 MiB, at most 32; --quick 1)")
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
                    help="check every timed result (default 1)")
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float")
@@ -124,6 +131,8 @@ def parse_args(argv=None):
     for name, value in zip(("minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters"), base):
         if getattr(a, name) is None:
             setattr(a, name, value)
+    if a.quick and a.agg_iters is None:
+        a.agg_iters = 1
     if a.minbytes > a.maxbytes:
         parser.error(f"-b/--minbytes ({a.minbytes}) is larger than -e/--maxbytes ({a.maxbytes})")
     a.dtype = DTYPES[a.datatype]
@@ -165,6 +174,13 @@ def expand_backends(names, device, parser):
         else:
             out.append(f"{name}/{base}")
     return list(dict.fromkeys(out))
+
+
+def agg_iters(a, size):
+    """Calls per timed iteration at this size: -m, or the automatic choice above."""
+    if a.agg_iters is not None:
+        return a.agg_iters
+    return max(1, min(AGG_MAX, AGG_BYTES // size))
 
 
 def sizes(a):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from . import backends as bk
 from . import report
-from .cli import sizes
+from .cli import agg_iters, sizes
 from .data import Reference, sentinel
 
 MEMBW_BYTES = 256 << 20  # large enough to leave every cache far behind (L3 is tens of MiB)
@@ -156,8 +156,12 @@ def probe_backends(ctx):
     ctx.backends = keep
 
 
-def time_case(ctx, buffers, inplace, backends):
-    """Warmup and timed iterations, backends rotated every iteration; per-backend statistics."""
+def time_case(ctx, buffers, inplace, backends, agg):
+    """Warmup and timed iterations, backends rotated every iteration; per-backend statistics.
+
+    An iteration times agg calls back to back after a barrier, per call. With agg 1 the timed
+    result is checked; with more, repeated in-place calls change their own input, so an untimed
+    call from fresh buffers just before is checked instead."""
     a = ctx.args
     k = len(backends)
     times = torch.zeros(k, a.iters, dtype=torch.float64)
@@ -166,19 +170,23 @@ def time_case(ctx, buffers, inplace, backends):
         timed = it - a.warmup_iters
         for j in [(it + s) % k for s in range(k)]:  # rotate the order so no backend is always first
             b = backends[j]
+            if agg > 1 and timed >= 0:
+                call, result = buffers.prepare(b, inplace)
+                call()
+                ctx.sync()
+                check(ctx, buffers, b, result, wrong, j, timed)
             call, result = buffers.prepare(b, inplace)
             ctx.barrier()
             t0 = time.perf_counter()
-            call()
+            for _ in range(agg):
+                call()
             ctx.sync()
             t1 = time.perf_counter()
             if timed < 0:
                 continue
-            times[j, timed] = t1 - t0
-            if a.corrupt_for_test == b.label and timed == 0 and ctx.rank == 0:
-                result[:1].add_(CORRUPT_DELTA)
-            if a.check:
-                wrong[j, timed] = buffers.ref.wrong(result)
+            times[j, timed] = (t1 - t0) / agg
+            if agg == 1:
+                check(ctx, buffers, b, result, wrong, j, timed)
     # The call ends when the slowest rank is done; wrong elements add up over ranks.
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=ctx.ctrl)
     dist.all_reduce(wrong, op=dist.ReduceOp.SUM, group=ctx.ctrl)
@@ -189,6 +197,14 @@ def time_case(ctx, buffers, inplace, backends):
                     "time_us_max": max(t) * 1e6,
                     "wrong": int(wrong[j].max()) if a.check else None})
     return out
+
+
+def check(ctx, buffers, backend, result, wrong, j, timed):
+    a = ctx.args
+    if a.corrupt_for_test == backend.label and timed == 0 and ctx.rank == 0:
+        result[:1].add_(CORRUPT_DELTA)
+    if a.check:
+        wrong[j, timed] = buffers.ref.wrong(result)
 
 
 def sweep(ctx):
@@ -210,9 +226,10 @@ def sweep(ctx):
             count = element_count(collective, size, elsize, ctx.world)
             buffers = Buffers(collective, count, ctx)
             stats = {}
+            agg = agg_iters(a, count * elsize)
             ctx.progress(f"[bench] N={ctx.world} {collective} {report.human(count * elsize)}")
             for inplace in (False, True):
-                stats[inplace] = time_case(ctx, buffers, inplace, runnable)
+                stats[inplace] = time_case(ctx, buffers, inplace, runnable, agg)
             for j, b in enumerate(runnable):
                 for inplace in (False, True):
                     s = stats[inplace][j]
@@ -222,7 +239,7 @@ def sweep(ctx):
                                      op="none" if collective == "all_gather" else a.op,
                                      inplace=inplace, time_us=s["time_us"], algbw_GBps=algbw,
                                      busbw_GBps=algbw * bus_factor(collective, ctx.world),
-                                     wrong=s["wrong"], iters=a.iters,
+                                     wrong=s["wrong"], iters=a.iters, agg_iters=agg,
                                      time_us_min=s["time_us_min"], time_us_max=s["time_us_max"]))
                 if ctx.rank == 0:
                     report.print_row(rows[-2], rows[-1])
