@@ -38,10 +38,16 @@ def raised(fn):
 def victim_worker(rank, world, victim, how, ready_dir):
     t = torch.ones(1 << 20)
     rr.all_reduce(t)  # communicator set up, every rank alive
+    if how == "sigkill_inside_collective":
+        t = torch.ones(16 << 20)  # 64 MiB: tens of ms a call, so the kill lands inside one
     if rank == victim:
         if how == "exit_inside_collective":
             threading.Timer(0.2, lambda: os._exit(3)).start()
             while True:
+                rr.all_reduce(t)
+        open(os.path.join(ready_dir, "ready"), "w").close()
+        if how == "sigkill_inside_collective":
+            while True:  # killed from outside while the ring runs
                 rr.all_reduce(t)
         open(os.path.join(ready_dir, "ready"), "w").close()
         time.sleep(120)  # killed from outside before the next collective
@@ -58,16 +64,19 @@ def victim_worker(rank, world, victim, how, ready_dir):
     return first, again
 
 
-@pytest.mark.parametrize("how", ["sigkill_before_call", "exit_inside_collective"])
+@pytest.mark.parametrize("how", ["sigkill_before_call", "sigkill_inside_collective",
+                                 "exit_inside_collective"])
 def test_dead_peer(how, tmp_path):
     world, victim = 3, 1
     procs, q, _ = spawn(world, victim_worker, victim, how, str(tmp_path),
                         env={"RINGREDUCE_TIMEOUT": "60"})
-    if how == "sigkill_before_call":
+    if how.startswith("sigkill"):
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists():
             assert time.monotonic() < deadline, "victim never got ready"
             time.sleep(0.01)
+        if how == "sigkill_inside_collective":
+            time.sleep(0.3)  # a few 64 MiB calls in
         os.kill(procs[victim].pid, signal.SIGKILL)  # stays a zombie until joined: still "dead"
     results, errors = collect(procs, q, timeout=90, expect=[r for r in range(world) if r != victim])
     assert not errors, errors
