@@ -16,7 +16,7 @@ target_compile_options(ringreduce_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xcompiler=-Wall>
   $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
 
-add_executable(test_cuda_kernels tests/native/test_cuda_kernels.cu)
+add_executable(test_cuda_kernels tests/native/test_cuda_kernels.cpp)
 target_link_libraries(test_cuda_kernels PRIVATE ringreduce_cuda)
 add_test(NAME test_cuda_kernels COMMAND test_cuda_kernels)
 set_tests_properties(test_cuda_kernels PROPERTIES TIMEOUT 600)

@@ -84,7 +84,7 @@ class ShmComm {
   int nranks() const { return nranks_; }
   // Waits release the GIL. On the main thread a pending signal (Ctrl-C) ends the wait: the group
   // is aborted and the handler's exception (KeyboardInterrupt) is raised instead of RingReduceError.
-  void run(const rr::shm::Call& c) {
+  void run(const rr::Call& c) {
     std::unique_ptr<py::error_already_set> pending;
     const std::function<bool()> check = [&pending] {
       py::gil_scoped_acquire gil;

@@ -122,6 +122,13 @@ template <class T> T mul(T a, T b) {
   }
 }
 
+// x / divisor. Integers divide in a wide type: the divisor (the world size) need not fit the element
+// type (int8 with 128 ranks, uint8 with 256), so casting it there would divide by -128 or by zero.
+template <class T> T divide_by(T x, int divisor) {
+  if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<int64_t>(x) / divisor);
+  else return x / static_cast<T>(divisor);
+}
+
 // Plain loops over one compute type; the compiler keeps them in SIMD registers (-O3).
 template <class T>
 void reduce_plain(RedOp op, T* d, const T* a, const T* b, int64_t n, int divisor) {
@@ -142,10 +149,8 @@ void reduce_plain(RedOp op, T* d, const T* a, const T* b, int64_t n, int divisor
     default:
       break;
   }
-  if (op == RedOp::Avg && divisor > 1) {
-    const T div = static_cast<T>(divisor);
-    for (int64_t i = 0; i < n; ++i) d[i] = d[i] / div;
-  }
+  if (op == RedOp::Avg && divisor > 1)
+    for (int64_t i = 0; i < n; ++i) d[i] = divide_by(d[i], divisor);
 }
 
 // fp16/bf16: convert a block to fp32, reduce there, round once.
@@ -204,8 +209,7 @@ void divide(DType t, void* dst, const void* src, int64_t n, int divisor) {
                     static_cast<const T*>(dst), n, 2 * divisor);  // (x + x) / 2N in fp32: exact doubling
       } else {
         T* d = static_cast<T*>(dst);
-        const T div = static_cast<T>(divisor);
-        for (int64_t i = 0; i < n; ++i) d[i] = d[i] / div;
+        for (int64_t i = 0; i < n; ++i) d[i] = divide_by(d[i], divisor);
       }
     }
   });

@@ -163,7 +163,7 @@ class CudaComm {
     TORCH_CHECK_VALUE(t.is_contiguous(), "ringreduce: ", arg, " must be contiguous");
   }
 
-  py::object run(const rr::shm::Call& c, const std::vector<at::Tensor>& tensors, bool async_op) {
+  py::object run(const rr::Call& c, const std::vector<at::Tensor>& tensors, bool async_op) {
     Ring& ring = this->ring();
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_).stream();

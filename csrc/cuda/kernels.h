@@ -7,7 +7,7 @@
 #include <string>
 
 #include "cpu/reduce.h"
-#include "shm/protocol.h"  // RingError
+#include "ring/call.h"
 
 namespace ringreduce::cuda {
 

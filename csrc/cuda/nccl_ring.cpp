@@ -153,9 +153,23 @@ Ring::~Ring() {
   }
 }
 
-void Ring::set_failure(const std::string& why) {
+uint64_t Ring::first_unfinished() {
+  std::lock_guard<std::mutex> qlk(qmu_);
+  while (!inflight_.empty() && cudaEventQuery(inflight_.front().done) == cudaSuccess) {
+    cudaEventDestroy(inflight_.front().done);
+    inflight_.pop_front();
+  }
+  cudaGetLastError();
+  if (!inflight_.empty()) return inflight_.front().seq;
+  return op_seq_ + (in_call_ ? 0 : 1);  // the call being enqueued, else the next one
+}
+
+void Ring::set_failure(const std::string& why, uint64_t seq) {
+  if (seq == 0) seq = first_unfinished();
   std::lock_guard<std::mutex> lk(fmu_);
-  if (failure_.empty()) failure_ = why;
+  if (!failure_.empty()) return;
+  failure_ = why;
+  failed_seq_ = seq;
 }
 
 std::string Ring::failure() {
@@ -177,6 +191,10 @@ void Ring::nccl_check(int res, const char* what) {
                     " failed: " + nc.error_string(static_cast<ncclResult_t>(res));
   const char* last = comm_ ? nc.last_error(comm_) : nullptr;
   if (last && *last) msg += std::string(" (") + last + ")";
+  if (res == ncclInvalidUsage)  // NCCL's usual reason: two ranks of the group on one GPU
+    msg += ". If ranks of the group share a GPU: NCCL >= 2.30 accepts that with "
+           "NCCL_MULTI_RANK_GPU_ENABLE=1 set on every rank; or use RINGREDUCE_TRANSPORT=p2p, which "
+           "moves data between ranks on one GPU through CUDA IPC";
   fail_locked(msg);
   throw RingError(msg);
 }
@@ -209,14 +227,21 @@ void Ring::settle(const char* what) {
 void Ring::group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream) {
   const Api& nc = api(opt_.lib);
   nccl_check(nc.group_start(), "ncclGroupStart");
-  nccl_check(nc.send(sbuf, sbytes, ncclInt8, down_, comm_, stream), "ncclSend");
-  nccl_check(nc.recv(rbuf, rbytes, ncclInt8, up_, comm_, stream), "ncclRecv");
-  const ncclResult_t r = nc.group_end();
-  if (r != ncclInProgress) nccl_check(r, "ncclGroupEnd");
+  const char* failed = "ncclSend";
+  ncclResult_t r = nc.send(sbuf, sbytes, ncclInt8, down_, comm_, stream);
+  if (r == ncclSuccess) {
+    failed = "ncclRecv";
+    r = nc.recv(rbuf, rbytes, ncclInt8, up_, comm_, stream);
+  }
+  // The group is ended whatever happened inside it: a group left open would defer every later NCCL
+  // call of this thread, torch's included, without an error.
+  const ncclResult_t end = nc.group_end();
+  nccl_check(r, failed);
+  if (end != ncclInProgress) nccl_check(end, "ncclGroupEnd");
   settle("ncclGroupEnd (send/recv with the ring neighbours)");
 }
 
-void Ring::run(const shm::Call& c, cudaStream_t stream) {
+void Ring::run(const Call& c, cudaStream_t stream) {
   if (closed_) throw RingError("ringreduce: nccl communicator is closed");
   const std::string f = failure();
   if (!f.empty()) throw RingError("ringreduce: communicator is broken by an earlier failure: " + f);
@@ -226,6 +251,11 @@ void Ring::run(const shm::Call& c, cudaStream_t stream) {
                                 std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
   std::lock_guard<std::mutex> lk(mu_);
   ++op_seq_;
+  in_call_ = true;
+  struct Done {
+    std::atomic<bool>& flag;
+    ~Done() { flag = false; }
+  } done_guard{in_call_};
   const size_t es = dtype_size(c.dtype);
   const char* in = static_cast<const char*>(c.in);
   char* out = static_cast<char*>(c.out);
@@ -278,7 +308,7 @@ void Ring::run(const shm::Call& c, cudaStream_t stream) {
   RR_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   RR_CUDA_CHECK(cudaEventRecord(done, stream));
   std::lock_guard<std::mutex> qlk(qmu_);
-  inflight_.push_back({done, op_seq_, Clock::now()});
+  inflight_.push_back({done, op_seq_.load(), Clock::now()});
 }
 
 void Ring::watch() {
@@ -290,17 +320,25 @@ void Ring::watch() {
   while (!stop_) {
     qcv_.wait_for(qlk, kWatchPeriod);
     if (stop_) break;
+    std::string why;
+    uint64_t why_seq = 0;
     while (!inflight_.empty()) {
       Pending& p = inflight_.front();
       const cudaError_t q = cudaEventQuery(p.done);
       if (q == cudaErrorNotReady) break;
       cudaGetLastError();
+      if (q != cudaSuccess) {  // a fault on the stream (sticky): nothing after it ran right
+        why = "ringreduce: rank " + std::to_string(opt_.rank) + ": collective #" +
+              std::to_string(p.seq) + " on the nccl transport failed: CUDA error " +
+              cudaGetErrorName(q) + " (" + cudaGetErrorString(q) + ")";
+        why_seq = p.seq;
+        break;
+      }
       cudaEventDestroy(p.done);
       inflight_.pop_front();
       last_done = Clock::now();
     }
-    std::string why;
-    if (!inflight_.empty()) {
+    if (why.empty() && !inflight_.empty()) {
       const Pending& p = inflight_.front();
       const auto started = std::max(p.enqueued, last_done);
       if (Clock::now() - started > timeout)
@@ -308,7 +346,17 @@ void Ring::watch() {
               std::to_string(p.seq) + " on the nccl transport timed out after " +
               seconds(opt_.timeout_s) + " s (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
     }
+    if (!why.empty() && why_seq == 0) why_seq = inflight_.front().seq;
     qlk.unlock();
+    if (why.empty()) {
+      std::vector<host::Peer> peers;
+      {
+        std::lock_guard<std::mutex> flk(fmu_);
+        peers = peers_;
+      }
+      const std::string dead = host::dead_peer(peers);
+      if (!dead.empty()) why = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + dead;
+    }
     if (why.empty() && failure().empty()) {
       std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
       if (lk.owns_lock() && comm_) {
@@ -319,7 +367,7 @@ void Ring::watch() {
                 api(opt_.lib).error_string(state);
       }
     }
-    if (!why.empty()) set_failure(why);  // the first failure wins
+    if (!why.empty()) set_failure(why, why_seq);  // the first failure wins
     // Abort for a timeout seen now, and also for one requested earlier while run() held mu_ (a
     // timeout here, or abort() from another thread): run() may have returned without polling
     // again, and then nobody aborted the communicator, NCCL's kernels never returned and every
@@ -333,6 +381,11 @@ void Ring::watch() {
     }
     qlk.lock();
   }
+}
+
+void Ring::watch_peers(std::vector<host::Peer> peers) {
+  std::lock_guard<std::mutex> lk(fmu_);
+  peers_ = std::move(peers);
 }
 
 void Ring::abort(const std::string& why) {

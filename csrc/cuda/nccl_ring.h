@@ -13,8 +13,10 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
-#include "shm/protocol.h"
+#include "host/peers.h"
+#include "ring/call.h"
 
 struct ncclComm;
 
@@ -50,11 +52,15 @@ class Ring {
   Ring& operator=(const Ring&) = delete;
 
   // Enqueues one collective on stream. Throws RingError when the ring is broken or NCCL fails.
-  void run(const shm::Call& c, cudaStream_t stream);
-  // The first failure (the watchdog's timeout, NCCL's async error), or "".
+  void run(const Call& c, cudaStream_t stream);
+  // The first failure (the watchdog's timeout, NCCL's async error, a CUDA error, a dead peer), or "".
   std::string failure();
   bool broken() { return !failure().empty(); }
+  // The op_seq of the first call that failed, or 0 (see p2p::Ring::failed_seq).
+  uint64_t failed_seq() const { return failed_seq_; }
   void abort(const std::string& why);
+  // The watchdog also checks these peers' processes; a dead one fails and aborts the communicator.
+  void watch_peers(std::vector<host::Peer> peers);
   // Finalizes (or aborts, when broken) the NCCL communicator; frees the staging. Idempotent. The
   // caller's stream must be idle.
   void close();
@@ -71,7 +77,9 @@ class Ring {
   void settle(const char* what);  // non-blocking NCCL: wait until the last call is done, bounded
   void nccl_check(int res, const char* what);
   void fail_locked(const std::string& why);  // mu_ held: abort the NCCL communicator, record why
-  void set_failure(const std::string& why);
+  // Records the first failure; seq: the first call it spoils (0: the oldest call not finished).
+  void set_failure(const std::string& why, uint64_t seq = 0);
+  uint64_t first_unfinished();  // qmu_ not held
   void watch();
 
   Options opt_;
@@ -79,13 +87,16 @@ class Ring {
   int up_ = 0, down_ = 0;
   ncclComm* comm_ = nullptr;
   char* staging_[2] = {nullptr, nullptr};
-  uint64_t op_seq_ = 0;
+  std::atomic<uint64_t> op_seq_{0};
+  std::atomic<bool> in_call_{false};  // run() is enqueueing call op_seq_
   bool closed_ = false;
 
   std::mutex mu_;  // NCCL calls on comm_
   std::atomic<bool> abort_requested_{false};
-  std::mutex fmu_;  // failure_
+  std::mutex fmu_;  // failure_, peers_
   std::string failure_;
+  std::atomic<uint64_t> failed_seq_{0};
+  std::vector<host::Peer> peers_;
   std::mutex qmu_;  // inflight_, stop_
   std::condition_variable qcv_;
   std::deque<Pending> inflight_;

@@ -3,6 +3,7 @@
 #include "cuda/p2p.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
@@ -48,6 +49,29 @@ const char* cause_text(uint32_t cause) {
 }
 
 }  // namespace
+
+std::string device_bus_id() {
+  int dev = 0;
+  RR_CUDA_CHECK(cudaGetDevice(&dev));
+  char id[32] = {};
+  RR_CUDA_CHECK(cudaDeviceGetPCIBusId(id, sizeof id, dev));
+  return id;
+}
+
+bool can_map(const std::string& bus_id, std::string* why) {
+  int dev = 0, other = -1, can = 0;
+  RR_CUDA_CHECK(cudaGetDevice(&dev));
+  if (cudaDeviceGetByPCIBusId(&other, bus_id.c_str()) != cudaSuccess) {
+    cudaGetLastError();
+    *why = "device " + bus_id + " is not visible to this process";
+    return false;
+  }
+  if (other == dev) return true;
+  RR_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, dev, other));
+  if (!can) *why = "devices " + std::to_string(dev) + " and " + std::to_string(other) + " (" + bus_id +
+                   ") have no peer access (cudaDeviceCanAccessPeer)";
+  return can != 0;
+}
 
 Ring::Ring(const Options& opt) : opt_(opt) {
   if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
@@ -128,7 +152,7 @@ void Ring::connect_local(const Ring& up, const Ring& down) {
   down_area_ = down.area_;
 }
 
-void Ring::run(const shm::Call& c, cudaStream_t stream) {
+void Ring::run(const Call& c, cudaStream_t stream) {
   if (!area_) throw RingError("ringreduce: p2p communicator is closed");
   const std::string failed = failure();
   if (!failed.empty())
@@ -176,10 +200,14 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
   const uint32_t cause = abort_cause(e.word);
   const int who = abort_rank(e.word);
   char where[200];
-  std::snprintf(where, sizeof where, "%s #%llu (%s step %d, slice %lld, channel %d)",
-                coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
-                e.phase ? "all-gather" : "reduce-scatter", e.step, static_cast<long long>(e.slice),
-                channel);
+  if (e.phase < 0)
+    std::snprintf(where, sizeof where, "%s #%llu (not started, channel %d)",
+                  coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq), channel);
+  else
+    std::snprintf(where, sizeof where, "%s #%llu (%s step %d, slice %lld, channel %d)",
+                  coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
+                  e.phase ? "all-gather" : "reduce-scatter", e.step, static_cast<long long>(e.slice),
+                  channel);
   const std::string me = "ringreduce: rank " + std::to_string(opt_.rank) + ": ";
   if (!e.local)
     return me + where + " stopped because rank " + std::to_string(who) + " " + cause_text(cause) +
@@ -227,10 +255,29 @@ std::string Ring::failure() {
   return failure_;
 }
 
+uint64_t Ring::failed_seq() {
+  std::lock_guard<std::mutex> lk(mu_);
+  uint64_t first = abort_seq_;
+  if (!ctl_) return first;
+  for (int k = 0; k < opt_.channels; ++k) {
+    const volatile ErrorRecord* e = &ctl_->err[k];
+    if (e->word == 0) continue;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const uint64_t seq = e->mine.op_seq;
+    if (first == 0 || seq < first) first = seq;
+  }
+  return first;
+}
+
 void Ring::abort(const std::string& why) {
   std::lock_guard<std::mutex> lk(mu_);
+  abort_locked(why);
+}
+
+void Ring::abort_locked(const std::string& why) {
   if (!ctl_) return;
   if (reason_.empty()) reason_ = why;
+  if (abort_seq_ == 0) abort_seq_ = op_seq_ + 1;
   std::atomic_thread_fence(std::memory_order_seq_cst);
   reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = 1;
   // Also stop the neighbours, which read only device memory: copy the abort word into the area on
@@ -245,14 +292,42 @@ void Ring::abort(const std::string& why) {
   if (failure_.empty()) failure_ = "ringreduce: rank " + std::to_string(opt_.rank) + ": aborted: " + why;
 }
 
-void Ring::close() {
+void Ring::watch_peers(std::vector<host::Peer> peers) {
+  // 50 ms: as the shared-memory ring's peer check; a /proc read per peer each time.
+  watcher_ = std::make_unique<host::Ticker>(std::chrono::milliseconds(50), [this, peers] {
+    const std::string dead = host::dead_peer(peers);
+    if (dead.empty()) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    if (reason_.empty()) abort_locked(dead);
+  });
+}
+
+namespace {
+std::mutex g_kept_mu;
+size_t g_kept_bytes = 0;
+}  // namespace
+
+size_t Ring::kept_bytes() {
+  std::lock_guard<std::mutex> lk(g_kept_mu);
+  return g_kept_bytes;
+}
+
+void Ring::close(bool peers_done) {
+  if (watcher_) watcher_->stop();  // it takes mu_
   std::lock_guard<std::mutex> lk(mu_);  // failure() and abort() read ctl_ and area_
   DeviceScope scope(device_);
+  const bool keep = area_ && opt_.nranks > 1 && !peers_done;
+  if (keep) abort_locked("closed while a neighbour may still use this rank's memory");
   if (side_) cudaStreamSynchronize(side_);
   if (ipc_ && up_area_) cudaIpcCloseMemHandle(up_area_);
   if (ipc_ && down_area_ && down_area_ != up_area_) cudaIpcCloseMemHandle(down_area_);
   up_area_ = down_area_ = nullptr;
-  if (area_) cudaFree(area_);
+  if (keep) {
+    std::lock_guard<std::mutex> klk(g_kept_mu);
+    g_kept_bytes += area_bytes(opt_.channels, opt_.slice_bytes);  // freed by the process's exit
+  } else if (area_) {
+    cudaFree(area_);
+  }
   area_ = nullptr;
   if (ctl_) cudaFreeHost(ctl_);
   ctl_ = ctl_dev_ = nullptr;

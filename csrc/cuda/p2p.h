@@ -8,17 +8,22 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
+
+#include "host/peers.h"
 
 #include "ring/schedule.h"
-#include "shm/protocol.h"
+#include "ring/call.h"
 
 namespace ringreduce::cuda::p2p {
 
 // Same FIFO depth, and the same reason for it, as the shared-memory ring.
-constexpr int kSlots = shm::kSlots;
+constexpr int kSlots = ring::kSlots;
 // Channels (one thread block each, over disjoint parts of every chunk). 16 is a guess from NCCL's
 // ring channel counts on NVLink machines (16-32 on A100/H100); not measured here (no GPU).
 constexpr int kDefaultChannels = 16;
@@ -67,7 +72,7 @@ struct ErrorRecord {
   uint32_t word;   // abort_word of the cause (its rank may be another one: propagated)
   uint32_t local;  // 1: this block saw the cause itself (timeout/mismatch/host abort here)
   int32_t peer;    // the neighbour waited on
-  int32_t phase;   // 0 reduce-scatter, 1 all-gather
+  int32_t phase;   // 0 reduce-scatter, 1 all-gather, -1 not started (stopped before the call)
   int32_t step;
   int32_t waiting_for_slot;  // 1: a free slot at downstream, 0: a message from upstream
   int64_t slice;
@@ -98,6 +103,12 @@ struct RingArgs {
   int rank, nranks, nch, divisor;
   uint8_t coll, dtype, op;
 };
+
+// The transport choice: PCI bus id of the current device ("0000:17:00.0"), and whether the current
+// device can map memory of the device with that bus id through CUDA IPC (the same device, or a peer
+// in cudaDeviceCanAccessPeer's sense); why: the reason when it cannot.
+std::string device_bus_id();
+bool can_map(const std::string& bus_id, std::string* why);
 
 // One block per channel; torch-free launcher (csrc/cuda/p2p_kernel.cu).
 void launch_ring(const RingArgs& a, cudaStream_t stream);
@@ -143,20 +154,32 @@ class Ring {
   void connect_local(const Ring& up, const Ring& down);
   // Enqueues one collective on stream (ordered after what is already there). Throws RingError when
   // the ring is broken; a failure inside the kernel is seen later by failure().
-  void run(const shm::Call& c, cudaStream_t stream);
+  void run(const Call& c, cudaStream_t stream);
   // The first failure the device recorded, formatted, or "" while there is none.
   std::string failure();
   bool broken() { return !failure().empty(); }
+  // The op_seq of the first call that failed, or 0: that call and every later one failed, every
+  // earlier one completed. Final for a call once its kernel has finished.
+  uint64_t failed_seq();
   // Stops this rank's running and future kernels; neighbours stop when they next wait on it.
   void abort(const std::string& why);
-  // Unmaps the neighbours and frees the area. Idempotent; no kernel of this ring may be running.
-  void close();
+  // Watches the processes of these peers (every 50 ms): a dead one aborts the ring with
+  // "peer rank R (pid P) died", so no rank waits out its timeout for a killed one.
+  void watch_peers(std::vector<host::Peer> peers);
+  // Unmaps the neighbours and frees. Idempotent; no kernel of this ring may be running.
+  // peers_done=false: a neighbour may still read this rank's area (the close barrier failed, or the
+  // ring broke): the area is marked aborted, so their waits stop, and kept until the process exits,
+  // since freeing it could hand memory they still read to another allocation.
+  void close(bool peers_done = true);
+  // Areas kept by close(false) in this process (bytes), for tests and logs.
+  static size_t kept_bytes();
   bool closed() const { return area_ == nullptr; }
   uint64_t op_seq() const { return op_seq_; }
   int device() const { return device_; }
 
  private:
   std::string describe(const ErrorRecord& e, int channel) const;
+  void abort_locked(const std::string& why);
 
   Options opt_;
   int device_ = 0;
@@ -169,12 +192,15 @@ class Ring {
   HostCtl* ctl_dev_ = nullptr;  // the same memory as the device sees it
   uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the own area
   cudaStream_t side_ = nullptr;  // for that copy, beside a kernel that may be spinning
-  uint64_t base_ = 0, op_seq_ = 0;
+  uint64_t base_ = 0;
+  std::atomic<uint64_t> op_seq_{0};
+  uint64_t abort_seq_ = 0;  // op_seq_ + 1 at a host abort: the first call it can affect
   // reason_ and failure_: abort() and failure() are called from other threads (Work.wait(),
   // Communicator.abort() hold the GIL) while run() calls failure() with the GIL released.
   std::mutex mu_;
   std::string reason_;  // why this rank aborted (host side)
   std::string failure_;
+  std::unique_ptr<host::Ticker> watcher_;  // declared last: stopped first
 };
 
 }  // namespace ringreduce::cuda::p2p

@@ -3,6 +3,7 @@
 // moves the data; thread 0 posts. Flags are release/acquire at system scope.
 #include "cuda/kernels.h"
 #include "cuda/p2p.h"
+#include "cuda/platform.cuh"
 #include "cuda/reduce.cuh"
 
 namespace ringreduce::cuda::p2p {
@@ -11,25 +12,6 @@ namespace {
 // Flag polls between checks of abort words and the clock: an abort check reads peer memory, so it
 // is done every 64 polls (NCCL checks its abort flag every few hundred spins for the same reason).
 constexpr uint32_t kPollsPerCheck = 64;
-
-__device__ __forceinline__ uint64_t ld_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_relaxed(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 // Where a block is in the schedule (for error records).
 struct Where {
@@ -60,17 +42,18 @@ __device__ MsgHeader my_header(const RingArgs& a, uint64_t nbytes, uint32_t inde
 __device__ uint32_t wait_ge(const RingArgs& a, const uint64_t* ctr, uint64_t target,
                             const Area* peer, bool* local) {
   *local = true;
-  if (ld_acquire(ctr) >= target) return 0;
-  const uint64_t t0 = now_ns();
+  if (ld_acquire_sys(ctr) >= target) return 0;
+  const uint64_t t0 = globaltimer_ns();
   for (uint32_t polls = 1;; ++polls) {
-    if (ld_acquire(ctr) >= target) return 0;
+    if (ld_acquire_sys(ctr) >= target) return 0;
+    spin_hint();
     if (polls % kPollsPerCheck) continue;
-    if (ld_relaxed(&a.ctl->abort)) return abort_word(kHostAbort, a.rank);
-    if (now_ns() - t0 > a.timeout_ns) return abort_word(kTimeout, a.rank);
+    if (ld_relaxed_sys(&a.ctl->abort)) return abort_word(kHostAbort, a.rank);
+    if (globaltimer_ns() - t0 > a.timeout_ns) return abort_word(kTimeout, a.rank);
     *local = false;
-    uint32_t w = ld_relaxed(&a.self->abort);  // another channel of this rank stopped
+    uint32_t w = ld_relaxed_sys(&a.self->abort);  // another channel of this rank stopped
     if (w) return w;
-    w = ld_relaxed(&peer->abort);  // the neighbour stopped
+    w = ld_relaxed_sys(&peer->abort);  // the neighbour stopped
     if (w) return w;
     *local = true;
   }
@@ -160,9 +143,9 @@ __device__ void step_end(const RingArgs& a, Chan& c, bool recv, bool send, uint6
       h->coll = m.coll;
       h->dtype = m.dtype;
       h->op = m.op;
-      st_release(&a.self->ch[k].posted.value, c.sent + 1);
+      st_release_sys(&a.self->ch[k].posted.value, c.sent + 1);
     }
-    if (recv) st_release(&a.self->ch[k].consumed.value, c.received + 1);
+    if (recv) st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);
   }
   if (send) ++c.sent, ++c.index;
   if (recv) ++c.received;
@@ -194,9 +177,17 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(RingArgs a) {
   const int64_t in_shift = coll == Coll::AllGather ? r * m : 0;
   const uint64_t es = sizeof(T);
 
-  // A ring broken before this kernel started stops it here.
+  // A ring broken before this kernel started stops it here, and records that this call failed too
+  // (the host tells a call's success by the first failed op_seq).
   __shared__ uint32_t s_broken;
-  if (tid == 0) s_broken = ld_relaxed(&a.self->abort) | ld_relaxed(&a.ctl->abort);
+  if (tid == 0) {
+    const uint32_t word = ld_relaxed_sys(&a.self->abort);
+    s_broken = word | ld_relaxed_sys(&a.ctl->abort);
+    if (s_broken) {
+      const uint32_t w = word ? word : abort_word(kHostAbort, r);
+      record_stop(a, w, abort_rank(w) == r, -1, Where{-1, 0, 0}, false, my_header(a, 0, 0), nullptr);
+    }
+  }
   __syncthreads();
   if (s_broken) return;
 
@@ -258,7 +249,8 @@ void launch_ring(const RingArgs& a, cudaStream_t stream) {
   dispatch_dtype(static_cast<DType>(a.dtype), [&](auto tag) {
     using T = decltype(tag);
     dispatch_op(static_cast<RedOp>(a.op), [&](auto optag) {
-      ring_kernel<T, decltype(optag)::value><<<a.nch, kThreads, 0, stream>>>(a);
+      constexpr auto kernel = &ring_kernel<T, decltype(optag)::value>;
+      RR_LAUNCH(kernel, a.nch, kThreads, stream, a);
     });
   });
   RR_CUDA_CHECK(cudaGetLastError());

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "cuda/kernels.h"
+#include "cuda/platform.cuh"
 #include "cuda/reduce.cuh"
 
 namespace ringreduce::cuda {
@@ -68,8 +69,9 @@ void launch_reduce(DType t, RedOp op, void* dst, const void* a, const void* b, i
   dispatch_dtype(t, [&](auto tag) {
     using T = decltype(tag);
     dispatch_op(op, [&](auto optag) {
-      reduce_kernel<T, decltype(optag)::value><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-          static_cast<T*>(dst), static_cast<const T*>(a), static_cast<const T*>(b), n, div, per_block);
+      constexpr auto kernel = &reduce_kernel<T, decltype(optag)::value>;
+      RR_LAUNCH(kernel, static_cast<unsigned>(blocks), kThreads, stream, static_cast<T*>(dst),
+                static_cast<const T*>(a), static_cast<const T*>(b), n, div, per_block);
     });
   });
   RR_CUDA_CHECK(cudaGetLastError());

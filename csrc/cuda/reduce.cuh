@@ -59,8 +59,13 @@ __device__ __forceinline__ C apply(C a, C b) {
 template <class T, RedOp Op>
 __device__ __forceinline__ T combine(T a, T b, int div) {
   using N = Num<T>;
-  typename N::C c = apply<Op>(N::up(a), N::up(b));
-  if (div > 1) c = c / static_cast<typename N::C>(div);
+  using C = typename N::C;
+  C c = apply<Op>(N::up(a), N::up(b));
+  if (div > 1) {
+    // Integers divide in a wide type: the world size need not fit an int8 or uint8 (see cpu::reduce).
+    if constexpr (std::is_integral_v<C>) c = static_cast<C>(static_cast<int64_t>(c) / div);
+    else c = c / static_cast<C>(div);
+  }
   return N::down(c);
 }
 

@@ -10,18 +10,10 @@
 #include <cstring>
 #include <new>
 
+#include "host/peers.h"
 #include "ring/schedule.h"
 
 namespace ringreduce {
-
-const char* coll_name(Coll c) {
-  switch (c) {
-    case Coll::AllReduce: return "all_reduce";
-    case Coll::ReduceScatter: return "reduce_scatter";
-    case Coll::AllGather: return "all_gather";
-  }
-  return "unknown";
-}
 
 namespace shm {
 namespace {
@@ -145,19 +137,7 @@ void Ring::raise_aborted(const Ctx& ctx) {
                   " aborted the group: " + abort_reason());
 }
 
-bool Ring::peer_dead(int peer) const {
-  const int32_t pid = areas_[peer].pid.load();
-  if (pid <= 0 || pid == getpid()) return false;
-  char path[64], buf[512];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  FILE* f = std::fopen(path, "r");
-  if (!f) return true;
-  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-  std::fclose(f);
-  buf[n] = 0;
-  const char* p = std::strrchr(buf, ')');  // the state follows the parenthesised command name
-  return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
-}
+bool Ring::peer_dead(int peer) const { return host::process_dead(areas_[peer].pid.load()); }
 
 void Ring::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const char* what) {
   if (reached(c.value.load(std::memory_order_acquire), target)) return;

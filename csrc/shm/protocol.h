@@ -9,22 +9,12 @@
 #include <string>
 
 #include "cpu/reduce.h"
+#include "ring/call.h"
 
 namespace ringreduce {
-
-// Timeouts, dead peers, mismatched calls. Reaches Python as ringreduce.RingReduceError.
-struct RingError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-enum class Coll : uint8_t { AllReduce = 0, ReduceScatter, AllGather };
-const char* coll_name(Coll c);
-
 namespace shm {
 
-// FIFO depth per rank. Any depth >= 3 cannot deadlock (a rank's sends lead its receives by at most
-// two messages); 8 is NCCL's NCCL_STEPS and keeps the pipeline full when ranks are descheduled.
-constexpr int kSlots = 8;
+constexpr int kSlots = ring::kSlots;
 // Slice size: 128 KiB keeps one rank's 8 slots (1 MiB) cache-resident on this machine's L2/L3;
 // measured in benchmarks/shm_allreduce.py (64 KiB .. 512 KiB within 10% at 64 MiB).
 constexpr size_t kDefaultSliceBytes = 128 << 10;
@@ -61,16 +51,6 @@ struct alignas(64) MsgHeader {
 size_t segment_bytes(int nranks, size_t slice_bytes);
 // Called once by the creating rank on a zeroed mapping of segment_bytes().
 void init_segment(void* base, int nranks, size_t slice_bytes);
-
-struct Call {
-  Coll coll;
-  DType dtype;
-  RedOp op;
-  int64_t numel;  // elements of the full tensor: all-reduce's tensor, reduce-scatter's input,
-                  // all-gather's output (numel / nranks per rank for the latter two)
-  const void* in;
-  void* out;
-};
 
 struct Options {
   int rank = 0;

@@ -113,8 +113,44 @@ static void test_half_reduce(DType t) {
   }
 }
 
+// AVG divides by the world size, which need not fit the element type: int8 with 128 ranks and uint8
+// with 256 or 300 ranks (cast to the element type, the divisor was -128, 0 and 44).
+static void test_avg_wide_divisor() {
+  struct Case { DType t; int64_t a, b; int divisor; int64_t want; };
+  const Case cases[] = {
+      {DType::I8, -64, -64, 128, -1},   {DType::I8, 100, 20, 128, 0},   {DType::I8, -60, -60, 200, 0},
+      {DType::U8, 200, 50, 256, 0},     {DType::U8, 200, 50, 300, 0},   {DType::U8, 100, 100, 100, 2},
+      {DType::I32, 3000, 3000, 129, 46}, {DType::I64, -5000, -5000, 256, -39},
+  };
+  for (const Case& c : cases) {
+    const size_t es = dtype_size(c.t);
+    std::vector<char> a(es * 3), b(es * 3), d(es * 3, 0x5a), q(es * 3, 0x5a);
+    for (int i = 0; i < 3; ++i) {
+      std::memcpy(&a[i * es], &c.a, es);  // little-endian: the low bytes hold the value
+      std::memcpy(&b[i * es], &c.b, es);
+    }
+    cpu::reduce(c.t, RedOp::Avg, d.data(), a.data(), b.data(), 3, c.divisor);
+    const int64_t sum = c.a + c.b;
+    std::vector<char> s(es * 3);
+    for (int i = 0; i < 3; ++i) std::memcpy(&s[i * es], &sum, es);
+    cpu::divide(c.t, q.data(), s.data(), 3, c.divisor);
+    for (int i = 0; i < 3; ++i) {
+      int64_t got = 0, div = 0;
+      std::memcpy(&got, &d[i * es], es);
+      std::memcpy(&div, &q[i * es], es);
+      if (c.t == DType::I8) got = static_cast<int8_t>(got), div = static_cast<int8_t>(div);
+      if (c.t == DType::I32) got = static_cast<int32_t>(got), div = static_cast<int32_t>(div);
+      CHECK(got == c.want, "%s AVG (%lld + %lld) / %d: got %lld want %lld", dtype_name(c.t),
+            (long long)c.a, (long long)c.b, c.divisor, (long long)got, (long long)c.want);
+      CHECK(div == c.want, "%s divide %lld / %d: got %lld want %lld", dtype_name(c.t),
+            (long long)sum, c.divisor, (long long)div, (long long)c.want);
+    }
+  }
+}
+
 int main() {
   test_half_roundtrip();
+  test_avg_wide_divisor();
   test_plain<float>(DType::F32);
   test_plain<double>(DType::F64);
   test_plain<int8_t>(DType::I8);

@@ -1,0 +1,29 @@
+# The emulated CUDA device (tests only; see tests/native/emu/README.md): the CUDA sources of
+# csrc/cuda/ compiled by the host compiler against our own subset of the CUDA runtime, and an
+# in-process stand-in for NCCL, so that ctest runs the CUDA kernels and transports without a GPU.
+add_library(cuda_emu SHARED tests/native/emu/runtime.cpp)
+target_include_directories(cuda_emu PUBLIC tests/native/emu/include)
+target_compile_definitions(cuda_emu PUBLIC RINGREDUCE_EMU=1)
+# '#pragma unroll' is nvcc's; the host compiler ignores it.
+target_compile_options(cuda_emu PUBLIC -Wno-unknown-pragmas PRIVATE -Wall -Wextra)
+target_link_libraries(cuda_emu PUBLIC Threads::Threads)
+
+# libnccl.so.2 of the stand-in: nccl_ring.cpp dlopens it by path, as it would torch's NCCL.
+add_library(nccl_standin SHARED tests/native/emu/nccl_standin.cpp)
+set_target_properties(nccl_standin PROPERTIES OUTPUT_NAME nccl VERSION 2 SOVERSION 2)
+target_link_libraries(nccl_standin PRIVATE cuda_emu)
+target_compile_options(nccl_standin PRIVATE -Wall -Wextra)
+
+add_library(ringreduce_cuda_emu STATIC tests/native/emu/kernels/reduce.cpp
+            tests/native/emu/kernels/p2p_kernel.cpp csrc/cuda/p2p.cpp csrc/cuda/nccl_ring.cpp)
+target_link_libraries(ringreduce_cuda_emu PUBLIC ringreduce_core cuda_emu ${CMAKE_DL_LIBS})
+target_compile_options(ringreduce_cuda_emu PRIVATE -Wall -Wextra -O2)
+
+foreach(t test_cuda_kernels test_nccl_ring)
+  add_executable(${t}_emu tests/native/${t}.cpp)
+  target_link_libraries(${t}_emu PRIVATE ringreduce_cuda_emu)
+  target_compile_definitions(${t}_emu PRIVATE RR_TEST_NCCL_LIB="$<TARGET_FILE:nccl_standin>")
+  add_dependencies(${t}_emu nccl_standin)
+  add_test(NAME ${t}_emu COMMAND ${t}_emu)
+  set_tests_properties(${t}_emu PROPERTIES TIMEOUT 600)
+endforeach()

@@ -1,0 +1,63 @@
+// What the kernels need from the platform, in one place: the kernel launch, ordered loads and
+// stores of flags at system scope, the clock, and a hint in spin loops. Under nvcc these are CUDA
+// and inline PTX. Under RINGREDUCE_EMU (tests only: the emulated device of tests/native/emu/,
+// compiled by the host compiler) they are C++ atomics with at least the same ordering; the rest of
+// the kernel code is the same text in both builds.
+#pragma once
+#include <cstdint>
+
+#ifdef RINGREDUCE_EMU
+#include <chrono>
+#endif
+
+// RR_LAUNCH(kernel, grid, block, stream, args...): kernel is a plain name (take a template
+// instance's address into a variable first: template arguments would split the macro's arguments).
+#ifndef RINGREDUCE_EMU
+#define RR_LAUNCH(kernel, grid, block, stream, ...) \
+  kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#else
+#define RR_LAUNCH(kernel, grid, block, stream, ...) \
+  ::emu::launch((grid), (block), (stream), [=] { kernel(__VA_ARGS__); })
+#endif
+
+namespace ringreduce::cuda {
+
+#ifndef RINGREDUCE_EMU
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// A GPU thread spinning alone costs nothing to its neighbours' progress.
+__device__ __forceinline__ void spin_hint() {}
+
+#else
+
+inline uint64_t ld_acquire_sys(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void st_release_sys(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline uint32_t ld_relaxed_sys(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline uint64_t globaltimer_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+// Fibers of a block share an OS thread and blocks share 2 cores: a spinning thread lets them run.
+inline void spin_hint() { ::emu::spin_hint(); }
+
+#endif
+
+}  // namespace ringreduce::cuda

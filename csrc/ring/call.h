@@ -1,0 +1,44 @@
+// The vocabulary every transport shares: which collective a call is, the call itself, and the error
+// a failed call raises. Header-only; no memory, threads or torch.
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+
+#include "cpu/reduce.h"  // DType, RedOp (values are part of the message headers)
+
+namespace ringreduce {
+
+// Timeouts, dead peers, mismatched calls. Reaches Python as ringreduce.RingReduceError.
+struct RingError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+enum class Coll : uint8_t { AllReduce = 0, ReduceScatter, AllGather };
+
+inline const char* coll_name(Coll c) {
+  switch (c) {
+    case Coll::AllReduce: return "all_reduce";
+    case Coll::ReduceScatter: return "reduce_scatter";
+    case Coll::AllGather: return "all_gather";
+  }
+  return "unknown";
+}
+
+struct Call {
+  Coll coll;
+  DType dtype;
+  RedOp op;
+  int64_t numel;  // elements of the full tensor: all-reduce's tensor, reduce-scatter's input,
+                  // all-gather's output (numel / nranks per rank for the latter two)
+  const void* in;
+  void* out;
+};
+
+namespace ring {
+// FIFO depth per rank of the flag protocol (shared memory and CUDA IPC). Any depth >= 3 cannot
+// deadlock (a rank's sends lead its receives by at most two messages); 8 is NCCL's NCCL_STEPS and
+// keeps the pipeline full when ranks are descheduled.
+constexpr int kSlots = 8;
+}  // namespace ring
+
+}  // namespace ringreduce

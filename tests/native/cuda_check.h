@@ -1,0 +1,223 @@
+// Helpers of the native CUDA tests (test_cuda_kernels.cpp, test_nccl_ring.cpp): element values and
+// exact references, device buffers, and one collective checked across ranks played by one thread.
+// Torch-free; built against the emulated device in every CI run and against CUDA where nvcc is.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpu/reduce.h"
+#include "cuda/kernels.h"
+#include "ring/call.h"
+
+namespace rr = ringreduce;
+
+inline int g_failures = 0;
+#define EXPECT(cond, ...)                                           \
+  do {                                                              \
+    if (!(cond)) {                                                  \
+      if (++g_failures <= 30) {                                     \
+        std::printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+        std::printf(__VA_ARGS__);                                   \
+        std::printf("\n");                                          \
+      }                                                             \
+    }                                                               \
+  } while (0)
+
+inline const rr::DType kDtypes[] = {rr::DType::F32, rr::DType::F64, rr::DType::F16, rr::DType::BF16,
+                                    rr::DType::I8,  rr::DType::U8,  rr::DType::I32, rr::DType::I64};
+inline const rr::RedOp kOps[] = {rr::RedOp::Sum, rr::RedOp::Avg, rr::RedOp::Min, rr::RedOp::Max,
+                                 rr::RedOp::Prod};
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Host values as doubles <-> element bytes, with the device's conversions.
+inline double get(rr::DType t, const char* p) {
+  switch (t) {
+    case rr::DType::F32: { float v; std::memcpy(&v, p, 4); return v; }
+    case rr::DType::F64: { double v; std::memcpy(&v, p, 8); return v; }
+    case rr::DType::F16: { __half_raw r; std::memcpy(&r.x, p, 2); return __half2float(__half(r)); }
+    case rr::DType::BF16: {
+      __nv_bfloat16_raw r; std::memcpy(&r.x, p, 2); return __bfloat162float(__nv_bfloat16(r));
+    }
+    case rr::DType::I8: return static_cast<int8_t>(*p);
+    case rr::DType::U8: return static_cast<uint8_t>(*p);
+    case rr::DType::I32: { int32_t v; std::memcpy(&v, p, 4); return v; }
+    case rr::DType::I64: { int64_t v; std::memcpy(&v, p, 8); return static_cast<double>(v); }
+    default: return 0;
+  }
+}
+inline void put(rr::DType t, char* p, double v) {
+  switch (t) {
+    case rr::DType::F32: { float f = static_cast<float>(v); std::memcpy(p, &f, 4); break; }
+    case rr::DType::F64: std::memcpy(p, &v, 8); break;
+    case rr::DType::F16: {
+      __half_raw r = __half_raw(__float2half_rn(static_cast<float>(v))); std::memcpy(p, &r.x, 2); break;
+    }
+    case rr::DType::BF16: {
+      __nv_bfloat16_raw r = __nv_bfloat16_raw(__float2bfloat16_rn(static_cast<float>(v)));
+      std::memcpy(p, &r.x, 2);
+      break;
+    }
+    case rr::DType::I8: { int8_t x = static_cast<int8_t>(v); std::memcpy(p, &x, 1); break; }
+    case rr::DType::U8: { uint8_t x = static_cast<uint8_t>(v); std::memcpy(p, &x, 1); break; }
+    case rr::DType::I32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p, &x, 4); break; }
+    case rr::DType::I64: { int64_t x = static_cast<int64_t>(v); std::memcpy(p, &x, 8); break; }
+    default: break;
+  }
+}
+
+// a op b for values that are exact in every dtype (small integers), then AVG's division as the
+// device does it: floats in their compute type (fp32 for fp16/bf16), integers truncating.
+inline double ref_op(rr::RedOp op, double a, double b) {
+  switch (op) {
+    case rr::RedOp::Min: return b < a ? b : a;
+    case rr::RedOp::Max: return a < b ? b : a;
+    case rr::RedOp::Prod: return a * b;
+    default: return a + b;
+  }
+}
+inline double ref_avg(rr::DType t, double sum, int div) {
+  if (!rr::dtype_is_float(t)) return std::trunc(sum / div);
+  if (t == rr::DType::F64) return sum / div;
+  return static_cast<float>(sum) / static_cast<float>(div);
+}
+
+// Small integers: every op and dtype is exact, so expectations are exact.
+inline double value(rr::DType t, int64_t i, int salt) {
+  const int64_t v = (i * 7 + salt * 3 + 1) % 5;
+  return t == rr::DType::U8 ? static_cast<double>(v % 4) : static_cast<double>(v - 2);
+}
+
+struct DevBuf {
+  char* p = nullptr;
+  explicit DevBuf(size_t bytes) { RR_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1)); }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+};
+
+// One rank of a ring as the tests drive it (p2p::Ring or nccl::Ring behind the functions).
+struct Rank {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::function<void(const rr::Call&, cudaStream_t)> run;
+  std::function<std::string()> failure;
+};
+
+// One collective on every rank, in place (all_reduce always; reduce_scatter: output = this rank's
+// chunk of the input; all_gather: input = this rank's chunk of the output) or not; checks every
+// rank's output exactly, that nothing past the output was written, that an out-of-place input is
+// untouched, and that all_reduce/all_gather results are bitwise the same on every rank.
+inline void check_collective(std::vector<Rank>& ranks, rr::Coll coll, rr::DType t, rr::RedOp op,
+                             int64_t numel, bool inplace, const char* what) {
+  const int n = static_cast<int>(ranks.size());
+  const size_t es = rr::dtype_size(t);
+  const int64_t m = numel / n;
+  const bool ag = coll == rr::Coll::AllGather, rs = coll == rr::Coll::ReduceScatter;
+  const int64_t in_n = ag ? m : numel, out_n = rs ? m : numel;
+  const int64_t big = std::max(in_n, out_n);
+  std::vector<std::unique_ptr<DevBuf>> ins, outs;
+  std::vector<std::vector<char>> host_in(n);
+  std::vector<char*> in_p(n), out_p(n);
+  for (int r = 0; r < n; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(ranks[r].device));
+    // The buffer is one element longer: that element must stay as it was.
+    host_in[r].assign((big + 1) * es, 0x5a);
+    for (int64_t i = 0; i < in_n; ++i)
+      put(t, &host_in[r][((ag && inplace ? r * m : 0) + i) * es], value(t, i + (ag ? r * m : 0), r));
+    ins.push_back(std::make_unique<DevBuf>((big + 1) * es));
+    RR_CUDA_CHECK(cudaMemcpy(ins[r]->p, host_in[r].data(), (big + 1) * es, cudaMemcpyHostToDevice));
+    if (coll == rr::Coll::AllReduce || inplace) {
+      outs.push_back(nullptr);
+      in_p[r] = ins[r]->p + (ag && inplace ? r * m * es : 0);
+      out_p[r] = ins[r]->p + (rs && inplace ? r * m * es : 0);
+    } else {
+      outs.push_back(std::make_unique<DevBuf>((out_n + 1) * es));
+      RR_CUDA_CHECK(cudaMemset(outs[r]->p, 0x5a, (out_n + 1) * es));
+      in_p[r] = ins[r]->p;
+      out_p[r] = outs[r]->p;
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(ranks[r].device));
+    ranks[r].run({coll, t, op, numel, in_p[r], out_p[r]}, ranks[r].stream);
+  }
+  for (int r = 0; r < n; ++r) RR_CUDA_CHECK(cudaStreamSynchronize(ranks[r].stream));
+  std::vector<char> first;
+  for (int r = 0; r < n; ++r) {
+    const std::string f = ranks[r].failure();
+    EXPECT(f.empty(), "%s: rank %d failed: %s", what, r, f.c_str());
+    std::vector<char> h((out_n + 1) * es);
+    RR_CUDA_CHECK(cudaMemcpy(h.data(), out_p[r], (out_n + 1) * es, cudaMemcpyDeviceToHost));
+    const int64_t shift = rs ? r * m : 0;
+    for (int64_t i = 0; i < out_n; ++i) {
+      const int64_t gi = i + shift;
+      double want;
+      if (ag) {
+        want = value(t, gi, static_cast<int>(gi / m));
+      } else {
+        want = value(t, gi, 0);
+        for (int q = 1; q < n; ++q) want = ref_op(op, want, value(t, gi, q));
+        if (op == rr::RedOp::Avg) want = ref_avg(t, want, n);
+      }
+      std::vector<char> w(es);
+      put(t, w.data(), want);
+      if (std::memcmp(&h[i * es], w.data(), es) != 0) {
+        EXPECT(false, "%s: %s n=%d %s %s numel=%lld%s rank %d element %lld: got %g want %g", what,
+               rr::coll_name(coll), n, rr::dtype_name(t), rr::op_name(op), (long long)numel,
+               inplace ? " in place" : "", r, (long long)gi, get(t, &h[i * es]), want);
+        break;
+      }
+    }
+    // The element past the output (past the whole buffer when in place) is untouched.
+    const bool whole = coll == rr::Coll::AllReduce || inplace;
+    const char* past = whole ? nullptr : &h[out_n * es];
+    std::vector<char> tail(es);
+    if (whole) RR_CUDA_CHECK(cudaMemcpy(tail.data(), ins[r]->p + big * es, es, cudaMemcpyDeviceToHost));
+    EXPECT(static_cast<unsigned char>((whole ? tail.data() : past)[0]) == 0x5a,
+           "%s: %s rank %d wrote past its output", what, rr::coll_name(coll), r);
+    if (!whole) {  // out of place: the input is as it was
+      std::vector<char> back((big + 1) * es);
+      RR_CUDA_CHECK(cudaMemcpy(back.data(), ins[r]->p, (big + 1) * es, cudaMemcpyDeviceToHost));
+      EXPECT(back == host_in[r], "%s: %s rank %d modified its input", what, rr::coll_name(coll), r);
+    }
+    if (coll != rr::Coll::ReduceScatter) {
+      h.resize(out_n * es);
+      if (r == 0) first = h;
+      else EXPECT(first == h, "%s: %s rank %d differs from rank 0", what, rr::coll_name(coll), r);
+    }
+  }
+}
+
+// Every collective x dtype x op x size, in place and not, on one set of ranks (many calls in a row).
+inline int sweep(std::vector<Rank>& ranks, const std::vector<int64_t>& sizes, const char* what) {
+  const int n = static_cast<int>(ranks.size());
+  int cases = 0;
+  for (rr::Coll coll : {rr::Coll::AllReduce, rr::Coll::ReduceScatter, rr::Coll::AllGather})
+    for (rr::DType t : kDtypes)
+      for (rr::RedOp op : kOps) {
+        if (coll == rr::Coll::AllGather && op != rr::RedOp::Sum) continue;
+        for (int64_t numel : sizes) {
+          const int64_t total = coll == rr::Coll::AllReduce ? numel : (numel / n) * n;
+          for (bool inplace : {true, false}) {
+            if (coll == rr::Coll::AllReduce && !inplace) continue;
+            check_collective(ranks, coll, t, op, total, inplace, what);
+            ++cases;
+          }
+        }
+      }
+  return cases;
+}

@@ -1,0 +1,162 @@
+// Emulated CUDA (tests only): the subset of the CUDA runtime API and of the device language that
+// csrc/cuda/ uses, so that the host compiler builds those sources and runs their kernels on CPU
+// threads. What it proves and what it cannot: tests/native/emu/README.md.
+//
+// Device language: __global__/__device__ functions are plain C++; a launch (RR_LAUNCH in
+// csrc/cuda/platform.cuh) runs every block on an OS thread of its own and the block's threads as
+// fibers on it, which switch at __syncthreads() and in spin loops (spin_hint). __shared__ is
+// thread_local storage: one copy per OS thread, i.e. per block.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+
+#ifndef RINGREDUCE_EMU
+#define RINGREDUCE_EMU 1
+#endif
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __launch_bounds__(...)
+#define __shared__ static thread_local
+
+// Values as in the CUDA runtime, so that names and numbers read the same in messages.
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInitializationError = 3,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevicePointer = 17,
+  cudaErrorInvalidMemcpyDirection = 21,
+  cudaErrorNoDevice = 100,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorPeerAccessUnsupported = 217,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
+  cudaErrorIllegalAddress = 700,
+  cudaErrorLaunchFailure = 719,
+};
+typedef cudaError_t cudaError;
+
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+
+#define cudaStreamDefault 0x00
+#define cudaStreamNonBlocking 0x01
+#define cudaEventDefault 0x00
+#define cudaEventBlockingSync 0x01
+#define cudaEventDisableTiming 0x02
+#define cudaHostAllocDefault 0x00
+#define cudaHostAllocPortable 0x01
+#define cudaHostAllocMapped 0x02
+#define cudaIpcMemLazyEnablePeerAccess 0x01
+
+struct CUstream_st;
+struct CUevent_st;
+typedef CUstream_st* cudaStream_t;
+typedef CUevent_st* cudaEvent_t;
+typedef void (*cudaHostFn_t)(void* user_data);
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct cudaIpcMemHandle_t {
+  char reserved[64];
+};
+
+extern "C" {
+cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
+cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer);
+cudaError_t cudaDeviceGetPCIBusId(char* bus_id, int len, int device);
+cudaError_t cudaDeviceGetByPCIBusId(int* device, const char* bus_id);
+cudaError_t cudaDeviceSynchronize();
+cudaError_t cudaGetLastError();
+cudaError_t cudaPeekAtLastError();
+const char* cudaGetErrorName(cudaError_t e);
+const char* cudaGetErrorString(cudaError_t e);
+
+cudaError_t cudaMalloc(void** p, size_t bytes);
+cudaError_t cudaFree(void* p);
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned flags);
+cudaError_t cudaMallocHost(void** p, size_t bytes);
+cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned flags);
+cudaError_t cudaFreeHost(void* p);
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream);
+cudaError_t cudaMemset(void* p, int value, size_t bytes);
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream);
+
+cudaError_t cudaStreamCreate(cudaStream_t* s);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags);
+cudaError_t cudaStreamDestroy(cudaStream_t s);
+cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaStreamQuery(cudaStream_t s);
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags);
+cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* user_data);
+
+cudaError_t cudaEventCreate(cudaEvent_t* e);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags);
+cudaError_t cudaEventDestroy(cudaEvent_t e);
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
+cudaError_t cudaEventQuery(cudaEvent_t e);
+cudaError_t cudaEventSynchronize(cudaEvent_t e);
+
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p);
+cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned flags);
+cudaError_t cudaIpcCloseMemHandle(void* p);
+}
+
+// The C++ overloads of cuda_runtime.h for typed pointers.
+template <class T> inline cudaError_t cudaMalloc(T** p, size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(p), bytes);
+}
+template <class T> inline cudaError_t cudaHostAlloc(T** p, size_t bytes, unsigned flags) {
+  return cudaHostAlloc(reinterpret_cast<void**>(p), bytes, flags);
+}
+
+// ---- device side ------------------------------------------------------------------------------
+namespace emu {
+const dim3& thread_idx();  // the calling fiber's threadIdx
+extern thread_local dim3 block_idx, block_dim, grid_dim;
+void syncthreads();
+// In spin loops: lets the block's other fibers and the other OS threads run (2 cores, many blocks).
+void spin_hint();
+// Enqueues body on stream to run grid x block times; a bad configuration sets the last error.
+void launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void()> body);
+}  // namespace emu
+
+#define threadIdx (::emu::thread_idx())
+#define blockIdx (::emu::block_idx)
+#define blockDim (::emu::block_dim)
+#define gridDim (::emu::grid_dim)
+
+inline void __syncthreads() { ::emu::syncthreads(); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned value) {
+  __atomic_compare_exchange_n(p, &compare, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return compare;
+}
+inline unsigned atomicCAS_system(unsigned* p, unsigned compare, unsigned value) {
+  return atomicCAS(p, compare, value);
+}
+// Cache-hint loads and stores: plain accesses on the CPU (its caches are coherent).
+template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline void __stcg(T* p, T v) { *p = v; }

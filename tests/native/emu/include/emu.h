@@ -1,0 +1,23 @@
+// Test hooks of the emulated CUDA device (tests only): things a test needs to arrange that a real
+// GPU does on its own (several devices, no peer access, a faulting kernel).
+#pragma once
+#include <cstdint>
+
+#include "cuda_runtime.h"
+
+extern "C" {
+// Devices in the process (default: EMU_CUDA_DEVICES, else 1); at most 64.
+void emu_set_device_count(int n);
+// Whether device a can map memory of device b (cudaDeviceCanAccessPeer, IPC opens). Default: yes.
+void emu_set_peer_access(int a, int b, int can);
+// Work on stream after this point fails: the device's context is broken with error e, as after a
+// kernel fault on a GPU (a sticky error: every later call on that device returns it).
+cudaError_t emu_inject_fault(cudaStream_t stream, cudaError_t e);
+// Clears a device's sticky error (cudaDeviceReset without freeing anything), for the next test.
+void emu_clear_fault(int device);
+// Threads per block that a launch actually runs (EMU_BLOCK_THREADS, default 8; the kernels stride
+// by blockDim.x, so fewer threads than requested only lengthens their loops).
+int emu_block_threads();
+// Kernel launches executed so far.
+uint64_t emu_launches();
+}

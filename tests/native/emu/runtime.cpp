@@ -1,0 +1,784 @@
+// The emulated CUDA runtime (tests only). One OS thread per stream runs the stream's work in order,
+// so work on different streams runs concurrently (the ring kernels of two ranks spin on each
+// other's flags: a runtime that ran launched work batch by batch would deadlock). A launch runs each
+// block on an OS thread of its own and the block's threads as ucontext fibers that switch at
+// __syncthreads() and spin_hint(), in an order that changes from round to round so that races
+// inside a block show. Device memory is a shared anonymous mapping: an IPC open maps the same pages
+// again at another address, as another process would see them; freeing unmaps (a later access
+// faults) and, while IPC mappings of it remain, first overwrites it with 0xff, as if reused.
+#include <sched.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "cuda_runtime.h"
+#include "emu.h"
+
+namespace emu {
+
+thread_local dim3 block_idx, block_dim, grid_dim;
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr uint8_t kFreshByte = 0xa5;  // new device/pinned memory: not zero, as on a GPU
+constexpr uint8_t kFreedByte = 0xff;  // freed while still mapped elsewhere
+constexpr size_t kFiberStack = 128 << 10;
+constexpr auto kPoll = std::chrono::milliseconds(5);  // re-check of sticky errors in host waits
+
+int env_int(const char* name, int def, int lo, int hi) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return def;
+  const int x = std::atoi(v);
+  return std::min(hi, std::max(lo, x));
+}
+
+std::atomic<int> g_devices{env_int("EMU_CUDA_DEVICES", 1, 1, kMaxDevices)};
+const int g_block_threads = env_int("EMU_BLOCK_THREADS", 8, 2, 1024);
+const int g_sms = env_int("EMU_CUDA_SMS", 8, 1, 1024);
+std::atomic<uint64_t> g_launches{0};
+std::atomic<int> g_sticky[kMaxDevices];
+std::atomic<char> g_no_peer[kMaxDevices][kMaxDevices];
+
+thread_local int tl_device = 0;
+thread_local cudaError_t tl_last = cudaSuccess;
+
+cudaError_t fail(cudaError_t e) {
+  tl_last = e;
+  return e;
+}
+cudaError_t sticky(int dev) { return static_cast<cudaError_t>(g_sticky[dev].load()); }
+// Every API call on a broken context returns its error, as CUDA's do.
+#define EMU_ENTER()                               \
+  do {                                            \
+    if (cudaError_t s_ = sticky(tl_device)) return fail(s_); \
+  } while (0)
+
+// ---- fibers --------------------------------------------------------------------------------------
+// A switch saves the callee-saved registers and the stack pointer, and loads another fiber's: on
+// x86-64 a few instructions (ucontext's swapcontext makes a sigprocmask system call per switch,
+// which tripled the run time of the tests); elsewhere ucontext.
+#if defined(__x86_64__)
+extern "C" void emu_fiber_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .type emu_fiber_switch, @function
+emu_fiber_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_fiber_switch, .-emu_fiber_switch
+)");
+struct Context {
+  void* sp = nullptr;
+};
+#else
+struct Context {
+  ucontext_t uc;
+};
+#endif
+
+struct Fiber {
+  enum State { kRun, kBarrier, kDone };
+  Context ctx;
+  dim3 tid;
+  State state = kRun;
+  void* stack = nullptr;
+};
+
+struct Block {
+  Context sched;
+  std::vector<Fiber> fibers;
+  Fiber* cur = nullptr;
+  const std::function<void()>* body = nullptr;
+  bool yielded = false;
+};
+
+thread_local Block* tl_block = nullptr;
+const dim3 kHostThread{0, 0, 0};
+
+void switch_to(Context& save, Context& load) {
+#if defined(__x86_64__)
+  emu_fiber_switch(&save.sp, load.sp);
+#else
+  swapcontext(&save.uc, &load.uc);
+#endif
+}
+
+// First frame of every fiber (on the block's OS thread, so tl_block is its block).
+void fiber_main() {
+  Block* b = tl_block;
+  (*b->body)();
+  b->cur->state = Fiber::kDone;
+  switch_to(b->cur->ctx, b->sched);  // never resumed
+  std::abort();
+}
+
+// Stacks are reused across launches (a mapping and its guard page per fiber per launch cost more
+// system time than the kernels).
+std::mutex g_stacks_mu;
+std::vector<void*> g_stacks;
+
+void* map_stack() {
+  {
+    std::lock_guard<std::mutex> lk(g_stacks_mu);
+    if (!g_stacks.empty()) {
+      void* p = g_stacks.back();
+      g_stacks.pop_back();
+      return p;
+    }
+  }
+  void* p = mmap(nullptr, kFiberStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  if (p == MAP_FAILED) {
+    std::perror("emu: fiber stack");
+    std::abort();
+  }
+  mprotect(p, 4096, PROT_NONE);  // guard page: an overflow faults instead of corrupting
+  return p;
+}
+
+void make_fiber(Fiber& f) {
+  f.stack = map_stack();
+#if defined(__x86_64__)
+  // The stack as emu_fiber_switch leaves it: six saved registers, then the return address
+  // (fiber_main), then a fake return address of fiber_main, 16-byte aligned as after a call.
+  auto* top = reinterpret_cast<uintptr_t*>(static_cast<char*>(f.stack) + kFiberStack);
+  top[-1] = 0;
+  top[-2] = reinterpret_cast<uintptr_t>(&fiber_main);
+  for (int i = 3; i <= 8; ++i) top[-i] = 0;
+  f.ctx.sp = top - 8;
+#else
+  getcontext(&f.ctx.uc);
+  f.ctx.uc.uc_stack.ss_sp = f.stack;
+  f.ctx.uc.uc_stack.ss_size = kFiberStack;
+  f.ctx.uc.uc_link = nullptr;
+  makecontext(&f.ctx.uc, fiber_main, 0);
+#endif
+}
+
+void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdim, uint64_t seed) {
+  block_idx = bidx;
+  block_dim = bdim;
+  grid_dim = gdim;
+  Block b;
+  b.body = body;
+  const size_t n = static_cast<size_t>(bdim.x) * bdim.y * bdim.z;
+  b.fibers.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    Fiber& f = b.fibers[i];
+    f.tid = dim3(static_cast<unsigned>(i % bdim.x), static_cast<unsigned>(i / bdim.x % bdim.y),
+                 static_cast<unsigned>(i / (static_cast<size_t>(bdim.x) * bdim.y)));
+    make_fiber(f);
+  }
+  tl_block = &b;
+  size_t done = 0;
+  uint64_t rng = seed | 1;
+  while (done < n) {
+    b.yielded = false;
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;  // xorshift: where each round starts
+    const size_t start = rng % n;
+    for (size_t k = 0; k < n; ++k) {
+      Fiber& f = b.fibers[(start + k) % n];
+      if (f.state != Fiber::kRun) continue;
+      b.cur = &f;
+      switch_to(b.sched, f.ctx);
+      if (f.state == Fiber::kDone) ++done;
+    }
+    bool running = false, waiting = false;
+    for (Fiber& f : b.fibers) {
+      running |= f.state == Fiber::kRun;
+      waiting |= f.state == Fiber::kBarrier;
+    }
+    if (!running && waiting)  // every live thread is at __syncthreads(): release them
+      for (Fiber& f : b.fibers)
+        if (f.state == Fiber::kBarrier) f.state = Fiber::kRun;
+    if (b.yielded) sched_yield();
+  }
+  tl_block = nullptr;
+  std::lock_guard<std::mutex> lk(g_stacks_mu);
+  for (Fiber& f : b.fibers) g_stacks.push_back(f.stack);
+}
+
+}  // namespace
+
+const dim3& thread_idx() { return tl_block ? tl_block->cur->tid : kHostThread; }
+
+void syncthreads() {
+  Block* b = tl_block;
+  if (!b) return;
+  Fiber* f = b->cur;
+  f->state = Fiber::kBarrier;
+  switch_to(f->ctx, b->sched);
+}
+
+void spin_hint() {
+  Block* b = tl_block;
+  if (!b) {
+    sched_yield();
+    return;
+  }
+  b->yielded = true;
+  switch_to(b->cur->ctx, b->sched);
+}
+
+}  // namespace emu
+
+using emu::fail;
+using emu::sticky;
+using emu::tl_device;
+
+// ---- streams and events ----------------------------------------------------------------------------
+struct CUstream_st {
+  int device = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> q;
+  bool busy = false, stop = false;
+  std::thread th;
+
+  explicit CUstream_st(int dev) : device(dev) {
+    th = std::thread([this] { loop(); });
+  }
+  ~CUstream_st() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    th.join();
+  }
+  void loop() {
+    tl_device = device;
+    std::unique_lock<std::mutex> lk(mu);
+    for (;;) {
+      cv.wait(lk, [&] { return stop || !q.empty(); });
+      if (q.empty()) return;  // stopped and drained
+      std::function<void()> op = std::move(q.front());
+      q.pop_front();
+      busy = true;
+      lk.unlock();
+      if (!sticky(device)) op();  // a broken context runs nothing more
+      lk.lock();
+      busy = false;
+      cv.notify_all();
+    }
+  }
+  void push(std::function<void()> op) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      q.push_back(std::move(op));
+    }
+    cv.notify_all();
+  }
+  void drain() {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return q.empty() && !busy; });
+  }
+  bool idle() {
+    std::lock_guard<std::mutex> lk(mu);
+    return q.empty() && !busy;
+  }
+};
+
+namespace {
+
+struct EventState {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t recorded = 0, completed = 0;
+  int device = 0;
+  bool done() const { return completed >= recorded; }
+};
+
+std::mutex g_streams_mu;
+std::set<CUstream_st*> g_streams;
+CUstream_st* g_null[emu::kMaxDevices];
+
+CUstream_st* resolve(cudaStream_t s) {
+  if (s) return s;
+  std::lock_guard<std::mutex> lk(g_streams_mu);
+  CUstream_st*& n = g_null[tl_device];
+  if (!n) {
+    n = new CUstream_st(tl_device);  // lives as long as the process
+    g_streams.insert(n);
+  }
+  return n;
+}
+
+bool valid_stream(cudaStream_t s) {
+  if (!s) return true;
+  std::lock_guard<std::mutex> lk(g_streams_mu);
+  return g_streams.count(s) != 0;
+}
+
+// Waits on the host for pred (under st.mu), giving up with the device's sticky error.
+template <class Pred>
+cudaError_t host_wait(EventState& st, Pred pred) {
+  std::unique_lock<std::mutex> lk(st.mu);
+  while (!pred()) {
+    if (cudaError_t e = sticky(st.device)) return e;
+    st.cv.wait_for(lk, emu::kPoll);
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+struct CUevent_st {
+  std::shared_ptr<EventState> st = std::make_shared<EventState>();
+};
+
+// ---- memory -----------------------------------------------------------------------------------------
+namespace {
+
+struct Alloc {
+  char* base;
+  size_t mapped;  // bytes mapped (whole pages)
+  int device;
+  uint64_t id;
+  int opened = 0;  // IPC mappings of it still open
+  bool freed = false;
+};
+
+std::mutex g_mem_mu;
+std::map<uintptr_t, Alloc> g_dev;            // device allocations by base
+std::map<uint64_t, uintptr_t> g_dev_by_id;
+std::map<uintptr_t, uint64_t> g_alias;       // IPC mapping -> allocation id
+std::set<uintptr_t> g_host;                  // pinned host allocations
+uint64_t g_next_id = 1;
+constexpr char kIpcMagic[8] = {'R', 'R', 'E', 'M', 'U', 'I', 'P', 'C'};
+
+size_t page_round(size_t n) {
+  const size_t pg = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return (n + pg - 1) / pg * pg;
+}
+
+Alloc* alloc_containing(const void* p) {  // g_mem_mu held
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = g_dev.upper_bound(a);
+  if (it == g_dev.begin()) return nullptr;
+  --it;
+  Alloc& al = it->second;
+  return !al.freed && a < it->first + al.mapped ? &al : nullptr;
+}
+
+}  // namespace
+
+extern "C" {
+
+// ---- errors and devices -----------------------------------------------------------------------------
+cudaError_t cudaGetLastError() {
+  const cudaError_t e = emu::tl_last;
+  emu::tl_last = cudaSuccess;
+  if (cudaError_t s = sticky(tl_device)) return s;
+  return e;
+}
+cudaError_t cudaPeekAtLastError() {
+  if (cudaError_t s = sticky(tl_device)) return s;
+  return emu::tl_last;
+}
+
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInitializationError: return "cudaErrorInitializationError";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorPeerAccessUnsupported: return "cudaErrorPeerAccessUnsupported";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+  }
+  return "cudaErrorUnknown";
+}
+
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorPeerAccessUnsupported: return "peer access is not supported between these two devices";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+    default: return "emulated CUDA error";
+  }
+}
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = emu::g_devices.load();
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* device) {
+  *device = tl_device;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int device) {
+  if (device < 0 || device >= emu::g_devices.load()) return fail(cudaErrorInvalidDevice);
+  tl_device = device;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device < 0 || device >= emu::g_devices.load()) return fail(cudaErrorInvalidDevice);
+  if (attr != cudaDevAttrMultiProcessorCount) return fail(cudaErrorInvalidValue);
+  *value = emu::g_sms;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer) {
+  const int n = emu::g_devices.load();
+  if (device < 0 || device >= n || peer < 0 || peer >= n) return fail(cudaErrorInvalidDevice);
+  *can = device != peer && !emu::g_no_peer[device][peer].load();
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetPCIBusId(char* bus_id, int len, int device) {
+  if (device < 0 || device >= emu::g_devices.load()) return fail(cudaErrorInvalidDevice);
+  std::snprintf(bus_id, static_cast<size_t>(len), "0000:%02x:00.0", 0x10 + device);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetByPCIBusId(int* device, const char* bus_id) {
+  unsigned bus = 0;
+  if (std::sscanf(bus_id, "0000:%x:00.0", &bus) != 1) return fail(cudaErrorInvalidValue);
+  const int d = static_cast<int>(bus) - 0x10;
+  if (d < 0 || d >= emu::g_devices.load()) return fail(cudaErrorInvalidDevice);
+  *device = d;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize() {
+  std::vector<CUstream_st*> mine;
+  {
+    std::lock_guard<std::mutex> lk(g_streams_mu);
+    for (CUstream_st* s : g_streams)
+      if (s->device == tl_device) mine.push_back(s);
+  }
+  for (CUstream_st* s : mine) s->drain();
+  EMU_ENTER();
+  return cudaSuccess;
+}
+
+// ---- memory -------------------------------------------------------------------------------------------
+cudaError_t cudaMalloc(void** p, size_t bytes) {
+  EMU_ENTER();
+  *p = nullptr;
+  if (bytes == 0) return cudaSuccess;
+  const size_t mapped = page_round(bytes);
+  void* m = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
+  std::memset(m, emu::kFreshByte, mapped);
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  const uint64_t id = g_next_id++;
+  g_dev[reinterpret_cast<uintptr_t>(m)] = Alloc{static_cast<char*>(m), mapped, tl_device, id};
+  g_dev_by_id[id] = reinterpret_cast<uintptr_t>(m);
+  *p = m;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFree(void* p) {
+  if (!p) return cudaSuccess;
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  auto it = g_dev.find(reinterpret_cast<uintptr_t>(p));
+  if (it == g_dev.end() || it->second.freed) return fail(cudaErrorInvalidValue);
+  Alloc& a = it->second;
+  if (a.opened > 0) {  // still mapped by a peer: it reads whatever the memory is reused for
+    std::memset(a.base, emu::kFreedByte, a.mapped);
+    munmap(a.base, a.mapped);
+    a.freed = true;
+    return cudaSuccess;
+  }
+  munmap(a.base, a.mapped);
+  g_dev_by_id.erase(a.id);
+  g_dev.erase(it);
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) {
+  EMU_ENTER();
+  void* m = nullptr;
+  if (posix_memalign(&m, 4096, bytes ? bytes : 1) != 0) return fail(cudaErrorMemoryAllocation);
+  std::memset(m, emu::kFreshByte, bytes);
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  g_host.insert(reinterpret_cast<uintptr_t>(m));
+  *p = m;
+  return cudaSuccess;
+}
+cudaError_t cudaMallocHost(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, 0); }
+
+cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  if (!g_host.count(reinterpret_cast<uintptr_t>(host))) return fail(cudaErrorInvalidValue);
+  *dev = host;  // unified addressing: the device sees host memory at the same address
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void* p) {
+  if (!p) return cudaSuccess;
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  if (!g_host.erase(reinterpret_cast<uintptr_t>(p))) return fail(cudaErrorInvalidValue);
+  std::free(p);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t s) {
+  EMU_ENTER();
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  if (bytes) resolve(s)->push([=] { std::memmove(dst, src, bytes); });
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
+  EMU_ENTER();
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  if (bytes) resolve(s)->push([=] { std::memset(p, value, bytes); });
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  if (cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, nullptr)) return e;
+  return cudaStreamSynchronize(nullptr);
+}
+cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+  if (cudaError_t e = cudaMemsetAsync(p, value, bytes, nullptr)) return e;
+  return cudaStreamSynchronize(nullptr);
+}
+
+// ---- streams ---------------------------------------------------------------------------------------------
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  EMU_ENTER();
+  auto* st = new CUstream_st(tl_device);
+  std::lock_guard<std::mutex> lk(g_streams_mu);
+  g_streams.insert(st);
+  *s = st;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
+
+// Unlike CUDA, which returns at once, this waits until the stream's work is done.
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  if (!s) return fail(cudaErrorInvalidResourceHandle);
+  {
+    std::lock_guard<std::mutex> lk(g_streams_mu);
+    if (!g_streams.erase(s)) return fail(cudaErrorInvalidResourceHandle);
+  }
+  delete s;  // drains, then joins its thread
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  CUstream_st* st = resolve(s);
+  st->drain();
+  if (cudaError_t e = sticky(st->device)) return fail(e);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  CUstream_st* st = resolve(s);
+  if (cudaError_t e = sticky(st->device)) return fail(e);
+  return st->idle() ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  EMU_ENTER();
+  if (!e || !valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  std::shared_ptr<EventState> st = e->st;
+  uint64_t target;
+  {
+    std::lock_guard<std::mutex> lk(st->mu);
+    target = st->recorded;  // the most recent record at the time of the call
+  }
+  if (target == 0) return cudaSuccess;
+  resolve(s)->push([st, target] { host_wait(*st, [&] { return st->completed >= target; }); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* user_data) {
+  EMU_ENTER();
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  resolve(s)->push([fn, user_data] { fn(user_data); });
+  return cudaSuccess;
+}
+
+// ---- events ----------------------------------------------------------------------------------------------
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  EMU_ENTER();
+  *e = new CUevent_st;
+  (*e)->st->device = tl_device;
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  if (!e) return fail(cudaErrorInvalidResourceHandle);
+  delete e;  // a pending record keeps the state alive
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  EMU_ENTER();
+  if (!e || !valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  std::shared_ptr<EventState> st = e->st;
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> lk(st->mu);
+    seq = ++st->recorded;
+  }
+  resolve(s)->push([st, seq] {
+    std::lock_guard<std::mutex> lk(st->mu);
+    st->completed = std::max(st->completed, seq);
+    st->cv.notify_all();
+  });
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  if (!e) return fail(cudaErrorInvalidResourceHandle);
+  EventState& st = *e->st;
+  if (cudaError_t s = sticky(st.device)) return fail(s);
+  std::lock_guard<std::mutex> lk(st.mu);
+  return st.done() ? cudaSuccess : cudaErrorNotReady;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  if (!e) return fail(cudaErrorInvalidResourceHandle);
+  std::shared_ptr<EventState> st = e->st;
+  uint64_t target;
+  {
+    std::lock_guard<std::mutex> lk(st->mu);
+    target = st->recorded;
+  }
+  if (cudaError_t r = host_wait(*st, [&] { return st->completed >= target; })) return fail(r);
+  return cudaSuccess;
+}
+
+// ---- IPC ---------------------------------------------------------------------------------------------------
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
+  EMU_ENTER();
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  const Alloc* a = alloc_containing(p);
+  if (!a) return fail(cudaErrorInvalidValue);
+  std::memset(handle, 0, sizeof *handle);
+  const int32_t pid = getpid();
+  std::memcpy(handle->reserved, kIpcMagic, 8);
+  std::memcpy(handle->reserved + 8, &pid, 4);
+  std::memcpy(handle->reserved + 16, &a->id, 8);
+  return cudaSuccess;
+}
+
+// The allocation's pages mapped again at a new address (the base of the allocation, as in CUDA).
+// Between the threads of one process only: the emulated IPC of ranks played by threads.
+cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned) {
+  EMU_ENTER();
+  int32_t pid = 0;
+  uint64_t id = 0;
+  std::memcpy(&pid, handle.reserved + 8, 4);
+  std::memcpy(&id, handle.reserved + 16, 8);
+  if (std::memcmp(handle.reserved, kIpcMagic, 8) != 0 || pid != getpid()) return fail(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  auto it = g_dev_by_id.find(id);
+  if (it == g_dev_by_id.end()) return fail(cudaErrorInvalidValue);
+  Alloc& a = g_dev[it->second];
+  if (a.freed) return fail(cudaErrorInvalidValue);
+  if (a.device != tl_device && emu::g_no_peer[tl_device][a.device].load())
+    return fail(cudaErrorPeerAccessUnsupported);
+  void* m = mremap(a.base, 0, a.mapped, MREMAP_MAYMOVE);  // a second mapping of shared pages
+  if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
+  ++a.opened;
+  g_alias[reinterpret_cast<uintptr_t>(m)] = id;
+  *p = m;
+  return cudaSuccess;
+}
+
+cudaError_t cudaIpcCloseMemHandle(void* p) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  auto it = g_alias.find(reinterpret_cast<uintptr_t>(p));
+  if (it == g_alias.end()) return fail(cudaErrorInvalidValue);
+  auto id = g_dev_by_id.find(it->second);
+  Alloc& a = g_dev[id->second];
+  munmap(p, a.mapped);
+  g_alias.erase(it);
+  if (--a.opened == 0 && a.freed) {
+    g_dev.erase(id->second);
+    g_dev_by_id.erase(id);
+  }
+  return cudaSuccess;
+}
+
+// ---- hooks ---------------------------------------------------------------------------------------------------
+void emu_set_device_count(int n) { emu::g_devices = std::min(emu::kMaxDevices, std::max(1, n)); }
+void emu_set_peer_access(int a, int b, int can) { emu::g_no_peer[a][b] = !can; }
+cudaError_t emu_inject_fault(cudaStream_t s, cudaError_t e) {
+  EMU_ENTER();
+  CUstream_st* st = resolve(s);
+  const int dev = st->device;
+  st->push([dev, e] { emu::g_sticky[dev] = e; });
+  return cudaSuccess;
+}
+void emu_clear_fault(int device) { emu::g_sticky[device] = cudaSuccess; }
+int emu_block_threads() { return emu::g_block_threads; }
+uint64_t emu_launches() { return emu::g_launches.load(); }
+
+}  // extern "C"
+
+// ---- launches ---------------------------------------------------------------------------------------------------
+void emu::launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void()> body) {
+  if (cudaError_t s = sticky(tl_device)) {
+    fail(s);
+    return;
+  }
+  const uint64_t blocks = static_cast<uint64_t>(grid.x) * grid.y * grid.z;
+  const uint64_t threads = static_cast<uint64_t>(block.x) * block.y * block.z;
+  if (blocks == 0 || threads == 0 || threads > 1024 || block.z > 64) {
+    fail(cudaErrorInvalidConfiguration);
+    return;
+  }
+  if (!valid_stream(stream)) {
+    fail(cudaErrorInvalidResourceHandle);
+    return;
+  }
+  dim3 run = block;
+  if (block.y == 1 && block.z == 1) run.x = std::min<unsigned>(block.x, g_block_threads);
+  const uint64_t seed = ++g_launches * 0x9e3779b97f4a7c15ull;
+  resolve(stream)->push([grid, run, blocks, seed, body = std::move(body)] {
+    std::vector<std::thread> ths;
+    ths.reserve(blocks);
+    for (uint64_t b = 0; b < blocks; ++b) {
+      const dim3 idx(static_cast<unsigned>(b % grid.x), static_cast<unsigned>(b / grid.x % grid.y),
+                     static_cast<unsigned>(b / (static_cast<uint64_t>(grid.x) * grid.y)));
+      ths.emplace_back(run_block, &body, idx, run, grid, seed + b);
+    }
+    for (std::thread& t : ths) t.join();
+  });
+}

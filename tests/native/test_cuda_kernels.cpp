@@ -1,0 +1,363 @@
+// Native test of the CUDA kernels and the p2p transport, torch-free. Built against the emulated
+// device in every CI run (test_cuda_kernels_emu; ranks are threads, areas are shared through the
+// emulated IPC) and by nvcc where a toolkit is found (test_cuda_kernels; on a GPU, ranks are streams
+// of one process and areas are used directly, since a process cannot open its own IPC handles).
+// (1) launch_reduce against a host reference: every dtype and op, odd sizes, misaligned offsets,
+//     and AVG divisors that do not fit the element type;
+// (2) the p2p ring: 2-4 ranks, every collective, in place and not, zero-size and numel < N, tiny
+//     slices (many pipeline steps) and the defaults, hundreds of calls in a row on one ring;
+// (3) failures and their messages: a silent rank (timeout), mismatched calls, a host abort, which
+//     call failed first, a peer process that dies, closing while a neighbour may still read;
+// (4) the transport choice: which devices can map each other's memory.
+// Exits 0 with a message when there is no CUDA device.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "cuda/p2p.h"
+#include "cuda_check.h"
+#ifdef RINGREDUCE_EMU
+#include "emu.h"
+#endif
+
+namespace rc = ringreduce::cuda;
+using Clock = std::chrono::steady_clock;
+
+static int device_of(int rank) {
+  int count = 1;
+  cudaGetDeviceCount(&count);
+  return rank % count;
+}
+
+// (1) launch_reduce: d = a op b, with element offsets oa/ob/od into 16-byte aligned buffers.
+static void test_reduce() {
+  const int64_t sizes[] = {0, 1, 2, 7, 15, 16, 17, 255, 4099, 1000003};
+  const int offsets[][3] = {{0, 0, 0}, {1, 1, 1}, {3, 3, 3}, {0, 1, 2}, {2, 0, 0}};
+  int cases = 0;
+  for (rr::DType t : kDtypes) {
+    const size_t es = rr::dtype_size(t);
+    for (rr::RedOp op : kOps) {
+      for (int64_t n : sizes) {
+        for (const auto& off : offsets) {
+          const int div = op == rr::RedOp::Avg ? 3 : 1;
+          const size_t bytes = (n + 8) * es;
+          std::vector<char> ha(bytes), hb(bytes), hd(bytes), want(bytes);
+          for (int64_t i = 0; i < n; ++i) {
+            put(t, &ha[(i + off[0]) * es], value(t, i, 1));
+            put(t, &hb[(i + off[1]) * es], value(t, i, 2));
+            const double r = ref_op(op, value(t, i, 1), value(t, i, 2));
+            put(t, &want[i * es], op == rr::RedOp::Avg ? ref_avg(t, r, div) : r);
+          }
+          DevBuf a(bytes), b(bytes), d(bytes);
+          RR_CUDA_CHECK(cudaMemcpy(a.p, ha.data(), bytes, cudaMemcpyHostToDevice));
+          RR_CUDA_CHECK(cudaMemcpy(b.p, hb.data(), bytes, cudaMemcpyHostToDevice));
+          RR_CUDA_CHECK(cudaMemset(d.p, 0x5a, bytes));
+          rc::launch_reduce(t, op, d.p + off[2] * es, a.p + off[0] * es, b.p + off[1] * es, n, div,
+                            nullptr);
+          RR_CUDA_CHECK(cudaDeviceSynchronize());
+          RR_CUDA_CHECK(cudaMemcpy(hd.data(), d.p, bytes, cudaMemcpyDeviceToHost));
+          for (int64_t i = 0; i < n; ++i)
+            EXPECT(std::memcmp(&hd[(i + off[2]) * es], &want[i * es], es) == 0,
+                   "reduce %s %s n=%lld off=%d/%d/%d i=%lld: got %g want %g", rr::dtype_name(t),
+                   rr::op_name(op), (long long)n, off[0], off[1], off[2], (long long)i,
+                   get(t, &hd[(i + off[2]) * es]), get(t, &want[i * es]));
+          // Nothing outside the span is written.
+          for (int64_t i = 0; i < off[2]; ++i)
+            EXPECT(static_cast<unsigned char>(hd[i * es]) == 0x5a, "reduce wrote before its span");
+          EXPECT(static_cast<unsigned char>(hd[(n + off[2]) * es]) == 0x5a, "reduce wrote past its span");
+          ++cases;
+        }
+      }
+    }
+  }
+  std::printf("reduce kernel: %d cases\n", cases);
+}
+
+// AVG divides by the world size, which need not fit the element type (int8 with 128 or 200 ranks,
+// uint8 with 256 or 300): the device must divide in a wide type, as cpu::reduce does.
+static void test_avg_wide_divisor() {
+  struct Case { rr::DType t; int64_t a, b; int div; int64_t want; };
+  const Case cases[] = {{rr::DType::I8, -64, -64, 128, -1}, {rr::DType::I8, -60, -60, 200, 0},
+                        {rr::DType::U8, 200, 50, 256, 0},   {rr::DType::U8, 200, 50, 300, 0},
+                        {rr::DType::I32, 3000, 3000, 129, 46}, {rr::DType::I64, -5000, -5000, 256, -39}};
+  for (const Case& c : cases) {
+    const size_t es = rr::dtype_size(c.t);
+    const int64_t n = 37;  // vector body and scalar tail
+    std::vector<char> ha(n * es), hb(n * es), hd(n * es);
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(&ha[i * es], &c.a, es);  // little-endian: the low bytes hold the value
+      std::memcpy(&hb[i * es], &c.b, es);
+    }
+    DevBuf a(n * es), b(n * es), d(n * es);
+    RR_CUDA_CHECK(cudaMemcpy(a.p, ha.data(), n * es, cudaMemcpyHostToDevice));
+    RR_CUDA_CHECK(cudaMemcpy(b.p, hb.data(), n * es, cudaMemcpyHostToDevice));
+    rc::launch_reduce(c.t, rr::RedOp::Avg, d.p, a.p, b.p, n, c.div, nullptr);
+    RR_CUDA_CHECK(cudaDeviceSynchronize());
+    RR_CUDA_CHECK(cudaMemcpy(hd.data(), d.p, n * es, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < n; ++i) {
+      const double got = get(c.t, &hd[i * es]);
+      EXPECT(got == static_cast<double>(c.want), "%s AVG (%lld + %lld) / %d: got %g want %lld",
+             rr::dtype_name(c.t), (long long)c.a, (long long)c.b, c.div, got, (long long)c.want);
+    }
+  }
+}
+
+// (2) a p2p ring of n ranks, rank r on device r % count, with its own stream.
+struct Group {
+  std::vector<std::unique_ptr<rc::p2p::Ring>> rings;
+  std::vector<Rank> ranks;
+  Group(int n, int channels, size_t slice_bytes, double timeout_s) {
+    for (int r = 0; r < n; ++r) {
+      RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+      rc::p2p::Options o;
+      o.rank = r;
+      o.nranks = n;
+      o.channels = channels;
+      o.slice_bytes = slice_bytes;
+      o.timeout_s = timeout_s;
+      rings.push_back(std::make_unique<rc::p2p::Ring>(o));
+      Rank k;
+      k.device = device_of(r);
+      RR_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
+      rc::p2p::Ring* ring = rings.back().get();
+      k.run = [ring](const rr::Call& c, cudaStream_t s) { ring->run(c, s); };
+      k.failure = [ring] { return ring->failure(); };
+      ranks.push_back(k);
+    }
+    for (int r = 0; r < n; ++r) {
+      RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+      auto& up = *rings[(r + n - 1) % n];
+      auto& down = *rings[(r + 1) % n];
+#ifdef RINGREDUCE_EMU
+      rings[r]->connect(up.handle(), down.handle());  // the path of real ranks: IPC mappings
+#else
+      rings[r]->connect_local(up, down);
+#endif
+    }
+  }
+  ~Group() {
+    for (Rank& k : ranks) cudaStreamDestroy(k.stream);
+  }
+  rr::Call call(int64_t numel, const DevBuf& buf) const {
+    return {rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, buf.p, buf.p};
+  }
+};
+
+static void test_ring() {
+  int cases = 0;
+  const auto t0 = Clock::now();
+  for (int n = 2; n <= 4; ++n) {
+    // A tiny slice (64 B) forces many pipeline steps (thousands per chunk at the largest size);
+    // the defaults show the usual path.
+    const size_t slices[] = {64, rc::p2p::kDefaultSliceBytes};
+    const int channels[] = {3, rc::p2p::kDefaultChannels};
+    for (int c = 0; c < 2; ++c) {
+      Group g(n, channels[c], slices[c], 20.0);
+      char what[64];
+      std::snprintf(what, sizeof what, "p2p n=%d slice=%zu", n, slices[c]);
+      cases += sweep(g.ranks, {0, 1, n - 1, n + 1, 1000 * n + 7, 3 * 65536 + 5}, what);
+    }
+  }
+  std::printf("p2p ring: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
+// (3) failures. Each waits on streams that end by the deadline at the latest.
+static void sync_all(Group& g) {
+  for (Rank& k : g.ranks) cudaStreamSynchronize(k.stream);
+}
+
+static bool run_throws(Group& g, int r, const DevBuf& buf, const char* part) {
+  try {
+    g.rings[r]->run(g.call(1, buf), g.ranks[r].stream);
+  } catch (const rr::RingError& e) {
+    EXPECT(contains(e.what(), part), "rank %d: '%s' lacks '%s'", r, e.what(), part);
+    return true;
+  }
+  return false;
+}
+
+// Rank n-1 never calls: the others stop within the timeout, saying why; the ring stays broken.
+static void test_timeout() {
+  Group g(3, 2, 4096, 1.0);
+  DevBuf buf(4096 * 4);
+  const auto t0 = Clock::now();
+  for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
+  sync_all(g);
+  EXPECT(seconds_since(t0) < 5, "the silent rank was noticed after %.1f s (timeout 1 s)", seconds_since(t0));
+  bool timed_out = false;
+  for (int r = 0; r < 2; ++r) {
+    const std::string f = g.rings[r]->failure();
+    timed_out |= contains(f, "timed out after 1 s waiting for");
+    EXPECT(contains(f, "timed out") || contains(f, "stopped because"), "rank %d: failure is '%s'", r, f.c_str());
+    EXPECT(g.rings[r]->failed_seq() == 1, "rank %d: first failed call %llu, want 1", r,
+           (unsigned long long)g.rings[r]->failed_seq());
+    EXPECT(run_throws(g, r, buf, "broken by an earlier failure"), "rank %d: a broken ring accepted a call", r);
+  }
+  EXPECT(timed_out, "no rank reported the timeout itself");
+  std::printf("timeout: rank 0 says: %s\n", g.rings[0]->failure().c_str());
+}
+
+// Rank 1 calls with another numel: every rank fails, one names both calls; the good call before
+// the mismatch is not counted as failed.
+static void test_mismatch() {
+  Group g(3, 2, 4096, 10.0);
+  DevBuf buf(2000 * 4);
+  for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(1000, buf), g.ranks[r].stream);
+  sync_all(g);
+  for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(r == 1 ? 1001 : 1000, buf), g.ranks[r].stream);
+  sync_all(g);
+  bool named = false;
+  for (int r = 0; r < 3; ++r) {
+    const std::string f = g.rings[r]->failure();
+    EXPECT(!f.empty(), "rank %d did not fail", r);
+    named |= contains(f, "mismatched collective calls") && contains(f, "numel=1001") && contains(f, "numel=1000");
+    EXPECT(g.rings[r]->failed_seq() == 2, "rank %d: first failed call %llu, want 2", r,
+           (unsigned long long)g.rings[r]->failed_seq());
+  }
+  EXPECT(named, "no rank named the mismatched calls");
+  std::printf("mismatch: rank 1 says: %s\n", g.rings[1]->failure().c_str());
+}
+
+// Rank 0 aborts while the ring waits on a silent rank 2: rank 0 and rank 1 stop at once.
+static void test_abort() {
+  Group g(3, 2, 4096, 30.0);
+  DevBuf buf(4096 * 4);
+  for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto t0 = Clock::now();
+  g.rings[0]->abort("test abort");
+  sync_all(g);
+  EXPECT(seconds_since(t0) < 5, "abort took %.1f s (timeout 30 s)", seconds_since(t0));
+  EXPECT(contains(g.rings[0]->failure(), "test abort"), "rank 0: '%s'", g.rings[0]->failure().c_str());
+  const std::string f1 = g.rings[1]->failure();
+  EXPECT(contains(f1, "stopped because rank 0 was aborted"), "rank 1: '%s'", f1.c_str());
+  EXPECT(g.rings[1]->failed_seq() == 1, "rank 1: first failed call %llu", (unsigned long long)g.rings[1]->failed_seq());
+  // A call enqueued after the abort is failed too, though its kernel never ran a step.
+  const uint64_t before = g.rings[0]->op_seq();
+  EXPECT(g.rings[0]->failed_seq() <= before + 1, "rank 0: first failed %llu after %llu calls",
+         (unsigned long long)g.rings[0]->failed_seq(), (unsigned long long)before);
+}
+
+// An abort with nothing running spoils the next call, not the ones already finished.
+static void test_abort_between_calls() {
+  Group g(2, 2, 4096, 10.0);
+  DevBuf buf(64 * 4);
+  for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(64, buf), g.ranks[r].stream);
+  sync_all(g);
+  g.rings[1]->abort("between calls");
+  EXPECT(g.rings[1]->failed_seq() == 2, "first failed %llu, want 2", (unsigned long long)g.rings[1]->failed_seq());
+  EXPECT(run_throws(g, 1, buf, "between calls"), "an aborted ring accepted a call");
+  g.rings[0]->run(g.call(64, buf), g.ranks[0].stream);  // its neighbour is gone: it stops
+  sync_all(g);
+  EXPECT(contains(g.rings[0]->failure(), "stopped because rank 1 was aborted"), "rank 0: '%s'",
+         g.rings[0]->failure().c_str());
+  EXPECT(g.rings[0]->failed_seq() == 2, "rank 0: first failed %llu", (unsigned long long)g.rings[0]->failed_seq());
+}
+
+// The process of rank 2 dies (SIGKILL) while ranks 0 and 1 wait for it: both stop within about a
+// second, naming it, instead of waiting out their 30 s timeout.
+static void test_dead_peer() {
+  const pid_t child = fork();
+  if (child == 0) {
+    pause();  // plays rank 2's process
+    _exit(0);
+  }
+  Group g(3, 2, 4096, 30.0);
+  for (int r = 0; r < 2; ++r) g.rings[r]->watch_peers({{2, child}});
+  DevBuf buf(4096 * 4);
+  for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto t0 = Clock::now();
+  kill(child, SIGKILL);  // a zombie until reaped: dead all the same
+  sync_all(g);
+  const double took = seconds_since(t0);
+  waitpid(child, nullptr, 0);
+  EXPECT(took < 3, "the dead peer was noticed after %.1f s", took);
+  for (int r = 0; r < 2; ++r) {
+    const std::string f = g.rings[r]->failure();
+    EXPECT(contains(f, "peer rank 2 (pid " + std::to_string(child) + ") died") ||
+               contains(f, "stopped because"),
+           "rank %d: '%s'", r, f.c_str());
+  }
+  std::printf("dead peer: noticed in %.2f s; rank 0 says: %s\n", took, g.rings[0]->failure().c_str());
+}
+
+#ifdef RINGREDUCE_EMU
+// Rank 0 closes without knowing that its neighbours are done with its memory (the close barrier
+// failed). Rank 1 reads rank 0's area after that: it must find the abort word and stop cleanly,
+// not read whatever the memory holds once freed (the emulator overwrites freed memory that is still
+// mapped elsewhere, as a reuse would).
+static void test_close_keeps_memory_neighbours_read() {
+  Group g(3, 2, 4096, 10.0);
+  DevBuf buf(4096 * 4);
+  const size_t kept = rc::p2p::Ring::kept_bytes();
+  g.rings[0]->close(/*peers_done=*/false);
+  EXPECT(rc::p2p::Ring::kept_bytes() > kept, "close(peers_done=false) freed the area");
+  g.rings[1]->run(g.call(4096, buf), g.ranks[1].stream);
+  cudaStreamSynchronize(g.ranks[1].stream);
+  const std::string f = g.rings[1]->failure();
+  EXPECT(contains(f, "stopped because rank 0 was aborted"), "rank 1: '%s'", f.c_str());
+}
+#endif
+
+// (4) the transport choice: p2p only where every device can map its neighbours' memory.
+static void test_can_map() {
+  std::string why;
+  RR_CUDA_CHECK(cudaSetDevice(0));
+  EXPECT(rc::p2p::can_map(rc::p2p::device_bus_id(), &why), "a device cannot map its own memory: %s", why.c_str());
+  EXPECT(!rc::p2p::can_map("0000:ff:00.0", &why) && contains(why, "not visible"), "unknown device: %s", why.c_str());
+#ifdef RINGREDUCE_EMU
+  emu_set_peer_access(0, 1, 0);
+  RR_CUDA_CHECK(cudaSetDevice(1));
+  const std::string bus1 = rc::p2p::device_bus_id();
+  RR_CUDA_CHECK(cudaSetDevice(0));
+  EXPECT(!rc::p2p::can_map(bus1, &why) && contains(why, "no peer access"), "no peers: '%s'", why.c_str());
+  // The ring itself refuses, naming the other transport.
+  bool refused = false;
+  try {
+    Group g(2, 1, 4096, 5.0);
+  } catch (const rr::RingError& e) {
+    refused = contains(e.what(), "RINGREDUCE_TRANSPORT=nccl");
+  }
+  EXPECT(refused, "a ring across devices without peer access was connected");
+  emu_set_peer_access(0, 1, 1);
+  EXPECT(rc::p2p::can_map(bus1, &why), "peers: '%s'", why.c_str());
+#endif
+}
+
+int main() {
+  // The ranks' kernels spin until their neighbours' kernels run, so all must run at once. Streams
+  // beyond CUDA_DEVICE_MAX_CONNECTIONS (default 8) share hardware queues and are serialized behind
+  // each other; a Group of 4 rings makes 8 streams (rank + side streams). Before CUDA starts.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+#ifdef RINGREDUCE_EMU
+  emu_set_device_count(4);  // rank r on device r: IPC mappings across devices
+  std::printf("emulated device: %d threads per block\n", emu_block_threads());
+#endif
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::printf("test_cuda_kernels: no CUDA device, skipped\n");
+    return 0;
+  }
+  try {
+    test_reduce();
+    test_avg_wide_divisor();
+    test_ring();
+    test_timeout();
+    test_mismatch();
+    test_abort();
+    test_abort_between_calls();
+    test_dead_peer();
+#ifdef RINGREDUCE_EMU
+    test_close_keeps_memory_neighbours_read();
+#endif
+    test_can_map();
+  } catch (const std::exception& e) {
+    std::printf("FAIL: exception: %s\n", e.what());
+    return 1;
+  }
+  std::printf(g_failures ? "test_cuda_kernels: %d failures\n" : "test_cuda_kernels: OK\n", g_failures);
+  return g_failures ? 1 : 0;
+}
