@@ -3,11 +3,22 @@
     import torch.distributed as dist, ringreduce as rr
     rr.all_reduce(tensor)                       # in place, like dist.all_reduce
 """
+import os as _os
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed as _dist
 
+# The CUDA ring kernels spin until the other ranks' kernels run. Streams beyond
+# CUDA_DEVICE_MAX_CONNECTIONS (CUDA's default: 8) share hardware queues, where a spinning kernel
+# holds up the kernels queued behind it: two communicators in one process could then wait on each
+# other until their timeout. CUDA reads the variable when it starts, so raise it to CUDA's maximum
+# now if CUDA has not started and the user has not chosen (ringreduce._cuda warns otherwise).
+if "CUDA_DEVICE_MAX_CONNECTIONS" not in _os.environ and not torch.cuda.is_initialized():
+    _os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+
 from . import _C
-from ._comm import Communicator, RingReduceError, Work, destroy, get_communicator
+from ._comm import Communicator, destroy, get_communicator
+from ._lifecycle import RingReduceError, Work
 from .collectives import (SUPPORTED_DTYPES, all_gather_into_tensor, all_reduce,
                           reduce_scatter_tensor)
 from . import ddp

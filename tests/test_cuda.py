@@ -57,9 +57,9 @@ def digest(t):
 
 
 def finish():
-    import ringreduce._cuda as rc
+    from ringreduce import _lifecycle
     torch.cuda.synchronize()
-    rc.destroy_all()  # while the process group (store) is alive: close's barrier uses it
+    _lifecycle.REGISTRY.destroy_all()  # while the process group (store) is alive: close's barrier
 
 
 def sweep_worker(rank, world, sizes, dtypes):

@@ -9,6 +9,8 @@
 
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cuda/kernels.h"
@@ -21,16 +23,23 @@ namespace rc = ringreduce::cuda;
 
 namespace {
 
-// What a Work needs of its communicator: whether it failed, and the stream it ran on.
+// What a Work needs of its communicator: its failure and which call failed first.
 struct Failure {
   virtual ~Failure() = default;
   virtual std::string failure() = 0;
+  virtual uint64_t failed_seq() = 0;
+  virtual void poll() {}
 };
 
 template <class Ring>
 struct Shared : Failure {
   std::unique_ptr<Ring> ring;
   std::string failure() override { return ring ? ring->failure() : ""; }
+  uint64_t failed_seq() override { return ring ? ring->failed_seq() : 0; }
+  void poll() override {
+    if constexpr (std::is_same_v<Ring, rc::nccl::Ring>)
+      if (ring && !ring->closed()) ring->poll();
+  }
 };
 
 void raise_if(Failure& f) {
@@ -38,19 +47,13 @@ void raise_if(Failure& f) {
   if (!why.empty()) throw rr::RingError(why);
 }
 
-// The handle of an async collective: an event on the communicator's stream.
+// The handle of the calls enqueued up to op_seq `seq`: an event on the communicator's stream.
 class CudaWork {
  public:
-  CudaWork(cudaEvent_t done, int device, std::shared_ptr<Failure> comm)
-      : done_(done), device_(device), comm_(std::move(comm)) {}
+  CudaWork(cudaEvent_t done, int device, std::shared_ptr<Failure> comm, uint64_t seq)
+      : done_(done), device_(device), comm_(std::move(comm)), seq_(seq) {}
   ~CudaWork() {
     if (done_) cudaEventDestroy(done_);
-  }
-  // The caller's current stream waits for the collective; raises if the communicator already failed.
-  void wait() {
-    c10::cuda::CUDAGuard guard(device_);
-    C10_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_).stream(), done_, 0));
-    raise_if(*comm_);
   }
   bool is_completed() {
     c10::cuda::CUDAGuard guard(device_);
@@ -59,20 +62,30 @@ class CudaWork {
     C10_CUDA_CHECK(e);
     return true;
   }
-  // Blocks the host until the collective is done; raises its failure.
+  // Blocks the host until the calls are done on the device (each ends by its deadline at the
+  // latest); raises if one of them failed. A failure of a later call does not count.
   void synchronize() {
     c10::cuda::CUDAGuard guard(device_);
     {
       py::gil_scoped_release nogil;
-      C10_CUDA_CHECK(cudaEventSynchronize(done_));
+      const cudaError_t e = cudaEventSynchronize(done_);
+      comm_->poll();
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        const std::string why = comm_->failure();
+        throw rr::RingError(!why.empty() ? why : std::string("ringreduce: CUDA error while waiting "
+                                                             "for a collective: ") + cudaGetErrorString(e));
+      }
     }
-    raise_if(*comm_);
+    const uint64_t first = comm_->failed_seq();
+    if (first != 0 && first <= seq_) raise_if(*comm_);
   }
 
  private:
   cudaEvent_t done_;
   int device_;
   std::shared_ptr<Failure> comm_;
+  uint64_t seq_;
 };
 
 // One communicator on one device: a ring (p2p::Ring or nccl::Ring) and its stream.
@@ -87,7 +100,7 @@ class CudaComm {
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
   }
-  ~CudaComm() { close(); }
+  ~CudaComm() { close(false); }  // not closed by Python: a neighbour may still read our memory
 
   Ring& ring() {
     if (!shared_->ring || shared_->ring->closed()) throw rr::RingError("ringreduce: communicator is closed");
@@ -133,17 +146,22 @@ class CudaComm {
       c10::cuda::CUDAGuard guard(device_);
       py::gil_scoped_release nogil;
       C10_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      shared_->poll();
     }
     raise_if(*shared_);
   }
   // Waits for the stream (collectives end by their deadline at the latest), then frees everything.
-  void close() {
+  // peers_done: every rank has stopped using this rank's memory (see p2p::Ring::close).
+  void close(bool peers_done) {
     if (!stream_) return;
     c10::cuda::CUDAGuard guard(device_);
     {
       py::gil_scoped_release nogil;
       cudaStreamSynchronize(stream_);
-      if (shared_->ring) shared_->ring->close();
+      if (shared_->ring) {
+        if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) shared_->ring->close(peers_done);
+        else shared_->ring->close();
+      }
     }
     cudaEventDestroy(ready_);
     cudaEventDestroy(done_);
@@ -151,6 +169,12 @@ class CudaComm {
     stream_ = nullptr;
     cudaGetLastError();
   }
+  void watch_peers(const std::vector<std::pair<int, int>>& peers) {
+    std::vector<ringreduce::host::Peer> p;
+    for (const auto& [rank, pid] : peers) p.push_back({rank, pid});
+    ring().watch_peers(std::move(p));
+  }
+  int64_t failed_seq() { return static_cast<int64_t>(shared_->failed_seq()); }
   bool closed() const { return stream_ == nullptr; }
   uintptr_t stream_ptr() const { return reinterpret_cast<uintptr_t>(stream_); }
   int64_t op_seq() { return static_cast<int64_t>(ring().op_seq()); }
@@ -193,7 +217,7 @@ class CudaComm {
     const cudaError_t e = cudaEventRecord(done, stream_);
     if (e != cudaSuccess) cudaEventDestroy(done);
     C10_CUDA_CHECK(e);
-    return py::cast(std::make_unique<CudaWork>(done, device_, shared_));
+    return py::cast(std::make_unique<CudaWork>(done, device_, shared_, ring().op_seq()));
   }
 
  private:
@@ -217,8 +241,10 @@ void bind_common(py::class_<C>& cls) {
       .def("failure", &C::failure)
       .def("abort", &C::abort, py::arg("why"))
       .def("synchronize", &C::synchronize)
-      .def("close", &C::close)
+      .def("close", &C::close, py::arg("peers_done"))
       .def("closed", &C::closed)
+      .def("watch_peers", &C::watch_peers, py::arg("peers"))
+      .def("failed_seq", &C::failed_seq)
       .def("stream_ptr", &C::stream_ptr)
       .def("marker", &C::marker)
       .def("op_seq", &C::op_seq)
@@ -229,7 +255,6 @@ void bind_common(py::class_<C>& cls) {
 
 void register_cuda(py::module_& m) {
   py::class_<CudaWork>(m, "CudaWork")
-      .def("wait", &CudaWork::wait)
       .def("is_completed", &CudaWork::is_completed)
       .def("synchronize", &CudaWork::synchronize);
 
@@ -278,6 +303,16 @@ void register_cuda(py::module_& m) {
   m.def("nccl_unique_id", [](const std::string& lib) { return py::bytes(rc::nccl::unique_id(lib)); },
         py::arg("lib"));
   m.def("nccl_version", &rc::nccl::version, py::arg("lib"));
+  m.def("cuda_bus_id", [](int device) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    return rc::p2p::device_bus_id();
+  }, py::arg("device"));
+  m.def("cuda_can_map", [](int device, const std::string& bus_id) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    std::string why;
+    const bool ok = rc::p2p::can_map(bus_id, &why);
+    return py::make_tuple(ok, why);
+  }, py::arg("device"), py::arg("bus_id"));
   m.def("cuda_device_count", [] {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;

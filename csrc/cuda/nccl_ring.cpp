@@ -359,13 +359,7 @@ void Ring::watch() {
     }
     if (why.empty() && failure().empty()) {
       std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
-      if (lk.owns_lock() && comm_) {
-        ncclResult_t state = ncclSuccess;
-        api(opt_.lib).async_error(comm_, &state);
-        if (state != ncclSuccess && state != ncclInProgress)
-          why = std::string("ringreduce: rank ") + std::to_string(opt_.rank) + ": NCCL error: " +
-                api(opt_.lib).error_string(state);
-      }
+      if (lk.owns_lock()) why = async_error_locked();
     }
     if (!why.empty()) set_failure(why, why_seq);  // the first failure wins
     // Abort for a timeout seen now, and also for one requested earlier while run() held mu_ (a
@@ -380,6 +374,31 @@ void Ring::watch() {
         abort_requested_ = true;  // the thread inside NCCL aborts when it next polls (settle)
     }
     qlk.lock();
+  }
+}
+
+std::string Ring::async_error_locked() {
+  if (!comm_) return "";
+  ncclResult_t state = ncclSuccess;
+  api(opt_.lib).async_error(comm_, &state);
+  if (state == ncclSuccess || state == ncclInProgress) return "";
+  std::string why = std::string("ringreduce: rank ") + std::to_string(opt_.rank) + ": NCCL error: " +
+                    api(opt_.lib).error_string(state);
+  const char* last = api(opt_.lib).last_error(comm_);
+  if (last && *last) why += std::string(" (") + last + ")";
+  return why;
+}
+
+void Ring::poll() {
+  if (!failure().empty()) return;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    why = async_error_locked();
+    if (!why.empty()) {
+      set_failure(why);
+      fail_locked(why);
+    }
   }
 }
 

@@ -58,6 +58,9 @@ class Ring {
   bool broken() { return !failure().empty(); }
   // The op_seq of the first call that failed, or 0 (see p2p::Ring::failed_seq).
   uint64_t failed_seq() const { return failed_seq_; }
+  // Looks at NCCL's asynchronous error now (the watchdog does every period): a call whose event
+  // has completed may still have failed inside NCCL (e.g. a truncated message).
+  void poll();
   void abort(const std::string& why);
   // The watchdog also checks these peers' processes; a dead one fails and aborts the communicator.
   void watch_peers(std::vector<host::Peer> peers);
@@ -81,6 +84,7 @@ class Ring {
   void set_failure(const std::string& why, uint64_t seq = 0);
   uint64_t first_unfinished();  // qmu_ not held
   void watch();
+  std::string async_error_locked();  // mu_ held: NCCL's async error as a message, or ""
 
   Options opt_;
   int device_ = 0;

@@ -39,13 +39,10 @@ def _device_setup(device_kind, local_rank, local_world):
 
 
 def _close_ringreduce():
-    """Closes ringreduce's communicators while the process group (their store) still exists.
-    rr.destroy() closes the CPU ones only; the CUDA ones live in ringreduce._cuda."""
-    import ringreduce as rr
-    rr.destroy()
-    if torch.cuda.is_available():
-        from ringreduce import _cuda
-        _cuda.destroy()
+    """Closes ringreduce's communicators (CPU and CUDA, every group) while the process group (their
+    store) still exists."""
+    from ringreduce import _lifecycle
+    _lifecycle.REGISTRY.destroy_all()
 
 
 def _backend(device_kind):

@@ -202,6 +202,16 @@ inline void check_collective(std::vector<Rank>& ranks, rr::Coll coll, rr::DType 
   }
 }
 
+// Runs test fn unless the command line names other tests (substrings of their names).
+inline void run_test(int argc, char** argv, const char* name, const std::function<void()>& fn) {
+  bool wanted = argc < 2;
+  for (int i = 1; i < argc; ++i) wanted |= std::strstr(name, argv[i]) != nullptr;
+  if (!wanted) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  std::printf("-- %s: %.1f s\n", name, seconds_since(t0));
+}
+
 // Every collective x dtype x op x size, in place and not, on one set of ranks (many calls in a row).
 inline int sweep(std::vector<Rank>& ranks, const std::vector<int64_t>& sizes, const char* what) {
   const int n = static_cast<int>(ranks.size());

@@ -180,8 +180,8 @@ static bool run_throws(Group& g, int r, const DevBuf& buf, const char* part) {
 
 // Rank n-1 never calls: the others stop within the timeout, saying why; the ring stays broken.
 static void test_timeout() {
-  Group g(3, 2, 4096, 1.0);
   DevBuf buf(4096 * 4);
+  Group g(3, 2, 4096, 1.0);
   const auto t0 = Clock::now();
   for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
   sync_all(g);
@@ -202,8 +202,8 @@ static void test_timeout() {
 // Rank 1 calls with another numel: every rank fails, one names both calls; the good call before
 // the mismatch is not counted as failed.
 static void test_mismatch() {
-  Group g(3, 2, 4096, 10.0);
   DevBuf buf(2000 * 4);
+  Group g(3, 2, 4096, 10.0);
   for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(1000, buf), g.ranks[r].stream);
   sync_all(g);
   for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(r == 1 ? 1001 : 1000, buf), g.ranks[r].stream);
@@ -222,8 +222,8 @@ static void test_mismatch() {
 
 // Rank 0 aborts while the ring waits on a silent rank 2: rank 0 and rank 1 stop at once.
 static void test_abort() {
-  Group g(3, 2, 4096, 30.0);
   DevBuf buf(4096 * 4);
+  Group g(3, 2, 4096, 30.0);
   for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   const auto t0 = Clock::now();
@@ -242,8 +242,8 @@ static void test_abort() {
 
 // An abort with nothing running spoils the next call, not the ones already finished.
 static void test_abort_between_calls() {
-  Group g(2, 2, 4096, 10.0);
   DevBuf buf(64 * 4);
+  Group g(2, 2, 4096, 10.0);
   for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(64, buf), g.ranks[r].stream);
   sync_all(g);
   g.rings[1]->abort("between calls");
@@ -264,9 +264,9 @@ static void test_dead_peer() {
     pause();  // plays rank 2's process
     _exit(0);
   }
+  DevBuf buf(4096 * 4);
   Group g(3, 2, 4096, 30.0);
   for (int r = 0; r < 2; ++r) g.rings[r]->watch_peers({{2, child}});
-  DevBuf buf(4096 * 4);
   for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const auto t0 = Clock::now();
@@ -290,8 +290,8 @@ static void test_dead_peer() {
 // not read whatever the memory holds once freed (the emulator overwrites freed memory that is still
 // mapped elsewhere, as a reuse would).
 static void test_close_keeps_memory_neighbours_read() {
-  Group g(3, 2, 4096, 10.0);
   DevBuf buf(4096 * 4);
+  Group g(3, 2, 4096, 10.0);
   const size_t kept = rc::p2p::Ring::kept_bytes();
   g.rings[0]->close(/*peers_done=*/false);
   EXPECT(rc::p2p::Ring::kept_bytes() > kept, "close(peers_done=false) freed the area");
@@ -327,7 +327,7 @@ static void test_can_map() {
 #endif
 }
 
-int main() {
+int main(int argc, char** argv) {
   // The ranks' kernels spin until their neighbours' kernels run, so all must run at once. Streams
   // beyond CUDA_DEVICE_MAX_CONNECTIONS (default 8) share hardware queues and are serialized behind
   // each other; a Group of 4 rings makes 8 streams (rank + side streams). Before CUDA starts.
@@ -342,18 +342,18 @@ int main() {
     return 0;
   }
   try {
-    test_reduce();
-    test_avg_wide_divisor();
-    test_ring();
-    test_timeout();
-    test_mismatch();
-    test_abort();
-    test_abort_between_calls();
-    test_dead_peer();
+    run_test(argc, argv, "test_reduce", [&] { test_reduce(); });
+    run_test(argc, argv, "test_avg_wide_divisor", [&] { test_avg_wide_divisor(); });
+    run_test(argc, argv, "test_ring", [&] { test_ring(); });
+    run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
+    run_test(argc, argv, "test_mismatch", [&] { test_mismatch(); });
+    run_test(argc, argv, "test_abort", [&] { test_abort(); });
+    run_test(argc, argv, "test_abort_between_calls", [&] { test_abort_between_calls(); });
+    run_test(argc, argv, "test_dead_peer", [&] { test_dead_peer(); });
 #ifdef RINGREDUCE_EMU
-    test_close_keeps_memory_neighbours_read();
+    run_test(argc, argv, "test_close_keeps_memory_neighbours_read", [&] { test_close_keeps_memory_neighbours_read(); });
 #endif
-    test_can_map();
+    run_test(argc, argv, "test_can_map", [&] { test_can_map(); });
   } catch (const std::exception& e) {
     std::printf("FAIL: exception: %s\n", e.what());
     return 1;

@@ -1,1 +1,310 @@
-int main() { return 0; }
+// Native test of the nccl transport (csrc/cuda/nccl_ring.cpp) on the emulated device, against the
+// in-process NCCL stand-in (tests/native/emu/nccl_standin.cpp), which nccl_ring.cpp loads by path as
+// it loads torch's libnccl.so.2. Ranks are threads; rank r on emulated device r.
+// (1) the ring's schedule: 2-4 ranks, every collective, in place and not, zero-size and numel < N,
+//     tiny staging buffers (a chunk in many pieces) and the default, many calls in a row;
+// (2) failures and their messages: a silent rank (the watchdog's timeout), mismatched sizes (NCCL's
+//     "message truncated"), an NCCL call failing inside a group (the group must still be ended), a
+//     CUDA fault on the stream (the watchdog must report it), two ranks on one GPU (NCCL refuses;
+//     the message says what to do), a peer process that dies, an abort, which call failed first.
+// Emulator only: real NCCL is exercised by tests/test_cuda.py on a GPU.
+#include <dlfcn.h>
+#include <nccl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "cuda/nccl_ring.h"
+#include "cuda_check.h"
+#include "emu.h"
+
+namespace rc = ringreduce::cuda;
+using Clock = std::chrono::steady_clock;
+
+static const char* kLib = RR_TEST_NCCL_LIB;
+
+// The stand-in's test hooks, from the library nccl_ring.cpp loads.
+struct Hooks {
+  void (*fail_next)(const char*, ncclResult_t) = nullptr;
+  int (*group_depth)() = nullptr;
+  Hooks() {
+    void* h = dlopen(kLib, RTLD_NOW);
+    if (!h) throw std::runtime_error(std::string("cannot load the NCCL stand-in: ") + dlerror());
+    fail_next = reinterpret_cast<decltype(fail_next)>(dlsym(h, "standin_fail_next"));
+    group_depth = reinterpret_cast<decltype(group_depth)>(dlsym(h, "standin_group_depth"));
+  }
+};
+
+struct Group {
+  std::vector<std::unique_ptr<rc::nccl::Ring>> rings;
+  std::vector<Rank> ranks;
+  // Creation is collective (each constructor waits for the others), so each rank is built on a
+  // thread of its own, on its device. devices: rank -> device (default rank r on device r).
+  Group(int n, size_t staging, double timeout_s, std::vector<int> devices = {}) {
+    if (devices.empty())
+      for (int r = 0; r < n; ++r) devices.push_back(r);
+    const std::string id = rc::nccl::unique_id(kLib);
+    rings.resize(n);
+    std::vector<std::string> errors(n);
+    std::vector<std::thread> ths;
+    for (int r = 0; r < n; ++r)
+      ths.emplace_back([&, r] {
+        try {
+          RR_CUDA_CHECK(cudaSetDevice(devices[r]));
+          rc::nccl::Options o;
+          o.rank = r;
+          o.nranks = n;
+          o.timeout_s = timeout_s;
+          o.staging_bytes = staging;
+          o.lib = kLib;
+          rings[r] = std::make_unique<rc::nccl::Ring>(o, id);
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      });
+    for (auto& t : ths) t.join();
+    for (int r = 0; r < n; ++r)
+      if (!errors[r].empty()) throw rr::RingError(errors[r]);
+    for (int r = 0; r < n; ++r) {
+      Rank k;
+      k.device = devices[r];
+      RR_CUDA_CHECK(cudaSetDevice(k.device));
+      RR_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
+      rc::nccl::Ring* ring = rings[r].get();
+      k.run = [ring](const rr::Call& c, cudaStream_t s) { ring->run(c, s); };
+      k.failure = [ring] { return ring->failure(); };
+      ranks.push_back(k);
+    }
+  }
+  ~Group() {
+    for (Rank& k : ranks) {
+      cudaSetDevice(k.device);
+      cudaStreamSynchronize(k.stream);
+    }
+    rings.clear();  // close: finalize, or abort when broken
+    for (Rank& k : ranks) cudaStreamDestroy(k.stream);
+  }
+  rr::Call call(int64_t numel, const DevBuf& buf) const {
+    return {rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, buf.p, buf.p};
+  }
+  void run(int r, int64_t numel, const DevBuf& buf) {
+    cudaSetDevice(ranks[r].device);
+    rings[r]->run(call(numel, buf), ranks[r].stream);
+  }
+  void sync() {
+    for (Rank& k : ranks) {
+      cudaSetDevice(k.device);
+      cudaStreamSynchronize(k.stream);
+    }
+  }
+  // Polls until every rank in rs has a failure, up to limit seconds; returns the seconds taken.
+  double await_failures(std::initializer_list<int> rs, double limit) {
+    const auto t0 = Clock::now();
+    for (;;) {
+      bool all = true;
+      for (int r : rs) all &= !rings[r]->failure().empty();
+      if (all || seconds_since(t0) > limit) return seconds_since(t0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+};
+
+// (1) the schedule.
+static void test_sweep() {
+  int cases = 0;
+  const auto t0 = Clock::now();
+  for (int n = 2; n <= 4; ++n) {
+    {  // staging of 64 bytes: every chunk goes through the ring in many pieces
+      Group g(n, 64, 20.0);
+      char what[64];
+      std::snprintf(what, sizeof what, "nccl n=%d staging=64", n);
+      // 64-byte pieces of the largest size (3 x 65536 elements) would take minutes on 2 cores: the
+      // default staging below runs that size.
+      cases += sweep(g.ranks, {0, 1, n - 1, n + 1, 1000 * n + 7}, what);
+    }
+    {
+      Group g(n, rc::nccl::kDefaultStagingBytes, 20.0);
+      char what[64];
+      std::snprintf(what, sizeof what, "nccl n=%d staging=default", n);
+      cases += sweep(g.ranks, {0, 1, n + 1, 3 * 65536 + 5}, what);
+    }
+  }
+  std::printf("nccl ring: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
+// (2) failures.
+static bool run_throws(Group& g, int r, const DevBuf& buf, const char* part) {
+  try {
+    g.run(r, 1, buf);
+  } catch (const rr::RingError& e) {
+    EXPECT(contains(e.what(), part), "rank %d: '%s' lacks '%s'", r, e.what(), part);
+    return true;
+  }
+  return false;
+}
+
+// Rank 2 never calls: NCCL waits forever; the watchdog fails the call at the timeout, aborts the
+// NCCL communicator (which ends the stream's wait) and the ring refuses later calls.
+static void test_timeout() {
+  DevBuf buf(4096 * 4);
+  Group g(3, 4096, 1.0);
+  for (int r = 0; r < 2; ++r) g.run(r, 4096, buf);
+  const double took = g.await_failures({0, 1}, 10);
+  g.sync();
+  EXPECT(took < 4, "the silent rank was noticed after %.1f s (timeout 1 s)", took);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT(contains(g.rings[r]->failure(), "timed out after 1 s"), "rank %d: '%s'", r,
+           g.rings[r]->failure().c_str());
+    EXPECT(g.rings[r]->failed_seq() == 1, "rank %d: first failed %llu", r,
+           (unsigned long long)g.rings[r]->failed_seq());
+    EXPECT(run_throws(g, r, buf, "broken by an earlier failure"), "rank %d: a broken ring accepted a call", r);
+  }
+  std::printf("timeout: rank 0 says: %s\n", g.rings[0]->failure().c_str());
+}
+
+// Rank 1 calls with another numel after a good call: a receive smaller than its send is NCCL's
+// "message truncated"; every rank fails within its timeout; the good call is not counted.
+static void test_size_mismatch() {
+  DevBuf buf(2000 * 4);
+  Group g(3, 4096, 2.0);
+  for (int r = 0; r < 3; ++r) g.run(r, 999, buf);
+  g.sync();
+  for (int r = 0; r < 3; ++r) g.run(r, r == 1 ? 1001 : 998, buf);
+  g.await_failures({0, 1, 2}, 15);
+  g.sync();
+  bool truncated = false;
+  for (int r = 0; r < 3; ++r) {
+    const std::string f = g.rings[r]->failure();
+    EXPECT(!f.empty(), "rank %d did not fail", r);
+    truncated |= contains(f, "message truncated");
+    EXPECT(g.rings[r]->failed_seq() == 2, "rank %d: first failed %llu", r,
+           (unsigned long long)g.rings[r]->failed_seq());
+  }
+  EXPECT(truncated, "no rank reported the truncated message");
+}
+
+// An NCCL call that fails inside the group: the ring raises, and the group is ended anyway (a group
+// left open would defer every later NCCL call of the thread, torch's included).
+static void test_failure_inside_group(const Hooks& hooks) {
+  DevBuf buf(64 * 4);
+  Group g(2, 4096, 5.0);
+  hooks.fail_next("ncclRecv", ncclInvalidArgument);
+  bool threw = false;
+  try {
+    g.run(0, 64, buf);
+  } catch (const rr::RingError& e) {
+    threw = contains(e.what(), "ncclRecv failed");
+    EXPECT(threw, "'%s'", e.what());
+  }
+  EXPECT(threw, "a failed ncclRecv did not raise");
+  EXPECT(hooks.group_depth() == 0, "the NCCL group was left open (depth %d)", hooks.group_depth());
+  EXPECT(g.rings[0]->failed_seq() == 1, "first failed %llu", (unsigned long long)g.rings[0]->failed_seq());
+}
+
+static void sleep_on_stream(void* ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(reinterpret_cast<intptr_t>(ms)));
+}
+
+// The stream faults (a sticky CUDA error, as after an illegal address) after the call was enqueued:
+// the watchdog must report the CUDA error, not count the call as done.
+static void test_cuda_fault() {
+  DevBuf buf(4096 * 4);
+  Group g(2, 4096, 3.0);
+  for (int r = 0; r < 2; ++r) g.run(r, 4096, buf);
+  g.sync();
+  RR_CUDA_CHECK(cudaSetDevice(g.ranks[0].device));
+  // Keep the stream busy so that the call below is enqueued before the fault takes effect.
+  RR_CUDA_CHECK(cudaLaunchHostFunc(g.ranks[0].stream, sleep_on_stream, reinterpret_cast<void*>(300)));
+  RR_CUDA_CHECK(emu_inject_fault(g.ranks[0].stream, cudaErrorIllegalAddress));
+  for (int r = 0; r < 2; ++r) g.run(r, 4096, buf);
+  const double took = g.await_failures({0}, 10);
+  const std::string f = g.rings[0]->failure();
+  EXPECT(contains(f, "cudaErrorIllegalAddress") && contains(f, "collective #2"), "rank 0: '%s'", f.c_str());
+  EXPECT(took < 2.5, "the fault was reported after %.1f s (timeout 3 s)", took);
+  EXPECT(g.rings[0]->failed_seq() == 2, "first failed %llu", (unsigned long long)g.rings[0]->failed_seq());
+  g.await_failures({1}, 10);  // rank 1 times out waiting for rank 0
+  emu_clear_fault(g.ranks[0].device);
+}
+
+// Two ranks on one GPU: NCCL refuses (ncclInvalidUsage) unless NCCL_MULTI_RANK_GPU_ENABLE=1; the
+// error says so, and with the variable set the ring works.
+static void test_shared_gpu() {
+  unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  std::string msg;
+  try {
+    Group g(2, 4096, 5.0, {0, 0});
+  } catch (const rr::RingError& e) {
+    msg = e.what();
+  }
+  EXPECT(contains(msg, "Duplicate GPU") && contains(msg, "NCCL_MULTI_RANK_GPU_ENABLE=1") &&
+             contains(msg, "RINGREDUCE_TRANSPORT=p2p"),
+         "two ranks on one GPU: '%s'", msg.c_str());
+  setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+  {
+    Group g(2, 4096, 5.0, {0, 0});
+    check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 1001, true, "shared gpu");
+  }
+  unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  std::printf("shared gpu: %s\n", msg.c_str());
+}
+
+// Rank 2's process dies while ranks 0 and 1 wait for it: both fail within about a second.
+static void test_dead_peer() {
+  const pid_t child = fork();
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  DevBuf buf(4096 * 4);
+  Group g(3, 4096, 30.0);
+  for (int r = 0; r < 2; ++r) g.rings[r]->watch_peers({{2, child}});
+  for (int r = 0; r < 2; ++r) g.run(r, 4096, buf);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  kill(child, SIGKILL);
+  const double took = g.await_failures({0, 1}, 10);
+  waitpid(child, nullptr, 0);
+  g.sync();
+  EXPECT(took < 2, "the dead peer was noticed after %.1f s", took);
+  for (int r = 0; r < 2; ++r)
+    EXPECT(contains(g.rings[r]->failure(), "peer rank 2 (pid " + std::to_string(child) + ") died"),
+           "rank %d: '%s'", r, g.rings[r]->failure().c_str());
+}
+
+// abort() while a call waits: the NCCL communicator is aborted, the stream is free at once.
+static void test_abort() {
+  DevBuf buf(4096 * 4);
+  Group g(3, 4096, 30.0);
+  for (int r = 0; r < 2; ++r) g.run(r, 4096, buf);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto t0 = Clock::now();
+  g.rings[0]->abort("test abort");
+  cudaSetDevice(g.ranks[0].device);
+  cudaStreamSynchronize(g.ranks[0].stream);
+  EXPECT(seconds_since(t0) < 2, "abort took %.1f s", seconds_since(t0));
+  EXPECT(contains(g.rings[0]->failure(), "test abort"), "'%s'", g.rings[0]->failure().c_str());
+  EXPECT(g.rings[0]->failed_seq() == 1, "first failed %llu", (unsigned long long)g.rings[0]->failed_seq());
+  g.rings[1]->abort("end of test");
+}
+
+int main(int argc, char** argv) {
+  emu_set_device_count(4);
+  try {
+    const Hooks hooks;
+    std::printf("NCCL stand-in version %d at %s\n", rc::nccl::version(kLib), kLib);
+    run_test(argc, argv, "test_sweep", [&] { test_sweep(); });
+    run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
+    run_test(argc, argv, "test_size_mismatch", [&] { test_size_mismatch(); });
+    run_test(argc, argv, "test_failure_inside_group", [&] { test_failure_inside_group(hooks); });
+    run_test(argc, argv, "test_cuda_fault", [&] { test_cuda_fault(); });
+    run_test(argc, argv, "test_shared_gpu", [&] { test_shared_gpu(); });
+    run_test(argc, argv, "test_dead_peer", [&] { test_dead_peer(); });
+    run_test(argc, argv, "test_abort", [&] { test_abort(); });
+  } catch (const std::exception& e) {
+    std::printf("FAIL: exception: %s\n", e.what());
+    return 1;
+  }
+  std::printf(g_failures ? "test_nccl_ring: %d failures\n" : "test_nccl_ring: OK\n", g_failures);
+  return g_failures ? 1 : 0;
+}

@@ -1,0 +1,321 @@
+"""One communicator lifecycle for every transport (shared memory, p2p, nccl).
+
+- Created collectively, once per (group, key), and cached: `REGISTRY.get(group, key, create)`. Two
+  threads that meet a group first (a DDP hook on the autograd thread and the main thread) get one
+  communicator: a creation runs under a lock of its own key, so the setup's store keys stay in step.
+- Bootstrapped through the group's store with `Bootstrap` (keys under a prefix, waits bounded by the
+  timeout, counters for barriers).
+- A worker thread per communicator finishes async calls in the order they were made: it runs each
+  call's `job` (the collective itself on the CPU; waiting for the device on CUDA) and completes the
+  call's future with its result or its error. Work wraps that future.
+- close(): idempotent; stops the worker, then the transport frees what it holds; destroy(group) and,
+  at exit, destroy_all() close every communicator, CPU and CUDA alike.
+"""
+import atexit
+import datetime
+import logging
+import os
+import queue
+import threading
+import time
+
+import torch.distributed as dist
+
+from . import _C
+
+RingReduceError = _C.RingReduceError
+log = logging.getLogger("ringreduce")
+
+if os.environ.get("RINGREDUCE_DEBUG") == "1" and not log.handlers:
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("ringreduce[%(process)d] %(message)s"))
+    log.addHandler(_h)
+    log.setLevel(logging.DEBUG)
+
+
+def default_timeout():
+    raw = os.environ.get("RINGREDUCE_TIMEOUT", "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"RINGREDUCE_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"RINGREDUCE_TIMEOUT must be > 0 seconds, got {raw!r}")
+    return value
+
+
+def env_int(name, default):
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def require_initialized():
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ringreduce: torch.distributed is not initialized; call "
+                           "torch.distributed.init_process_group(...) first")
+
+
+_prefix_counters = {}
+_prefix_lock = threading.Lock()
+
+
+class Bootstrap:
+    """Store keys of one communicator's setup, under a prefix unique to (what, ranks, n-th time)."""
+
+    def __init__(self, group, what, timeout):
+        ranks = tuple(dist.get_process_group_ranks(group))
+        with _prefix_lock:
+            n = _prefix_counters.get((ranks, what), 0)
+            _prefix_counters[(ranks, what)] = n + 1
+        self.store = dist.distributed_c10d._get_default_store()
+        self.prefix = "ringreduce/%s/%s/%d" % (what, "-".join(map(str, ranks)), n)
+        self.timeout = timeout
+        self.rank = dist.get_rank(group)
+
+    def set(self, name, value):
+        self.store.set(f"{self.prefix}/{name}", value)
+
+    def add(self, name, amount):
+        return self.store.add(f"{self.prefix}/{name}", amount)
+
+    def get(self, name, waiting_for):
+        key = f"{self.prefix}/{name}"
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=self.timeout))
+        except Exception as e:  # the store's own timeout error
+            raise RingReduceError(
+                f"ringreduce: rank {self.rank}: communicator setup timed out after "
+                f"{self.timeout:g} s waiting for {waiting_for} ({e})") from None
+        return self.store.get(key)
+
+    def all(self, name, world, what):
+        """Every rank's value of name (each rank sets its own as f"{name}/{rank}")."""
+        return [self.get(f"{name}/{r}", f"rank {r}'s {what}") for r in range(world)]
+
+    def count(self, name, world, limit):
+        """Adds this rank to a counter; waits up to limit seconds for world ranks. True if all came."""
+        key = f"{self.prefix}/{name}"
+        joined = self.store.add(key, 1)
+        deadline = time.monotonic() + limit
+        while joined < world and time.monotonic() < deadline:
+            time.sleep(0.001)
+            joined = self.store.add(key, 0)
+        return joined >= world
+
+
+class Work:
+    """Handle of an async call, shaped like torch.distributed's Work. Its future completes once the
+    call has finished (on the device, for CUDA tensors) and carries the call's error, if any."""
+
+    def __init__(self, fut):
+        self._fut = fut
+
+    def wait(self, timeout=None):
+        """Blocks until the call finished and raises its error, if any. timeout (seconds or a
+        datetime.timedelta, as torch's Work.wait takes) bounds the wait: RingReduceError if the call
+        is still running then (the call itself goes on, bounded by the communicator's timeout)."""
+        if timeout is not None and not self._fut.done():
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            done = threading.Event()
+            self._fut.add_done_callback(lambda _: done.set())
+            if not done.wait(max(seconds, 0.0)):
+                raise RingReduceError(f"Work.wait: the collective did not finish within "
+                                      f"timeout={seconds:g} s; it is still running")
+        self._fut.wait()  # raises the call's error; CUDA: the current stream waits for the result
+        return True
+
+    synchronize = wait
+
+    def is_completed(self):
+        return self._fut.done()
+
+    def is_success(self):
+        return self._fut.done() and self.exception() is None
+
+    def exception(self):
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.value()
+        except Exception as e:
+            return e
+        return None
+
+    def get_future(self):
+        return self._fut
+
+
+class Communicator:
+    """What every transport's communicator shares: its place in the group, the worker thread that
+    finishes async calls in order, and close()."""
+
+    transport = None
+
+    def __init__(self, group, timeout):
+        require_initialized()
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.timeout = float(timeout) if timeout is not None else default_timeout()
+        self._state = threading.Condition()
+        self._inflight = 0
+        self._queue = queue.SimpleQueue()
+        self._worker = None
+        self._closed = False
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def _check_open(self):
+        if self._closed:
+            raise RingReduceError("ringreduce: communicator is closed")
+
+    # -- the worker ----------------------------------------------------------------------------
+    def _submit(self, job, result, make_future, inline):
+        """Runs job() in order with earlier calls: inline on this thread if allowed and nothing is in
+        flight (job's error is raised here; returns None), else on the worker, which completes the
+        returned future from make_future() with result or with job's error."""
+        self._check_open()
+        with self._state:
+            inline = inline and self._inflight == 0
+            self._inflight += 1
+            if not inline:
+                fut = make_future()
+                self._ensure_worker()
+                self._queue.put((job, result, fut))
+        if not inline:
+            return fut
+        try:
+            job()
+        finally:
+            self._done()
+        return None
+
+    def _done(self):
+        with self._state:
+            self._inflight -= 1
+            self._state.notify_all()
+
+    def _ensure_worker(self):
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work_loop, daemon=True,
+                                            name=f"ringreduce-{self.transport}-worker")
+            self._worker.start()
+
+    def _work_loop(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, result, fut = item
+            try:
+                job()
+            except BaseException as e:  # delivered to whoever waits on the future
+                self._done()
+                fut.set_exception(e)
+            else:
+                self._done()
+                self._complete(fut, result)
+
+    def _complete(self, fut, result):
+        fut.set_result(result)
+
+    def synchronize(self):
+        """Waits until every call made so far has finished."""
+        with self._state:
+            while self._inflight:
+                self._state.wait()
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self):
+        """Stops the worker (after the calls in flight end: aborted, or by their deadline) and frees
+        the transport. Idempotent."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            busy = self._inflight > 0
+        self._stop_calls(busy)
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(timeout=self.timeout)
+        self._close_native()
+
+    def _stop_calls(self, busy):
+        """Transport hook: end the calls still in flight, or let them finish."""
+
+    def _close_native(self):
+        """Transport hook: free the native communicator."""
+        raise NotImplementedError
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Registry:
+    """The communicators of this process by (group, key); see the module's docstring."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # the dicts, briefly
+        self._creating = {}  # key -> lock held across that key's (collective) creation
+        self._comms = {}  # key -> (group, communicator)
+
+    def _cached(self, key, group):
+        entry = self._comms.get(key)  # a dict read is atomic
+        if entry is not None and entry[0] is group and not entry[1].closed:
+            return entry[1]
+        return None
+
+    def get(self, group, key, create):
+        """The open communicator of (group, key), made by create(group) on first use. Creation is
+        collective: every rank of the group must get here."""
+        g = group if group is not None else dist.group.WORLD
+        k = (id(g),) + tuple(key)
+        comm = self._cached(k, g)
+        if comm is not None:
+            return comm
+        with self._lock:
+            lock = self._creating.setdefault(k, threading.Lock())
+        with lock:
+            comm = self._cached(k, g)
+            if comm is None:
+                comm = create(g)
+                with self._lock:
+                    self._comms[k] = (g, comm)
+        return comm
+
+    def destroy(self, group=None):
+        """Closes every communicator of group (None: the default group); idempotent."""
+        g = group if group is not None else dist.group.WORLD
+        with self._lock:
+            keys = [k for k, (grp, _) in self._comms.items() if grp is g]
+            entries = [self._comms.pop(k) for k in keys]
+        for _, comm in entries:
+            comm.close()
+
+    def destroy_all(self):
+        with self._lock:
+            entries = list(self._comms.values())
+            self._comms.clear()
+        for _, comm in entries:
+            comm.close()
+
+    def live(self, key_prefix):
+        """Open communicators whose key starts with key_prefix."""
+        n = len(key_prefix)
+        with self._lock:
+            return [c for k, (_, c) in self._comms.items() if k[1:1 + n] == tuple(key_prefix)
+                    and not c.closed]
+
+
+REGISTRY = Registry()
+atexit.register(REGISTRY.destroy_all)

@@ -1,0 +1,122 @@
+"""Proof that the emulated CUDA tests can fail: breaks the CUDA code on purpose, one change at a
+time, rebuilds, runs the native test that should catch it, and restores the file. Not part of CI
+(each mutation costs a rebuild and a run: about 15 minutes for all). Run from the repository root
+after `cmake -S . -B cbuild && cmake --build cbuild -j2`:
+
+    python3 tests/native/emu/mutations.py [name ...]
+
+Prints one line per mutation: caught (the test failed or timed out) or NOT CAUGHT.
+"""
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+BUILD = ROOT / "cbuild"
+
+KERNEL = "csrc/cuda/p2p_kernel.cu"
+STANDIN = "tests/native/emu/nccl_standin.cpp"
+P2P_TEST = ("test_cuda_kernels_emu", ["test_ring", "test_timeout", "test_mismatch"])
+NCCL_TEST = ("test_nccl_ring_emu", ["test_sweep"])
+
+# name: (file, text, replacement, test, why it must be caught)
+MUTATIONS = {
+    "no_barrier_before_post": (
+        KERNEL,
+        "__device__ void step_end(const RingArgs& a, Chan& c, bool recv, bool send, uint64_t send_bytes) {\n  __syncthreads();",
+        "__device__ void step_end(const RingArgs& a, Chan& c, bool recv, bool send, uint64_t send_bytes) {",
+        P2P_TEST, "thread 0 posts while other threads still write the slot"),
+    "no_barrier_after_wait": (
+        KERNEL,
+        "    s_stop = stop;\n  }\n  __syncthreads();\n  return s_stop == 0;",
+        "    s_stop = stop;\n  }\n  return s_stop == 0;",
+        P2P_TEST, "threads read the slot before thread 0 saw the message arrive"),
+    "slice_shifted_by_one": (
+        KERNEL,
+        "    return ring::slice(ring::channel_part(ch, a.nch, blockIdx.x), j, S);",
+        "    ring::Span sp = ring::slice(ring::channel_part(ch, a.nch, blockIdx.x), j, S);\n"
+        "    if (sp.count > 1) ++sp.begin, --sp.count;\n    return sp;",
+        P2P_TEST, "one element of every slice is never moved"),
+    "post_before_data": (
+        KERNEL,
+        "      if (!step_begin(a, c, true, send, rp.count * es, w)) return;\n"
+        "        const T* src = slot_at<T>(a, a.up_data, c.received, rp.begin);\n"
+        "        T* fwd",
+        "      if (!step_begin(a, c, true, send, rp.count * es, w)) return;\n"
+        "        if (send && threadIdx.x == 0) {\n"
+        "          volatile MsgHeader* h = &a.self->hdr[blockIdx.x][c.sent % kSlots];\n"
+        "          const MsgHeader m = my_header(a, rp.count * es, c.index);\n"
+        "          h->op_seq = m.op_seq; h->numel = m.numel; h->nbytes = m.nbytes; h->index = m.index;\n"
+        "          h->coll = m.coll; h->dtype = m.dtype; h->op = m.op;\n"
+        "          st_release_sys(&a.self->ch[blockIdx.x].posted.value, c.sent + 1);\n"
+        "        }\n"
+        "        const T* src = slot_at<T>(a, a.up_data, c.received, rp.begin);\n"
+        "        T* fwd",
+        P2P_TEST, "the reduce-scatter step posts its message before reducing into it"),
+    "skip_one_consumed_update": (
+        KERNEL,
+        "    if (recv) st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);",
+        "    if (recv && c.received % 5 != 3) st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);",
+        P2P_TEST, "NOT expected: counters are absolute, the next update carries a skipped one"),
+    "skip_consumed_in_all_gather": (
+        KERNEL,
+        "    if (recv) st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);",
+        "    if (recv && c.index < 2) st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);",
+        P2P_TEST, "the sender never gets its slots back: it waits until the timeout"),
+    "consumed_before_read": (
+        KERNEL,
+        "          record_stop(a, stop, true, up, w, false, mine, &got);\n        }\n",
+        "          record_stop(a, stop, true, up, w, false, mine, &got);\n        }\n"
+        "        else st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);\n",
+        P2P_TEST, "the slot is handed back before it is read: the sender may overwrite it"),
+    "nccl_recv_before_send": (
+        STANDIN,
+        "  for (size_t i = 0; i < g->ops.size(); ++i) {\n    if (!g->ops[i].send) continue;\n    Slot& s = slot(i);\n    s.src",
+        "  for (size_t i = 0; i < g->ops.size(); ++i) {\n    if (g->ops[i].send) continue;\n"
+        "    Slot& r = slot(i);\n    if (!wait([&] { return r.posted; })) break;\n  }\n"
+        "  for (size_t i = 0; i < g->ops.size(); ++i) {\n    if (!g->ops[i].send) continue;\n    Slot& s = slot(i);\n    s.src",
+        NCCL_TEST, "every rank waits for its receive before posting its send: the ring deadlocks"),
+    "nccl_wrong_staging_buffer": (
+        "csrc/cuda/nccl_ring.cpp",
+        "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];",
+        "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[s & 1];",
+        NCCL_TEST, "step s forwards the buffer being received into, not what step s-1 reduced"),
+}
+
+
+def run(name):
+    path, old, new, (test, args), why = MUTATIONS[name]
+    f = ROOT / path
+    text = f.read_text()
+    if text.count(old) != 1:
+        return f"{name}: SKIPPED (the text to change is not in {path} exactly once)"
+    try:
+        f.write_text(text.replace(old, new))
+        b = subprocess.run(["cmake", "--build", str(BUILD), "-j2", "--target", test],
+                           capture_output=True, text=True)
+        if b.returncode:
+            return f"{name}: SKIPPED (does not build)\n{b.stdout[-2000:]}"
+        t0 = time.monotonic()
+        try:
+            r = subprocess.run([str(BUILD / test), *args], capture_output=True, text=True, timeout=600)
+            failed = r.returncode != 0
+            out = r.stdout
+        except subprocess.TimeoutExpired:
+            failed, out = True, "timed out after 600 s"
+        first = next((l for l in out.splitlines() if l.startswith("FAIL")), out.strip()[-200:])
+        verdict = "caught" if failed else "NOT CAUGHT"
+        return f"{name}: {verdict} in {time.monotonic() - t0:.0f} s ({why})\n    {first[:300]}"
+    finally:
+        f.write_text(text)
+
+
+def main():
+    names = sys.argv[1:] or list(MUTATIONS)
+    for n in names:
+        print(run(n), flush=True)
+    subprocess.run(["cmake", "--build", str(BUILD), "-j2"], capture_output=True)  # restore binaries
+
+
+if __name__ == "__main__":
+    main()
