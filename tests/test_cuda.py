@@ -4,9 +4,15 @@ Ranks are processes on the available GPU(s) (rank r uses cuda:r % device_count; 
 machine every rank shares cuda:0, which CUDA IPC allows; NCCL needs NCCL_MULTI_RANK_GPU_ENABLE=1
 for that). Gloo is the bootstrap group. Skipped without a GPU.
 
-    pytest -m gpu tests/test_cuda.py -v
+Staged for one lent GPU (tests/gpu_suite.sh): the `smoke` tests first (about 30 s), then the rest.
+Processes sharing one GPU take turns (no MPS), so a ring step can wait a whole time slice: the
+tiny-slice cases are sized to stay under a few thousand messages per channel.
+
+    bash tests/gpu_suite.sh            # or: pytest -m gpu tests/test_cuda.py --durations=0
 """
+import copy
 import os
+import signal
 import sys
 import time
 
@@ -14,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_ranks
+from dist_utils import collect, run_ranks, spawn
 from reference import FLOATS, INTS, OPS, check_close, make_input
 from reference import digest as _digest
 from reference import reduce_reference as reference
@@ -23,6 +29,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+smoke = pytest.mark.smoke
 
 # One GPU: NCCL refuses two ranks on it unless told (NCCL >= 2.30), see DESIGN.md.
 NCCL_ENV = {"RINGREDUCE_TRANSPORT": "nccl", "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
@@ -30,6 +37,7 @@ P2P_ENV = {"RINGREDUCE_TRANSPORT": "p2p"}
 # Test-only knobs: tiny slices / staging force many pipeline steps and pieces per chunk.
 P2P_TINY = {**P2P_ENV, "RINGREDUCE_CUDA_SLICE_BYTES": "256", "RINGREDUCE_CUDA_CHANNELS": "3"}
 NCCL_TINY = {**NCCL_ENV, "RINGREDUCE_NCCL_STAGING_BYTES": "4096"}
+TRANSPORTS = pytest.mark.parametrize("env", [P2P_ENV, NCCL_ENV], ids=["p2p", "nccl"])
 
 
 def device_of(rank):
@@ -62,6 +70,42 @@ def finish():
     _lifecycle.REGISTRY.destroy_all()  # while the process group (store) is alive: close's barrier
 
 
+def outcome(fn):
+    """('ok', None, seconds) or (exception class name, message, seconds) of fn()."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "ok", None, time.monotonic() - t0
+
+
+# -- stage 1: smoke -----------------------------------------------------------------------------
+def smoke_worker(rank, world):
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    t = torch.full((100_003,), float(rank + 1), device=dev)
+    rr.all_reduce(t)
+    out = torch.empty(1000, device=dev)
+    rr.reduce_scatter_tensor(out, torch.full((1000 * world,), float(rank + 1), device=dev))
+    g = torch.empty(1000 * world, device=dev)
+    rr.all_gather_into_tensor(g, torch.full((1000,), float(rank), device=dev))
+    w = rr.all_reduce(torch.ones(4099, device=dev), async_op=True)
+    w.wait()
+    total = world * (world + 1) / 2
+    ok = (torch.all(t == total).item() and torch.all(out == total).item()
+          and torch.equal(g.cpu(), torch.arange(world).repeat_interleave(1000).float()))
+    finish()
+    return ok
+
+
+@smoke
+@TRANSPORTS
+def test_smoke(env):
+    assert all(run_ranks(2, smoke_worker, timeout=120, env=env))
+
+
+# -- stage 2: the sweep -------------------------------------------------------------------------
 def sweep_worker(rank, world, sizes, dtypes):
     import ringreduce as rr
     dev = setup_rank(rank)
@@ -99,20 +143,108 @@ def sweep_worker(rank, world, sizes, dtypes):
     return failures, digests
 
 
-def sizes_for(world):
-    return [0, 1, world - 1, world + 1, 100_003]
+SWEEPS = {
+    # every dtype at the default slices and staging
+    "p2p": (P2P_ENV, [2, 3, 4], FLOATS + INTS, lambda w: [0, 1, w - 1, w + 1, 100_003]),
+    "nccl": (NCCL_ENV, [2, 3, 4], FLOATS + INTS, lambda w: [0, 1, w - 1, w + 1, 100_003]),
+    # many pipeline steps, few dtypes and sizes: each message may wait a time slice on one GPU
+    "p2p_tiny_slices": (P2P_TINY, [2, 3], (torch.float32, torch.bfloat16, torch.int32),
+                        lambda w: [1, w + 1, 4099]),
+    "nccl_tiny_staging": (NCCL_TINY, [2, 3], (torch.float32, torch.int32),
+                          lambda w: [w + 1, 20_011]),
+}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("env", [P2P_ENV, P2P_TINY, NCCL_ENV, NCCL_TINY],
-                         ids=["p2p", "p2p_tiny_slices", "nccl", "nccl_tiny_staging"])
-def test_sweep(world, env):
-    results = run_ranks(world, sweep_worker, sizes_for(world), FLOATS + INTS, timeout=900, env=env)
+@pytest.mark.parametrize("name", list(SWEEPS))
+def test_sweep(world, name):
+    env, worlds, dtypes, sizes = SWEEPS[name]
+    if world not in worlds:
+        pytest.skip(f"{name} runs at world {worlds} (time on one GPU)")
+    results = run_ranks(world, sweep_worker, sizes(world), dtypes, timeout=600, env=env)
     for rank, (failures, _) in enumerate(results):
         assert not failures, f"rank {rank}: " + "; ".join(failures[:10])
     # all_reduce and all_gather results are bitwise identical on every rank
     for rank, (_, digests) in enumerate(results[1:], start=1):
         assert digests == results[0][1], f"rank {rank} differs from rank 0"
+
+
+def layout_worker(rank, world):
+    """In-place reduce_scatter and all_gather, and tensors that start at a storage offset (not
+    16-byte aligned) through the ring."""
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    errors, m = [], 1001
+    total = sum(range(1, world + 1))
+    buf = torch.arange(world * m, dtype=torch.float32, device=dev) + rank
+    rr.reduce_scatter_tensor(buf[rank * m:(rank + 1) * m], buf)
+    want = world * torch.arange(rank * m, (rank + 1) * m, dtype=torch.float32) + sum(range(world))
+    if not torch.equal(buf[rank * m:(rank + 1) * m].cpu(), want):
+        errors.append("in-place reduce_scatter")
+    g = torch.zeros(world * m, device=dev)
+    g[rank * m:(rank + 1) * m] = rank + 1
+    rr.all_gather_into_tensor(g, g[rank * m:(rank + 1) * m])
+    if not torch.equal(g.cpu(), (torch.arange(world) + 1).repeat_interleave(m).float()):
+        errors.append("in-place all_gather")
+    big = torch.full((m + 10,), float(rank + 1), device=dev)
+    rr.all_reduce(big[3:3 + m])  # 12 bytes past a 16-byte boundary
+    if not (torch.all(big[3:3 + m] == total) and torch.all(big[:3] == rank + 1)
+            and torch.all(big[3 + m:] == rank + 1)):
+        errors.append("all_reduce at a storage offset (or wrote outside the view)")
+    src = torch.ones(world * m + 5, device=dev)[5:]
+    out_big = torch.zeros(m + 1, device=dev)
+    rr.reduce_scatter_tensor(out_big[1:], src)
+    if not (torch.all(out_big[1:] == world) and out_big[0].item() == 0):
+        errors.append("reduce_scatter at storage offsets")
+    h = torch.zeros(world * m + 2, dtype=torch.bfloat16, device=dev)
+    rr.all_gather_into_tensor(h[1:-1], torch.full((m + 1,), float(rank), dtype=torch.bfloat16,
+                                                    device=dev)[1:])
+    if not (torch.equal(h[1:-1].float().cpu(), torch.arange(world).repeat_interleave(m).float())
+            and h[0].item() == 0 and h[-1].item() == 0):
+        errors.append("all_gather at storage offsets")
+    finish()
+    return errors
+
+
+@TRANSPORTS
+def test_in_place_and_storage_offsets(env):
+    for rank, errors in enumerate(run_ranks(3, layout_worker, timeout=300, env=env)):
+        assert not errors, f"rank {rank}: {errors}"
+
+
+def queue_worker(rank, world):
+    """Several async calls queued without wait(), then waited for out of order; subgroups and the
+    world group interleaved (two communicators on one device at once)."""
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    errors = []
+    ts = [torch.full((4099 * (i + 1),), float(rank + i), device=dev) for i in range(6)]
+    works = [rr.all_reduce(t, async_op=True) for t in ts]
+    for w in reversed(works):
+        w.wait()
+    for i, t in enumerate(ts):
+        if not torch.all(t == world * i + sum(range(world))).item():
+            errors.append(f"queued async call {i}")
+    evens = dist.new_group([r for r in range(world) if r % 2 == 0])
+    odds = dist.new_group([r for r in range(world) if r % 2 == 1])
+    mine = evens if rank % 2 == 0 else odds
+    members = [r for r in range(world) if r % 2 == rank % 2]
+    for i in range(5):
+        a = torch.full((10_000,), float(rank), device=dev)
+        b = torch.full((333,), float(i), device=dev)
+        wa = rr.all_reduce(a, group=mine, async_op=True)
+        rr.all_reduce(b)
+        wa.wait()
+        if not (torch.all(a == sum(members)).item() and torch.all(b == i * world).item()):
+            errors.append(f"subgroup/world round {i}")
+    finish()
+    return errors
+
+
+@TRANSPORTS
+def test_async_queue_subgroups_two_communicators(env):
+    for rank, errors in enumerate(run_ranks(4, queue_worker, timeout=300, env=env)):
+        assert not errors, f"rank {rank}: {errors}"
 
 
 def stream_worker(rank, world):
@@ -135,17 +267,18 @@ def stream_worker(rank, world):
         stream.synchronize()
         if not torch.equal(u.cpu(), torch.full((1 << 20,), 2.0 * total)):
             errors.append(f"side={side}: consumer saw {u[:4].tolist()}")
-    # async: nothing waits until wait(); then the current stream does; get_future for DDP hooks
+    # async: the future completes once the device is done; its value is ready for the stream that
+    # waits on it (fut.wait(), .then callbacks)
     t = torch.full((4099,), float(rank + 1), device=dev)
     torch.cuda._sleep(100_000_000)
     work = rr.all_reduce(t, async_op=True)
-    work.wait()
-    v = t + 0
     fut = work.get_future()
+    work.wait()
+    if not (work.is_completed() and fut.done() and work.is_success()):
+        errors.append("work/future not completed after wait()")
+    v = t + 0
     doubled = fut.then(lambda f: f.value()[0] * 2).wait()
     torch.cuda.synchronize()
-    if not work.is_completed():
-        errors.append("work not completed after synchronize")
     if not torch.equal(v.cpu(), torch.full((4099,), float(total))):
         errors.append(f"async result {v[:4].tolist()}")
     if not torch.equal(doubled.cpu(), torch.full((4099,), 2.0 * total)):
@@ -159,71 +292,136 @@ def stream_worker(rank, world):
     return errors
 
 
-@pytest.mark.parametrize("env", [P2P_ENV, NCCL_ENV], ids=["p2p", "nccl"])
+@TRANSPORTS
 def test_stream_semantics(env):
     for rank, errors in enumerate(run_ranks(3, stream_worker, timeout=300, env=env)):
         assert not errors, f"rank {rank}: {errors}"
 
 
-def silent_worker(rank, world, silent):
+# -- failures -------------------------------------------------------------------------------------
+def failure_worker(rank, world, silent):
+    """Rank `silent` never makes the calls after the first. The others: a sync call returns once
+    enqueued (unless RINGREDUCE_BLOCKING_WAIT=1, then it raises itself); its failure is raised by
+    the next call. An async call's wait(), future and exception() all carry its failure."""
     import ringreduce as rr
     dev = setup_rank(rank)
     store = dist.distributed_c10d._get_default_store()
+    other = dist.new_group(list(range(world)))
     t = torch.ones(1 << 16, device=dev)
-    rr.all_reduce(t)  # creates the communicator everywhere
+    rr.all_reduce(t)
+    rr.all_reduce(t, group=other)  # both communicators exist everywhere
     torch.cuda.synchronize()
-    if rank == silent:  # never calls; stays alive (its memory mapped) until the others are done
+    if rank == silent:  # stays alive (its memory mapped) until the others are done
         store.wait([f"done/{r}" for r in range(world) if r != silent])
         finish()
-        return "silent"
-    t0 = time.monotonic()
-    try:  # the failure shows when the host waits (or at the call, if NCCL cannot even enqueue)
-        rr.all_reduce(t, async_op=True).synchronize()
-        first = "no error"
-    except rr.RingReduceError as e:
-        first = str(e)
-    elapsed = time.monotonic() - t0
-    try:
-        rr.all_reduce(t)
-        again = "no error"
-    except rr.RingReduceError as e:
-        again = str(e)
+        return None
+    res = {"sync": outcome(lambda: rr.all_reduce(t))}
+    torch.cuda.synchronize()  # the kernel stops at its deadline
+    res["next"] = outcome(lambda: rr.all_reduce(t))
+    work = rr.all_reduce(t, group=other, async_op=True)
+    res["wait"] = outcome(work.wait)
+    res["future"] = outcome(work.get_future().wait)
+    res["exception"] = type(work.exception()).__name__
+    res["success"] = work.is_success()
     store.set(f"done/{rank}", "1")
     finish()
-    return first, again, elapsed
+    return res
 
 
-@pytest.mark.parametrize("env", [P2P_ENV, NCCL_ENV], ids=["p2p", "nccl"])
-def test_silent_rank_times_out(env):
+@pytest.mark.parametrize("blocking", [False, True], ids=["stream", "blocking_wait"])
+@TRANSPORTS
+def test_failure_semantics(env, blocking):
     timeout = 5.0
-    results = run_ranks(3, silent_worker, 2, timeout=120,
-                        env={**env, "RINGREDUCE_TIMEOUT": str(timeout)})
+    extra = {"RINGREDUCE_TIMEOUT": str(timeout), "RINGREDUCE_BLOCKING_WAIT": "1" if blocking else "0"}
+    results = run_ranks(3, failure_worker, 2, timeout=180, env={**env, **extra})
     for rank, res in enumerate(results[:2]):
-        first, again, elapsed = res
-        assert first != "no error", f"rank {rank}: the collective did not fail"
-        assert "timed out" in first or "stopped because" in first, first
-        assert elapsed < 3 * timeout + 10, f"rank {rank}: took {elapsed:.1f} s"
-        assert again != "no error" and "broken" in again, again
+        name, msg, secs = res["sync"]
+        if blocking:  # the call itself waits for the device and raises
+            assert name == "RingReduceError" and secs < 3 * timeout + 10, res["sync"]
+        else:  # enqueued: it returns at once, the failure comes with the next call
+            assert name == "ok" and secs < timeout, res["sync"]
+            name, msg, _ = res["next"]
+            assert name == "RingReduceError" and "broken by an earlier failure" in msg, res["next"]
+        for key in ("wait", "future"):
+            name, msg, secs = res[key]
+            assert name == "RingReduceError" and secs < 3 * timeout + 10, (rank, key, res[key])
+        assert res["exception"] == "RingReduceError" and res["success"] is False, res
 
 
 def mismatch_worker(rank, world):
     import ringreduce as rr
     dev = setup_rank(rank)
+    rr.all_reduce(torch.ones(1000, device=dev))  # a good call first
     t = torch.ones(1000 + (rank == 1), device=dev)  # rank 1 calls with another numel
-    try:
-        rr.all_reduce(t, async_op=True).synchronize()
-        msg = "no error"
-    except rr.RingReduceError as e:
-        msg = str(e)
+    res = outcome(lambda: rr.all_reduce(t, async_op=True).wait())
     finish()
-    return msg
+    return res
 
 
-def test_mismatched_calls_p2p():
-    results = run_ranks(3, mismatch_worker, timeout=120,
-                        env={**P2P_ENV, "RINGREDUCE_TIMEOUT": "5"})
-    assert any("mismatched collective calls" in m for m in results), results
-    assert all(m != "no error" for m in results), results
+@TRANSPORTS
+def test_mismatched_calls(env):
+    results = run_ranks(3, mismatch_worker, timeout=180, env={**env, "RINGREDUCE_TIMEOUT": "5"})
+    assert all(name == "RingReduceError" and secs < 25 for name, _, secs in results), results
+    if env is P2P_ENV:  # the p2p ring checks every message's call descriptor
+        assert any("mismatched collective calls" in msg for _, msg, _ in results), results
+
+
+def abort_worker(rank, world):
+    import ringreduce as rr
+    from ringreduce import _lifecycle
+    dev = setup_rank(rank)
+    store = dist.distributed_c10d._get_default_store()
+    t = torch.ones(1 << 16, device=dev)
+    rr.all_reduce(t)
+    torch.cuda.synchronize()
+    if rank == 2:  # silent
+        store.wait(["done/0", "done/1"])
+        finish()
+        return None
+    work = rr.all_reduce(t, async_op=True)
+    time.sleep(0.5)
+    if rank == 0:
+        _lifecycle.REGISTRY.live(("cuda", dev.index))[0].abort("test abort")
+    res = outcome(work.wait)
+    store.set(f"done/{rank}", "1")
+    finish()
+    return res
+
+
+@TRANSPORTS
+def test_abort(env):
+    results = run_ranks(3, abort_worker, timeout=180, env={**env, "RINGREDUCE_TIMEOUT": "60"})
+    name, msg, secs = results[0]
+    assert name == "RingReduceError" and "test abort" in msg and secs < 5, results[0]
+    if env is P2P_ENV:  # the neighbours read the abort word; NCCL tells no one (rank 1 times out)
+        name, msg, secs = results[1]
+        assert name == "RingReduceError" and "rank 0" in msg and secs < 5, results[1]
+
+
+def dead_peer_worker(rank, world):
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    t = torch.ones(1 << 20, device=dev)
+    rr.all_reduce(t)
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    res = outcome(lambda: [rr.all_reduce(t, async_op=True).wait() for _ in range(10_000)])
+    t0 = time.monotonic()
+    finish()  # close: no 30 s barrier, no wait for the timeout
+    return res, time.monotonic() - t0
+
+
+@TRANSPORTS
+def test_dead_peer(env):
+    procs, q, _ = spawn(3, dead_peer_worker, env={**env, "RINGREDUCE_TIMEOUT": "60"})
+    results, errors = collect(procs, q, timeout=120, expect=[0, 2])
+    assert not errors, errors
+    for rank, ((name, msg, secs), close_s) in results.items():
+        assert name == "RingReduceError" and secs < 10, (rank, name, msg, secs)
+        assert "died" in msg or "rank" in msg, msg
+        assert close_s < 10, f"rank {rank}: close took {close_s:.1f} s"
 
 
 def logged_worker(rank, world):
@@ -239,11 +437,57 @@ def logged_worker(rank, world):
     return [r.getMessage() for r in records]
 
 
+@smoke
 def test_transport_choice_logged():
     results = run_ranks(2, logged_worker, timeout=120,
                         env={"RINGREDUCE_TRANSPORT": "auto", "RINGREDUCE_DEBUG": "1"})
     for msgs in results:
         assert any("transport p2p" in m and "on host" in m for m in msgs), msgs
+
+
+# -- DDP and GradientBucketer on CUDA tensors --------------------------------------------------------
+def ddp_worker(rank, world):
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import ringreduce as rr
+    dev = setup_rank(rank)
+
+    def batch(r, step):
+        g = torch.Generator().manual_seed(100 * step + r)
+        return torch.randn(8, 16, generator=g).to(dev), torch.randn(8, 4, generator=g).to(dev)
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 4)).to(dev)
+    ref, plain = copy.deepcopy(base), copy.deepcopy(base)
+    ddp = DDP(base, device_ids=[dev.index], bucket_cap_mb=0.005)  # several buckets
+    ddp.register_comm_hook(None, rr.ddp.allreduce_hook)
+    bucketer = rr.GradientBucketer(plain.parameters(), bucket_cap_mb=0.005)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, plain, ref)]
+    for step in range(3):
+        for opt in opts:
+            opt.zero_grad()
+        x, y = batch(rank, step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        nn.functional.mse_loss(plain(x), y).backward()
+        bucketer.wait()
+        for r in range(world):  # the reference: every rank's gradient, averaged here
+            xr, yr = batch(r, step)
+            (nn.functional.mse_loss(ref(xr), yr) / world).backward()
+        for opt in opts:
+            opt.step()
+    flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]).cpu()
+            for m in (ddp.module, plain, ref)]
+    finish()
+    return [(f - flat[2]).abs().max().item() for f in flat[:2]], [digest(f) for f in flat[:2]]
+
+
+@TRANSPORTS
+def test_ddp_hook_and_bucketer(env):
+    results = run_ranks(2, ddp_worker, timeout=300, env=env)
+    for rank, (diffs, _) in enumerate(results):
+        assert max(diffs) < 1e-5, f"rank {rank}: DDP hook / bucketer differ from the reference by {diffs}"
+    assert results[0][1] == results[1][1], "parameters differ between ranks"
 
 
 if __name__ == "__main__":

@@ -165,12 +165,22 @@ def interrupt_worker(rank, world):
     import signal as sig
     rr.all_reduce(torch.ones(4))
     if rank == 1:  # Ctrl-C while waiting for peers that have not called yet
-        threading.Timer(0.5, lambda: os.kill(os.getpid(), sig.SIGINT)).start()
+        import sys
+        T0 = time.monotonic()
+        def log(m): print(f"[rank1 pid {os.getpid()} +{time.monotonic()-T0:.3f}s] {m}", file=sys.stderr, flush=True)
+        log(f"SIGINT disposition {sig.getsignal(sig.SIGINT)!r}; SigIgn " + [l for l in open('/proc/self/status') if l.startswith('SigIgn')][0].split()[1])
+        def fire():
+            log(f"timer fired in {threading.current_thread().name}; os.kill(SIGINT)")
+            os.kill(os.getpid(), sig.SIGINT)
+            log("os.kill returned")
+        threading.Timer(0.5, fire).start()
         t0 = time.monotonic()
         try:
             rr.all_reduce(torch.ones(4))
         except KeyboardInterrupt:
+            log("KeyboardInterrupt caught")
             return "KeyboardInterrupt", time.monotonic() - t0
+        log("all_reduce returned normally")
         return "no interrupt", time.monotonic() - t0
     time.sleep(2)
     name, msg, secs = raised(lambda: rr.all_reduce(torch.ones(4)))

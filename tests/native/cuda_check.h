@@ -202,6 +202,18 @@ inline void check_collective(std::vector<Rank>& ranks, rr::Coll coll, rr::DType 
   }
 }
 
+// A one-element all_reduce on rank k must throw a RingError whose message contains part.
+inline bool run_throws(Rank& k, int r, const DevBuf& buf, const char* part) {
+  cudaSetDevice(k.device);
+  try {
+    k.run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 1, buf.p, buf.p}, k.stream);
+  } catch (const rr::RingError& e) {
+    EXPECT(contains(e.what(), part), "rank %d: '%s' lacks '%s'", r, e.what(), part);
+    return true;
+  }
+  return false;
+}
+
 // Runs test fn unless the command line names other tests (substrings of their names).
 inline void run_test(int argc, char** argv, const char* name, const std::function<void()>& fn) {
   bool wanted = argc < 2;
