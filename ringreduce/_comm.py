@@ -121,7 +121,9 @@ class Communicator(_lifecycle.Communicator):
         if fut is None:
             return None
         if async_op:
-            return Work(fut)
+            return Work(fut, self._interrupted)
+        # queued behind async calls: wait where Ctrl-C reaches us (the worker's wait does not)
+        _lifecycle.wait_interruptibly(fut, self._interrupted)
         fut.wait()
         return None
 

@@ -260,7 +260,7 @@ class Communicator(_lifecycle.Communicator):
             return None
         fut = self._submit(native_work.synchronize, result,
                            lambda: torch.futures.Future(devices=[self.device]), inline=False)
-        return Work(fut)
+        return Work(fut, self._interrupted)
 
     def _complete(self, fut, result):
         # The result is ready: events recorded on our (idle) stream cost its consumers nothing.

@@ -108,24 +108,43 @@ class Bootstrap:
         return joined >= world
 
 
+def wait_interruptibly(fut, on_interrupt=None, timeout=None):
+    """Waits for fut where Ctrl-C reaches the waiter (torch's Future.wait returns to Python only
+    when done). True if done within timeout (None: no limit). On KeyboardInterrupt calls
+    on_interrupt (the communicator aborts its group, as an interrupted native wait does), then
+    re-raises."""
+    if fut.done():
+        return True
+    done = threading.Event()
+    fut.add_done_callback(lambda _: done.set())
+    try:
+        return done.wait(timeout)
+    except KeyboardInterrupt:
+        if on_interrupt is not None:
+            on_interrupt()
+        raise
+
+
 class Work:
     """Handle of an async call, shaped like torch.distributed's Work. Its future completes once the
     call has finished (on the device, for CUDA tensors) and carries the call's error, if any."""
 
-    def __init__(self, fut):
+    def __init__(self, fut, on_interrupt=None):
         self._fut = fut
+        self._on_interrupt = on_interrupt
 
     def wait(self, timeout=None):
         """Blocks until the call finished and raises its error, if any. timeout (seconds or a
         datetime.timedelta, as torch's Work.wait takes) bounds the wait: RingReduceError if the call
-        is still running then (the call itself goes on, bounded by the communicator's timeout)."""
-        if timeout is not None and not self._fut.done():
+        is still running then (the call itself goes on, bounded by the communicator's timeout).
+        Ctrl-C ends the wait and aborts the group."""
+        seconds = None
+        if timeout is not None:
             seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
-            done = threading.Event()
-            self._fut.add_done_callback(lambda _: done.set())
-            if not done.wait(max(seconds, 0.0)):
-                raise RingReduceError(f"Work.wait: the collective did not finish within "
-                                      f"timeout={seconds:g} s; it is still running")
+            seconds = max(seconds, 0.0)
+        if not wait_interruptibly(self._fut, self._on_interrupt, seconds):
+            raise RingReduceError(f"Work.wait: the collective did not finish within "
+                                  f"timeout={seconds:g} s; it is still running")
         self._fut.wait()  # raises the call's error; CUDA: the current stream waits for the result
         return True
 
@@ -225,6 +244,13 @@ class Communicator:
 
     def _complete(self, fut, result):
         fut.set_result(result)
+
+    def _interrupted(self):
+        """Ctrl-C in a host wait for one of this communicator's calls: the group is aborted."""
+        try:
+            self.abort("interrupted by a signal")
+        except Exception:  # closed meanwhile
+            pass
 
     def synchronize(self):
         """Waits until every call made so far has finished."""
