@@ -9,6 +9,9 @@
 
 namespace rr = ringreduce;
 
+// Defined in csrc/backend.cpp: the torch.distributed backend's C++ half.
+void register_backend(py::module_& m);
+
 #ifdef RINGREDUCE_WITH_CUDA
 // Defined in csrc/cuda/binding_cuda.cpp: adds the CUDA communicator classes to the module.
 void register_cuda(py::module_& m);
@@ -130,6 +133,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("shm_unlink", &rr::shm::Comm::unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
+  register_backend(m);
 #ifdef RINGREDUCE_WITH_CUDA
   m.attr("cuda_compiled") = true;
   register_cuda(m);

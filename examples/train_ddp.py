@@ -1,12 +1,16 @@
 """Data-parallel training of a small MLP on handwritten digits, gradients reduced by ringreduce.
 
     torchrun --nproc-per-node=2 examples/train_ddp.py [--epochs 10] [--hook allreduce|fp16|bf16]
+    torchrun --nproc-per-node=2 examples/train_ddp.py --backend ringreduce   # no hook: DDP as is
 
 The model is the one PyTorch's DDP tutorial trains (Flatten, Linear(784, 10), ReLU, Linear(10, 10),
 ReLU, Linear(10, 10)). The data is scikit-learn's bundled digits (1797 images, 8x8, no download),
 upsampled to 28x28 so that they have MNIST's shape. Runs on CPU with Gloo by default (--device cuda
-uses one GPU per local rank and NCCL). Every epoch prints the training loss and the test accuracy,
-both averaged over all ranks with ringreduce.all_reduce; rank 0 saves a checkpoint at the end.
+uses one GPU per local rank and NCCL), and DDP reduces through ringreduce's comm hook. With
+--backend ringreduce the process group is ringreduce's torch.distributed backend and DDP runs
+unmodified (no hook): its own bucket all-reduce goes through the ring. Every epoch prints the
+training loss and the test accuracy, both averaged over all ranks with ringreduce.all_reduce; rank 0
+saves a checkpoint at the end.
 """
 import argparse
 import os
@@ -50,19 +54,24 @@ def main(argv=None):
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=8, help="per rank")
     ap.add_argument("--lr", type=float, default=0.003)
-    ap.add_argument("--hook", choices=sorted(HOOKS), default="allreduce")
+    ap.add_argument("--backend", choices=("default", "ringreduce"), default="default",
+                    help="default: gloo (cpu) or nccl (cuda), gradients through the hook")
+    ap.add_argument("--hook", choices=sorted(HOOKS) + ["none"], default=None,
+                    help="DDP comm hook (default: allreduce, or none with --backend ringreduce)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--checkpoint", default="train_ddp_checkpoint.pt")
     args = ap.parse_args(argv)
+    if args.hook is None:
+        args.hook = "none" if args.backend == "ringreduce" else "allreduce"
 
     if args.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl")
+        dist.init_process_group("ringreduce" if args.backend == "ringreduce" else "nccl")
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("ringreduce" if args.backend == "ringreduce" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     train_set, test_set = load_digits_28x28()
@@ -74,7 +83,8 @@ def main(argv=None):
     torch.manual_seed(0)  # DDP broadcasts rank 0's parameters anyway
     device_ids = [device.index] if device.type == "cuda" else None
     model = DDP(make_model().to(device), device_ids=device_ids)
-    model.register_comm_hook(None, HOOKS[args.hook])
+    if args.hook != "none":
+        model.register_comm_hook(None, HOOKS[args.hook])
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     for epoch in range(args.epochs):
@@ -100,7 +110,7 @@ def main(argv=None):
         if rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs}  train loss {loss_avg:.4f}  "
                   f"test accuracy {accuracy:.4f}  ({int(stats[3].item())} test images, "
-                  f"{world} ranks, hook {args.hook})", flush=True)
+                  f"{world} ranks, backend {dist.get_backend()}, hook {args.hook})", flush=True)
 
     if rank == 0:
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),

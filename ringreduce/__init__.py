@@ -21,8 +21,11 @@ from ._comm import Communicator, destroy, get_communicator
 from ._lifecycle import RingReduceError, Work
 from .collectives import (SUPPORTED_DTYPES, all_gather_into_tensor, all_reduce,
                           reduce_scatter_tensor)
+from . import backend as _backend
 from . import ddp
 from .bucketing import GradientBucketer
+
+_backend.register()  # dist.init_process_group("ringreduce") from now on
 
 ReduceOp = _dist.ReduceOp
 __version__ = "0.1.0"

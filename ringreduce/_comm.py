@@ -31,8 +31,9 @@ class Communicator(_lifecycle.Communicator):
 
     transport = "shm"
 
-    def __init__(self, group=None, timeout=None, slice_bytes=None):
-        super().__init__(group, timeout)
+    def __init__(self, group=None, timeout=None, slice_bytes=None, member=None):
+        _lifecycle.require_initialized()
+        super().__init__(member or _lifecycle.Member.of_group(group), timeout)
         self.slice_bytes = int(slice_bytes or env_int("RINGREDUCE_SLICE_BYTES", DEFAULT_SLICE_BYTES))
         ncpu = len(os.sched_getaffinity(0))
         spin = SPIN_NS_DEDICATED if self.world_size <= ncpu else SPIN_NS_OVERSUBSCRIBED
@@ -44,7 +45,7 @@ class Communicator(_lifecycle.Communicator):
 
     # -- setup -------------------------------------------------------------------------------
     def _bootstrap(self):
-        setup = Bootstrap(self.group, "shm", self.timeout)
+        setup = Bootstrap(self.member, "shm", self.timeout)
         deadline = time.monotonic() + self.timeout
         name = None
         try:

@@ -81,17 +81,17 @@ def decide_transport(hosts, verdicts):
                    f"their neighbours' memory")
 
 
-def choose_transport(group, requested, device):
-    """p2p when every rank of group is on this host and every device can map its neighbours' memory
-    (the same GPU, or peers in cudaDeviceCanAccessPeer's sense), else nccl. RINGREDUCE_TRANSPORT
-    overrides. Collective: every rank of group calls it."""
+def choose_transport(member, requested, device, timeout=None):
+    """p2p when every rank is on this host and every device can map its neighbours' memory (the
+    same GPU, or peers in cudaDeviceCanAccessPeer's sense), else nccl. RINGREDUCE_TRANSPORT
+    overrides. Collective: every rank of the member's group calls it."""
     if requested == "shm":
         raise ValueError("RINGREDUCE_TRANSPORT=shm cannot move CUDA tensors; use auto, p2p or nccl")
     if requested in ("p2p", "nccl"):
         log.debug("transport %s: set by RINGREDUCE_TRANSPORT", requested)
         return requested
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    setup = Bootstrap(group, "hosts", default_timeout())
+    world, rank = member.size, member.rank
+    setup = Bootstrap(member, "hosts", timeout or default_timeout())
     setup.set(f"where/{rank}", f"{_host_id()}|{_C.cuda_bus_id(device.index)}")
     where = [v.decode().split("|") for v in setup.all("where", world, "host and device")]
     verdict = "ok"
@@ -139,9 +139,9 @@ def _check_connections(device):
 class Communicator(_lifecycle.Communicator):
     """A ring over the ranks of one process group, moving tensors on one CUDA device."""
 
-    def __init__(self, group, device, transport, timeout=None):
+    def __init__(self, member, device, transport, timeout=None):
         _require_cuda()
-        super().__init__(group, timeout)
+        super().__init__(member, timeout)
         self.device = torch.device("cuda", device.index if device.index is not None else
                                    torch.cuda.current_device())
         self.transport = transport
@@ -149,7 +149,7 @@ class Communicator(_lifecycle.Communicator):
         self._lock = threading.Lock()  # calls from several threads enqueue one at a time
         self._blocking = os.environ.get("RINGREDUCE_BLOCKING_WAIT") == "1"
         _check_connections(self.device)
-        self._setup = Bootstrap(self.group, "cuda-" + transport, self.timeout)
+        self._setup = Bootstrap(self.member, "cuda-" + transport, self.timeout)
         native = self._bootstrap_p2p() if transport == "p2p" else self._bootstrap_nccl()
         try:
             self._watch_peers(native)
@@ -313,5 +313,6 @@ def get_communicator(group, device, transport="auto", **options):
     dev = torch.device("cuda", index)
 
     def create(g):
-        return Communicator(g, dev, choose_transport(g, transport, dev), **options)
+        member = _lifecycle.Member.of_group(g)
+        return Communicator(member, dev, choose_transport(member, transport, dev), **options)
     return REGISTRY.get(group, ("cuda", index, transport), create)

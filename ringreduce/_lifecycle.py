@@ -64,18 +64,33 @@ _prefix_counters = {}
 _prefix_lock = threading.Lock()
 
 
-class Bootstrap:
-    """Store keys of one communicator's setup, under a prefix unique to (what, ranks, n-th time)."""
+class Member:
+    """A communicator's ranks as its setup sees them: the store they meet on, this rank, their
+    number, and a name for the store keys. From a torch.distributed group (the direct API), or from
+    what torch hands a backend while it builds a group (ringreduce/backend.py)."""
 
-    def __init__(self, group, what, timeout):
-        ranks = tuple(dist.get_process_group_ranks(group))
+    def __init__(self, store, rank, size, name, group=None):
+        self.store, self.rank, self.size, self.name, self.group = store, rank, size, name, group
+
+    @classmethod
+    def of_group(cls, group):
+        g = group if group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(g)
+        return cls(dist.distributed_c10d._get_default_store(), dist.get_rank(g), len(ranks),
+                   "-".join(map(str, ranks)), g)
+
+
+class Bootstrap:
+    """Store keys of one communicator's setup, under a prefix unique to (what, member, n-th time)."""
+
+    def __init__(self, member, what, timeout):
         with _prefix_lock:
-            n = _prefix_counters.get((ranks, what), 0)
-            _prefix_counters[(ranks, what)] = n + 1
-        self.store = dist.distributed_c10d._get_default_store()
-        self.prefix = "ringreduce/%s/%s/%d" % (what, "-".join(map(str, ranks)), n)
+            n = _prefix_counters.get((member.name, what), 0)
+            _prefix_counters[(member.name, what)] = n + 1
+        self.store = member.store
+        self.prefix = "ringreduce/%s/%s/%d" % (what, member.name, n)
         self.timeout = timeout
-        self.rank = dist.get_rank(group)
+        self.rank = member.rank
 
     def set(self, name, value):
         self.store.set(f"{self.prefix}/{name}", value)
@@ -175,11 +190,11 @@ class Communicator:
 
     transport = None
 
-    def __init__(self, group, timeout):
-        require_initialized()
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+    def __init__(self, member, timeout):
+        self.member = member
+        self.group = member.group  # None for a backend's communicator
+        self.rank = member.rank
+        self.world_size = member.size
         self.timeout = float(timeout) if timeout is not None else default_timeout()
         self._state = threading.Condition()
         self._inflight = 0
@@ -304,6 +319,7 @@ class Registry:
     def get(self, group, key, create):
         """The open communicator of (group, key), made by create(group) on first use. Creation is
         collective: every rank of the group must get here."""
+        require_initialized()
         g = group if group is not None else dist.group.WORLD
         k = (id(g),) + tuple(key)
         comm = self._cached(k, g)

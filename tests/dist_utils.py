@@ -7,13 +7,13 @@ import time
 import traceback
 
 
-def _entry(rank, world, store_path, fn, args, q, env):
+def _entry(rank, world, store_path, fn, args, q, env, backend):
     os.environ.update(env or {})
     import torch.distributed as dist
     import ringreduce
     try:
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         q.put((rank, "ok", result))
     except BaseException:
@@ -26,13 +26,15 @@ def _entry(rank, world, store_path, fn, args, q, env):
             pass
 
 
-def spawn(world, fn, *args, env=None):
-    """Starts the ranks; returns (processes, result queue, store dir) for tests that kill ranks."""
+def spawn(world, fn, *args, env=None, backend="gloo"):
+    """Starts the ranks; returns (processes, result queue, store dir) for tests that kill ranks.
+    backend: the default group's (ringreduce registers its own on import)."""
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="rr-test-")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), fn, args, q, env),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, daemon=True,
+                         args=(r, world, os.path.join(tmp, "store"), fn, args, q, env, backend))
+             for r in range(world)]
     for p in procs:
         p.start()
     return procs, q, tmp
@@ -78,10 +80,10 @@ def collect(procs, q, timeout, expect=None):
     return results, errors
 
 
-def run_ranks(world, fn, *args, timeout=180, env=None):
+def run_ranks(world, fn, *args, timeout=180, env=None, backend="gloo"):
     """Runs fn(rank, world, *args) on every rank; returns the results in rank order or raises
     with every failing rank's traceback."""
-    procs, q, _ = spawn(world, fn, *args, env=env)
+    procs, q, _ = spawn(world, fn, *args, env=env, backend=backend)
     results, errors = collect(procs, q, timeout)
     if errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))

@@ -315,16 +315,21 @@ def test_overlap(world_results):
                 assert r["done_in_backward"] is True, (tag, r)
 
 
-def test_example_trains(tmp_path):
+@pytest.mark.parametrize("backend", ["default", "ringreduce"])
+def test_example_trains(tmp_path, backend):
+    """Under torchrun: DDP with the ringreduce hook on Gloo, and unmodified DDP on the ringreduce
+    torch.distributed backend."""
     checkpoint = tmp_path / "ck.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(REPO, "examples", "train_ddp.py"), "--epochs", "1",
-           "--checkpoint", str(checkpoint)]
+           "--checkpoint", str(checkpoint), "--backend", backend]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = re.search(r"epoch 1/1 +train loss ([0-9.]+) +test accuracy ([0-9.]+)", proc.stdout)
     assert match, proc.stdout + proc.stderr
+    expected = "backend ringreduce, hook none" if backend == "ringreduce" else "hook allreduce"
+    assert expected in proc.stdout, proc.stdout
     loss, accuracy = float(match.group(1)), float(match.group(2))
     assert accuracy > 0.3, f"accuracy {accuracy} after one epoch (chance is 0.1)"
     assert loss < 2.3  # below log(10), the loss of a uniform guess
