@@ -1,10 +1,12 @@
-"""DDP training step time on CPU: DDP's built-in Gloo all-reduce vs the ringreduce DDP hook.
+"""DDP training step time on CPU: DDP's built-in Gloo all-reduce vs ringreduce (hook and backend).
 
     python benchmarks/ddp_step.py [--worlds 2 4] [--iters 20] [--batch 8]
 
 Each world size runs in its own processes (Gloo group over a file store). Every rank holds four
 copies of the same model, started from the same weights: DDP without a hook (Gloo reduces the
-buckets), DDP with ringreduce.ddp.allreduce_hook, and two floors: DDP with a hook that returns
+buckets), DDP with ringreduce.ddp.allreduce_hook, DDP without a hook on a group of ringreduce's
+torch.distributed backend (rr_backend: DDP's own bucket all-reduce on the ring), and two floors: DDP
+with a hook that returns
 the bucket unreduced (noop_hook: all of DDP's bucket copies, no communication; no all-reduce can
 beat it) and the step inside no_sync() (no_sync: DDP skips its reducer). One iteration times one
 step of each, in an order that rotates every iteration; each step starts after a barrier and its
@@ -21,7 +23,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("gloo", "ringreduce", "noop_hook", "no_sync")
+VARIANTS = ("gloo", "ringreduce", "rr_backend", "noop_hook", "no_sync")
 
 
 def noop_hook(state, bucket):
@@ -49,11 +51,13 @@ def rank_main(rank, world, store_path, args, q):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world)
     try:
+        rr_group = dist.new_group(backend="ringreduce")
         models, optims = {}, {}
         for name in VARIANTS:
             torch.manual_seed(0)
             model = DDP(make_model(args.width, args.hidden),
-                        gradient_as_bucket_view=args.bucket_view)
+                        gradient_as_bucket_view=args.bucket_view,
+                        process_group=rr_group if name == "rr_backend" else None)
             if name == "ringreduce":
                 model.register_comm_hook(None, rr_ddp.allreduce_hook)
             elif name == "noop_hook":
@@ -84,10 +88,10 @@ def rank_main(rank, world, store_path, args, q):
             t = torch.tensor(times[name], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             slowest[name] = t.tolist()
-        # The ranks must still agree: the ringreduce model was trained with the same data.
-        a = torch.cat([p.detach().reshape(-1) for p in models["ringreduce"].parameters()])
+        # The ranks must still agree: the ringreduce models were trained with the same data.
         b = torch.cat([p.detach().reshape(-1) for p in models["gloo"].parameters()])
-        max_diff = (a - b).abs().max().item()
+        max_diff = max((torch.cat([p.detach().reshape(-1) for p in models[name].parameters()]) - b)
+                       .abs().max().item() for name in ("ringreduce", "rr_backend"))
         q.put((rank, "ok", (n_params, slowest, max_diff)))
     except BaseException as e:
         q.put((rank, "error", repr(e)))
@@ -160,7 +164,7 @@ def main():
             print(f"{world:>5} {n_params / 1e6:>7.1f}M {name:>11} {med * 1e3:>10.1f} "
                   f"{percentile(t, 10) * 1e3:>7.1f}-{percentile(t, 90) * 1e3:<7.1f} "
                   f"{base / med:>7.2f}x {paired:>6.2f}x")
-        print(f"{'':>5} max |ringreduce - gloo| parameter difference after training: "
+        print(f"{'':>5} max |ringreduce or rr_backend - gloo| parameter difference after training: "
               f"{max_diff:.2e}; load average now {os.getloadavg()[0]:.2f}")
         sys.stdout.flush()
 

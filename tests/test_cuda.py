@@ -490,5 +490,73 @@ def test_ddp_hook_and_bucketer(env):
     assert results[0][1] == results[1][1], "parameters differ between ranks"
 
 
+# -- the torch.distributed backend on CUDA tensors ------------------------------------------------
+def backend_worker(rank, world):
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from ringreduce import backend
+    dev = setup_rank(rank)
+    errors = []
+    t = torch.full((100_003,), float(rank + 1), device=dev)
+    dist.all_reduce(t)
+    if not torch.all(t == sum(range(1, world + 1))).item():
+        errors.append("all_reduce")
+    out = torch.empty(1000, device=dev)
+    dist.reduce_scatter_tensor(out, torch.ones(1000 * world, device=dev))
+    g = torch.empty(1000 * world, device=dev)
+    dist.all_gather_into_tensor(g, torch.full((1000,), float(rank), device=dev))
+    if not (torch.all(out == world).item() and torch.equal(
+            g.cpu(), torch.arange(world).repeat_interleave(1000).float())):
+        errors.append("reduce_scatter_tensor / all_gather_into_tensor")
+    b = torch.full((4,), float(rank), device=dev)
+    dist.broadcast(b, src=1)  # delegated to NCCL
+    if not torch.all(b == 1).item():
+        errors.append("broadcast (delegated)")
+    cpu = torch.full((10,), float(rank))
+    dist.all_reduce(cpu)  # the CPU side of the same group: the shm ring
+    if not torch.all(cpu == sum(range(world))).item():
+        errors.append("cpu all_reduce")
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(64, 8).to(dev), device_ids=[dev.index])  # DDP without a hook
+    model(torch.randn(4, 64, device=dev)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for gr in grads:
+        dist.all_reduce(gr, op=dist.ReduceOp.MAX)  # the same on every rank after DDP's average
+    if not all(torch.equal(a, b) for a, b in zip(grads, [p.grad for p in model.parameters()])):
+        errors.append("DDP gradients differ between ranks")
+    calls = dict(backend.backend_of().calls)
+    finish()
+    return errors, calls
+
+
+@TRANSPORTS
+def test_backend_on_cuda(env):
+    results = run_ranks(2, backend_worker, timeout=300, env=env, backend="ringreduce")
+    for rank, (errors, calls) in enumerate(results):
+        assert not errors, f"rank {rank}: {errors}"
+        assert calls.get("ring allreduce") and calls.get("delegate broadcast"), calls
+
+
+def mixed_worker(rank, world):
+    from ringreduce import backend
+    dev = setup_rank(rank)
+    c = torch.full((10,), float(rank))
+    dist.all_reduce(c)  # cpu:ringreduce
+    g = torch.full((10,), float(rank), device=dev)
+    dist.all_reduce(g)  # cuda:nccl, torch's own
+    ok = torch.all(c == 1).item() and torch.all(g == 1).item()
+    calls = dict(backend.backend_of().calls)
+    finish()
+    return ok, calls
+
+
+def test_backend_per_device():
+    """cpu:ringreduce,cuda:nccl: CPU tensors on the ring, CUDA tensors on torch's NCCL."""
+    results = run_ranks(2, mixed_worker, timeout=300, env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"},
+                        backend="cpu:ringreduce,cuda:nccl")
+    for ok, calls in results:
+        assert ok and calls == {"ring allreduce": 1}, calls
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-v", *sys.argv[1:]]))

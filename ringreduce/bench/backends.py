@@ -77,6 +77,27 @@ class Torch:
         _all_gather(out, inp)
 
 
+class TorchOnRingreduce(Torch):
+    """torch.distributed's calls on a group of ringreduce's torch.distributed backend: what a user
+    of init_process_group("ringreduce") pays (torch's dispatch, the backend's, then the ring)."""
+
+    def __init__(self, label, op, rank, world):
+        super().__init__(label, op, rank, world)
+        self.group = dist.new_group(backend="ringreduce")  # every rank builds every backend
+
+    def supports(self, collective, dtype):
+        return None  # the ring does integer avg too
+
+    def all_reduce(self, t):
+        dist.all_reduce(t, op=self.op, group=self.group)
+
+    def reduce_scatter(self, out, inp):
+        _reduce_scatter(out, inp, op=self.op, group=self.group)
+
+    def all_gather(self, out, inp):
+        _all_gather(out, inp, group=self.group)
+
+
 class ParameterServer(Torch):
     """Rank 0 as a parameter server, from torch.distributed point-to-root ops."""
 
@@ -109,6 +130,8 @@ class ParameterServer(Torch):
 
 
 def make(label, op, rank, world):
+    if label == "torch/ringreduce":
+        return TorchOnRingreduce(label, op, rank, world)
     kind = label.split("/", 1)[0]
     cls = {"ringreduce": RingReduce, "torch": Torch, "ps": ParameterServer}[kind]
     return cls(label, op, rank, world)

@@ -21,7 +21,8 @@ DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "b
                torch.int8: "int8", torch.uint8: "uint8"}
 OPS = ("sum", "prod", "min", "max", "avg")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/p2p", "ringreduce/nccl", "torch", "ps")
+BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/p2p", "ringreduce/nccl", "torch",
+            "torch/ringreduce", "ps")
 
 # Sweep defaults: (minbytes, maxbytes, stepfactor, iters, warmup). The CPU ones keep a default run
 # of 4 ranks on the 2-core dev machine to a few minutes (measured: under 3); the GPU ones follow
@@ -106,8 +107,10 @@ def build_parser():
     p.add_argument("--collectives", type=_choice_list(COLLECTIVES, "collective"),
                    default=list(COLLECTIVES), help="comma list (default all)")
     p.add_argument("--backends", type=_choice_list(BACKENDS, "backend"),
-                   default=["ringreduce", "torch", "ps"],
-                   help="comma list of ringreduce[/shm|/p2p|/nccl], torch, ps (default all)")
+                   default=["ringreduce", "torch", "torch/ringreduce", "ps"],
+                   help="comma list of ringreduce[/shm|/p2p|/nccl], torch (Gloo or NCCL), "
+                        "torch/ringreduce (torch.distributed calls on ringreduce's backend), ps "
+                        "(default all)")
     p.add_argument("--json", metavar="PATH", help="write every row and the machine to PATH")
     p.add_argument("--plot", metavar="PATH.png",
                    help="busbw vs size plot; with several --nranks also PATH-stem_vs_n.png")
@@ -170,6 +173,8 @@ def expand_backends(names, device, parser):
             if (transport == "shm") != (device == "cpu"):
                 parser.error(f"--backends {name}: transport {transport} does not move "
                              f"{device.upper()} tensors")
+            out.append(name)
+        elif name == "torch/ringreduce":
             out.append(name)
         else:
             out.append(f"{name}/{base}")
