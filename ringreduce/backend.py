@@ -11,9 +11,11 @@ that this backend creates lazily on the same store under its own prefix: Gloo fo
 NCCL for CUDA tensors. The group's timeout (init_process_group(timeout=...)) is the ring's timeout
 unless RINGREDUCE_TIMEOUT is set.
 
-torch calls the C++ half (csrc/backend.cpp), which forwards each operation here. A ring operation
-returns a Work that the ring's own future completes; failures surface from Work.wait() as a
-RuntimeError carrying the ring's message (RingReduceError's text).
+torch calls the C++ half (csrc/backend.cpp), which forwards each operation here. A synchronous
+call (async_op=False) runs on the calling thread, as the direct API's does, and raises
+RingReduceError itself; an asynchronous one (and DDP's buckets) runs on the communicator's worker
+and returns a Work that the ring's own future completes: its failure surfaces from Work.wait() as
+a RuntimeError carrying the ring's message.
 """
 import atexit
 import collections
@@ -140,12 +142,20 @@ class RingBackend:
                                 for t in tensors)
                 and len({t.device for t in tensors}) == 1)
 
-    def _ring(self, op, device, run, outputs, after=None):
-        """A ring Work: run(comm) starts the collective (async); when it finishes, after() (copies
-        out, on the communicator's worker) and the Work completes with its error, if any."""
+    def _ring(self, op, opts, device, run, outputs, after=None):
+        """A ring Work. run(comm, async_op) starts the collective. When the caller waits at once
+        (torch's async_op=False: opts.asyncOp), it runs on this thread, as the direct API's sync
+        call does, and its error is raised here; else it runs on the communicator's worker
+        (DDP's buckets: overlap with backward) and completes the Work when done. after() copies
+        results out, once the collective is done."""
         comm = self._comm(device)
         self.calls["ring " + op] += 1
-        return self._all_of(op, [run(comm).get_future()], outputs, after)
+        if not getattr(opts, "asyncOp", True):
+            run(comm, False)
+            if after is not None:
+                after()
+            return self._all_of(op, [], outputs)
+        return self._all_of(op, [run(comm, True).get_future()], outputs, after)
 
     @staticmethod
     def _all_of(op, futures, outputs, after=None, error_prefix=""):
@@ -181,17 +191,18 @@ class RingBackend:
             return self._fallback(tensors[0].device.type, "allreduce", tensors, tensors, opts)
         if len(tensors) == 1:
             t = tensors[0]
-            return self._ring("allreduce", t.device, lambda c: c.all_reduce(t, code, True), tensors)
-        return self._coalesced("allreduce", tensors, code)
+            return self._ring("allreduce", opts, t.device,
+                              lambda c, a: c.all_reduce(t, code, a), tensors)
+        return self._coalesced("allreduce", opts, tensors, code)
 
     def allreduce_coalesced(self, tensors, opts):
         code = _op_code(opts.reduceOp)
         if code is None or not self._ring_can(tensors) or len({t.dtype for t in tensors}) != 1:
             return self._fallback(tensors[0].device.type, "allreduce_coalesced", tensors, tensors,
                                   opts)
-        return self._coalesced("allreduce_coalesced", tensors, code)
+        return self._coalesced("allreduce_coalesced", opts, tensors, code)
 
-    def _coalesced(self, op, tensors, code):
+    def _coalesced(self, op, opts, tensors, code):
         """Several tensors of one dtype and device in one ring pass, through one flat buffer."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
 
@@ -200,7 +211,7 @@ class RingBackend:
             for t in tensors:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-        return self._ring(op, flat.device, lambda c: c.all_reduce(flat, code, True), tensors,
+        return self._ring(op, opts, flat.device, lambda c, a: c.all_reduce(flat, code, a), tensors,
                           copy_out)
 
     def _reduce_scatter_base(self, output, input, opts):
@@ -209,15 +220,15 @@ class RingBackend:
             return self._fallback(input.device.type, "_reduce_scatter_base", [output], output, input,
                                   opts)
         self._check_sizes("reduce_scatter_tensor", "input", input, "output", output)
-        return self._ring("_reduce_scatter_base", input.device,
-                          lambda c: c.reduce_scatter(output, input, code, True), [output])
+        return self._ring("_reduce_scatter_base", opts, input.device,
+                          lambda c, a: c.reduce_scatter(output, input, code, a), [output])
 
     def _allgather_base(self, output, input, opts):
         if not self._ring_can([output, input]) or output.dtype != input.dtype:
             return self._fallback(input.device.type, "_allgather_base", [output], output, input, opts)
         self._check_sizes("all_gather_into_tensor", "output_tensor", output, "input_tensor", input)
-        return self._ring("_allgather_base", input.device,
-                          lambda c: c.all_gather(output, input, True), [output])
+        return self._ring("_allgather_base", opts, input.device,
+                          lambda c, a: c.all_gather(output, input, a), [output])
 
     def allgather(self, output_lists, input_list, opts):
         """The list form with one input: gathered into one buffer by the ring, then split."""
@@ -233,8 +244,8 @@ class RingBackend:
         def copy_out():
             for r, o in enumerate(outs):
                 o.copy_(flat[r].view_as(o))
-        return self._ring("allgather", inp.device,
-                          lambda c: c.all_gather(flat.view(-1), inp.contiguous().view(-1), True),
+        return self._ring("allgather", opts, inp.device,
+                          lambda c, a: c.all_gather(flat.view(-1), inp.contiguous().view(-1), a),
                           outs, copy_out)
 
     def reduce_scatter(self, output_list, input_lists, opts):
@@ -249,8 +260,8 @@ class RingBackend:
             return self._fallback(out.device.type, "reduce_scatter", output_list, output_list,
                                   input_lists, opts)
         flat = torch.cat([i.reshape(-1) for i in ins])
-        return self._ring("reduce_scatter", out.device,
-                          lambda c: c.reduce_scatter(out, flat, code, True), [out])
+        return self._ring("reduce_scatter", opts, out.device,
+                          lambda c, a: c.reduce_scatter(out, flat, code, a), [out])
 
     def _check_sizes(self, fn, big_name, big, small_name, small):
         if big.numel() != small.numel() * self.size:
@@ -279,6 +290,10 @@ class RingBackend:
         if self._ring_can([*outputs, *inputs]):
             comm = self._comm(inputs[0].device)
             self.calls["ring allgather_into_tensor_coalesced"] += 1
+            if not getattr(opts, "asyncOp", True):
+                for o, i in zip(outputs, inputs):
+                    comm.all_gather(o, i, False)
+                return self._all_of("_allgather_base", [], list(outputs))
             futures = [comm.all_gather(o, i, True).get_future() for o, i in zip(outputs, inputs)]
         else:
             delegate = self._delegate(inputs[0].device.type)
@@ -295,6 +310,10 @@ class RingBackend:
         if code is not None and self._ring_can([*outputs, *inputs]):
             comm = self._comm(inputs[0].device)
             self.calls["ring reduce_scatter_tensor_coalesced"] += 1
+            if not getattr(opts, "asyncOp", True):
+                for o, i in zip(outputs, inputs):
+                    comm.reduce_scatter(o, i, code, False)
+                return self._all_of("_reduce_scatter_base", [], list(outputs))
             futures = [comm.reduce_scatter(o, i, code, True).get_future()
                        for o, i in zip(outputs, inputs)]
         else:

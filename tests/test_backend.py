@@ -255,19 +255,26 @@ def test_ddp_and_fsdp2_match_gloo():
         assert out["ddp_digest"] == results[0]["ddp_digest"]
 
 
-def mismatch_worker(rank, world):
+def mismatch_worker(rank, world, async_op):
     dist.all_reduce(torch.ones(12))
     t0 = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(13 if rank == world - 1 else 12))
-        return "no error", time.monotonic() - t0
+        work = dist.all_reduce(torch.ones(13 if rank == world - 1 else 12), async_op=async_op)
+        if async_op:
+            work.wait()
+        return "no error", "", time.monotonic() - t0
     except RuntimeError as e:
-        return str(e), time.monotonic() - t0
+        return type(e).__name__, str(e), time.monotonic() - t0
 
 
-def test_mismatched_calls_raise_on_every_rank():
-    for rank, (msg, secs) in enumerate(run_ranks(3, mismatch_worker, backend=BACKEND,
-                                                 env={"RINGREDUCE_TIMEOUT": "30"})):
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_mismatched_calls_raise_on_every_rank(async_op):
+    """Sync: the direct API's RingReduceError, raised by the call. Async: Work.wait() raises a
+    RuntimeError with the same message (torch's Work carries C++ exceptions)."""
+    for rank, (name, msg, secs) in enumerate(run_ranks(3, mismatch_worker, async_op,
+                                                       backend=BACKEND,
+                                                       env={"RINGREDUCE_TIMEOUT": "30"})):
+        assert name == ("RuntimeError" if async_op else "RingReduceError"), (rank, name, msg)
         assert "mismatched collective calls" in msg and "numel=13" in msg, (rank, msg)
         assert secs < 10, secs
 
