@@ -558,5 +558,22 @@ def test_backend_per_device():
         assert ok and calls == {"ring allreduce": 1}, calls
 
 
+def wrong_device_worker(rank, world):
+    dev = setup_rank(rank)
+    res = outcome(lambda: dist.all_reduce(torch.ones(4, device=dev)))
+    t = torch.ones(4)
+    dist.all_reduce(t)  # the group still works for what it serves
+    finish()
+    return res, t[0].item()
+
+
+def test_backend_refuses_a_device_it_does_not_serve():
+    """cpu:ringreduce only: a CUDA tensor gets torch's error naming the device, at the call."""
+    for (name, msg, _), value in run_ranks(2, wrong_device_worker, timeout=120,
+                                            backend="cpu:ringreduce"):
+        assert name != "ok" and "cuda" in msg.lower(), (name, msg)
+        assert value == 2.0
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-v", *sys.argv[1:]]))
