@@ -255,7 +255,7 @@ class Communicator(_lifecycle.Communicator):
         """None for a sync call (after waiting for the device in blocking mode); else the Work of
         native_work, completed by the worker once the device is done."""
         if native_work is None:
-            if self._blocking:
+            if self._blocking and not torch.cuda.is_current_stream_capturing():
                 self._native.marker().synchronize()  # raises this call's failure
             return None
         fut = self._submit(native_work.synchronize, result,

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
+from . import ops as _ops
 
 ReduceOp = dist.ReduceOp
 
@@ -88,6 +89,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     fn = "all_reduce"
     _check_tensor(tensor, "tensor", fn)
     code = _op_code(op, fn)
+    if not async_op and _ops.traced(tensor):  # torch.compile / export: the registered operator
+        torch.ops.ringreduce.all_reduce_(tensor, code, _ops.group_name(group))
+        return None
     comm = _comm_for(group, tensor.device, fn)
     if comm is None:
         return None
@@ -103,6 +107,9 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     if output.dtype != input.dtype:
         raise TypeError(f"ringreduce.{fn}: output dtype {output.dtype} differs from input dtype "
                         f"{input.dtype}")
+    if not async_op and _ops.traced(output, input):
+        torch.ops.ringreduce.reduce_scatter_tensor_(output, input, code, _ops.group_name(group))
+        return None
     comm = _comm_for(group, input.device, fn)
     if comm is None:
         return None
@@ -129,6 +136,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     if output_tensor.dtype != input_tensor.dtype:
         raise TypeError(f"ringreduce.{fn}: output_tensor dtype {output_tensor.dtype} differs from "
                         f"input_tensor dtype {input_tensor.dtype}")
+    if not async_op and _ops.traced(output_tensor, input_tensor):
+        torch.ops.ringreduce.all_gather_into_tensor_(output_tensor, input_tensor,
+                                                     _ops.group_name(group))
+        return None
     comm = _comm_for(group, input_tensor.device, fn)
     if comm is None:
         return None

@@ -490,6 +490,73 @@ def test_ddp_hook_and_bucketer(env):
     assert results[0][1] == results[1][1], "parameters differ between ranks"
 
 
+# -- CUDA graphs ---------------------------------------------------------------------------------
+def graph_worker(rank, world):
+    """Capture an all_reduce in a CUDA graph, replay it 3 times (= 3 calls), then call eagerly: all
+    in step with the peers. Async handles and the nccl transport are refused inside a capture."""
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    out = {}
+    static = torch.full((100_003,), float(rank + 1), device=dev)
+    rr.all_reduce(torch.ones(8, device=dev))  # the communicator exists before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            rr.all_reduce(static)
+        for _ in range(3):
+            graph.replay()
+        rr.all_reduce(static)
+        torch.cuda.synchronize()
+        total = world * (world + 1) / 2
+        out["replays"] = torch.all(static == total * world ** 3).item()
+    except Exception as e:  # noqa: BLE001
+        out["replays"] = f"{type(e).__name__}: {e}"
+    refused = {}
+    for what in ("async",):
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2):
+            try:
+                rr.all_reduce(static, async_op=True)
+                refused[what] = "no error"
+            except rr.RingReduceError as e:
+                refused[what] = str(e)
+    out["refused"] = refused
+    finish()
+    return out
+
+
+def test_cuda_graph_capture_and_replay_p2p():
+    for rank, out in enumerate(run_ranks(2, graph_worker, timeout=300, env=P2P_ENV)):
+        assert out["replays"] is True, (rank, out["replays"])
+        assert "cannot be captured" in out["refused"]["async"], out
+
+
+def nccl_graph_worker(rank, world):
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    t = torch.ones(1000, device=dev)
+    rr.all_reduce(t)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        try:
+            rr.all_reduce(t)
+            msg = "no error"
+        except rr.RingReduceError as e:
+            msg = str(e)
+    rr.all_reduce(t)  # still usable outside the capture
+    torch.cuda.synchronize()
+    finish()
+    return msg, t[0].item()
+
+
+def test_cuda_graph_refused_on_nccl():
+    for msg, value in run_ranks(2, nccl_graph_worker, timeout=300, env=NCCL_ENV):
+        assert "CUDA graph capture" in msg and "p2p" in msg, msg
+        assert value == 4.0
+
+
 # -- the torch.distributed backend on CUDA tensors ------------------------------------------------
 def backend_worker(rank, world):
     import torch.nn as nn

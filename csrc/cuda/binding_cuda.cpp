@@ -191,6 +191,19 @@ class CudaComm {
     Ring& ring = this->ring();
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_).stream();
+    // Inside a CUDA graph capture: refused before our stream joins the capture, so that the
+    // capture stays valid. An async handle would be waited on from the host (the worker thread),
+    // which a graph never signals; the nccl transport is not capture-safe (nccl::Ring::run).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(cur, &capture));
+    if (capture != cudaStreamCaptureStatusNone) {
+      if (async_op)
+        throw rr::RingError("ringreduce: async_op=True cannot be captured in a CUDA graph (its "
+                            "Work is waited on by the host); use async_op=False inside the capture");
+      if constexpr (std::is_same_v<Ring, rc::nccl::Ring>)
+        throw rr::RingError("ringreduce: the nccl transport cannot run inside a CUDA graph "
+                            "capture; use RINGREDUCE_TRANSPORT=p2p (capture-safe)");
+    }
     C10_CUDA_CHECK(cudaEventRecord(ready_, cur));
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
     {

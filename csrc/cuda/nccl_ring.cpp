@@ -246,6 +246,14 @@ void Ring::run(const Call& c, cudaStream_t stream) {
   const std::string f = failure();
   if (!f.empty()) throw RingError("ringreduce: communicator is broken by an earlier failure: " + f);
   const int n = opt_.nranks, r = opt_.rank;
+  // A CUDA graph would replay NCCL's calls but not this function's host side (the staging
+  // schedule's settle() polls, the watchdog's per-call events): refuse rather than record a graph
+  // whose replays the watchdog cannot follow.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone)
+    throw RingError("ringreduce: the nccl transport cannot run inside a CUDA graph capture; use "
+                    "RINGREDUCE_TRANSPORT=p2p (capture-safe) or call the collective outside the capture");
   if (c.coll != Coll::AllReduce && c.numel % n != 0)
     throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
                                 std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));

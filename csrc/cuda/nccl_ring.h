@@ -51,7 +51,8 @@ class Ring {
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
 
-  // Enqueues one collective on stream. Throws RingError when the ring is broken or NCCL fails.
+  // Enqueues one collective on stream. Throws RingError when the ring is broken or NCCL fails, and
+  // when stream is capturing a CUDA graph (not capture-safe: see run()).
   void run(const Call& c, cudaStream_t stream);
   // The first failure (the watchdog's timeout, NCCL's async error, a CUDA error, a dead peer), or "".
   std::string failure();

@@ -169,6 +169,12 @@ void Ring::run(const Call& c, cudaStream_t stream) {
     return;
   }
   if (!up_area_) throw RingError("ringreduce: p2p ring is not connected");
+  launch_ring(args(c), stream);
+}
+
+RingArgs Ring::args(const Call& c) const {
+  const int n = opt_.nranks;
+  const size_t es = dtype_size(c.dtype);
   RingArgs a{};
   a.self = reinterpret_cast<Area*>(area_);
   a.up = reinterpret_cast<const Area*>(up_area_);
@@ -181,7 +187,6 @@ void Ring::run(const Call& c, cudaStream_t stream) {
   a.numel = c.numel;
   a.slice_elems = static_cast<int64_t>(opt_.slice_bytes / es);
   a.num_slices = slices_per_channel(c.coll, c.numel, n, opt_.channels, a.slice_elems);
-  a.base = base_;
   a.op_seq = op_seq_;
   a.timeout_ns = static_cast<uint64_t>(opt_.timeout_s * 1e9);
   a.slot_stride = slot_stride(opt_.slice_bytes);
@@ -192,8 +197,7 @@ void Ring::run(const Call& c, cudaStream_t stream) {
   a.coll = static_cast<uint8_t>(c.coll);
   a.dtype = static_cast<uint8_t>(c.dtype);
   a.op = static_cast<uint8_t>(c.op);
-  launch_ring(a, stream);
-  base_ += static_cast<uint64_t>(a.num_slices) * messages_per_slice(c.coll, n);
+  return a;
 }
 
 std::string Ring::describe(const ErrorRecord& e, int channel) const {

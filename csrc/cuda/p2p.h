@@ -96,7 +96,6 @@ struct RingArgs {
   int64_t numel;
   int64_t slice_elems;
   int64_t num_slices;
-  uint64_t base;  // messages each channel has sent (and received) before this call
   uint64_t op_seq;
   uint64_t timeout_ns;
   uint64_t slot_stride;
@@ -118,11 +117,6 @@ inline size_t slot_stride(size_t slice_bytes) { return round_up(slice_bytes + kV
 inline size_t data_offset() { return round_up(sizeof(Area), 256); }
 inline size_t area_bytes(int nch, size_t slice_bytes) {
   return data_offset() + static_cast<size_t>(nch) * kSlots * slot_stride(slice_bytes);
-}
-// Messages per slice and channel, sent and received alike: reduce-scatter n-1, all-gather n-1,
-// all-reduce both (counted in Ring::run of the CPU protocol the same way).
-inline uint64_t messages_per_slice(Coll c, int n) {
-  return c == Coll::AllReduce ? 2 * static_cast<uint64_t>(n - 1) : static_cast<uint64_t>(n - 1);
 }
 // Slices per channel: every channel uses the count of the largest channel part of any chunk.
 inline int64_t slices_per_channel(Coll c, int64_t numel, int n, int nch, int64_t slice_elems) {
@@ -153,8 +147,13 @@ class Ring {
   // Native tests only: ranks as streams of one process, neighbours' areas used directly.
   void connect_local(const Ring& up, const Ring& down);
   // Enqueues one collective on stream (ordered after what is already there). Throws RingError when
-  // the ring is broken; a failure inside the kernel is seen later by failure().
+  // the ring is broken; a failure inside the kernel is seen later by failure(). Capture-safe (CUDA
+  // graphs): no host synchronisation, and the kernel takes where each channel's FIFO stands from
+  // the ring's own counters in device memory, so a replayed launch continues where the ring is.
   void run(const Call& c, cudaStream_t stream);
+  // The kernel arguments of call c as run() launches them (after run() counted the call): a CUDA
+  // graph replays exactly these; the native tests launch them again to play a replay.
+  RingArgs args(const Call& c) const;
   // The first failure the device recorded, formatted, or "" while there is none.
   std::string failure();
   bool broken() { return !failure().empty(); }
@@ -192,7 +191,6 @@ class Ring {
   HostCtl* ctl_dev_ = nullptr;  // the same memory as the device sees it
   uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the own area
   cudaStream_t side_ = nullptr;  // for that copy, beside a kernel that may be spinning
-  uint64_t base_ = 0;
   std::atomic<uint64_t> op_seq_{0};
   uint64_t abort_seq_ = 0;  // op_seq_ + 1 at a host abort: the first call it can affect
   // reason_ and failure_: abort() and failure() are called from other threads (Work.wait(),

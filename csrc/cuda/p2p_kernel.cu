@@ -191,7 +191,16 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(RingArgs a) {
   __syncthreads();
   if (s_broken) return;
 
-  Chan c{a.base, a.base, 0};
+  // Where this channel's FIFO stands: its own counters (every earlier kernel of this ring has
+  // finished: one stream). Read from memory, not passed at launch, so that a CUDA graph replaying
+  // this launch goes on from where the ring is now, not from where it was when captured.
+  __shared__ uint64_t s_sent, s_received;
+  if (tid == 0) {
+    s_sent = ld_acquire_sys(&a.self->ch[blockIdx.x].posted.value);
+    s_received = ld_acquire_sys(&a.self->ch[blockIdx.x].consumed.value);
+  }
+  __syncthreads();
+  Chan c{s_sent, s_received, 0};
   for (int64_t j = 0; j < a.num_slices; ++j) {
     if (rs) {
       Where w{0, 0, j};

@@ -275,6 +275,42 @@ static void test_dead_peer() {
   std::printf("dead peer: noticed in %.2f s; rank 0 says: %s\n", took, g.rings[0]->failure().c_str());
 }
 
+// A CUDA graph replays a launch with the arguments it was captured with. Here every rank runs an
+// in-place all_reduce, then launches exactly the same kernel arguments twice more (a replay), then
+// runs again: four all_reduces in step (values x, S, nS, n^2 S, n^3 S), because the kernel takes
+// where the FIFOs stand from the ring's counters, not from its arguments.
+static void test_replayed_launches_stay_in_step() {
+  const int n = 3;
+  const int64_t numel = 5000;
+  std::vector<std::unique_ptr<DevBuf>> bufs;
+  for (int r = 0; r < n; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+    bufs.push_back(std::make_unique<DevBuf>(numel * 4));
+    std::vector<float> h(numel, static_cast<float>(r + 1));
+    RR_CUDA_CHECK(cudaMemcpy(bufs[r]->p, h.data(), numel * 4, cudaMemcpyHostToDevice));
+  }
+  Group g(n, 2, 256, 10.0);
+  const float S = n * (n + 1) / 2.0f;
+  for (int round = 0; round < 2; ++round) {
+    for (int r = 0; r < n; ++r) g.rings[r]->run(g.call(numel, *bufs[r]), g.ranks[r].stream);
+    if (round == 0)
+      for (int replay = 0; replay < 2; ++replay)
+        for (int r = 0; r < n; ++r) rc::p2p::launch_ring(g.rings[r]->args(g.call(numel, *bufs[r])),
+                                                          g.ranks[r].stream);
+  }
+  sync_all(g);
+  const float want = S * n * n * n;
+  for (int r = 0; r < n; ++r) {
+    EXPECT(g.rings[r]->failure().empty(), "rank %d: %s", r, g.rings[r]->failure().c_str());
+    std::vector<float> h(numel);
+    RR_CUDA_CHECK(cudaMemcpy(h.data(), bufs[r]->p, numel * 4, cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (float v : h) bad += v != want;
+    EXPECT(bad == 0, "rank %d: %d of %lld elements are not %g after replays (e.g. %g)", r, bad,
+           (long long)numel, want, h[0]);
+  }
+}
+
 #ifdef RINGREDUCE_EMU
 // Rank 0 closes without knowing that its neighbours are done with its memory (the close barrier
 // failed). Rank 1 reads rank 0's area after that: it must find the abort word and stop cleanly,
@@ -341,6 +377,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_abort", [&] { test_abort(); });
     run_test(argc, argv, "test_abort_between_calls", [&] { test_abort_between_calls(); });
     run_test(argc, argv, "test_dead_peer", [&] { test_dead_peer(); });
+    run_test(argc, argv, "test_replayed_launches_stay_in_step", [&] { test_replayed_launches_stay_in_step(); });
 #ifdef RINGREDUCE_EMU
     run_test(argc, argv, "test_close_keeps_memory_neighbours_read", [&] { test_close_keeps_memory_neighbours_read(); });
 #endif

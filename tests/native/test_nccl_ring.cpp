@@ -156,13 +156,21 @@ static void test_timeout() {
 }
 
 // Rank 1 calls with another numel after a good call: a receive smaller than its send is NCCL's
-// "message truncated"; every rank fails within its timeout; the good call is not counted.
+// "message truncated"; every rank fails within its timeout; the good call is not counted. The rank
+// whose receive meets the larger send may learn it inside its own ncclGroupEnd (run() throws) or
+// later (failure()), depending on which rank posted first: both are allowed.
 static void test_size_mismatch() {
   DevBuf buf(2000 * 4);
   Group g(3, 4096, 2.0);
   for (int r = 0; r < 3; ++r) g.run(r, 999, buf);
   g.sync();
-  for (int r = 0; r < 3; ++r) g.run(r, r == 1 ? 1001 : 998, buf);
+  for (int r = 0; r < 3; ++r) {
+    try {
+      g.run(r, r == 1 ? 1001 : 998, buf);
+    } catch (const rr::RingError& e) {
+      EXPECT(!g.rings[r]->failure().empty(), "rank %d threw '%s' but recorded no failure", r, e.what());
+    }
+  }
   g.await_failures({0, 1, 2}, 15);
   g.sync();
   bool truncated = false;
@@ -279,6 +287,25 @@ static void test_abort() {
   g.rings[1]->abort("end of test");
 }
 
+// Inside a CUDA graph capture the nccl transport refuses (its host side cannot follow replays),
+// with a message that says what to do; outside it the ring works as before.
+static void test_capture_refused() {
+  DevBuf buf(64 * 4);
+  Group g(2, 4096, 5.0);
+  emu_set_capturing(g.ranks[0].stream, 1);
+  bool refused = false;
+  try {
+    g.run(0, 64, buf);
+  } catch (const rr::RingError& e) {
+    refused = contains(e.what(), "CUDA graph capture") && contains(e.what(), "RINGREDUCE_TRANSPORT=p2p");
+    EXPECT(refused, "'%s'", e.what());
+  }
+  EXPECT(refused, "the nccl ring ran inside a capture");
+  emu_set_capturing(g.ranks[0].stream, 0);
+  EXPECT(g.rings[0]->failure().empty(), "a refused capture broke the ring: %s", g.rings[0]->failure().c_str());
+  check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 64, true, "after capture");
+}
+
 int main(int argc, char** argv) {
   emu_set_device_count(4);
   try {
@@ -292,6 +319,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_shared_gpu", [&] { test_shared_gpu(); });
     run_test(argc, argv, "test_dead_peer", [&] { test_dead_peer(); });
     run_test(argc, argv, "test_abort", [&] { test_abort(); });
+    run_test(argc, argv, "test_capture_refused", [&] { test_capture_refused(); });
   } catch (const std::exception& e) {
     std::printf("FAIL: exception: %s\n", e.what());
     return 1;

@@ -259,6 +259,7 @@ using emu::tl_device;
 // ---- streams and events ----------------------------------------------------------------------------
 struct CUstream_st {
   int device = 0;
+  std::atomic<bool> capturing{false};  // emu_set_capturing
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::function<void()>> q;
@@ -628,6 +629,12 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   return cudaSuccess;
 }
 
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  *status = s && s->capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+
 cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* user_data) {
   EMU_ENTER();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
@@ -747,6 +754,7 @@ cudaError_t emu_inject_fault(cudaStream_t s, cudaError_t e) {
   return cudaSuccess;
 }
 void emu_clear_fault(int device) { emu::g_sticky[device] = cudaSuccess; }
+void emu_set_capturing(cudaStream_t stream, int capturing) { stream->capturing = capturing != 0; }
 int emu_block_threads() { return emu::g_block_threads; }
 uint64_t emu_launches() { return emu::g_launches.load(); }
 

@@ -13,6 +13,9 @@ void emu_set_peer_access(int a, int b, int can);
 // Work on stream after this point fails: the device's context is broken with error e, as after a
 // kernel fault on a GPU (a sticky error: every later call on that device returns it).
 cudaError_t emu_inject_fault(cudaStream_t stream, cudaError_t e);
+// Makes cudaStreamIsCapturing report stream as capturing a CUDA graph (or not): the emulator
+// captures nothing, this lets tests see what code does when it finds itself inside a capture.
+void emu_set_capturing(cudaStream_t stream, int capturing);
 // Clears a device's sticky error (cudaDeviceReset without freeing anything), for the next test.
 void emu_clear_fault(int device);
 // Threads per block that a launch actually runs (EMU_BLOCK_THREADS, default 8; the kernels stride
