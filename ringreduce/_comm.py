@@ -29,9 +29,8 @@ SPIN_NS_OVERSUBSCRIBED = 2_000
 # two system calls and a scheduler round trip per ring step (BENCHMARKS.md).
 YIELD_NS_OVERSUBSCRIBED = 1_000_000
 # Auto algorithm: one-shot for all-reduces up to this many bytes, the ring above. Measured on the
-# 2-core dev machine (BENCHMARKS.md section 5): at world 2 one-shot and ring tie up to 16 KiB and
-# one-shot loses above; at world 4 (oversubscribed) one-shot wins at 4 KiB, was ahead at 64 KiB in
-# one measurement and behind in another, and loses from 256 KiB. Noisy: revisit on a quiet machine.
+# 2-core dev machine (BENCHMARKS.md section 5): at world 2 one-shot wins at 4 KiB, ties at 16 KiB
+# and loses at 64 KiB; at world 4 (oversubscribed) it wins up to 64 KiB and ties at 256 KiB.
 ONESHOT_MAX_BYTES = 64 << 10
 ONESHOT_MAX_BYTES_WORLD2 = 16 << 10
 ALGOS = ("auto", "ring", "oneshot")
