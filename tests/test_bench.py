@@ -229,26 +229,3 @@ def test_reference_matches_brute_force(dtype, op):
             gathered = torch.cat([inp[q * c:(q + 1) * c] for q, inp in enumerate(inputs)])
             assert ag.wrong(gathered) == 0
             assert ref.wrong(torch.full((count,), data.sentinel(dtype), dtype=dtype)) == count
-
-
-def _have_mpi():
-    return cli.mpi_launcher() is not None and cli.importlib.util.find_spec("mpi4py") is not None
-
-
-@pytest.mark.skipif(not _have_mpi() and os.environ.get("RINGREDUCE_REQUIRE_MPI") != "1",
-                    reason="needs mpi4py and mpirun (pip install '.[peers]'; CI installs Open MPI "
-                           "and sets RINGREDUCE_REQUIRE_MPI=1 so that this never skips there)")
-def test_mpi_backend_quick_sweep():
-    """--backends mpi: the suite starts its ranks with mpirun; MPI's rows sit beside ringreduce's,
-    checked the same way (and a corrupted MPI result is counted, so the check is real)."""
-    res = bench("--quick", "--nranks", "2,3", "-e", "8K", "--backends", "ringreduce/shm,mpi")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = parse_rows(res.stdout)
-    mpi = [r for r in rows if r["backend"].startswith("mpi/")]
-    # 2 worlds x 3 collectives x 2 sizes (1K, 8K)
-    assert len(mpi) == 2 * 3 * 2 and len(rows) == 2 * len(mpi), res.stdout
-    assert all(r["oop"][3] == "0" and r["ip"][3] == "0" for r in rows)
-    label = mpi[0]["backend"]
-    bad = bench("--quick", "--nranks", "2", "-e", "1K", "--backends", "mpi",
-                "--corrupt-for-test", label)
-    assert bad.returncode == 1 and "FAILED" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
