@@ -2,7 +2,10 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
+
+#include <torch/csrc/autograd/python_variable.h>
 
 #include "shm/segment.h"
 #include "torch_types.h"
@@ -25,6 +28,12 @@ unsigned long& main_thread_ident() {
   return ident;
 }
 
+rr::shm::Algo parse_algo(const std::string& name) {
+  for (auto a : {rr::shm::Algo::Auto, rr::shm::Algo::Ring, rr::shm::Algo::OneShot})
+    if (name == rr::shm::algo_name(a)) return a;
+  TORCH_CHECK_VALUE(false, "ringreduce: RINGREDUCE_ALGO must be auto, ring or oneshot, got '", name, "'");
+}
+
 void check_cpu(const at::Tensor& t, const char* arg) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "ringreduce: ", arg, " is on ", t.device(),
                     "; the shared-memory transport takes CPU tensors");
@@ -34,12 +43,18 @@ void check_cpu(const at::Tensor& t, const char* arg) {
 class ShmComm {
  public:
   ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
-          double timeout_s, int64_t spin_ns) {
+          double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
+          int64_t oneshot_max_bytes) {
     rr::shm::Options opt;
     opt.rank = rank;
     opt.nranks = nranks;
     opt.timeout_s = timeout_s;
     opt.spin_ns = spin_ns;
+    opt.yield_ns = yield_ns;
+    opt.algo = parse_algo(algo);
+    TORCH_CHECK_VALUE(oneshot_max_bytes >= 0, "ringreduce: oneshot_max_bytes must be >= 0, got ",
+                      oneshot_max_bytes);
+    opt.oneshot_max_bytes = static_cast<size_t>(oneshot_max_bytes);
     nranks_ = nranks;
     TORCH_CHECK_VALUE(slice_bytes >= 64, "ringreduce: slice_bytes must be >= 64, got ", slice_bytes);
     comm_ = std::make_unique<rr::shm::Comm>(name, create, opt, slice_bytes);
@@ -48,6 +63,32 @@ class ShmComm {
   void all_reduce(at::Tensor t, int op) {
     check_cpu(t, "tensor");
     run({rr::Coll::AllReduce, rr::to_dtype(t, "tensor"), rr::to_op(op), t.numel(), t.data_ptr(), t.data_ptr()});
+  }
+
+  // The fast path of ringreduce.all_reduce: runs a synchronous all-reduce of obj and returns true
+  // when obj is a plain (not a subclass), contiguous CPU tensor of a supported dtype and no other
+  // call is running on this communicator; otherwise returns false and touches nothing (the caller
+  // takes the full path, which checks and raises). op is a valid code (the caller's table).
+  bool try_all_reduce(py::handle obj, int op) {
+    if (!THPVariable_CheckExact(obj.ptr())) return false;
+    const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    if (t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous()) return false;
+    rr::DType dt;
+    switch (t.scalar_type()) {
+      case at::kFloat: dt = rr::DType::F32; break;
+      case at::kDouble: dt = rr::DType::F64; break;
+      case at::kHalf: dt = rr::DType::F16; break;
+      case at::kBFloat16: dt = rr::DType::BF16; break;
+      case at::kChar: dt = rr::DType::I8; break;
+      case at::kByte: dt = rr::DType::U8; break;
+      case at::kInt: dt = rr::DType::I32; break;
+      case at::kLong: dt = rr::DType::I64; break;
+      default: return false;
+    }
+    std::unique_lock<std::mutex> lk(run_mu_, std::try_to_lock);
+    if (!lk.owns_lock() || comm_->closed()) return false;
+    run_locked({rr::Coll::AllReduce, dt, rr::to_op(op), t.numel(), t.data_ptr(), t.data_ptr()});
+    return true;
   }
 
   void reduce_scatter(at::Tensor out, const at::Tensor& in, int op) {
@@ -80,7 +121,16 @@ class ShmComm {
   std::string reason() { return comm_->closed() ? "" : comm_->ring().abort_reason(); }
   int64_t slice_bytes() { return static_cast<int64_t>(comm_->ring().slice_bytes()); }
   int64_t op_seq() { return static_cast<int64_t>(comm_->ring().op_seq()); }
-  void close() { comm_->close(); }
+  // The algorithm an all-reduce of numel elements of dtype runs with.
+  std::string algo(int64_t numel, const at::Tensor& like) {
+    const rr::Call c{rr::Coll::AllReduce, rr::to_dtype(like, "like"), rr::RedOp::Sum, numel, nullptr, nullptr};
+    return rr::shm::algo_name(comm_->ring().choose(c));
+  }
+  void close() {
+    py::gil_scoped_release nogil;  // a call may still hold run_mu_ (it ends: aborted or done)
+    std::lock_guard<std::mutex> lk(run_mu_);
+    comm_->close();
+  }
   bool closed() { return comm_->closed(); }
 
  private:
@@ -88,6 +138,15 @@ class ShmComm {
   // Waits release the GIL. On the main thread a pending signal (Ctrl-C) ends the wait: the group
   // is aborted and the handler's exception (KeyboardInterrupt) is raised instead of RingReduceError.
   void run(const rr::Call& c) {
+    std::unique_lock<std::mutex> lk(run_mu_, std::defer_lock);
+    {
+      py::gil_scoped_release nogil;  // never wait for the lock holding the GIL
+      lk.lock();
+    }
+    run_locked(c);  // closed: ring() raises RingError
+  }
+  // run_mu_ held: calls on one communicator never overlap (threads, the fast path, the worker).
+  void run_locked(const rr::Call& c) {
     std::unique_ptr<py::error_already_set> pending;
     const std::function<bool()> check = [&pending] {
       py::gil_scoped_acquire gil;
@@ -106,6 +165,7 @@ class ShmComm {
   }
 
   std::unique_ptr<rr::shm::Comm> comm_;
+  std::mutex run_mu_;
   int nranks_ = 0;
 };
 
@@ -117,10 +177,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   main_thread_ident() = PyThread_get_thread_ident();
 
   py::class_<ShmComm>(m, "ShmComm")
-      .def(py::init<const std::string&, bool, int, int, size_t, double, int64_t>(),
+      .def(py::init<const std::string&, bool, int, int, size_t, double, int64_t, int64_t,
+                    const std::string&, int64_t>(),
            py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("nranks"), py::arg("slice_bytes"),
-           py::arg("timeout_s"), py::arg("spin_ns"))
+           py::arg("timeout_s"), py::arg("spin_ns"), py::arg("yield_ns") = 0, py::arg("algo") = "auto",
+           py::arg("oneshot_max_bytes") = 0)
       .def("all_reduce", &ShmComm::all_reduce, py::arg("tensor"), py::arg("op"))
+      .def("try_all_reduce", &ShmComm::try_all_reduce, py::arg("tensor"), py::arg("op"))
       .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("output"), py::arg("input"), py::arg("op"))
       .def("all_gather", &ShmComm::all_gather, py::arg("output"), py::arg("input"))
       .def("abort", &ShmComm::abort, py::arg("why"))
@@ -128,6 +191,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reason", &ShmComm::reason)
       .def("slice_bytes", &ShmComm::slice_bytes)
       .def("op_seq", &ShmComm::op_seq)
+      .def("algo", &ShmComm::algo, py::arg("numel"), py::arg("like"))
       .def("close", &ShmComm::close)
       .def("closed", &ShmComm::closed);
 

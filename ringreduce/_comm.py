@@ -24,6 +24,24 @@ DEFAULT_SLICE_BYTES = 128 << 10
 # core from the rank it waits for, so it spins far shorter then (measured in BENCHMARKS.md).
 SPIN_NS_DEDICATED = 50_000
 SPIN_NS_OVERSUBSCRIBED = 2_000
+# Then, with more ranks than cores, poll with sched_yield this long before the futex sleep: the
+# yield hands the core to the rank being waited for at once, where a futex sleep and wake-up costs
+# two system calls and a scheduler round trip per ring step (BENCHMARKS.md).
+YIELD_NS_OVERSUBSCRIBED = 1_000_000
+# Auto algorithm: one-shot for all-reduces up to this many bytes, the ring above. Measured on the
+# 2-core dev machine (BENCHMARKS.md section 5): at world 2 one-shot and ring tie up to 16 KiB and
+# one-shot loses above; at world 4 (oversubscribed) one-shot wins at 4 KiB, was ahead at 64 KiB in
+# one measurement and behind in another, and loses from 256 KiB. Noisy: revisit on a quiet machine.
+ONESHOT_MAX_BYTES = 64 << 10
+ONESHOT_MAX_BYTES_WORLD2 = 16 << 10
+ALGOS = ("auto", "ring", "oneshot")
+
+
+def algo_from_env():
+    algo = (os.environ.get("RINGREDUCE_ALGO") or "auto").strip().lower() or "auto"
+    if algo not in ALGOS:
+        raise ValueError(f"RINGREDUCE_ALGO must be one of {', '.join(ALGOS)}, got {algo!r}")
+    return algo
 
 
 class Communicator(_lifecycle.Communicator):
@@ -31,17 +49,26 @@ class Communicator(_lifecycle.Communicator):
 
     transport = "shm"
 
-    def __init__(self, group=None, timeout=None, slice_bytes=None, member=None):
+    def __init__(self, group=None, timeout=None, slice_bytes=None, member=None, algo=None):
         _lifecycle.require_initialized()
         super().__init__(member or _lifecycle.Member.of_group(group), timeout)
         self.slice_bytes = int(slice_bytes or env_int("RINGREDUCE_SLICE_BYTES", DEFAULT_SLICE_BYTES))
         ncpu = len(os.sched_getaffinity(0))
-        spin = SPIN_NS_DEDICATED if self.world_size <= ncpu else SPIN_NS_OVERSUBSCRIBED
-        self.spin_ns = env_int("RINGREDUCE_SPIN_NS", spin)
+        oversubscribed = self.world_size > ncpu
+        self.spin_ns = env_int("RINGREDUCE_SPIN_NS",
+                               SPIN_NS_OVERSUBSCRIBED if oversubscribed else SPIN_NS_DEDICATED)
+        self.yield_ns = env_int("RINGREDUCE_YIELD_NS", YIELD_NS_OVERSUBSCRIBED if oversubscribed else 0)
+        self.algo = algo if algo is not None else algo_from_env()
+        if self.algo not in ALGOS:
+            raise ValueError(f"ringreduce: algo must be one of {', '.join(ALGOS)}, got {self.algo!r}")
+        self.oneshot_max_bytes = env_int(
+            "RINGREDUCE_ONESHOT_MAX_BYTES",
+            ONESHOT_MAX_BYTES_WORLD2 if self.world_size == 2 else ONESHOT_MAX_BYTES)
         self._run_lock = threading.Lock()
         self._native = self._bootstrap()
-        log.debug("rank %d/%d: shm ring ready (slice %d B, timeout %g s, spin %d ns)", self.rank,
-                  self.world_size, self.slice_bytes, self.timeout, self.spin_ns)
+        log.debug("rank %d/%d: shm ring ready (slice %d B, timeout %g s, spin %d ns, yield %d ns, "
+                  "algo %s, one-shot up to %d B)", self.rank, self.world_size, self.slice_bytes,
+                  self.timeout, self.spin_ns, self.yield_ns, self.algo, self.oneshot_max_bytes)
 
     # -- setup -------------------------------------------------------------------------------
     def _bootstrap(self):
@@ -52,12 +79,12 @@ class Communicator(_lifecycle.Communicator):
             if self.rank == 0:
                 name = "/ringreduce-%d-%s" % (os.getpid(), uuid.uuid4().hex[:12])
                 native = _C.ShmComm(name, True, 0, self.world_size, self.slice_bytes, self.timeout,
-                                    self.spin_ns)
+                                    **self._tuning())
                 setup.set("name", name)
             else:
                 name = setup.get("name", "rank 0 of the group to create the shared memory").decode()
                 native = _C.ShmComm(name, False, self.rank, self.world_size, self.slice_bytes,
-                                    self.timeout, self.spin_ns)
+                                    self.timeout, **self._tuning())
             # The last rank to map the segment removes its name: from then on nothing is left in
             # /dev/shm, even if every process is killed.
             joined = setup.add("mapped", 1)
@@ -76,6 +103,14 @@ class Communicator(_lifecycle.Communicator):
             if self.rank == 0 and name is not None:
                 _C.shm_unlink(name)
             raise
+
+    def _tuning(self):
+        return dict(spin_ns=self.spin_ns, yield_ns=self.yield_ns, algo=self.algo,
+                    oneshot_max_bytes=self.oneshot_max_bytes)
+
+    def algo_for(self, numel, dtype):
+        """The algorithm ("ring" or "oneshot") an all_reduce of numel elements of dtype runs."""
+        return self._native.algo(numel, torch.empty(0, dtype=dtype))
 
     # -- collectives (arguments already checked by ringreduce.collectives) --------------------
     def all_reduce(self, tensor, op_code, async_op):
@@ -149,8 +184,8 @@ class Communicator(_lifecycle.Communicator):
 def get_communicator(group=None, **options):
     """The cached communicator of group (None: the default group), created on first use.
 
-    Creation is collective: every rank of the group must reach it. options (timeout, slice_bytes)
-    apply only when this call creates it.
+    Creation is collective: every rank of the group must reach it. options (timeout, slice_bytes,
+    algo) apply only when this call creates it.
     """
     return REGISTRY.get(group, ("shm",), lambda g: Communicator(g, **options))
 

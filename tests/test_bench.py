@@ -57,11 +57,13 @@ def test_quick_table_parses_and_is_right(quick_run):
     res, _ = quick_run
     assert res.returncode == 0, res.stderr[-3000:]
     rows = parse_rows(res.stdout)
-    # 2 worlds x 3 collectives x 3 sizes (1K, 8K, 64K) x 4 backends (ringreduce/shm, torch/gloo,
-    # torch/ringreduce, ps/gloo)
-    assert len(rows) == 2 * 3 * 3 * 4
-    assert {r["backend"] for r in rows} == {"ringreduce/shm", "torch/gloo", "torch/ringreduce",
-                                            "ps/gloo"}
+    # 2 worlds x 3 sizes (1K, 8K, 64K) x (all_reduce: 6 backends (ringreduce/shm, ringreduce/ring,
+    # ringreduce/oneshot, torch/gloo, torch/ringreduce, ps/gloo); reduce_scatter and all_gather: 4,
+    # the forced algorithms being all-reduce only)
+    assert len(rows) == 2 * 3 * (6 + 4 + 4)
+    assert {r["backend"] for r in rows} == {"ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot",
+                                            "torch/gloo", "torch/ringreduce", "ps/gloo"}
+    assert "ringreduce/oneshot skips reduce_scatter" in res.stdout
     for r in rows:
         assert r["type"] == "float"
         assert r["redop"] in ("sum", "none")
@@ -112,8 +114,8 @@ def test_other_types_and_ops_check_clean(dtype, op, agg):
     assert rows and all(r["oop"][3] == "0" and r["ip"][3] == "0" for r in rows)
     if op == "avg" and dtype == "int32":  # torch has no integer avg: only all_gather runs there
         assert "no integer avg" in res.stdout  # (Gloo's); the ring has one, on either API
-        assert {r["backend"] for r in rows if r["redop"] == "avg"} == {"ringreduce/shm",
-                                                                         "torch/ringreduce"}
+        assert {r["backend"] for r in rows if r["redop"] == "avg"} == {
+            "ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot", "torch/ringreduce"}
 
 
 @pytest.mark.parametrize("agg", ["1", "3"])
@@ -122,7 +124,7 @@ def test_corrupted_result_is_counted(agg):
                 "ringreduce")
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     rows = parse_rows(res.stdout)
-    assert len(rows) == 3 * 4
+    assert len(rows) == 6 + 4 + 4
     for r in rows:
         expect = "1" if r["backend"] == "ringreduce/shm" else "0"
         assert r["oop"][3] == expect and r["ip"][3] == expect, r
@@ -142,6 +144,18 @@ def test_check_off_prints_na():
     assert res.returncode == 0, res.stderr[-3000:]
     rows = parse_rows(res.stdout)
     assert rows and all(r["oop"][3] == "N/A" and r["ip"][3] == "N/A" for r in rows)
+
+
+def test_missing_optional_packages_named(monkeypatch, capsys):
+    real = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("matplotlib", "mpi4py") else real(name, *a))
+    for flags, message in ((["--plot", "out.png"], "--plot needs matplotlib: pip install"),
+                           (["--backends", "mpi"], "pip install '.[peers]'")):
+        with pytest.raises(SystemExit) as exc:
+            cli.parse_args(flags)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -215,3 +229,26 @@ def test_reference_matches_brute_force(dtype, op):
             gathered = torch.cat([inp[q * c:(q + 1) * c] for q, inp in enumerate(inputs)])
             assert ag.wrong(gathered) == 0
             assert ref.wrong(torch.full((count,), data.sentinel(dtype), dtype=dtype)) == count
+
+
+def _have_mpi():
+    return cli.mpi_launcher() is not None and cli.importlib.util.find_spec("mpi4py") is not None
+
+
+@pytest.mark.skipif(not _have_mpi() and os.environ.get("RINGREDUCE_REQUIRE_MPI") != "1",
+                    reason="needs mpi4py and mpirun (pip install '.[peers]'; CI installs Open MPI "
+                           "and sets RINGREDUCE_REQUIRE_MPI=1 so that this never skips there)")
+def test_mpi_backend_quick_sweep():
+    """--backends mpi: the suite starts its ranks with mpirun; MPI's rows sit beside ringreduce's,
+    checked the same way (and a corrupted MPI result is counted, so the check is real)."""
+    res = bench("--quick", "--nranks", "2,3", "-e", "8K", "--backends", "ringreduce/shm,mpi")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = parse_rows(res.stdout)
+    mpi = [r for r in rows if r["backend"].startswith("mpi/")]
+    # 2 worlds x 3 collectives x 2 sizes (1K, 8K)
+    assert len(mpi) == 2 * 3 * 2 and len(rows) == 2 * len(mpi), res.stdout
+    assert all(r["oop"][3] == "0" and r["ip"][3] == "0" for r in rows)
+    label = mpi[0]["backend"]
+    bad = bench("--quick", "--nranks", "2", "-e", "1K", "--backends", "mpi",
+                "--corrupt-for-test", label)
+    assert bad.returncode == 1 and "FAILED" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]

@@ -232,3 +232,79 @@ def test_not_initialized():
     assert torch.equal(t, torch.ones(3))
     assert issubclass(rr.RingReduceError, RuntimeError)
     assert rr.ReduceOp is dist.ReduceOp
+
+
+@pytest.mark.parametrize("algo", ["ring", "oneshot"])
+def test_forced_algorithm(algo):
+    """RINGREDUCE_ALGO forces one algorithm at every size (one-shot over several slices too);
+    results exact within the dtype's tolerance and bitwise identical on every rank."""
+    sizes = [0, 1, 5, 40000]
+    env = {"RINGREDUCE_ALGO": algo, "RINGREDUCE_SLICE_BYTES": "4096"}
+    results = run_ranks(3, sweep_worker, sizes, [torch.float32, torch.float16, torch.int32],
+                        OPS, timeout=300, env=env)
+    for failures, _ in results:
+        assert failures == []
+    assert results[1][1] == results[0][1] and results[2][1] == results[0][1]
+
+
+def algo_worker(rank, world):
+    from ringreduce import _comm
+    rr.all_reduce(torch.ones(4))
+    comm = _comm.get_communicator()
+    out = {"small": comm.algo_for(1024, torch.float32), "large": comm.algo_for(1 << 20, torch.float32),
+           "default": comm.algo}
+    try:
+        _comm.Communicator(dist.new_group(), algo="fastest")
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+def test_auto_algorithm_choice_and_bad_name():
+    for out in run_ranks(2, algo_worker, timeout=120):
+        assert out["small"] == "oneshot" and out["large"] == "ring", out
+        assert out["default"] == "auto"
+        assert "algo must be one of auto, ring, oneshot, got 'fastest'" in out["bad"], out
+
+
+def fast_path_worker(rank, world):
+    from ringreduce import collectives
+    t = torch.ones(64)
+    rr.all_reduce(t)  # the first call takes the full path and fills the fast path's cache
+    comm = collectives._fast[None][1]
+    full_path_calls = []
+    real = comm.all_reduce
+    comm.all_reduce = lambda *a: (full_path_calls.append(a), real(*a))[1]
+    out = {}
+    rr.all_reduce(t)  # fast: the full path is not called
+    out["fast_calls"] = len(full_path_calls)
+    out["value"] = t[0].item()
+    view = torch.ones(8, 8).t()  # not contiguous: the full path, still right
+    rr.all_reduce(view)
+    out["view_ok"] = bool((view == world).all())
+    p = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    rr.all_reduce(p)  # torch counts Parameter as a plain tensor: fast
+    out["param_ok"] = bool((p == world).all())
+    out["full_calls"] = len(full_path_calls)
+    for bad in (lambda: rr.all_reduce(torch.ones(2, dtype=torch.complex64)),
+                lambda: rr.all_reduce(t, op="sum")):
+        try:
+            bad()
+        except (TypeError, ValueError) as e:
+            out.setdefault("errors", []).append(str(e))
+    rr.destroy()  # a closed communicator is never used again: the next call makes a new one
+    t2 = torch.ones(5)
+    rr.all_reduce(t2)
+    out["after_destroy"] = t2.tolist()
+    out["new_comm"] = collectives._fast[None][1] is not comm
+    return out
+
+
+def test_fast_path_is_taken_and_falls_back():
+    for out in run_ranks(2, fast_path_worker, timeout=120):
+        assert out["fast_calls"] == 0 and out["value"] == 4.0, out
+        assert out["view_ok"] and out["param_ok"] and out["full_calls"] == 1, out
+        assert len(out["errors"]) == 2, out
+        assert "dtype torch.complex64" in out["errors"][0], out
+        assert "op must be ReduceOp.SUM" in out["errors"][1], out
+        assert out["after_destroy"] == [2.0] * 5 and out["new_comm"], out

@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -43,6 +44,19 @@ void post(Counter& c, uint32_t v) {
   c.value.store(v, std::memory_order_seq_cst);
   if (c.waiters.load(std::memory_order_seq_cst) != 0) futex_wake(&c.value);
 }
+
+}  // namespace
+
+const char* algo_name(Algo a) {
+  switch (a) {
+    case Algo::Auto: return "auto";
+    case Algo::Ring: return "ring";
+    case Algo::OneShot: return "oneshot";
+  }
+  return "unknown";
+}
+
+namespace {
 
 std::string describe(uint8_t coll, uint8_t dtype, uint8_t op, int64_t numel) {
   char buf[160];
@@ -150,6 +164,14 @@ void Ring::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const 
     }
     if (hdr_->abort.load(std::memory_order_relaxed)) raise_aborted(ctx);
   } while (Clock::now() < spin_until);
+  if (opt_.yield_ns > 0) {
+    const auto yield_until = Clock::now() + std::chrono::nanoseconds(opt_.yield_ns);
+    do {
+      sched_yield();
+      if (reached(c.value.load(std::memory_order_acquire), target)) return;
+      if (hdr_->abort.load(std::memory_order_relaxed)) raise_aborted(ctx);
+    } while (Clock::now() < yield_until);
+  }
 
   const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(
                                  std::chrono::duration<double>(opt_.timeout_s));
@@ -184,8 +206,17 @@ void Ring::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const 
 }
 
 char* Ring::acquire_send(const Ctx& ctx) {
-  wait_ge(areas_[down_].consumed, sent_ + 1 - kSlots, down_, ctx, "a free slot, consumed by");
+  // The message this slot held was read by the downstream rank only, or by every rank (one-shot).
+  if (static_cast<int32_t>(wide_until_ - (sent_ - kSlots)) > 0)
+    wait_all_consumed(sent_ + 1 - kSlots, ctx);
+  else
+    wait_ge(areas_[down_].consumed, sent_ + 1 - kSlots, down_, ctx, "a free slot, consumed by");
   return slot(opt_.rank, sent_) + sizeof(MsgHeader);
+}
+
+void Ring::wait_all_consumed(uint32_t target, const Ctx& ctx) {
+  for (int k = 0; k < opt_.nranks; ++k)
+    if (k != opt_.rank) wait_ge(areas_[k].consumed, target, k, ctx, "a free slot, consumed by");
 }
 
 void Ring::post_send(const Ctx& ctx, uint64_t nbytes) {
@@ -197,26 +228,83 @@ void Ring::post_send(const Ctx& ctx, uint64_t nbytes) {
   h->coll = static_cast<uint8_t>(ctx.call.coll);
   h->dtype = static_cast<uint8_t>(ctx.call.dtype);
   h->op = static_cast<uint8_t>(ctx.call.op);
+  h->algo = static_cast<uint8_t>(algo_);
   post(areas_[opt_.rank].posted, ++sent_);
 }
 
 const char* Ring::recv(const Ctx& ctx, uint64_t expect_bytes) {
   wait_ge(areas_[up_].posted, received_ + 1, up_, ctx, "a message from");
   const char* s = slot(up_, received_);
-  const auto* h = reinterpret_cast<const MsgHeader*>(s);
+  check_header(ctx, up_, reinterpret_cast<const MsgHeader*>(s), expect_bytes);
+  return s + sizeof(MsgHeader);
+}
+
+void Ring::check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t expect_bytes) {
   const Call& c = ctx.call;
   const auto coll = static_cast<uint8_t>(c.coll), dt = static_cast<uint8_t>(c.dtype),
              op = static_cast<uint8_t>(c.op);
   if (h->op_seq != op_seq_ || h->coll != coll || h->dtype != dt || h->op != op || h->numel != c.numel)
-    fail("ringreduce: mismatched collective calls: rank " + std::to_string(up_) + " called " +
+    fail("ringreduce: mismatched collective calls: rank " + std::to_string(from) + " called " +
          describe(h->coll, h->dtype, h->op, h->numel) + " as its call #" + std::to_string(h->op_seq) +
          " on this communicator, while rank " + std::to_string(opt_.rank) + " called " +
          describe(coll, dt, op, c.numel) + " as its call #" + std::to_string(op_seq_));
+  if (h->algo != static_cast<uint8_t>(algo_))
+    fail("ringreduce: rank " + std::to_string(from) + " ran " + describe(coll, dt, op, c.numel) +
+         " with the " + algo_name(Algo(h->algo)) + " algorithm and rank " + std::to_string(opt_.rank) +
+         " with " + algo_name(algo_) + " (set RINGREDUCE_ALGO the same on every rank)");
   if (h->nbytes != expect_bytes)
     fail("ringreduce: rank " + std::to_string(opt_.rank) + ": message of " + std::to_string(h->nbytes) +
-         " bytes from rank " + std::to_string(up_) + " where " + std::to_string(expect_bytes) +
+         " bytes from rank " + std::to_string(from) + " where " + std::to_string(expect_bytes) +
          " were expected (inconsistent schedules)");
-  return s + sizeof(MsgHeader);
+}
+
+Algo Ring::choose(const Call& c) const {
+  if (opt_.nranks == 1 || c.coll != Coll::AllReduce) return Algo::Ring;  // one-shot: all-reduce only
+  if (opt_.algo != Algo::Auto) return opt_.algo;
+  return static_cast<uint64_t>(c.numel) * dtype_size(c.dtype) <= opt_.oneshot_max_bytes ? Algo::OneShot
+                                                                                      : Algo::Ring;
+}
+
+// Per slice: publish this rank's part in its own next slot; read every rank's slot of the same index
+// and reduce them in rank order (so every rank computes the same bits); then mark the index consumed.
+// A slot is rewritten only once every rank has consumed it (wide_until_).
+void Ring::run_oneshot(const Call& c, Ctx& ctx) {
+  const int n = opt_.nranks, r = opt_.rank;
+  const size_t es = dtype_size(c.dtype);
+  const char* in = static_cast<const char*>(c.in);
+  char* out = static_cast<char*>(c.out);
+  const int divisor = c.op == RedOp::Avg ? n : 1;
+  const int64_t S = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es));
+  const int64_t ns = ring::num_slices(c.numel, S);
+  ctx.phase = "one-shot";
+  for (int64_t j = 0; j < ns; ++j) {
+    ctx.slice = j;
+    ctx.step = 0;
+    const ring::Span sp = ring::slice({0, c.numel}, j, S);
+    const uint64_t bytes = sp.count * es;
+    const uint32_t m = sent_;
+    wait_all_consumed(m + 1 - kSlots, ctx);
+    char* mine = slot(r, m) + sizeof(MsgHeader);
+    std::memcpy(mine, in + sp.begin * es, bytes);
+    wide_until_ = m + 1;  // before post: from here this slot is read by every rank
+    post_send(ctx, bytes);
+    char* dst = out + sp.begin * es;
+    const char* first = nullptr;
+    for (int k = 0; k < n; ++k) {
+      const char* src = mine;
+      if (k != r) {
+        ctx.step = k;
+        wait_ge(areas_[k].posted, m + 1, k, ctx, "a message from");
+        const char* s = slot(k, m);
+        check_header(ctx, k, reinterpret_cast<const MsgHeader*>(s), bytes);
+        src = s + sizeof(MsgHeader);
+      }
+      if (k == 0) first = src;
+      else cpu::reduce(c.dtype, c.op, dst, k == 1 ? first : dst, src, sp.count, k == n - 1 ? divisor : 1);
+    }
+    received_ = m + 1;
+    post(areas_[r].consumed, received_);
+  }
 }
 
 void Ring::release_recv() { post(areas_[opt_.rank].consumed, ++received_); }
@@ -233,6 +321,7 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted) {
                                 std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
   ++op_seq_;
   msg_in_call_ = 0;
+  algo_ = choose(c);
   const size_t es = dtype_size(c.dtype);
   const char* in = static_cast<const char*>(c.in);
   char* out = static_cast<char*>(c.out);
@@ -241,6 +330,8 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted) {
     if (c.op == RedOp::Avg || in != out) cpu::divide(c.dtype, out, in, c.numel, 1);
     return;
   }
+  Ctx ctx{c, "reduce-scatter", 0, 0};
+  if (algo_ == Algo::OneShot) return run_oneshot(c, ctx);
   const bool ar = c.coll == Coll::AllReduce;
   const bool rs = c.coll != Coll::AllGather, ag = c.coll != Coll::ReduceScatter;
   const int64_t m = c.numel / n;
@@ -251,7 +342,6 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted) {
   const int64_t out_shift = c.coll == Coll::ReduceScatter ? r * m : 0;
   const int64_t in_shift = c.coll == Coll::AllGather ? r * m : 0;
 
-  Ctx ctx{c, "reduce-scatter", 0, 0};
   for (int64_t j = 0; j < ns; ++j) {
     ctx.slice = j;
     if (rs) {

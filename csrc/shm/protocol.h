@@ -39,13 +39,19 @@ struct alignas(64) GroupHeader {
   char reason[1024];
 };
 
-// Every message carries the call it belongs to, so a neighbour checks it before touching data.
+// How a call moves data. The ring (2(N-1) dependent steps, each rank moves 2(N-1)/N of the
+// tensor) wins on bandwidth; one-shot (every rank publishes its input, every rank reads and reduces
+// all N in rank order: one step, N x the reads) wins on latency for small tensors.
+enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2 };
+const char* algo_name(Algo a);
+
+// Every message carries the call it belongs to, so a reader checks it before touching data.
 struct alignas(64) MsgHeader {
   uint64_t op_seq;
   int64_t numel;
   uint64_t nbytes;
   uint32_t index;  // message index within the call
-  uint8_t coll, dtype, op;
+  uint8_t coll, dtype, op, algo;
 };
 
 size_t segment_bytes(int nranks, size_t slice_bytes);
@@ -57,6 +63,10 @@ struct Options {
   int nranks = 1;
   double timeout_s = 300.0;  // RINGREDUCE_TIMEOUT: per wait
   int64_t spin_ns = 20000;   // busy-poll this long before sleeping on the futex
+  int64_t yield_ns = 0;      // then poll with sched_yield this long (ranks > cores: hands the core
+                             // to the rank being waited for at once), then sleep on the futex
+  Algo algo = Algo::Auto;    // RINGREDUCE_ALGO
+  size_t oneshot_max_bytes = 0;  // Auto picks one-shot for all-reduces up to this size
 };
 
 class Ring {
@@ -71,6 +81,8 @@ class Ring {
   bool broken() const;
   std::string abort_reason() const;
   uint64_t op_seq() const { return op_seq_; }
+  // The algorithm run() uses for c (Auto resolved).
+  Algo choose(const Call& c) const;
   size_t slice_bytes() const { return slice_bytes_; }
 
  private:
@@ -81,6 +93,9 @@ class Ring {
   void post_send(const Ctx& ctx, uint64_t nbytes);
   const char* recv(const Ctx& ctx, uint64_t expect_bytes);
   void release_recv();
+  void check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t expect_bytes);
+  void wait_all_consumed(uint32_t target, const Ctx& ctx);
+  void run_oneshot(const Call& c, Ctx& ctx);
   [[noreturn]] void fail(const std::string& msg);
   [[noreturn]] void raise_aborted(const Ctx& ctx);
   bool peer_dead(int peer) const;
@@ -94,6 +109,8 @@ class Ring {
   uint32_t sent_ = 0, received_ = 0;  // messages over the communicator's lifetime
   uint64_t op_seq_ = 0;
   uint32_t msg_in_call_ = 0;
+  uint32_t wide_until_ = 0;  // messages before this index may be read by every rank (one-shot)
+  Algo algo_ = Algo::Ring;   // of the current call
   bool broken_ = false;
   const std::function<bool()>* interrupted_ = nullptr;
 };

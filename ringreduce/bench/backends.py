@@ -24,23 +24,40 @@ def _is_chunk_of(small, big, rank):
     return small.data_ptr() == big.data_ptr() + rank * small.numel() * small.element_size()
 
 
+ALGOS = ("ring", "oneshot")  # ringreduce/<algo>: the shm transport with RINGREDUCE_ALGO=<algo>
+
+
 class RingReduce:
-    """ringreduce with one transport, chosen through RINGREDUCE_TRANSPORT before every call."""
+    """ringreduce with one transport (RINGREDUCE_TRANSPORT, set before a call when it changes), or
+    on the CPU with one algorithm forced (ringreduce/ring, ringreduce/oneshot: a group of its own
+    whose communicator is made with that algorithm)."""
+
+    _transport = None  # the RINGREDUCE_TRANSPORT this process last set
 
     def __init__(self, label, op, rank, world):
         self.label = label
-        self.transport = label.split("/", 1)[1]
+        variant = label.split("/", 1)[1]
+        self.algo = variant if variant in ALGOS else None
+        self.transport = "shm" if self.algo else variant
         self.op = REDUCE_OPS[op]
+        self.group = None
+        if self.algo:
+            from ringreduce import _comm
+            self.group = dist.new_group(backend="gloo")
+            _comm.get_communicator(self.group, algo=self.algo)  # collective: every rank is here
 
     def supports(self, collective, dtype):
+        if self.algo and collective != "all_reduce":
+            return "reduce_scatter and all_gather always run the ring"
         return None  # every collective, dtype and op
 
     def _select(self):
-        os.environ["RINGREDUCE_TRANSPORT"] = self.transport
+        if RingReduce._transport != self.transport:
+            os.environ["RINGREDUCE_TRANSPORT"] = RingReduce._transport = self.transport
 
     def all_reduce(self, t):
         self._select()
-        rr.all_reduce(t, op=self.op)
+        rr.all_reduce(t, op=self.op, group=self.group)
 
     def reduce_scatter(self, out, inp):
         self._select()
@@ -129,9 +146,54 @@ class ParameterServer(Torch):
         self._scratch = None
 
 
+class Mpi:
+    """MPI's collectives through mpi4py (whatever MPI it was built against: Open MPI, MPICH), on
+    the same tensors (zero-copy NumPy views). The suite starts the ranks with mpirun for it."""
+
+    _DTYPES = {torch.float32: "FLOAT", torch.float64: "DOUBLE", torch.int32: "INT32_T",
+               torch.int64: "INT64_T", torch.int8: "INT8_T", torch.uint8: "UINT8_T"}
+
+    def __init__(self, label, op, rank, world):
+        from mpi4py import MPI
+        self.label, self.op_name, self.rank, self.MPI = label, op, rank, MPI
+        self.comm = MPI.COMM_WORLD
+        if self.comm.Get_size() != world or self.comm.Get_rank() != rank:
+            raise RuntimeError(f"{label}: MPI sees rank {self.comm.Get_rank()} of "
+                               f"{self.comm.Get_size()}, torch.distributed rank {rank} of {world}: "
+                               f"the ranks were not started by mpirun")
+        self.op = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}.get(op)
+
+    def supports(self, collective, dtype):
+        if dtype not in self._DTYPES:
+            return f"MPI has no {str(dtype).replace('torch.', '')} type"
+        if collective != "all_gather" and self.op is None:
+            return f"MPI has no {self.op_name} reduction"
+        return None
+
+    def _buf(self, t):
+        return [t.numpy(), getattr(self.MPI, self._DTYPES[t.dtype])]
+
+    def all_reduce(self, t):
+        self.comm.Allreduce(self.MPI.IN_PLACE, self._buf(t), op=self.op)
+
+    def reduce_scatter(self, out, inp):
+        if _is_chunk_of(out, inp, self.rank):  # MPI's in-place form leaves chunk 0 in inp
+            self.comm.Reduce_scatter_block(self.MPI.IN_PLACE, self._buf(inp), op=self.op)
+            if self.rank:
+                out.copy_(inp[:out.numel()])
+        else:
+            self.comm.Reduce_scatter_block(self._buf(inp), self._buf(out), op=self.op)
+
+    def all_gather(self, out, inp):
+        if _is_chunk_of(inp, out, self.rank):  # MPI's in-place form is exactly this one
+            self.comm.Allgather(self.MPI.IN_PLACE, self._buf(out))
+        else:
+            self.comm.Allgather(self._buf(inp), self._buf(out))
+
+
 def make(label, op, rank, world):
     if label == "torch/ringreduce":
         return TorchOnRingreduce(label, op, rank, world)
     kind = label.split("/", 1)[0]
-    cls = {"ringreduce": RingReduce, "torch": Torch, "ps": ParameterServer}[kind]
+    cls = {"ringreduce": RingReduce, "torch": Torch, "ps": ParameterServer, "mpi": Mpi}[kind]
     return cls(label, op, rank, world)

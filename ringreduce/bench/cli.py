@@ -1,7 +1,11 @@
 """Command-line flags (nccl-tests names where they mean the same) and their defaults."""
 import argparse
+import functools
+import importlib.util
 import os
 import re
+import shutil
+import subprocess
 
 import torch
 
@@ -21,8 +25,11 @@ DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "b
                torch.int8: "int8", torch.uint8: "uint8"}
 OPS = ("sum", "prod", "min", "max", "avg")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/p2p", "ringreduce/nccl", "torch",
-            "torch/ringreduce", "ps")
+BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot",
+            "ringreduce/p2p", "ringreduce/nccl", "torch", "torch/ringreduce", "ps", "mpi")
+PEERS_HINT = "pip install '.[peers]'"
+MPI_HINT = ("--backends mpi needs mpi4py and an MPI launcher: apt-get install openmpi-bin "
+            f"libopenmpi-dev (or MPICH), then {PEERS_HINT}")
 
 # Sweep defaults: (minbytes, maxbytes, stepfactor, iters, warmup). The CPU ones keep a default run
 # of 4 ranks on the 2-core dev machine to a few minutes (measured: under 3); the GPU ones follow
@@ -108,9 +115,10 @@ def build_parser():
                    default=list(COLLECTIVES), help="comma list (default all)")
     p.add_argument("--backends", type=_choice_list(BACKENDS, "backend"),
                    default=["ringreduce", "torch", "torch/ringreduce", "ps"],
-                   help="comma list of ringreduce[/shm|/p2p|/nccl], torch (Gloo or NCCL), "
-                        "torch/ringreduce (torch.distributed calls on ringreduce's backend), ps "
-                        "(default all)")
+                   help="comma list of ringreduce[/shm|/ring|/oneshot|/p2p|/nccl] (ringreduce on "
+                        "the CPU: auto, ring and one-shot algorithms), torch (Gloo or NCCL), "
+                        "torch/ringreduce (torch.distributed calls on ringreduce's backend), ps, "
+                        "mpi (mpi4py; the suite starts the ranks with mpirun) (default: all but mpi)")
     p.add_argument("--json", metavar="PATH", help="write every row and the machine to PATH")
     p.add_argument("--plot", metavar="PATH.png",
                    help="busbw vs size plot; with several --nranks also PATH-stem_vs_n.png")
@@ -158,7 +166,25 @@ def parse_args(argv=None):
                      f"({', '.join(a.backends)})")
     if a.plot and not a.plot.lower().endswith(".png"):
         parser.error(f"--plot {a.plot}: the path must end in .png")
+    if a.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install matplotlib (or install ringreduce with "
+                     "its [bench] extra: pip install '.[bench]')")
     return a
+
+
+@functools.lru_cache(None)
+def mpi_launcher():
+    """(implementation, mpirun path) of the MPI launcher on PATH, or None."""
+    path = shutil.which("mpirun") or shutil.which("mpiexec")
+    if path is None:
+        return None
+    try:
+        text = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    kind = "openmpi" if "Open MPI" in text or "OpenRTE" in text else \
+        "mpich" if "HYDRA" in text or "MPICH" in text else "mpi"
+    return kind, path
 
 
 def expand_backends(names, device, parser):
@@ -167,9 +193,19 @@ def expand_backends(names, device, parser):
     out = []
     for name in names:
         if name == "ringreduce":
-            out += ["ringreduce/p2p", "ringreduce/nccl"] if device == "cuda" else ["ringreduce/shm"]
+            out += ["ringreduce/p2p", "ringreduce/nccl"] if device == "cuda" else \
+                ["ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot"]
+        elif name == "mpi":
+            if device != "cpu":
+                parser.error("--backends mpi: the MPI backend moves CPU tensors only")
+            launcher = mpi_launcher()
+            if launcher is None or importlib.util.find_spec("mpi4py") is None:
+                parser.error(MPI_HINT)
+            out.append(f"mpi/{launcher[0]}")
         elif name.startswith("ringreduce/"):
             transport = name.split("/", 1)[1]
+            if transport in ("ring", "oneshot"):
+                transport = "shm"  # an algorithm of the shm transport
             if (transport == "shm") != (device == "cpu"):
                 parser.error(f"--backends {name}: transport {transport} does not move "
                              f"{device.upper()} tensors")

@@ -7,7 +7,9 @@ import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import plot, report, runner
-from .cli import parse_args
+from .cli import mpi_launcher, parse_args
 
 GRACE_S = 3.0  # after one rank fails, how long the others get to report before they are killed
 
@@ -114,27 +116,65 @@ def _spawn_world(args, world):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
                 break
-        died, errors = [], []  # ranks that died without a word come first: they are the cause
-        for r, p in enumerate(procs):
-            path = os.path.join(tmpdir, f"error-{r}.txt")
-            if os.path.exists(path):
-                with open(path) as f:
-                    errors.append(f"--- rank {r} ---\n{f.read()}")
-            elif p.exitcode not in (None, 0):
-                how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"status {p.exitcode}"
-                died.append(f"--- rank {r} --- died ({how}) without reporting an error")
-        errors = died + errors
-        result = os.path.join(tmpdir, "result.json")
-        if errors or not os.path.exists(result):
-            raise RuntimeError("benchmark failed at nranks %d:\n%s" % (world, "\n".join(errors)))
-        with open(result) as f:
-            return json.load(f)
+        return _collect(tmpdir, world, [p.exitcode for p in procs])
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join()
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _collect(tmpdir, world, exitcodes):
+    """Rank 0's run from tmpdir, or RuntimeError with every rank's error."""
+    died, errors = [], []  # ranks that died without a word come first: they are the cause
+    for r, code in enumerate(exitcodes):
+        path = os.path.join(tmpdir, f"error-{r}.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                errors.append(f"--- rank {r} ---\n{f.read()}")
+        elif code not in (None, 0):
+            how = f"signal {-code}" if code < 0 else f"status {code}"
+            died.append(f"--- rank {r} --- died ({how}) without reporting an error")
+    errors = died + errors
+    result = os.path.join(tmpdir, "result.json")
+    if errors or not os.path.exists(result):
+        raise RuntimeError("benchmark failed at nranks %d:\n%s" % (world, "\n".join(errors)))
+    with open(result) as f:
+        return json.load(f)
+
+
+def _mpirun_world(args, world):
+    """As _spawn_world, with the ranks started by mpirun (MPI is a backend: its ranks must be MPI's
+    own); every backend runs in them the same way. Ranks are not bound to cores, as spawned ones."""
+    kind, path = mpi_launcher()
+    tmpdir = tempfile.mkdtemp(prefix="ringreduce-bench-")
+    try:
+        with open(os.path.join(tmpdir, "args.pkl"), "wb") as f:
+            pickle.dump(args, f)
+        cmd = [path, "-n", str(world)]
+        if kind == "openmpi":
+            cmd += ["--oversubscribe", "--bind-to", "none"]
+            if os.geteuid() == 0:
+                cmd.append("--allow-run-as-root")
+        cmd += [sys.executable, "-m", "ringreduce.bench.mpi_rank", tmpdir]
+        code = subprocess.run(cmd).returncode
+        return _collect(tmpdir, world, [code] + [0] * (world - 1))
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def mpi_rank_main(tmpdir):
+    """A rank started by _mpirun_world (python -m ringreduce.bench.mpi_rank TMPDIR)."""
+    with open(os.path.join(tmpdir, "args.pkl"), "rb") as f:
+        args = pickle.load(f)
+    env = os.environ
+    rank = env.get("OMPI_COMM_WORLD_RANK", env.get("PMI_RANK"))
+    world = env.get("OMPI_COMM_WORLD_SIZE", env.get("PMI_SIZE"))
+    if rank is None or world is None:
+        from mpi4py import MPI
+        rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    _spawned_rank(int(rank), int(world), tmpdir, args)
 
 
 def _finish(args, runs):
@@ -174,8 +214,9 @@ def main(argv=None):
         return _torchrun_main(args)
     runs = []
     try:
+        mpi = any(b.startswith("mpi/") for b in args.backends)
         for world in args.nranks:
-            runs.append(_spawn_world(args, world))
+            runs.append((_mpirun_world if mpi else _spawn_world)(args, world))
     except RuntimeError as e:
         print(f"ringreduce.bench: {e}", file=sys.stderr, flush=True)
         return 1

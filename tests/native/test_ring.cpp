@@ -19,6 +19,10 @@
 using namespace ringreduce;
 using shm::Ring;
 
+// The algorithm the next with_ring() rings use (Options::algo), and a per-rank override.
+static shm::Algo g_algo = shm::Algo::Ring;
+static std::function<void(int, shm::Options&)> g_tweak;
+
 // One zeroed, initialised segment; each thread builds its own Ring on it, as each process would.
 static void with_ring(int n, size_t slice_bytes, double timeout_s,
                       const std::function<void(int, Ring&)>& body) {
@@ -34,6 +38,10 @@ static void with_ring(int n, size_t slice_bytes, double timeout_s,
       opt.nranks = n;
       opt.timeout_s = timeout_s;
       opt.spin_ns = 1000;  // threads > cores here: sleep early
+      opt.yield_ns = 20000;
+      opt.algo = g_algo;
+      opt.oneshot_max_bytes = 4096;
+      if (g_tweak) g_tweak(r, opt);
       Ring ring(mem, bytes, opt);
       body(r, ring);
     });
@@ -134,9 +142,9 @@ static void sweep(Coll coll, int n, size_t slice_bytes) {
             if (coll == Coll::AllGather) put(t, want, 0, value(static_cast<int>(i / sz), i));
             else expect_at(t, op, n, coll == Coll::ReduceScatter ? r * sz + i : i, want);
             if (std::memcmp(out[r].data() + i * es, want, es) != 0) {
-              CHECK(false, "%s n=%d %s %s numel=%lld slice=%zu rank %d element %lld wrong",
-                    coll_name(coll), n, dtype_name(t), op_name(op), (long long)numel, slice_bytes, r,
-                    (long long)i);
+              CHECK(false, "%s/%s n=%d %s %s numel=%lld slice=%zu rank %d element %lld wrong",
+                    coll_name(coll), shm::algo_name(g_algo), n, dtype_name(t), op_name(op),
+                    (long long)numel, slice_bytes, r, (long long)i);
               break;
             }
           }
@@ -188,6 +196,72 @@ static void mismatch() {
   CHECK(mentioned == n, "every message names the mismatch, got %d", mentioned.load());
 }
 
+// Calls of every size in a row on one ring, the algorithm changing between them (auto: one-shot up
+// to 4 KiB): slots written by one-shot (read by every rank) are reused by the ring and back, many
+// times around the FIFO; every result exact and the same on every rank.
+static void alternating_algorithms() {
+  const int n = 4;
+  std::vector<std::vector<float>> res(n);
+  g_algo = shm::Algo::Auto;
+  with_ring(n, 256, 30.0, [&](int r, Ring& ring) {
+    const int64_t sizes[] = {1, 1000, 3, 50, 1024, 1025, 7, 4000, 2, 999};
+    for (int rep = 0; rep < 20; ++rep) {
+      for (int64_t numel : sizes) {
+        std::vector<float> x(numel);
+        for (int64_t i = 0; i < numel; ++i) x[i] = static_cast<float>(value(r, i + rep));
+        const Call c{Coll::AllReduce, DType::F32, RedOp::Sum, numel, x.data(), x.data()};
+        const bool want_oneshot = numel * 4 <= 4096;
+        CHECK((ring.choose(c) == shm::Algo::OneShot) == want_oneshot, "auto chose %s for %lld floats",
+              shm::algo_name(ring.choose(c)), (long long)numel);
+        ring.run(c);
+        for (int64_t i = 0; i < numel; ++i) {
+          double want = 0;
+          for (int k = 0; k < n; ++k) want += value(k, i + rep);
+          if (x[i] != static_cast<float>(want)) {
+            CHECK(false, "rank %d rep %d numel %lld element %lld: %g, want %g", r, rep,
+                  (long long)numel, (long long)i, x[i], want);
+            return;
+          }
+        }
+        if (rep == 19 && numel == 999) res[r] = x;
+      }
+    }
+  });
+  g_algo = shm::Algo::Ring;
+  for (int r = 1; r < n; ++r) CHECK(res[r] == res[0], "rank %d differs", r);
+}
+
+// Ranks that would run different algorithms for what they call (a different collective, or a
+// different RINGREDUCE_ALGO) raise on every rank, naming the mismatch, within the timeout.
+static void algorithm_mismatch(bool by_env) {
+  const int n = 3;
+  std::atomic<int> raised{0}, named{0};
+  g_algo = shm::Algo::Auto;
+  if (by_env) g_tweak = [](int r, shm::Options& o) { o.algo = r == 1 ? shm::Algo::Ring : shm::Algo::OneShot; };
+  const auto t0 = std::chrono::steady_clock::now();
+  with_ring(n, 1024, 10.0, [&](int r, Ring& ring) {
+    std::vector<float> x(12, 1.0f), y(4);
+    try {
+      if (!by_env && r == 2)  // reduce_scatter runs on the ring, the others' small all_reduce one-shot
+        ring.run({Coll::ReduceScatter, DType::F32, RedOp::Sum, 12, x.data(), y.data()});
+      else
+        ring.run({Coll::AllReduce, DType::F32, RedOp::Sum, 12, x.data(), x.data()});
+    } catch (const RingError& e) {
+      ++raised;
+      const std::string w = e.what();
+      if (w.find(by_env ? "RINGREDUCE_ALGO" : "mismatched") != std::string::npos ||
+          w.find("aborted the group") != std::string::npos)
+        ++named;
+    }
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  g_algo = shm::Algo::Ring;
+  g_tweak = nullptr;
+  CHECK(raised == n, "every rank raises (%s), got %d", by_env ? "env" : "collective", raised.load());
+  CHECK(named == n, "every message names the mismatch or the abort, got %d", named.load());
+  CHECK(secs < 5.0, "raised well within the timeout: %.2f s", secs);
+}
+
 static void timeout() {
   const int n = 3;
   std::atomic<int> raised{0};
@@ -212,9 +286,18 @@ int main() {
       sweep(Coll::AllReduce, n, slice);
       sweep(Coll::ReduceScatter, n, slice);
       sweep(Coll::AllGather, n, slice);
+      g_algo = shm::Algo::OneShot;  // forced at every size: many slices when slice is 64 B
+      sweep(Coll::AllReduce, n, slice);
+      g_algo = shm::Algo::Ring;
     }
   }
   bitwise_floats();
+  g_algo = shm::Algo::OneShot;
+  bitwise_floats();
+  g_algo = shm::Algo::Ring;
+  alternating_algorithms();
+  algorithm_mismatch(false);
+  algorithm_mismatch(true);
   mismatch();
   timeout();
   return finish("test_ring");
