@@ -127,8 +127,11 @@ class ShmComm {
     return rr::shm::algo_name(comm_->ring().choose(c));
   }
   void close() {
-    py::gil_scoped_release nogil;  // a call may still hold run_mu_ (it ends: aborted or done)
-    std::lock_guard<std::mutex> lk(run_mu_);
+    std::unique_lock<std::mutex> lk(run_mu_, std::try_to_lock);
+    if (!lk.owns_lock()) {  // a call still holds it (it ends: aborted or done); wait without the GIL
+      py::gil_scoped_release nogil;
+      lk.lock();
+    }
     comm_->close();
   }
   bool closed() { return comm_->closed(); }
@@ -138,8 +141,8 @@ class ShmComm {
   // Waits release the GIL. On the main thread a pending signal (Ctrl-C) ends the wait: the group
   // is aborted and the handler's exception (KeyboardInterrupt) is raised instead of RingReduceError.
   void run(const rr::Call& c) {
-    std::unique_lock<std::mutex> lk(run_mu_, std::defer_lock);
-    {
+    std::unique_lock<std::mutex> lk(run_mu_, std::try_to_lock);
+    if (!lk.owns_lock()) {
       py::gil_scoped_release nogil;  // never wait for the lock holding the GIL
       lk.lock();
     }
