@@ -50,15 +50,25 @@ class RingWork : public Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 class ForwardingBackend : public c10d::Backend {
  public:
   ForwardingBackend(int rank, int size, py::object impl) : Backend(rank, size), impl_(std::move(impl)) {}
   ~ForwardingBackend() override {
-    if (Py_IsInitialized()) {
+    // Another thread taking the GIL while the interpreter finalizes is ended by pthread_exit, whose
+    // unwinding through this (noexcept) destructor would abort the process: leak the object then.
+    if (Py_IsInitialized() && (PyGILState_Check() || !finalizing())) {
       py::gil_scoped_acquire gil;
       impl_ = py::object();
     } else {
-      impl_.release();  // the interpreter is gone: nothing to decrement
+      impl_.release();  // the interpreter is gone or going: nothing to decrement
     }
   }
   const std::string getBackendName() const override { return "ringreduce"; }

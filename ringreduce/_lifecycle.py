@@ -184,6 +184,12 @@ class Work:
         return self._fut
 
 
+# The fast path of a synchronous all_reduce (collectives.all_reduce): group (None for the default
+# group) -> (process group, shm communicator). A communicator drops its entries when it closes, so
+# that this cache never keeps a destroyed process group (its Gloo threads and sockets) alive.
+FAST = {}
+
+
 class Communicator:
     """What every transport's communicator shares: its place in the group, the worker thread that
     finishes async calls in order, and close()."""
@@ -286,6 +292,8 @@ class Communicator:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=self.timeout)
+        for g in [g for g, (_, c) in list(FAST.items()) if c is self]:
+            FAST.pop(g, None)
         self._close_native()
 
     def _stop_calls(self, busy):

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _comm
+from . import _comm, _lifecycle
 from . import ops as _ops
 
 ReduceOp = dist.ReduceOp
@@ -85,12 +85,12 @@ def _overlap(a, b):
     return a0 < b1 and b0 < a1
 
 
-# The fast path of a synchronous all_reduce: group (None for the default group) -> (process
-# group, shm communicator), filled by the first full call on the CPU. A hit costs a few dictionary
+# The fast path of a synchronous all_reduce (_lifecycle.FAST), filled by the first full call on
+# the CPU, emptied of a communicator's entries when it closes. A hit costs a few dictionary
 # and attribute reads and one native call that checks the tensor itself (~1 us over the ring at
 # world 1, BENCHMARKS.md); anything else (async, CUDA, views, subclasses, tracing, a call in flight,
 # bad arguments) takes the full path, which checks everything and raises the API's errors.
-_fast = {}
+_fast = _lifecycle.FAST
 _FAST_OPS = {known: code for known, code in _OP_CODES}
 _is_compiling = torch.compiler.is_compiling
 

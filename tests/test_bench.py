@@ -23,11 +23,11 @@ RUN_FIELDS = {"nranks", "device", "machine", "backends", "notes", "peak_membw_GB
               "membw_method", "rows", "summary"}
 
 
-def bench(*args):
+def bench(*args, timeout=RUN_TIMEOUT):
     env = {k: v for k, v in os.environ.items()  # never mistaken for a torchrun rank
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     return subprocess.run([sys.executable, "-m", "ringreduce.bench", *args], capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT, env=env)
+                          text=True, timeout=timeout, env=env)
 
 
 def parse_rows(stdout):
@@ -149,9 +149,11 @@ def test_check_off_prints_na():
 def test_missing_optional_packages_named(monkeypatch, capsys):
     real = cli.importlib.util.find_spec
     monkeypatch.setattr(cli.importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("matplotlib", "mpi4py") else real(name, *a))
+                        lambda name, *a: None if name in ("matplotlib", "mpi4py", "deepspeed")
+                        else real(name, *a))
     for flags, message in ((["--plot", "out.png"], "--plot needs matplotlib: pip install"),
-                           (["--backends", "mpi"], "pip install '.[peers]'")):
+                           (["--backends", "mpi"], "pip install '.[peers]'"),
+                           (["--backends", "deepspeed"], "needs DeepSpeed: pip install '.[peers]'")):
         with pytest.raises(SystemExit) as exc:
             cli.parse_args(flags)
         assert exc.value.code == 2
@@ -252,3 +254,30 @@ def test_mpi_backend_quick_sweep():
     bad = bench("--quick", "--nranks", "2", "-e", "1K", "--backends", "mpi",
                 "--corrupt-for-test", label)
     assert bad.returncode == 1 and "FAILED" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
+
+
+def _deepspeed_segments():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer_"))
+
+
+@pytest.mark.skipif(cli.importlib.util.find_spec("deepspeed") is None and
+                    os.environ.get("RINGREDUCE_REQUIRE_DEEPSPEED") != "1",
+                    reason="needs DeepSpeed (pip install '.[peers]'; CI installs it and sets "
+                           "RINGREDUCE_REQUIRE_DEEPSPEED=1 so that this never skips there)")
+def test_deepspeed_backend_quick_sweep():
+    """--backends deepspeed: DeepSpeed's own shm all-reduce (its op built by the suite before the
+    ranks start), checked like every row; its /dev/shm segments are gone afterwards."""
+    before = _deepspeed_segments()
+    res = bench("--quick", "--nranks", "2,3", "-e", "8K", "--backends", "ringreduce/shm,deepspeed",
+                timeout=RUN_TIMEOUT + 300)  # + the op's first build
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = parse_rows(res.stdout)
+    ds = [r for r in rows if r["backend"] == "deepspeed/shm"]
+    # all_reduce only: 2 worlds x 2 sizes (1K, 8K); ringreduce's: 2 x 3 collectives x 2
+    assert len(ds) == 2 * 2 and len(rows) == len(ds) + 2 * 3 * 2, res.stdout
+    assert "deepspeed/shm skips reduce_scatter" in res.stdout, res.stdout
+    assert all(r["oop"][3] == "0" and r["ip"][3] == "0" for r in rows)
+    bad = bench("--quick", "--nranks", "2", "-e", "1K", "--backends", "deepspeed",
+                "--collectives", "all_reduce", "--corrupt-for-test", "deepspeed/shm")
+    assert bad.returncode == 1 and "FAILED" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
+    assert _deepspeed_segments() == before

@@ -293,6 +293,19 @@ def fast_path_worker(rank, world):
         except (TypeError, ValueError) as e:
             out.setdefault("errors", []).append(str(e))
     rr.destroy()  # a closed communicator is never used again: the next call makes a new one
+    out["dropped"] = None not in collectives._fast
+    # A group's entry goes with its communicator, so destroying the group frees it (its Gloo threads
+    # and sockets) at once, not at interpreter exit.
+    import gc, weakref
+    g = dist.new_group(backend="gloo")
+    rr.all_reduce(torch.ones(3), group=g)
+    rr.all_reduce(torch.ones(3), group=g)  # through the fast path
+    ref, cached = weakref.ref(g), g in collectives._fast
+    rr.destroy(g)
+    dist.destroy_process_group(g)
+    del g
+    gc.collect()
+    out["group_freed"] = (cached, ref() is None)
     t2 = torch.ones(5)
     rr.all_reduce(t2)
     out["after_destroy"] = t2.tolist()
@@ -308,3 +321,4 @@ def test_fast_path_is_taken_and_falls_back():
         assert "dtype torch.complex64" in out["errors"][0], out
         assert "op must be ReduceOp.SUM" in out["errors"][1], out
         assert out["after_destroy"] == [2.0] * 5 and out["new_comm"], out
+        assert out["dropped"] and out["group_freed"] == (True, True), out

@@ -4,7 +4,9 @@
   reduce_scatter(out, inp)    out may be inp's chunk of this rank (in-place form)
   all_gather(out, inp)        inp may be out's chunk of this rank (in-place form)
 """
+import contextlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -191,9 +193,73 @@ class Mpi:
             self.comm.Allgather(self._buf(inp), self._buf(out))
 
 
+class DeepSpeed:
+    """DeepSpeed's CPU shared-memory all-reduce (deepspeed.comm.inference_all_reduce) on this
+    process group. DeepSpeed enables it only when LOCAL_SIZE equals the world size and names its
+    /dev/shm segments after MASTER_ADDR and MASTER_PORT (the suite sets a port of its own per run);
+    it never removes them: close() removes this rank's, the suite every rank's after the run. Sum only; float32 needs AVX2, bfloat16/float16 AVX-512BW (without
+    them DeepSpeed silently calls Gloo instead: such rows are refused here, never mislabelled)."""
+
+    def __init__(self, label, op, rank, world):
+        self.label, self.op_name, self.rank = label, op, rank
+        if "MASTER_PORT" not in os.environ:  # spawned ranks: a token common to the run names the files
+            token = torch.tensor([os.getpid()], dtype=torch.int64)
+            dist.broadcast(token, src=0)
+            os.environ["MASTER_PORT"] = str(token.item())
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world), LOCAL_RANK=str(rank),
+                          RANK=str(rank), WORLD_SIZE=str(world))
+        with contextlib.redirect_stdout(sys.stderr):  # its messages and logger: not in the table
+            import deepspeed
+            import deepspeed.comm.comm as ds_comm
+            deepspeed.init_distributed(dist_backend="gloo")  # joins the existing process group
+        self.cdb = ds_comm.cdb
+        self.level = getattr(self.cdb, "shm_vector_kernel_level", 0) if self.cdb.shm_comm_op else 0
+        if self.level < 1:
+            raise RuntimeError(f"{label}: DeepSpeed's shm all-reduce is not available here (its op "
+                               f"did not build or load, or the CPU lacks AVX2)")
+        self.prefix = shm_prefix()
+
+    def supports(self, collective, dtype):
+        if collective != "all_reduce":
+            return "DeepSpeed's shm op is an all-reduce only"
+        if self.op_name != "sum":
+            return "DeepSpeed's shm all-reduce sums only"
+        if dtype == torch.float32 or (dtype in (torch.bfloat16, torch.float16) and self.level >= 2):
+            return None
+        return f"DeepSpeed's shm all-reduce has no {str(dtype).replace('torch.', '')} kernel on this CPU"
+
+    def all_reduce(self, t):
+        torch.ops.deepspeed.inference_all_reduce_(t)
+
+    def close(self):
+        remove_shm(self.prefix, rank=self.rank)
+
+
+def shm_prefix():
+    """The start of DeepSpeed's /dev/shm segment names for this run (its shm.cpp's naming)."""
+    return (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_")
+
+
+def remove_shm(prefix, rank=None):
+    """Removes DeepSpeed's segments named prefix + rank (every rank's when rank is None)."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix) and (rank is None or name[len(prefix):] == str(rank)):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+
+
 def make(label, op, rank, world):
     if label == "torch/ringreduce":
         return TorchOnRingreduce(label, op, rank, world)
     kind = label.split("/", 1)[0]
-    cls = {"ringreduce": RingReduce, "torch": Torch, "ps": ParameterServer, "mpi": Mpi}[kind]
+    cls = {"ringreduce": RingReduce, "torch": Torch, "ps": ParameterServer, "mpi": Mpi,
+           "deepspeed": DeepSpeed}[kind]
     return cls(label, op, rank, world)

@@ -26,10 +26,12 @@ DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "b
 OPS = ("sum", "prod", "min", "max", "avg")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot",
-            "ringreduce/p2p", "ringreduce/nccl", "torch", "torch/ringreduce", "ps", "mpi")
+            "ringreduce/p2p", "ringreduce/nccl", "torch", "torch/ringreduce", "ps", "mpi",
+            "deepspeed")
 PEERS_HINT = "pip install '.[peers]'"
 MPI_HINT = ("--backends mpi needs mpi4py and an MPI launcher: apt-get install openmpi-bin "
             f"libopenmpi-dev (or MPICH), then {PEERS_HINT}")
+DEEPSPEED_HINT = f"--backends deepspeed needs DeepSpeed: {PEERS_HINT} (or pip install deepspeed)"
 
 # Sweep defaults: (minbytes, maxbytes, stepfactor, iters, warmup). The CPU ones keep a default run
 # of 4 ranks on the 2-core dev machine to a few minutes (measured: under 3); the GPU ones follow
@@ -118,7 +120,8 @@ def build_parser():
                    help="comma list of ringreduce[/shm|/ring|/oneshot|/p2p|/nccl] (ringreduce on "
                         "the CPU: auto, ring and one-shot algorithms), torch (Gloo or NCCL), "
                         "torch/ringreduce (torch.distributed calls on ringreduce's backend), ps, "
-                        "mpi (mpi4py; the suite starts the ranks with mpirun) (default: all but mpi)")
+                        "mpi (mpi4py; the suite starts the ranks with mpirun), deepspeed (its "
+                        "shm all-reduce, float32 sum) (default: all but mpi and deepspeed)")
     p.add_argument("--json", metavar="PATH", help="write every row and the machine to PATH")
     p.add_argument("--plot", metavar="PATH.png",
                    help="busbw vs size plot; with several --nranks also PATH-stem_vs_n.png")
@@ -202,6 +205,12 @@ def expand_backends(names, device, parser):
             if launcher is None or importlib.util.find_spec("mpi4py") is None:
                 parser.error(MPI_HINT)
             out.append(f"mpi/{launcher[0]}")
+        elif name == "deepspeed":
+            if device != "cpu":
+                parser.error("--backends deepspeed: DeepSpeed's shm all-reduce moves CPU tensors only")
+            if importlib.util.find_spec("deepspeed") is None:
+                parser.error(DEEPSPEED_HINT)
+            out.append("deepspeed/shm")
         elif name.startswith("ringreduce/"):
             transport = name.split("/", 1)[1]
             if transport in ("ring", "oneshot"):

@@ -66,6 +66,9 @@ def run_rank(args, rank, world, device, local_world):
     runner.probe_backends(ctx)
     rows = runner.sweep(ctx)
     membw.append(runner.peak_membw(ctx))  # before and after: the peak is the larger
+    for b in ctx.backends:
+        if hasattr(b, "close"):
+            b.close()
     if rank != 0:
         return None
     method = (f"{runner.MEMBW_BYTES >> 20} MiB device-to-device copy" if device.type == "cuda"
@@ -208,12 +211,33 @@ def _torchrun_main(args):
         dist.destroy_process_group()
 
 
+def _prepare_deepspeed():
+    """Builds DeepSpeed's shm op once, here, before any rank starts (its first build takes minutes;
+    ranks would queue on its build lock inside the sweep), and names the run's /dev/shm segments:
+    the ranks inherit MASTER_ADDR/MASTER_PORT (spawned ranks use a FileStore, not these). Returns
+    the segments' name prefix."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(os.getpid()))
+    print("[bench] loading DeepSpeed's shm op (built on first use: ~2 min on 2 cores)",
+          file=sys.stderr, flush=True)
+    code = ("import os; os.environ['DS_ACCELERATOR'] = 'cpu'; "
+            "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError("DeepSpeed's shm op did not build or load:\n" + res.stderr[-3000:])
+    from .backends import shm_prefix
+    return shm_prefix()
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.torchrun:
         return _torchrun_main(args)
     runs = []
+    ds_prefix = None
     try:
+        if any(b.startswith("deepspeed/") for b in args.backends):
+            ds_prefix = _prepare_deepspeed()
         mpi = any(b.startswith("mpi/") for b in args.backends)
         for world in args.nranks:
             runs.append((_mpirun_world if mpi else _spawn_world)(args, world))
@@ -222,4 +246,8 @@ def main(argv=None):
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        if ds_prefix:  # DeepSpeed never removes its segments; a rank that died left its own
+            from .backends import remove_shm
+            remove_shm(ds_prefix)
     return _finish(args, runs)
