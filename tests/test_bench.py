@@ -139,6 +139,31 @@ def test_agg_iters_default():
     assert cli.agg_iters(cli.parse_args(["--quick"]), 1 << 10) == 1
 
 
+def test_batch_calibration():
+    assert cli.calibrated(32, 100e-6, 50) == 16000  # 3.125 us a call -> 16,000 calls in 50 ms
+    assert cli.calibrated(32, 0.5, 50) == 4          # 15.6 ms a call -> 4 calls
+    assert cli.calibrated(2, 0.5, 50) == 1           # slower than a batch: one call
+    assert cli.calibrated(1, 0.0, 50) == cli.BATCH_CALLS_MAX
+    a = cli.parse_args(["--nranks", "2", "-w", "0"])
+    assert a.agg_iters is None and a.warmup_iters == 1  # calibration needs one warm-up
+    assert cli.parse_args(["--nranks", "2", "-w", "0", "-m", "4"]).warmup_iters == 0
+
+
+def test_calibrated_batches_in_a_run(tmp_path):
+    # Without -m each backend's batch is calibrated to last at least --batch_ms (here 20 ms):
+    # thousands of calls for ringreduce at 4 KiB, a few for Gloo, never the same count for both.
+    res = bench("--nranks", "2", "-b", "4K", "-e", "4K", "--collectives", "all_reduce",
+                "--backends", "ringreduce/shm,torch", "-n", "2", "--batch_ms", "20", "--json",
+                str(tmp_path / "r.json"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "r.json").read_text())["runs"][0]["rows"]
+    assert len(rows) == 4 and all(r["wrong"] == 0 for r in rows)
+    for r in rows:
+        batch_ms = r["agg_iters"] * r["time_us"] / 1e3
+        assert batch_ms >= 10, r  # >= 20 ms minus the noise between warm-up and timed batches
+        assert r["agg_iters"] > (100 if r["backend"] == "ringreduce/shm" else 0), r
+
+
 def test_check_off_prints_na():
     res = bench("--quick", "--nranks", "2", "-e", "1K", "--collectives", "all_reduce", "-c", "0")
     assert res.returncode == 0, res.stderr[-3000:]

@@ -1,5 +1,6 @@
 """Command-line flags (nccl-tests names where they mean the same) and their defaults."""
 import argparse
+import math
 import functools
 import importlib.util
 import os
@@ -39,10 +40,13 @@ DEEPSPEED_HINT = f"--backends deepspeed needs DeepSpeed: {PEERS_HINT} (or pip in
 DEFAULTS_CPU = (4 << 10, 64 << 20, 4, 10, 2)
 DEFAULTS_GPU = (4 << 10, 256 << 20, 4, 20, 5)
 DEFAULTS_QUICK = (1 << 10, 64 << 10, 8, 3, 1)
-# Auto -m: back-to-back calls per timed iteration until they move AGG_BYTES (at most AGG_MAX), so
-# that the skew of the barrier before an iteration (tens of microseconds) does not swamp
-# small calls that take a few.
+# Auto -m: each backend's batch of back-to-back calls per timed iteration is calibrated in the
+# warm-up to last at least --batch_ms (default BATCH_MS), so that neither the skew of the barrier
+# before an iteration nor one descheduled rank (on a 2-core machine with 4 ranks) swamps calls that
+# take microseconds. The first warm-up batch moves AGG_BYTES (at most AGG_MAX calls).
 AGG_BYTES, AGG_MAX = 1 << 20, 32
+BATCH_MS = 50.0
+BATCH_CALLS_MAX = 1 << 20
 DEFAULT_RANKS_CPU = 4
 DEFAULT_RANKS_ONE_GPU = 4
 
@@ -105,7 +109,9 @@ def build_parser():
     p.add_argument("-w", "--warmup_iters", type=_int_at_least(0), help="warmup (CPU 2, GPU 5)")
     p.add_argument("-m", "--agg_iters", type=_int_at_least(1),
                    help="calls aggregated back to back in each timed iteration; the time is per "
-                        "call (default: enough for 1 MiB, at most 32; --quick 1)")
+                        "call (default: calibrated per backend and size to --batch_ms; --quick 1)")
+    p.add_argument("--batch_ms", type=float, default=BATCH_MS,
+                   help="with automatic -m, the least duration of a timed batch (default 50)")
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
                    help="check every timed result (default 1)")
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float")
@@ -147,6 +153,10 @@ def parse_args(argv=None):
             setattr(a, name, value)
     if a.quick and a.agg_iters is None:
         a.agg_iters = 1
+    if a.batch_ms <= 0:
+        parser.error(f"--batch_ms must be > 0, got {a.batch_ms}")
+    if a.agg_iters is None:
+        a.warmup_iters = max(a.warmup_iters, 1)  # the calibration runs in the warm-up
     if a.minbytes > a.maxbytes:
         parser.error(f"-b/--minbytes ({a.minbytes}) is larger than -e/--maxbytes ({a.maxbytes})")
     a.dtype = DTYPES[a.datatype]
@@ -227,10 +237,16 @@ def expand_backends(names, device, parser):
 
 
 def agg_iters(a, size):
-    """Calls per timed iteration at this size: -m, or the automatic choice above."""
+    """Calls in the first batch at this size: -m, or the automatic first guess above."""
     if a.agg_iters is not None:
         return a.agg_iters
     return max(1, min(AGG_MAX, AGG_BYTES // size))
+
+
+def calibrated(agg, seconds, batch_ms):
+    """Calls for a batch of at least batch_ms, from a batch of agg calls that took seconds."""
+    per_call = max(seconds, 1e-9) / agg
+    return max(1, min(BATCH_CALLS_MAX, math.ceil(batch_ms * 1e-3 / per_call)))
 
 
 def sizes(a):

@@ -165,12 +165,12 @@ def print_machine(info, args, world):
           (f"; {info['gpu_count']} x {info['gpu_name']}, NCCL {info['nccl_version']}"
            if info["gpu_name"] else "; no GPU"))
     print(f"# sizes {args.minbytes}..{args.maxbytes} B x{args.stepfactor}, iters {args.iters}, "
-          f"agg {args.agg_iters or 'auto'}, warmup {args.warmup_iters}, check {args.check}, type {args.type_name}, op {args.op}, "
+          f"agg {args.agg_iters or f'auto (batches >= {args.batch_ms:g} ms)'}, warmup {args.warmup_iters}, check {args.check}, type {args.type_name}, op {args.op}, "
           f"backends {','.join(args.backends)}", flush=True)
 
 
 def write_json(path, args, info, runs):
-    keep = ("minbytes", "maxbytes", "stepfactor", "iters", "agg_iters", "warmup_iters", "check", "datatype",
+    keep = ("minbytes", "maxbytes", "stepfactor", "iters", "agg_iters", "batch_ms", "warmup_iters", "check", "datatype",
             "op", "nranks", "collectives", "backends", "quick", "device", "torchrun")
     doc = {"command": [os.path.basename(sys.executable), "-m", "ringreduce.bench"] + sys.argv[1:],
            "args": {k: getattr(args, k) for k in keep}, "machine": info, "runs": runs}

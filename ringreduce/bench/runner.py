@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from . import backends as bk
 from . import report
-from .cli import agg_iters, sizes
+from .cli import agg_iters, calibrated, sizes
 from .data import Reference, sentinel
 
 MEMBW_BYTES = 256 << 20  # large enough to leave every cache far behind (L3 is tens of MiB)
@@ -159,18 +159,22 @@ def probe_backends(ctx):
 def time_case(ctx, buffers, inplace, backends, agg):
     """Warmup and timed iterations, backends rotated every iteration; per-backend statistics.
 
-    An iteration times agg calls back to back after a barrier, per call. With agg 1 the timed
-    result is checked; with more, repeated in-place calls change their own input, so an untimed
-    call from fresh buffers just before is checked instead."""
+    An iteration times a batch of calls back to back after a barrier, per call. With -m the batch
+    is agg calls for every backend; without, each backend's batch is calibrated in the warm-up
+    (every rank agrees on the slowest rank's time) to last at least --batch_ms. With batches of one
+    call the timed result is checked; with more, repeated in-place calls change their own input, so
+    an untimed call from fresh buffers just before is checked instead."""
     a = ctx.args
     k = len(backends)
+    calls = [agg] * k
     times = torch.zeros(k, a.iters, dtype=torch.float64)
     wrong = torch.zeros(k, a.iters, dtype=torch.int64)
     for it in range(a.warmup_iters + a.iters):
         timed = it - a.warmup_iters
+        warm = torch.zeros(k, dtype=torch.float64)
         for j in [(it + s) % k for s in range(k)]:  # rotate the order so no backend is always first
             b = backends[j]
-            if agg > 1 and timed >= 0:
+            if calls[j] > 1 and timed >= 0:
                 call, result = buffers.prepare(b, inplace)
                 call()
                 ctx.sync()
@@ -178,15 +182,21 @@ def time_case(ctx, buffers, inplace, backends, agg):
             call, result = buffers.prepare(b, inplace)
             ctx.barrier()
             t0 = time.perf_counter()
-            for _ in range(agg):
+            for _ in range(calls[j]):
                 call()
             ctx.sync()
             t1 = time.perf_counter()
             if timed < 0:
+                warm[j] = t1 - t0
                 continue
-            times[j, timed] = (t1 - t0) / agg
-            if agg == 1:
+            times[j, timed] = (t1 - t0) / calls[j]
+            if calls[j] == 1:
                 check(ctx, buffers, b, result, wrong, j, timed)
+        if timed < 0 and a.agg_iters is None:
+            dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=ctx.ctrl)
+            # Only ever longer: one warm-up batch slowed by a descheduled rank must not shorten it.
+            calls = [max(calls[j], calibrated(calls[j], warm[j].item(), a.batch_ms))
+                     for j in range(k)]
     # The call ends when the slowest rank is done; wrong elements add up over ranks.
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=ctx.ctrl)
     dist.all_reduce(wrong, op=dist.ReduceOp.SUM, group=ctx.ctrl)
@@ -194,7 +204,7 @@ def time_case(ctx, buffers, inplace, backends, agg):
     for j in range(k):
         t = times[j].tolist()
         out.append({"time_us": statistics.median(t) * 1e6, "time_us_min": min(t) * 1e6,
-                    "time_us_max": max(t) * 1e6,
+                    "time_us_max": max(t) * 1e6, "agg_iters": calls[j],
                     "wrong": int(wrong[j].max()) if a.check else None})
     return out
 
@@ -239,7 +249,7 @@ def sweep(ctx):
                                      op="none" if collective == "all_gather" else a.op,
                                      inplace=inplace, time_us=s["time_us"], algbw_GBps=algbw,
                                      busbw_GBps=algbw * bus_factor(collective, ctx.world),
-                                     wrong=s["wrong"], iters=a.iters, agg_iters=agg,
+                                     wrong=s["wrong"], iters=a.iters, agg_iters=s["agg_iters"],
                                      time_us_min=s["time_us_min"], time_us_max=s["time_us_max"]))
                 if ctx.rank == 0:
                     report.print_row(rows[-2], rows[-1])
