@@ -181,13 +181,29 @@ class Communicator(_lifecycle.Communicator):
             self._native.close()
 
 
+def make(member, timeout=None, **options):
+    """A new communicator for member's CPU ranks: the shared-memory ring when they are on one host,
+    else the hierarchical one (_hier.py). Collective: every rank of member must reach it."""
+    from . import _hier
+    timeout = float(timeout) if timeout is not None else default_timeout()
+    plan, by_host, reason = _hier.plan_for(_hier.discover_hosts(member, timeout))
+    log.debug("rank %d/%d of %s: CPU plan %s (%s)", member.rank, member.size, member.name, plan,
+              reason)
+    if plan == "flat":
+        return Communicator(member=member, timeout=timeout, **options)
+    return _hier.HierCommunicator(member, timeout, plan, by_host)
+
+
 def get_communicator(group=None, **options):
     """The cached communicator of group (None: the default group), created on first use.
 
     Creation is collective: every rank of the group must reach it. options (timeout, slice_bytes,
-    algo) apply only when this call creates it.
+    algo) apply only when this call creates it (slice_bytes and algo to a one-host group only).
     """
-    return REGISTRY.get(group, ("shm",), lambda g: Communicator(g, **options))
+    def create(g):
+        _lifecycle.require_initialized()
+        return make(_lifecycle.Member.of_group(g), **options)
+    return REGISTRY.get(group, ("shm",), create)
 
 
 def destroy(group=None):

@@ -89,7 +89,7 @@ class RingBackend:
                     transport = _cuda.choose_transport(member, requested, dev, self.timeout)
                     comm = _cuda.Communicator(member, dev, transport, self.timeout)
                 else:
-                    comm = _comm.Communicator(member=member, timeout=self.timeout)
+                    comm = _comm.make(member, timeout=self.timeout)
                 self._comms[key] = comm
         return comm
 

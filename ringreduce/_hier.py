@@ -1,0 +1,282 @@
+"""Groups whose CPU ranks sit on several hosts: shared memory inside a host, Gloo between hosts.
+
+Host discovery: at setup every rank publishes its host identity (RINGREDUCE_HOST_ID, else host name
+and boot id) through the group's store; one host -> the flat shared-memory ring (_comm.py), more ->
+a HierCommunicator with one of two plans, logged at debug level with the reason:
+
+- "two-level" (every host has the same number L of the group's ranks): reduce-scatter inside the
+  host over shared memory (local rank j then holds the host's partial sum of chunk j), all-reduce of
+  chunk j among the H ranks of local rank j over a Gloo group of their own, all-gather inside the
+  host. Per rank 2(H-1)/H of 1/L of the tensor crosses the network: the optimum.
+- "leaders" (any other layout): all-reduce inside each host, all-reduce among the hosts' first
+  ranks over Gloo, broadcast from the first rank inside each host (Gloo on the host). Correct for any
+  layout; the whole tensor crosses the network once per host, not 1/L of it.
+
+reduce_scatter_tensor and all_gather_into_tensor keep torch.distributed's rank order of chunks:
+their inputs are permuted into a (local rank, host) order first and the result back. AVG reduces as
+SUM and divides once, by the group's size, on the rank that owns the reduced element, so every rank
+ends with the same bits. The Gloo groups are built on the group's store with the communicator's
+timeout; a Gloo error is raised as a RingReduceError naming the call, the phase and the group.
+"""
+import datetime
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from . import _lifecycle
+from ._lifecycle import Bootstrap, RingReduceError
+
+log = logging.getLogger("ringreduce")
+
+SUM, AVG, MIN, MAX, PROD = 0, 1, 2, 3, 4  # the native op codes (csrc/cpu/reduce.h)
+_GLOO_OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,
+             PROD: dist.ReduceOp.PRODUCT}
+
+
+def host_id():
+    """This process's host: RINGREDUCE_HOST_ID if set (tests, simulated hosts), else the host name
+    and boot id (two containers on one machine share a boot id but not always a host name)."""
+    forced = os.environ.get("RINGREDUCE_HOST_ID", "").strip()
+    if forced:
+        return forced
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def discover_hosts(member, timeout):
+    """Every rank's host id, in group rank order (collective over the member's ranks)."""
+    if member.size == 1:
+        return [host_id()]
+    setup = Bootstrap(member, "hosts", timeout)
+    setup.set(f"host/{member.rank}", host_id())
+    return [v.decode() for v in setup.all("host", member.size, "host id")]
+
+
+def plan_for(hosts):
+    """(plan, ranks of each host in group order, reason) for a list of host ids by group rank."""
+    order = list(dict.fromkeys(hosts))
+    by_host = [[r for r, h in enumerate(hosts) if h == name] for name in order]
+    sizes = [len(rs) for rs in by_host]
+    if len(order) == 1:
+        return "flat", by_host, f"all {len(hosts)} ranks on one host"
+    if len(set(sizes)) == 1:
+        return "two-level", by_host, f"{len(order)} hosts x {sizes[0]} ranks"
+    return "leaders", by_host, f"{len(order)} hosts with unequal rank counts {sizes}"
+
+
+def _gloo(store, prefix, rank, size, timeout):
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
+                                 datetime.timedelta(seconds=timeout))
+
+
+class HierCommunicator(_lifecycle.Communicator):
+    """One group's ranks on several hosts; see the module docstring for the two plans."""
+
+    transport = "hier"
+
+    def __init__(self, member, timeout, plan, by_host):
+        from . import _comm
+        super().__init__(member, timeout)
+        self.plan, self.by_host = plan, by_host
+        self.host = next(h for h, rs in enumerate(by_host) if member.rank in rs)
+        self.local_ranks = by_host[self.host]
+        self.local_rank = self.local_ranks.index(member.rank)
+        self.nhosts = len(by_host)
+        setup = Bootstrap(member, "hier", self.timeout)
+        local = _lifecycle.Member(member.store, self.local_rank, len(self.local_ranks),
+                                  f"{member.name}@{setup.prefix}/host{self.host}")
+        self.intra = _comm.Communicator(member=local, timeout=self.timeout)
+        self.cross = self.host_pg = None
+        try:
+            if plan == "two-level":  # the ranks of local rank j on every host, in host order
+                self.cross = _gloo(member.store, f"{setup.prefix}/cross{self.local_rank}/",
+                                   self.host, self.nhosts, self.timeout)
+            else:
+                if self.local_rank == 0:  # the hosts' first ranks
+                    self.cross = _gloo(member.store, f"{setup.prefix}/leaders/", self.host,
+                                       self.nhosts, self.timeout)
+                if len(self.local_ranks) > 1:
+                    self.host_pg = _gloo(member.store, f"{setup.prefix}/host{self.host}/",
+                                         self.local_rank, len(self.local_ranks), self.timeout)
+        except BaseException:
+            self.intra.close()
+            raise
+        log.debug("rank %d/%d: hierarchical plan %s (host %d of %d, local rank %d of %d)",
+                  self.rank, self.world_size, plan, self.host, self.nhosts, self.local_rank,
+                  len(self.local_ranks))
+
+    # -- steps --------------------------------------------------------------------------------
+    def _gloo_step(self, what, fn):
+        """Runs a Gloo call; its error becomes ours, naming the phase and the group; the host's
+        shared-memory ring is aborted so local peers waiting on this rank raise at once."""
+        try:
+            fn().wait()
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = (f"rank {self.rank}: inter-host step ({what}, Gloo) failed in group "
+                      f"{self.member.name}: {first}")
+            try:
+                self.intra.abort(reason)
+            except Exception:
+                pass
+            raise RingReduceError(f"ringreduce: {reason}") from e
+
+    def _finish_avg(self, t, code):
+        if code == AVG:
+            if t.is_floating_point():
+                t.div_(self.world_size)
+            else:
+                t.copy_(torch.div(t, self.world_size, rounding_mode="trunc"))
+
+    def _all_reduce_buf(self, buf, code):
+        """All-reduce of a flat contiguous buffer (its length a multiple of L for two-level)."""
+        red = SUM if code == AVG else code
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _GLOO_OPS[red]
+        if self.plan == "two-level":
+            L = len(self.local_ranks)
+            c = buf.numel() // L
+            mine = buf[self.local_rank * c:(self.local_rank + 1) * c]
+            self.intra._native.reduce_scatter(mine, buf, red)
+            self._gloo_step("all_reduce of this rank's chunk",
+                            lambda: self.cross.allreduce([mine], opts))
+            self._finish_avg(mine, code)
+            self.intra._native.all_gather(buf, mine)
+            return
+        self.intra._native.all_reduce(buf, red)
+        if self.cross is not None:
+            self._gloo_step("all_reduce among the hosts' first ranks",
+                            lambda: self.cross.allreduce([buf], opts))
+            self._finish_avg(buf, code)
+        self._broadcast_from_first(buf)
+
+    def _broadcast_from_first(self, buf):
+        if self.host_pg is not None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self._gloo_step("broadcast inside the host", lambda: self.host_pg.broadcast([buf], opts))
+
+    def _padded(self, n):
+        """Elements of a buffer holding n that the two-level plan can split in L equal chunks."""
+        L = len(self.local_ranks) if self.plan == "two-level" else 1
+        return -(-n // L) * L
+
+    # -- collectives (arguments already checked by ringreduce.collectives) --------------------
+    def all_reduce(self, tensor, op_code, async_op):
+        def run():
+            n = tensor.numel()
+            if n == 0:
+                return
+            flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+            m = self._padded(n)
+            buf = flat if m == n else torch.zeros(m, dtype=tensor.dtype)
+            if buf is not flat:
+                buf[:n].copy_(flat)
+            self._all_reduce_buf(buf, op_code)
+            if buf is not flat:
+                flat.copy_(buf[:n])
+            if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+                tensor.copy_(flat.view(tensor.shape))
+        return self._run(run, [tensor], async_op)
+
+    def _order(self):
+        """Group ranks in (local rank, host) order: the two-level plan's layout of chunks."""
+        L = len(self.local_ranks)
+        return [self.by_host[h][j] for j in range(L) for h in range(self.nhosts)]
+
+    def reduce_scatter(self, output, input, op_code, async_op):
+        def run():
+            c = output.numel()
+            if c == 0:
+                return
+            src = input.contiguous().view(-1)
+            if self.plan != "two-level":  # the whole reduction, then this rank's chunk
+                buf = src.clone()
+                self._all_reduce_buf(buf, op_code)
+                output.copy_(buf[self.rank * c:(self.rank + 1) * c].view(output.shape))
+                return
+            H, L, j = self.nhosts, len(self.local_ranks), self.local_rank
+            chunks = src.view(self.world_size, c)
+            buf = chunks[self._order()].view(-1)  # a copy, in (local rank, host) order
+            red = SUM if op_code == AVG else op_code
+            mine = buf[j * H * c:(j + 1) * H * c]  # the chunks of local rank j's ranks
+            self.intra._native.reduce_scatter(mine, buf, red)
+            out = torch.empty(c, dtype=output.dtype)
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp = _GLOO_OPS[red]
+            self._gloo_step("reduce_scatter among the ranks of this local rank",
+                            lambda: self.cross._reduce_scatter_base(out, mine, opts))
+            self._finish_avg(out, op_code)
+            output.copy_(out.view(output.shape))
+        return self._run(run, [output], async_op)
+
+    def all_gather(self, output, input, async_op):
+        def run():
+            c = input.numel()
+            if c == 0:
+                return
+            src = input.contiguous().view(-1)
+            H, L = self.nhosts, len(self.local_ranks)
+            if self.plan == "two-level":
+                mine = torch.empty(H * c, dtype=input.dtype)  # local rank j's ranks, host order
+                self._gloo_step("all_gather among the ranks of this local rank",
+                                lambda: self.cross._allgather_base(mine, src))
+                gathered = torch.empty(L * H * c, dtype=input.dtype)
+                self.intra._native.all_gather(gathered, mine)
+                order = self._order()
+            else:  # inside the host, then among the first ranks (padded to the largest host)
+                Lmax = max(len(rs) for rs in self.by_host)
+                block = torch.zeros(Lmax * c, dtype=input.dtype)
+                self.intra._native.all_gather(block[:L * c], src)
+                gathered = torch.empty(H * Lmax * c, dtype=input.dtype)
+                if self.cross is not None:
+                    self._gloo_step("all_gather among the hosts' first ranks",
+                                    lambda: self.cross._allgather_base(gathered, block))
+                self._broadcast_from_first(gathered)
+                order = [rs[j] if j < len(rs) else -1 for rs in self.by_host for j in range(Lmax)]
+            rows = gathered.view(len(order), c)
+            where = [0] * self.world_size
+            for i, r in enumerate(order):
+                if r >= 0:
+                    where[r] = i
+            output.copy_(rows[where].view(output.shape))
+        return self._run(run, [output], async_op)
+
+    def _run(self, fn, result, async_op):
+        fut = self._submit(fn, result, torch.futures.Future, inline=not async_op)
+        if fut is None:
+            return None
+        if async_op:
+            return _lifecycle.Work(fut, self._interrupted)
+        _lifecycle.wait_interruptibly(fut, self._interrupted)
+        fut.wait()
+        return None
+
+    # -- lifetime ----------------------------------------------------------------------------
+    @property
+    def broken(self):
+        return self.intra.broken
+
+    def abort(self, reason="aborted by the user"):
+        self.intra.abort(reason)
+        for pg in (self.cross, self.host_pg):
+            if pg is not None and hasattr(pg, "abort"):
+                try:
+                    pg.abort()
+                except Exception:
+                    pass
+
+    def _stop_calls(self, busy):
+        if busy:
+            self.intra.abort(f"rank {self.rank}: communicator closed with calls in flight")
+
+    def _close_native(self):
+        self.intra.close()
+        self.cross = self.host_pg = None
