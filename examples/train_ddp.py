@@ -13,6 +13,7 @@ training loss and the test accuracy, both averaged over all ranks with ringreduc
 saves a checkpoint at the end.
 """
 import argparse
+import hashlib
 import os
 
 import torch
@@ -112,6 +113,11 @@ def main(argv=None):
                   f"test accuracy {accuracy:.4f}  ({int(stats[3].item())} test images, "
                   f"{world} ranks, backend {dist.get_backend()}, hook {args.hook})", flush=True)
 
+    # Every rank's parameters, as a digest: DDP keeps them identical, and a test compares them.
+    digest = hashlib.sha1(b"".join(p.detach().cpu().double().numpy().tobytes()
+                                   for p in model.module.parameters())).hexdigest()
+    print(f"rank {rank} host {os.environ.get('RINGREDUCE_HOST_ID', '-')} parameters sha1 {digest}",
+          flush=True)
     if rank == 0:
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                     "epochs": args.epochs, "test_accuracy": accuracy}, args.checkpoint)

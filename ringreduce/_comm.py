@@ -181,12 +181,19 @@ class Communicator(_lifecycle.Communicator):
             self._native.close()
 
 
-def make(member, timeout=None, **options):
+def make(member, timeout=None, hosts=None, **options):
     """A new communicator for member's CPU ranks: the shared-memory ring when they are on one host,
-    else the hierarchical one (_hier.py). Collective: every rank of member must reach it."""
+    else the hierarchical one (_hier.py). Collective: every rank of member must reach it. hosts:
+    every rank's host id, in rank order, instead of discovering them (the benchmark's simulated
+    hosts)."""
     from . import _hier
     timeout = float(timeout) if timeout is not None else default_timeout()
-    plan, by_host, reason = _hier.plan_for(_hier.discover_hosts(member, timeout))
+    if hosts is None:
+        hosts = _hier.discover_hosts(member, timeout)
+    elif len(hosts) != member.size:
+        raise ValueError(f"ringreduce: hosts has {len(hosts)} entries; expected one per rank "
+                         f"({member.size})")
+    plan, by_host, reason = _hier.plan_for(list(hosts))
     log.debug("rank %d/%d of %s: CPU plan %s (%s)", member.rank, member.size, member.name, plan,
               reason)
     if plan == "flat":

@@ -89,6 +89,7 @@ class HierCommunicator(_lifecycle.Communicator):
         self.local_ranks = by_host[self.host]
         self.local_rank = self.local_ranks.index(member.rank)
         self.nhosts = len(by_host)
+        self._call = None
         setup = Bootstrap(member, "hier", self.timeout)
         local = _lifecycle.Member(member.store, self.local_rank, len(self.local_ranks),
                                   f"{member.name}@{setup.prefix}/host{self.host}")
@@ -113,20 +114,33 @@ class HierCommunicator(_lifecycle.Communicator):
                   len(self.local_ranks))
 
     # -- steps --------------------------------------------------------------------------------
+    def _where(self):
+        return (f"rank {self.rank} (host {self.host}, local rank {self.local_rank}): "
+                f"{self._call}")
+
     def _gloo_step(self, what, fn):
-        """Runs a Gloo call; its error becomes ours, naming the phase and the group; the host's
-        shared-memory ring is aborted so local peers waiting on this rank raise at once."""
+        """Runs a Gloo call; its error becomes ours, naming the call, the phase and the group; the
+        host's shared-memory ring is aborted so local peers waiting on this rank raise at once."""
         try:
             fn().wait()
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            reason = (f"rank {self.rank}: inter-host step ({what}, Gloo) failed in group "
+            reason = (f"{self._where()}: inter-host step ({what}, Gloo) failed in group "
                       f"{self.member.name}: {first}")
             try:
                 self.intra.abort(reason)
             except Exception:
                 pass
             raise RingReduceError(f"ringreduce: {reason}") from e
+
+    def _shm(self, what, fn, *args):
+        """Runs a call of the host's shared-memory ring; its error (whose ranks are local ranks)
+        is raised naming this rank in the group, the call and the phase."""
+        try:
+            fn(*args)
+        except RingReduceError as e:
+            raise RingReduceError(f"ringreduce: {self._where()}: intra-host step ({what}) failed "
+                                  f"in group {self.member.name}: {e}") from e
 
     def _finish_avg(self, t, code):
         if code == AVG:
@@ -144,13 +158,13 @@ class HierCommunicator(_lifecycle.Communicator):
             L = len(self.local_ranks)
             c = buf.numel() // L
             mine = buf[self.local_rank * c:(self.local_rank + 1) * c]
-            self.intra._native.reduce_scatter(mine, buf, red)
+            self._shm("reduce-scatter", self.intra._native.reduce_scatter, mine, buf, red)
             self._gloo_step("all_reduce of this rank's chunk",
                             lambda: self.cross.allreduce([mine], opts))
             self._finish_avg(mine, code)
-            self.intra._native.all_gather(buf, mine)
+            self._shm("all-gather", self.intra._native.all_gather, buf, mine)
             return
-        self.intra._native.all_reduce(buf, red)
+        self._shm("all-reduce", self.intra._native.all_reduce, buf, red)
         if self.cross is not None:
             self._gloo_step("all_reduce among the hosts' first ranks",
                             lambda: self.cross.allreduce([buf], opts))
@@ -171,6 +185,7 @@ class HierCommunicator(_lifecycle.Communicator):
     # -- collectives (arguments already checked by ringreduce.collectives) --------------------
     def all_reduce(self, tensor, op_code, async_op):
         def run():
+            self._call = "all_reduce"
             n = tensor.numel()
             if n == 0:
                 return
@@ -193,6 +208,7 @@ class HierCommunicator(_lifecycle.Communicator):
 
     def reduce_scatter(self, output, input, op_code, async_op):
         def run():
+            self._call = "reduce_scatter_tensor"
             c = output.numel()
             if c == 0:
                 return
@@ -207,7 +223,7 @@ class HierCommunicator(_lifecycle.Communicator):
             buf = chunks[self._order()].view(-1)  # a copy, in (local rank, host) order
             red = SUM if op_code == AVG else op_code
             mine = buf[j * H * c:(j + 1) * H * c]  # the chunks of local rank j's ranks
-            self.intra._native.reduce_scatter(mine, buf, red)
+            self._shm("reduce-scatter", self.intra._native.reduce_scatter, mine, buf, red)
             out = torch.empty(c, dtype=output.dtype)
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = _GLOO_OPS[red]
@@ -219,6 +235,7 @@ class HierCommunicator(_lifecycle.Communicator):
 
     def all_gather(self, output, input, async_op):
         def run():
+            self._call = "all_gather_into_tensor"
             c = input.numel()
             if c == 0:
                 return
@@ -229,12 +246,12 @@ class HierCommunicator(_lifecycle.Communicator):
                 self._gloo_step("all_gather among the ranks of this local rank",
                                 lambda: self.cross._allgather_base(mine, src))
                 gathered = torch.empty(L * H * c, dtype=input.dtype)
-                self.intra._native.all_gather(gathered, mine)
+                self._shm("all-gather", self.intra._native.all_gather, gathered, mine)
                 order = self._order()
             else:  # inside the host, then among the first ranks (padded to the largest host)
                 Lmax = max(len(rs) for rs in self.by_host)
                 block = torch.zeros(Lmax * c, dtype=input.dtype)
-                self.intra._native.all_gather(block[:L * c], src)
+                self._shm("all-gather", self.intra._native.all_gather, block[:L * c], src)
                 gathered = torch.empty(H * Lmax * c, dtype=input.dtype)
                 if self.cross is not None:
                     self._gloo_step("all_gather among the hosts' first ranks",

@@ -306,3 +306,20 @@ def test_deepspeed_backend_quick_sweep():
                 "--collectives", "all_reduce", "--corrupt-for-test", "deepspeed/shm")
     assert bad.returncode == 1 and "FAILED" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
     assert _deepspeed_segments() == before
+
+
+def test_simulated_hosts_row(tmp_path):
+    """--hosts 2: a ringreduce/hier row (two-level plan on 2 simulated hosts x 2 ranks) next to the
+    flat rows, every collective checked; --hosts above the rank count is refused."""
+    res = bench("--quick", "--nranks", "4", "--hosts", "2", "--backends", "ringreduce/hier,torch",
+                "--json", str(tmp_path / "r.json"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    rows = [r for r in doc["runs"][0]["rows"] if r["backend"] == "ringreduce/hier"]
+    assert {r["collective"] for r in rows} == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert rows and all(r["wrong"] == 0 for r in rows)
+    assert "2 simulated hosts" in res.stdout
+    bad = bench("--quick", "--nranks", "2", "--hosts", "3")
+    assert bad.returncode == 2 and "more simulated hosts than ranks" in bad.stderr
+    bad = bench("--quick", "--nranks", "2", "--backends", "ringreduce/hier")
+    assert bad.returncode == 2 and "--hosts H" in bad.stderr

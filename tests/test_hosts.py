@@ -59,3 +59,119 @@ def test_every_dtype_two_hosts():
 def test_one_host_stays_flat():
     got, _ = run(["a", "a"], "test_hosts:plan_worker")
     assert set(got.values()) == {("shm", "flat")}
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_simulated_nodes(tmp_path):
+    """Two `torchrun --nnodes=2` commands as users launch them, one per simulated host (its own
+    mount namespace and /dev/shm), training examples/train_ddp.py with the ringreduce hook: every
+    rank of both nodes ends with the same parameters, and nothing is left in either /dev/shm."""
+    import re
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = _free_port()
+    nodes = []
+    for k in range(2):
+        torchrun = (f'"$0" -m torch.distributed.run --nnodes=2 --node-rank={k} --nproc-per-node=2 '
+                    f'--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:{port} --rdzv-id=rr-hosts '
+                    f'{repo}/examples/train_ddp.py --epochs 1 --checkpoint {tmp_path}/ck{k}.pt')
+        script = (f"mount -t tmpfs -o size=1g tmpfs /dev/shm && {torchrun} && "
+                  f"echo leftover: $(ls /dev/shm)")
+        env = dict(os.environ, OMP_NUM_THREADS="1", RINGREDUCE_HOST_ID=f"node{k}", RINGREDUCE_DEBUG="1",
+                   TORCH_CPP_LOG_LEVEL="ERROR")
+        nodes.append(subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", script, sys.executable],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path))
+    outs = []
+    try:
+        for p in nodes:
+            outs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(nodes, outs):
+        assert p.returncode == 0, out[-4000:]
+    text = "\n".join(outs)
+    digests = dict(re.findall(r"rank (\d) host node\d parameters sha1 ([0-9a-f]+)", text))
+    assert sorted(digests) == ["0", "1", "2", "3"], text[-4000:]
+    assert len(set(digests.values())) == 1, digests
+    assert re.search(r"epoch 1/1 .* 4 ranks, backend gloo, hook allreduce", text), text[-4000:]
+    assert len(re.findall(r"^leftover: *$", text, re.M)) == 2, text[-4000:]
+    # the hook's all-reduces took the two-level plan (RINGREDUCE_DEBUG=1 logs the choice)
+    assert len(re.findall(r"CPU plan two-level \(2 hosts x 2 ranks\)", text)) == 4, text[-4000:]
+
+
+def victim_worker(rank, world, victim, timeout):
+    """Reduces 16 MiB again and again; the victim kills itself during its fourth call."""
+    import signal
+    import threading
+    import time
+    comm = rr.get_communicator(timeout=timeout)
+    t = torch.ones(4 << 20)
+    for i in range(1000):
+        if rank == victim and i == 3:
+            threading.Timer(0.005, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        start = time.monotonic()
+        try:
+            rr.all_reduce(t)
+        except Exception as e:
+            return type(e).__name__, str(e), time.monotonic() - start, comm.plan
+        t.fill_(1)
+    return None
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]])
+def test_rank_killed_on_other_host(hosts):
+    """A rank on host b killed mid-collective: every survivor on both hosts raises within the
+    timeout (none hangs), the inter-host step's error names the phase and the group, and neither
+    host's /dev/shm keeps anything."""
+    victim, timeout = len(hosts) - 1, 10.0
+    results, leftovers = run(hosts, "test_hosts:victim_worker", victim, timeout,
+                             expect_dead={victim}, timeout=120)
+    assert sorted(results) == [r for r in range(len(hosts)) if r != victim]
+    for r, res in results.items():
+        assert res is not None, f"rank {r} never failed"
+        name, msg, took, _ = res
+        assert name == "RingReduceError", (r, name, msg)
+        assert took < timeout + 5, (r, took, msg)
+    gloo = [msg for _, msg, _, _ in results.values() if "inter-host step" in msg]
+    assert gloo, results
+    assert all("failed in group" in m and "Gloo" in m for m in gloo), gloo
+    assert all(v == [] for v in leftovers.values()), leftovers
+
+
+def api_worker(rank, world):
+    """Async handles, a subgroup and the torch.distributed backend on simulated hosts. Flat shared
+    memory cannot work across these hosts (private /dev/shm), so a right answer is the hierarchy's."""
+    out = {}
+    t = torch.full((1001,), float(rank + 1))
+    rr.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True).wait()
+    out["async"] = t.unique().tolist()
+    sub = dist.new_group([0, 2, 3])
+    if rank in (0, 2, 3):
+        s = torch.full((7,), float(rank))
+        rr.all_reduce(s, group=sub, op=dist.ReduceOp.MAX)
+        out["sub"] = (s.unique().tolist(), rr.get_communicator(sub).plan)
+    pg = dist.new_group(backend="ringreduce")
+    b = torch.full((33,), float(rank))
+    dist.all_reduce(b, group=pg)
+    out["backend"] = b.unique().tolist()
+    return out
+
+
+def test_async_subgroup_and_backend():
+    got, leftovers = run(["a", "a", "b", "b"], "test_hosts:api_worker")
+    for r, out in got.items():
+        assert out["async"] == [2.5], (r, out)
+        assert out["backend"] == [6.0], (r, out)
+        if r != 1:
+            assert out["sub"] == ([3.0], "leaders"), (r, out)  # ranks 0 | 2, 3: 1 + 2
+    assert all(v == [] for v in leftovers.values()), leftovers

@@ -27,6 +27,12 @@ def _is_chunk_of(small, big, rank):
 
 
 ALGOS = ("ring", "oneshot")  # ringreduce/<algo>: the shm transport with RINGREDUCE_ALGO=<algo>
+HOSTS = 1  # --hosts: ringreduce/hier's group is split into this many simulated hosts
+
+
+def simulated_hosts(world, hosts):
+    """Host id of every rank: blocks of consecutive ranks, sizes differing by at most one."""
+    return [f"sim{r * hosts // world}" for r in range(world)]
 
 
 class RingReduce:
@@ -40,13 +46,15 @@ class RingReduce:
         self.label = label
         variant = label.split("/", 1)[1]
         self.algo = variant if variant in ALGOS else None
-        self.transport = "shm" if self.algo else variant
+        self.transport = "shm" if self.algo or variant == "hier" else variant
         self.op = REDUCE_OPS[op]
         self.group = None
-        if self.algo:
+        if self.algo or variant == "hier":
             from ringreduce import _comm
             self.group = dist.new_group(backend="gloo")
-            _comm.get_communicator(self.group, algo=self.algo)  # collective: every rank is here
+            options = {"algo": self.algo} if self.algo else \
+                {"hosts": simulated_hosts(world, HOSTS)}
+            _comm.get_communicator(self.group, **options)  # collective: every rank is here
 
     def supports(self, collective, dtype):
         if self.algo and collective != "all_reduce":
@@ -63,11 +71,11 @@ class RingReduce:
 
     def reduce_scatter(self, out, inp):
         self._select()
-        rr.reduce_scatter_tensor(out, inp, op=self.op)
+        rr.reduce_scatter_tensor(out, inp, op=self.op, group=self.group)
 
     def all_gather(self, out, inp):
         self._select()
-        rr.all_gather_into_tensor(out, inp)
+        rr.all_gather_into_tensor(out, inp, group=self.group)
 
 
 class Torch:

@@ -26,7 +26,7 @@ DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "b
                torch.int8: "int8", torch.uint8: "uint8"}
 OPS = ("sum", "prod", "min", "max", "avg")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot",
+BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot", "ringreduce/hier",
             "ringreduce/p2p", "ringreduce/nccl", "torch", "torch/ringreduce", "ps", "mpi",
             "deepspeed")
 PEERS_HINT = "pip install '.[peers]'"
@@ -131,6 +131,11 @@ def build_parser():
     p.add_argument("--json", metavar="PATH", help="write every row and the machine to PATH")
     p.add_argument("--plot", metavar="PATH.png",
                    help="busbw vs size plot; with several --nranks also PATH-stem_vs_n.png")
+    p.add_argument("--hosts", type=_int_at_least(1), default=1,
+                   help="CPU: split the ranks into H simulated hosts (blocks of consecutive ranks) "
+                        "for the row ringreduce/hier, the hierarchical all-reduce (shared memory "
+                        "inside a host, Gloo over loopback TCP between hosts); the other rows stay "
+                        "flat (default 1: no ringreduce/hier row)")
     p.add_argument("--quick", action="store_true", help="small sweep for smoke tests")
     # Test-only: corrupts rank 0's result of BACKEND once per row (see the package docstring).
     p.add_argument("--corrupt-for-test", metavar="BACKEND", help=argparse.SUPPRESS)
@@ -171,9 +176,14 @@ def parse_args(argv=None):
     elif a.nranks is None:
         count = torch.cuda.device_count() if gpu else 0
         a.nranks = [count if count >= 2 else DEFAULT_RANKS_ONE_GPU if gpu else DEFAULT_RANKS_CPU]
-    a.backends = expand_backends(a.backends, a.device, parser)
+    if a.hosts > 1 and a.device != "cpu":
+        parser.error("--hosts: simulated hosts split CPU groups only")
+    if a.hosts > min(a.nranks):
+        parser.error(f"--hosts {a.hosts}: more simulated hosts than ranks (--nranks "
+                     f"{','.join(map(str, a.nranks))})")
+    a.backends = expand_backends(a.backends, a.device, parser, a.hosts)
     if a.corrupt_for_test in BACKENDS:  # a command-line name: the first label it stands for
-        a.corrupt_for_test = expand_backends([a.corrupt_for_test], a.device, parser)[0]
+        a.corrupt_for_test = expand_backends([a.corrupt_for_test], a.device, parser, a.hosts)[0]
     if a.corrupt_for_test and a.corrupt_for_test not in a.backends:
         parser.error(f"--corrupt-for-test {a.corrupt_for_test}: not one of the backends run "
                      f"({', '.join(a.backends)})")
@@ -200,14 +210,15 @@ def mpi_launcher():
     return kind, path
 
 
-def expand_backends(names, device, parser):
+def expand_backends(names, device, parser, hosts=1):
     """Command-line names -> labels shown in the table, e.g. ringreduce -> ringreduce/shm."""
     base = "nccl" if device == "cuda" else "gloo"
     out = []
     for name in names:
         if name == "ringreduce":
             out += ["ringreduce/p2p", "ringreduce/nccl"] if device == "cuda" else \
-                ["ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot"]
+                ["ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot"] + \
+                (["ringreduce/hier"] if hosts > 1 else [])
         elif name == "mpi":
             if device != "cpu":
                 parser.error("--backends mpi: the MPI backend moves CPU tensors only")
@@ -223,7 +234,9 @@ def expand_backends(names, device, parser):
             out.append("deepspeed/shm")
         elif name.startswith("ringreduce/"):
             transport = name.split("/", 1)[1]
-            if transport in ("ring", "oneshot"):
+            if transport == "hier" and hosts < 2:
+                parser.error(f"--backends {name} needs --hosts H with H >= 2 simulated hosts")
+            if transport in ("ring", "oneshot", "hier"):
                 transport = "shm"  # an algorithm of the shm transport
             if (transport == "shm") != (device == "cpu"):
                 parser.error(f"--backends {name}: transport {transport} does not move "

@@ -166,11 +166,13 @@ def print_machine(info, args, world):
            if info["gpu_name"] else "; no GPU"))
     print(f"# sizes {args.minbytes}..{args.maxbytes} B x{args.stepfactor}, iters {args.iters}, "
           f"agg {args.agg_iters or f'auto (batches >= {args.batch_ms:g} ms)'}, warmup {args.warmup_iters}, check {args.check}, type {args.type_name}, op {args.op}, "
-          f"backends {','.join(args.backends)}", flush=True)
+          f"backends {','.join(args.backends)}" +
+          (f"; ringreduce/hier on {args.hosts} simulated hosts (Gloo over loopback TCP between "
+           f"them)" if args.hosts > 1 else ""), flush=True)
 
 
 def write_json(path, args, info, runs):
-    keep = ("minbytes", "maxbytes", "stepfactor", "iters", "agg_iters", "batch_ms", "warmup_iters", "check", "datatype",
+    keep = ("minbytes", "maxbytes", "stepfactor", "iters", "agg_iters", "batch_ms", "hosts", "warmup_iters", "check", "datatype",
             "op", "nranks", "collectives", "backends", "quick", "device", "torchrun")
     doc = {"command": [os.path.basename(sys.executable), "-m", "ringreduce.bench"] + sys.argv[1:],
            "args": {k: getattr(args, k) for k in keep}, "machine": info, "runs": runs}

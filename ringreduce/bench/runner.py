@@ -78,6 +78,7 @@ class Context:
     def __init__(self, args, rank, world, device, ctrl):
         self.args, self.rank, self.world, self.device, self.ctrl = args, rank, world, device, ctrl
         self.cuda = device.type == "cuda"
+        bk.HOSTS = args.hosts
         self.backends = [bk.make(label, args.op, rank, world) for label in args.backends]
         self.notes = []
         self.tty = sys.stderr.isatty()
