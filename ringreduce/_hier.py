@@ -114,6 +114,13 @@ class HierCommunicator(_lifecycle.Communicator):
                   len(self.local_ranks))
 
     # -- steps --------------------------------------------------------------------------------
+    def _begin(self, call):
+        self._call = call
+        if self.intra.broken:  # after a failure every later call raises at once, as the ring does
+            raise RingReduceError(f"ringreduce: {self._where()}: group {self.member.name} is broken "
+                                  f"by an earlier failure; destroy it (ringreduce.destroy(group)) "
+                                  f"and call again to rebuild it")
+
     def _where(self):
         return (f"rank {self.rank} (host {self.host}, local rank {self.local_rank}): "
                 f"{self._call}")
@@ -185,7 +192,7 @@ class HierCommunicator(_lifecycle.Communicator):
     # -- collectives (arguments already checked by ringreduce.collectives) --------------------
     def all_reduce(self, tensor, op_code, async_op):
         def run():
-            self._call = "all_reduce"
+            self._begin("all_reduce")
             n = tensor.numel()
             if n == 0:
                 return
@@ -208,7 +215,7 @@ class HierCommunicator(_lifecycle.Communicator):
 
     def reduce_scatter(self, output, input, op_code, async_op):
         def run():
-            self._call = "reduce_scatter_tensor"
+            self._begin("reduce_scatter_tensor")
             c = output.numel()
             if c == 0:
                 return
@@ -235,7 +242,7 @@ class HierCommunicator(_lifecycle.Communicator):
 
     def all_gather(self, output, input, async_op):
         def run():
-            self._call = "all_gather_into_tensor"
+            self._begin("all_gather_into_tensor")
             c = input.numel()
             if c == 0:
                 return

@@ -123,9 +123,17 @@ def victim_worker(rank, world, victim, timeout):
         try:
             rr.all_reduce(t)
         except Exception as e:
-            return type(e).__name__, str(e), time.monotonic() - start, comm.plan
+            first = type(e).__name__, str(e), time.monotonic() - start, comm.plan
+            break
         t.fill_(1)
-    return None
+    else:
+        return None
+    start = time.monotonic()  # a later call on the broken group raises at once
+    try:
+        rr.all_gather_into_tensor(torch.empty(4 * world), torch.ones(4))
+        return first + ("no error", 0.0)
+    except Exception as e:
+        return first + (str(e), time.monotonic() - start)
 
 
 @pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]])
@@ -139,10 +147,11 @@ def test_rank_killed_on_other_host(hosts):
     assert sorted(results) == [r for r in range(len(hosts)) if r != victim]
     for r, res in results.items():
         assert res is not None, f"rank {r} never failed"
-        name, msg, took, _ = res
+        name, msg, took, _, again, again_took = res
         assert name == "RingReduceError", (r, name, msg)
         assert took < timeout + 5, (r, took, msg)
-    gloo = [msg for _, msg, _, _ in results.values() if "inter-host step" in msg]
+        assert "is broken by an earlier failure" in again and again_took < 1.0, (r, again)
+    gloo = [res[1] for res in results.values() if "inter-host step" in res[1]]
     assert gloo, results
     assert all("failed in group" in m and "Gloo" in m for m in gloo), gloo
     assert all(v == [] for v in leftovers.values()), leftovers

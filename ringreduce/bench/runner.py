@@ -14,6 +14,7 @@ from .data import Reference, sentinel
 
 MEMBW_BYTES = 256 << 20  # large enough to leave every cache far behind (L3 is tens of MiB)
 MEMBW_REPEATS = 5
+EXTRA_WARMUPS = 4       # calibration rounds added when a warm-up batch stays short
 CORRUPT_DELTA = 100      # added by --corrupt-for-test; far outside any tolerance
 
 
@@ -170,8 +171,9 @@ def time_case(ctx, buffers, inplace, backends, agg):
     calls = [agg] * k
     times = torch.zeros(k, a.iters, dtype=torch.float64)
     wrong = torch.zeros(k, a.iters, dtype=torch.int64)
-    for it in range(a.warmup_iters + a.iters):
-        timed = it - a.warmup_iters
+    warmup, it = a.warmup_iters, 0
+    while it < warmup + a.iters:
+        timed = it - warmup
         warm = torch.zeros(k, dtype=torch.float64)
         for j in [(it + s) % k for s in range(k)]:  # rotate the order so no backend is always first
             b = backends[j]
@@ -195,9 +197,14 @@ def time_case(ctx, buffers, inplace, backends, agg):
                 check(ctx, buffers, b, result, wrong, j, timed)
         if timed < 0 and a.agg_iters is None:
             dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=ctx.ctrl)
-            # Only ever longer: one warm-up batch slowed by a descheduled rank must not shorten it.
+            # Only ever longer: one warm-up batch slowed by a descheduled rank must not shorten it;
+            # while a batch is still short of half the target, warm up once more (a few times).
+            short = any(warm[j].item() < a.batch_ms * 0.5e-3 for j in range(k))
             calls = [max(calls[j], calibrated(calls[j], warm[j].item(), a.batch_ms))
                      for j in range(k)]
+            if short and timed == -1 and warmup < a.warmup_iters + EXTRA_WARMUPS:
+                warmup += 1
+        it += 1
     # The call ends when the slowest rank is done; wrong elements add up over ranks.
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=ctx.ctrl)
     dist.all_reduce(wrong, op=dist.ReduceOp.SUM, group=ctx.ctrl)
