@@ -49,12 +49,15 @@ class Communicator(_lifecycle.Communicator):
 
     transport = "shm"
 
-    def __init__(self, group=None, timeout=None, slice_bytes=None, member=None, algo=None):
+    def __init__(self, group=None, timeout=None, slice_bytes=None, member=None, algo=None,
+                 machine_ranks=None):
         _lifecycle.require_initialized()
         super().__init__(member or _lifecycle.Member.of_group(group), timeout)
         self.slice_bytes = int(slice_bytes or env_int("RINGREDUCE_SLICE_BYTES", DEFAULT_SLICE_BYTES))
         ncpu = len(os.sched_getaffinity(0))
-        oversubscribed = self.world_size > ncpu
+        # machine_ranks: the processes of the job on this machine, when more than this ring's own
+        # (simulated hosts); they compete for the same cores.
+        oversubscribed = max(self.world_size, machine_ranks or 0) > ncpu
         self.spin_ns = env_int("RINGREDUCE_SPIN_NS",
                                SPIN_NS_OVERSUBSCRIBED if oversubscribed else SPIN_NS_DEDICATED)
         self.yield_ns = env_int("RINGREDUCE_YIELD_NS", YIELD_NS_OVERSUBSCRIBED if oversubscribed else 0)
@@ -189,16 +192,19 @@ def make(member, timeout=None, hosts=None, **options):
     from . import _hier
     timeout = float(timeout) if timeout is not None else default_timeout()
     if hosts is None:
-        hosts = _hier.discover_hosts(member, timeout)
+        hosts, machines = _hier.discover_hosts(member, timeout)
     elif len(hosts) != member.size:
         raise ValueError(f"ringreduce: hosts has {len(hosts)} entries; expected one per rank "
                          f"({member.size})")
+    else:  # simulated hosts on this machine
+        machines = [_hier.machine_id()] * member.size
     plan, by_host, reason = _hier.plan_for(list(hosts))
     log.debug("rank %d/%d of %s: CPU plan %s (%s)", member.rank, member.size, member.name, plan,
               reason)
     if plan == "flat":
         return Communicator(member=member, timeout=timeout, **options)
-    return _hier.HierCommunicator(member, timeout, plan, by_host)
+    return _hier.HierCommunicator(member, timeout, plan, by_host,
+                                  machine_ranks=machines.count(machines[member.rank]))
 
 
 def get_communicator(group=None, **options):

@@ -36,12 +36,9 @@ _GLOO_OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.
              PROD: dist.ReduceOp.PRODUCT}
 
 
-def host_id():
-    """This process's host: RINGREDUCE_HOST_ID if set (tests, simulated hosts), else the host name
-    and boot id (two containers on one machine share a boot id but not always a host name)."""
-    forced = os.environ.get("RINGREDUCE_HOST_ID", "").strip()
-    if forced:
-        return forced
+def machine_id():
+    """The real machine: host name and boot id (two containers on one machine share a boot id but
+    not always a host name)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -50,13 +47,19 @@ def host_id():
     return f"{socket.gethostname()}/{boot}"
 
 
+def host_id():
+    """This process's host: RINGREDUCE_HOST_ID if set (tests, simulated hosts), else the machine."""
+    return os.environ.get("RINGREDUCE_HOST_ID", "").strip() or machine_id()
+
+
 def discover_hosts(member, timeout):
-    """Every rank's host id, in group rank order (collective over the member's ranks)."""
+    """(host id, machine id) of every rank, in group rank order (collective over member's ranks)."""
     if member.size == 1:
-        return [host_id()]
+        return [host_id()], [machine_id()]
     setup = Bootstrap(member, "hosts", timeout)
-    setup.set(f"host/{member.rank}", host_id())
-    return [v.decode() for v in setup.all("host", member.size, "host id")]
+    setup.set(f"host/{member.rank}", f"{host_id()}\n{machine_id()}")
+    pairs = [v.decode().split("\n") for v in setup.all("host", member.size, "host id")]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def plan_for(hosts):
@@ -81,7 +84,7 @@ class HierCommunicator(_lifecycle.Communicator):
 
     transport = "hier"
 
-    def __init__(self, member, timeout, plan, by_host):
+    def __init__(self, member, timeout, plan, by_host, machine_ranks=None):
         from . import _comm
         super().__init__(member, timeout)
         self.plan, self.by_host = plan, by_host
@@ -90,10 +93,13 @@ class HierCommunicator(_lifecycle.Communicator):
         self.local_rank = self.local_ranks.index(member.rank)
         self.nhosts = len(by_host)
         self._call = None
+        self._scratch = {}  # slot -> uint8 tensor: fresh buffers would page-fault on every call
         setup = Bootstrap(member, "hier", self.timeout)
         local = _lifecycle.Member(member.store, self.local_rank, len(self.local_ranks),
                                   f"{member.name}@{setup.prefix}/host{self.host}")
-        self.intra = _comm.Communicator(member=local, timeout=self.timeout)
+        # Simulated hosts share one machine: the host's ring waits as the machine's load requires.
+        self.intra = _comm.Communicator(member=local, timeout=self.timeout,
+                                        machine_ranks=machine_ranks)
         self.cross = self.host_pg = None
         try:
             if plan == "two-level":  # the ranks of local rank j on every host, in host order
@@ -184,6 +190,14 @@ class HierCommunicator(_lifecycle.Communicator):
             opts.rootRank = 0
             self._gloo_step("broadcast inside the host", lambda: self.host_pg.broadcast([buf], opts))
 
+    def _buf(self, slot, numel, dtype):
+        """A reused scratch tensor of numel elements (contents undefined), grown as needed."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        raw = self._scratch.get(slot)
+        if raw is None or raw.numel() < nbytes:
+            raw = self._scratch[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return raw[:nbytes].view(dtype)
+
     def _padded(self, n):
         """Elements of a buffer holding n that the two-level plan can split in L equal chunks."""
         L = len(self.local_ranks) if self.plan == "two-level" else 1
@@ -198,9 +212,10 @@ class HierCommunicator(_lifecycle.Communicator):
                 return
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
             m = self._padded(n)
-            buf = flat if m == n else torch.zeros(m, dtype=tensor.dtype)
+            buf = flat if m == n else self._buf("pad", m, tensor.dtype)
             if buf is not flat:
                 buf[:n].copy_(flat)
+                buf[n:].zero_()  # reduced, then dropped
             self._all_reduce_buf(buf, op_code)
             if buf is not flat:
                 flat.copy_(buf[:n])
@@ -213,6 +228,9 @@ class HierCommunicator(_lifecycle.Communicator):
         L = len(self.local_ranks)
         return [self.by_host[h][j] for j in range(L) for h in range(self.nhosts)]
 
+    def _order_index(self):
+        return torch.tensor(self._order())
+
     def reduce_scatter(self, output, input, op_code, async_op):
         def run():
             self._begin("reduce_scatter_tensor")
@@ -221,17 +239,19 @@ class HierCommunicator(_lifecycle.Communicator):
                 return
             src = input.contiguous().view(-1)
             if self.plan != "two-level":  # the whole reduction, then this rank's chunk
-                buf = src.clone()
+                buf = self._buf("perm", src.numel(), src.dtype)
+                buf.copy_(src)
                 self._all_reduce_buf(buf, op_code)
                 output.copy_(buf[self.rank * c:(self.rank + 1) * c].view(output.shape))
                 return
             H, L, j = self.nhosts, len(self.local_ranks), self.local_rank
             chunks = src.view(self.world_size, c)
-            buf = chunks[self._order()].view(-1)  # a copy, in (local rank, host) order
+            buf = self._buf("perm", src.numel(), src.dtype)  # (local rank, host) order
+            torch.index_select(chunks, 0, self._order_index(), out=buf.view(self.world_size, c))
             red = SUM if op_code == AVG else op_code
             mine = buf[j * H * c:(j + 1) * H * c]  # the chunks of local rank j's ranks
             self._shm("reduce-scatter", self.intra._native.reduce_scatter, mine, buf, red)
-            out = torch.empty(c, dtype=output.dtype)
+            out = self._buf("out", c, output.dtype)
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = _GLOO_OPS[red]
             self._gloo_step("reduce_scatter among the ranks of this local rank",
@@ -249,17 +269,17 @@ class HierCommunicator(_lifecycle.Communicator):
             src = input.contiguous().view(-1)
             H, L = self.nhosts, len(self.local_ranks)
             if self.plan == "two-level":
-                mine = torch.empty(H * c, dtype=input.dtype)  # local rank j's ranks, host order
+                mine = self._buf("mine", H * c, input.dtype)  # local rank j's ranks, host order
                 self._gloo_step("all_gather among the ranks of this local rank",
                                 lambda: self.cross._allgather_base(mine, src))
-                gathered = torch.empty(L * H * c, dtype=input.dtype)
+                gathered = self._buf("gathered", L * H * c, input.dtype)
                 self._shm("all-gather", self.intra._native.all_gather, gathered, mine)
                 order = self._order()
             else:  # inside the host, then among the first ranks (padded to the largest host)
                 Lmax = max(len(rs) for rs in self.by_host)
-                block = torch.zeros(Lmax * c, dtype=input.dtype)
+                block = self._buf("mine", Lmax * c, input.dtype)
                 self._shm("all-gather", self.intra._native.all_gather, block[:L * c], src)
-                gathered = torch.empty(H * Lmax * c, dtype=input.dtype)
+                gathered = self._buf("gathered", H * Lmax * c, input.dtype)
                 if self.cross is not None:
                     self._gloo_step("all_gather among the hosts' first ranks",
                                     lambda: self.cross._allgather_base(gathered, block))
@@ -270,7 +290,11 @@ class HierCommunicator(_lifecycle.Communicator):
             for i, r in enumerate(order):
                 if r >= 0:
                     where[r] = i
-            output.copy_(rows[where].view(output.shape))
+            where = torch.tensor(where)
+            if output.is_contiguous():
+                torch.index_select(rows, 0, where, out=output.view(self.world_size, c))
+            else:
+                output.copy_(rows[where].view(output.shape))
         return self._run(run, [output], async_op)
 
     def _run(self, fn, result, async_op):
@@ -302,5 +326,6 @@ class HierCommunicator(_lifecycle.Communicator):
             self.intra.abort(f"rank {self.rank}: communicator closed with calls in flight")
 
     def _close_native(self):
+        self._scratch = {}
         self.intra.close()
         self.cross = self.host_pg = None
