@@ -21,7 +21,6 @@ Semantics, as torch.distributed with NCCL where it has them:
 """
 import logging
 import os
-import socket
 import sysconfig
 import threading
 import warnings
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _lifecycle
+from ._hier import host_id  # RINGREDUCE_HOST_ID, else host name and boot id
 from ._lifecycle import REGISTRY, Bootstrap, Work, default_timeout, env_int
 
 log = logging.getLogger("ringreduce")
@@ -60,15 +60,6 @@ def _nccl_lib():
     return path if os.path.exists(path) else ""
 
 
-def _host_id():
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
 def decide_transport(hosts, verdicts):
     """(transport, reason) from every rank's host and its peer-access verdict ("ok", or why its
     device cannot map a neighbour's memory). The same inputs on every rank give the same answer."""
@@ -92,7 +83,7 @@ def choose_transport(member, requested, device, timeout=None):
         return requested
     world, rank = member.size, member.rank
     setup = Bootstrap(member, "hosts", timeout or default_timeout())
-    setup.set(f"where/{rank}", f"{_host_id()}|{_C.cuda_bus_id(device.index)}")
+    setup.set(f"where/{rank}", f"{host_id()}|{_C.cuda_bus_id(device.index)}")
     where = [v.decode().split("|") for v in setup.all("where", world, "host and device")]
     verdict = "ok"
     if len({h for h, _ in where}) == 1:
@@ -200,7 +191,7 @@ class Communicator(_lifecycle.Communicator):
 
     def _watch_peers(self, native):
         """The native watcher checks the pids of the ranks on this host (others cannot be seen)."""
-        me = _host_id()
+        me = host_id()
         self._setup.set(f"pid/{self.rank}", f"{me}|{os.getpid()}")
         peers = []
         for r, value in enumerate(self._setup.all("pid", self.world_size, "process id")):
