@@ -112,6 +112,10 @@ class HierCommunicator(_lifecycle.Communicator):
                 if len(self.local_ranks) > 1:
                     self.host_pg = _gloo(member.store, f"{setup.prefix}/host{self.host}/",
                                          self.local_rank, len(self.local_ranks), self.timeout)
+            # Nobody leaves setup (and may close its Gloo pairs) before every rank is connected.
+            if not setup.count("ready", self.world_size, self.timeout):
+                raise RingReduceError(f"ringreduce: rank {self.rank}: hierarchical setup timed out "
+                                      f"after {self.timeout:g} s waiting for the other ranks")
         except BaseException:
             self.intra.close()
             raise
