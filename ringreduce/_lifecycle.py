@@ -185,7 +185,7 @@ class Work:
 
 
 # The fast path of a synchronous all_reduce (collectives.all_reduce): group (None for the default
-# group) -> (process group, shm communicator). A communicator drops its entries when it closes, so
+# group) -> (process group, shm communicator, its fast function). A communicator drops its entries when it closes, so
 # that this cache never keeps a destroyed process group (its Gloo threads and sockets) alive.
 FAST = {}
 
@@ -292,7 +292,7 @@ class Communicator:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=self.timeout)
-        for g in [g for g, (_, c) in list(FAST.items()) if c is self]:
+        for g in [g for g, entry in list(FAST.items()) if entry[1] is self]:
             FAST.pop(g, None)
         self._close_native()
 

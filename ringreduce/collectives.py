@@ -85,27 +85,25 @@ def _overlap(a, b):
     return a0 < b1 and b0 < a1
 
 
-# The fast path of a synchronous all_reduce (_lifecycle.FAST), filled by the first full call on
-# the CPU, emptied of a communicator's entries when it closes. A hit costs a few dictionary
-# and attribute reads and one native call that checks the tensor itself (~1 us over the ring at
-# world 1, BENCHMARKS.md); anything else (async, CUDA, views, subclasses, tracing, a call in flight,
-# bad arguments) takes the full path, which checks everything and raises the API's errors.
+# The fast path of a synchronous all_reduce (_lifecycle.FAST: group -> (process group, communicator,
+# fast function)), filled by the first full call on the CPU, emptied of a communicator's entries
+# when it closes. A hit costs a dictionary lookup, a few attribute reads and one C function
+# (ShmComm.fast_all_reduce) that matches op by identity and checks the tensor itself: ~0.4 us at
+# world 1 (BENCHMARKS.md). Anything else (async, CUDA, views, subclasses, other op objects, tracing,
+# a call in flight, bad arguments) takes the full path, which checks everything and raises the
+# API's errors. is_compiling() comes before the C call: torch.compile folds it and never sees the call.
 _fast = _lifecycle.FAST
-_FAST_OPS = {known: code for known, code in _OP_CODES}
+_FAST_OPS = [known for known, _ in sorted(_OP_CODES, key=lambda kc: kc[1])]  # index = op code
 _is_compiling = torch.compiler.is_compiling
+_world = _c10d._world  # one object for the process's life; its default_pg changes
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduces tensor across the group in place; every rank ends with the same result."""
-    entry = None if async_op else _fast.get(group)
-    if entry is not None and not entry[1]._inflight and not _is_compiling() and \
-            (group is not None or entry[0] is _c10d._world.default_pg):
-        try:
-            code = _FAST_OPS.get(op)
-        except TypeError:  # unhashable: the full path says what is wrong with it
-            code = None
-        if code is not None and entry[1]._native.try_all_reduce(tensor, code):
-            return None
+    entry = _fast.get(group)
+    if entry is not None and not async_op and not entry[1]._inflight and not _is_compiling() and \
+            (group is not None or entry[0] is _world.default_pg) and entry[2](tensor, op):
+        return None
     fn = "all_reduce"
     _check_tensor(tensor, "tensor", fn)
     code = _op_code(op, fn)
@@ -116,7 +114,8 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     if comm is None:
         return None
     if comm.transport == "shm" and not comm.closed:
-        _fast[group] = (group if group is not None else dist.group.WORLD, comm)
+        _fast[group] = (group if group is not None else dist.group.WORLD, comm,
+                        comm._native.fast_all_reduce(_FAST_OPS))
     return comm.all_reduce(tensor, code, async_op)
 
 

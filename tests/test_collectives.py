@@ -286,6 +286,23 @@ def fast_path_worker(rank, world):
     rr.all_reduce(p)  # torch counts Parameter as a plain tensor: fast
     out["param_ok"] = bool((p == world).all())
     out["full_calls"] = len(full_path_calls)
+    # Every op through the fast path (the C function matches the ReduceOp objects by identity).
+    ops = {}
+    for name in ("SUM", "AVG", "MIN", "MAX", "PRODUCT"):
+        x = torch.tensor([rank + 1.0, 2.0 * rank - 1.0])
+        rr.all_reduce(x, op=getattr(dist.ReduceOp, name))
+        ops[name] = x.tolist()
+    out["ops"] = ops
+    out["ops_fast"] = len(full_path_calls) == 1
+    x = torch.full((4,), rank + 1.0)
+    rr.all_reduce(x, dist.ReduceOp(dist.ReduceOp.MAX))  # an equal op, not the same object: full path
+    out["op_object"] = (x.tolist(), len(full_path_calls))
+    fast = collectives._fast[None][2]
+    out["fast_fn"] = (fast(x, "sum"), fast([1.0], dist.ReduceOp.SUM))  # not ours: False, untouched
+    try:
+        fast(x)
+    except TypeError as e:
+        out["fast_fn_args"] = str(e)
     for bad in (lambda: rr.all_reduce(torch.ones(2, dtype=torch.complex64)),
                 lambda: rr.all_reduce(t, op="sum")):
         try:
@@ -317,6 +334,11 @@ def test_fast_path_is_taken_and_falls_back():
     for out in run_ranks(2, fast_path_worker, timeout=120):
         assert out["fast_calls"] == 0 and out["value"] == 4.0, out
         assert out["view_ok"] and out["param_ok"] and out["full_calls"] == 1, out
+        assert out["ops"] == {"SUM": [3.0, 0.0], "AVG": [1.5, 0.0], "MIN": [1.0, -1.0],
+                              "MAX": [2.0, 1.0], "PRODUCT": [2.0, -1.0]}, out
+        assert out["ops_fast"] and out["op_object"] == ([2.0] * 4, 2), out
+        assert out["fast_fn"] == (False, False), out
+        assert "takes (tensor, op), got 1 arguments" in out["fast_fn_args"], out
         assert len(out["errors"]) == 2, out
         assert "dtype torch.complex64" in out["errors"][0], out
         assert "op must be ReduceOp.SUM" in out["errors"][1], out
