@@ -23,7 +23,7 @@ DEFAULT_SLICE_BYTES = 128 << 10
 # Busy-poll before sleeping on a futex. With more ranks than cores a spinning waiter steals the
 # core from the rank it waits for, so it spins far shorter then (measured in BENCHMARKS.md).
 SPIN_NS_DEDICATED = 50_000
-SPIN_NS_OVERSUBSCRIBED = 2_000
+SPIN_NS_OVERSUBSCRIBED = 0
 # Then, with more ranks than cores, poll with sched_yield this long before the futex sleep: the
 # yield hands the core to the rank being waited for at once, where a futex sleep and wake-up costs
 # two system calls and a scheduler round trip per ring step (BENCHMARKS.md).

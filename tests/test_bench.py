@@ -171,6 +171,31 @@ def test_check_off_prints_na():
     assert rows and all(r["oop"][3] == "N/A" and r["ip"][3] == "N/A" for r in rows)
 
 
+def test_mpi_launchers_found_by_name(monkeypatch, tmp_path, capsys):
+    """Each MPI installed side by side is found under its Debian name, the default mpirun first;
+    asking for one that is not there names what was found and looked for."""
+    for name, banner in (("mpirun", "mpirun (Open MPI) 4.1.4"), ("mpirun.openmpi", "Open MPI"),
+                         ("mpirun.mpich", "HYDRA build details:")):
+        path = tmp_path / name
+        path.write_text(f"#!/bin/sh\necho '{banner}'\n")
+        path.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    cli.mpi_launchers.cache_clear()
+    try:
+        assert cli.mpi_launchers() == {"openmpi": str(tmp_path / "mpirun"),
+                                       "mpich": str(tmp_path / "mpirun.mpich")}
+        assert cli.mpi_launcher() == ("openmpi", str(tmp_path / "mpirun"))
+        (tmp_path / "mpirun.mpich").unlink()
+        cli.mpi_launchers.cache_clear()
+        if cli.importlib.util.find_spec("mpi4py") is not None:
+            with pytest.raises(SystemExit):
+                cli.parse_args(["--backends", "mpi/mpich"])
+            err = capsys.readouterr().err
+            assert "no mpich launcher on PATH (found: openmpi); looked for mpirun" in err, err
+    finally:
+        cli.mpi_launchers.cache_clear()
+
+
 def test_missing_optional_packages_named(monkeypatch, capsys):
     real = cli.importlib.util.find_spec
     monkeypatch.setattr(cli.importlib.util, "find_spec",
@@ -268,15 +293,25 @@ def _have_mpi():
 def test_mpi_backend_quick_sweep():
     """--backends mpi: the suite starts its ranks with mpirun; MPI's rows sit beside ringreduce's,
     checked the same way (and a corrupted MPI result is counted, so the check is real)."""
+    kinds = list(cli.mpi_launchers())
+    if os.environ.get("RINGREDUCE_REQUIRE_MPICH") == "1":  # CI installs Open MPI and MPICH
+        assert "openmpi" in kinds and "mpich" in kinds, kinds
     res = bench("--quick", "--nranks", "2,3", "-e", "8K", "--backends", "ringreduce/shm,mpi")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = parse_rows(res.stdout)
-    mpi = [r for r in rows if r["backend"].startswith("mpi/")]
-    # 2 worlds x 3 collectives x 2 sizes (1K, 8K)
-    assert len(mpi) == 2 * 3 * 2 and len(rows) == 2 * len(mpi), res.stdout
+    # every MPI installed, each in its own launch, beside ringreduce: 2 worlds x 3 collectives x
+    # 2 sizes (1K, 8K) each
+    for label in ["ringreduce/shm"] + [f"mpi/{k}" for k in kinds]:
+        assert len([r for r in rows if r["backend"] == label]) == 2 * 3 * 2, (label, res.stdout)
+    assert len(rows) == 2 * 3 * 2 * (1 + len(kinds)), res.stdout
     assert all(r["oop"][3] == "0" and r["ip"][3] == "0" for r in rows)
-    label = mpi[0]["backend"]
-    bad = bench("--quick", "--nranks", "2", "-e", "1K", "--backends", "mpi",
+    for k in kinds:  # the library each launch loaded is the one its launcher belongs to
+        name = {"openmpi": "Open MPI", "mpich": "MPICH"}.get(k, "")
+        assert f"# note: mpi/{k}: {name}" in res.stdout, res.stdout[-3000:]
+    summary = res.stdout[res.stdout.rindex("# summary, nranks 3"):]
+    assert all(f"mpi/{k} / ringreduce/shm" in summary for k in kinds), summary
+    label = f"mpi/{kinds[-1]}"
+    bad = bench("--quick", "--nranks", "2", "-e", "1K", "--backends", label,
                 "--corrupt-for-test", label)
     assert bad.returncode == 1 and "FAILED" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
 

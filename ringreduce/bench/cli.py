@@ -28,10 +28,13 @@ OPS = ("sum", "prod", "min", "max", "avg")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot", "ringreduce/hier",
             "ringreduce/p2p", "ringreduce/nccl", "torch", "torch/ringreduce", "ps", "mpi",
-            "deepspeed")
+            "mpi/openmpi", "mpi/mpich", "deepspeed")
 PEERS_HINT = "pip install '.[peers]'"
 MPI_HINT = ("--backends mpi needs mpi4py and an MPI launcher: apt-get install openmpi-bin "
-            f"libopenmpi-dev (or MPICH), then {PEERS_HINT}")
+            f"libopenmpi-dev (and/or mpich), then {PEERS_HINT}")
+# Launchers looked for: the system's default first, then the names Debian and Ubuntu give each MPI
+# when several are installed side by side.
+MPI_LAUNCHER_NAMES = ("mpirun", "mpiexec", "mpirun.openmpi", "mpirun.mpich", "mpiexec.hydra")
 DEEPSPEED_HINT = f"--backends deepspeed needs DeepSpeed: {PEERS_HINT} (or pip install deepspeed)"
 
 # Sweep defaults: (minbytes, maxbytes, stepfactor, iters, warmup). The CPU ones keep a default run
@@ -126,7 +129,8 @@ def build_parser():
                    help="comma list of ringreduce[/shm|/ring|/oneshot|/p2p|/nccl] (ringreduce on "
                         "the CPU: auto, ring and one-shot algorithms), torch (Gloo or NCCL), "
                         "torch/ringreduce (torch.distributed calls on ringreduce's backend), ps, "
-                        "mpi (mpi4py; the suite starts the ranks with mpirun), deepspeed (its "
+                        "mpi[/openmpi|/mpich] (mpi4py; every MPI installed, or one; the suite starts "
+                        "the ranks with that MPI's mpirun), deepspeed (its "
                         "shm all-reduce, float32 sum) (default: all but mpi and deepspeed)")
     p.add_argument("--json", metavar="PATH", help="write every row and the machine to PATH")
     p.add_argument("--plot", metavar="PATH.png",
@@ -195,19 +199,31 @@ def parse_args(argv=None):
     return a
 
 
-@functools.lru_cache(None)
-def mpi_launcher():
-    """(implementation, mpirun path) of the MPI launcher on PATH, or None."""
-    path = shutil.which("mpirun") or shutil.which("mpiexec")
-    if path is None:
-        return None
+def _launcher_kind(path):
+    """The MPI implementation a launcher belongs to (openmpi, mpich, or mpi if unknown), or None."""
     try:
         text = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    kind = "openmpi" if "Open MPI" in text or "OpenRTE" in text else \
+    return "openmpi" if "Open MPI" in text or "OpenRTE" in text else \
         "mpich" if "HYDRA" in text or "MPICH" in text else "mpi"
-    return kind, path
+
+
+@functools.lru_cache(None)
+def mpi_launchers():
+    """{implementation: launcher path} of every MPI launcher on PATH, the default mpirun's first."""
+    found = {}
+    for name in MPI_LAUNCHER_NAMES:
+        path = shutil.which(name)
+        kind = _launcher_kind(path) if path else None
+        if kind is not None and kind not in found:
+            found[kind] = path
+    return found
+
+
+def mpi_launcher():
+    """(implementation, mpirun path) of the default MPI launcher, or None."""
+    return next(iter(mpi_launchers().items()), None)
 
 
 def expand_backends(names, device, parser, hosts=1):
@@ -219,13 +235,17 @@ def expand_backends(names, device, parser, hosts=1):
             out += ["ringreduce/p2p", "ringreduce/nccl"] if device == "cuda" else \
                 ["ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot"] + \
                 (["ringreduce/hier"] if hosts > 1 else [])
-        elif name == "mpi":
+        elif name == "mpi" or name.startswith("mpi/"):  # mpi: every MPI installed
             if device != "cpu":
-                parser.error("--backends mpi: the MPI backend moves CPU tensors only")
-            launcher = mpi_launcher()
-            if launcher is None or importlib.util.find_spec("mpi4py") is None:
+                parser.error(f"--backends {name}: the MPI backend moves CPU tensors only")
+            launchers = mpi_launchers()
+            if not launchers or importlib.util.find_spec("mpi4py") is None:
                 parser.error(MPI_HINT)
-            out.append(f"mpi/{launcher[0]}")
+            if name != "mpi" and name.split("/", 1)[1] not in launchers:
+                parser.error(f"--backends {name}: no {name.split('/', 1)[1]} launcher on PATH "
+                             f"(found: {', '.join(launchers)}); looked for "
+                             f"{', '.join(MPI_LAUNCHER_NAMES)}")
+            out += [f"mpi/{kind}" for kind in launchers] if name == "mpi" else [name]
         elif name == "deepspeed":
             if device != "cpu":
                 parser.error("--backends deepspeed: DeepSpeed's shm all-reduce moves CPU tensors only")

@@ -3,6 +3,7 @@
 Exit status: 0 when every checked element was right, 1 when some were wrong or a rank failed,
 2 for bad flags (argparse), 130 when interrupted.
 """
+import copy
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import plot, report, runner
-from .cli import mpi_launcher, parse_args
+from .cli import mpi_launchers, parse_args
 
 GRACE_S = 3.0  # after one rank fails, how long the others get to report before they are killed
 
@@ -79,7 +80,8 @@ def run_rank(args, rank, world, device, local_world):
            "peak_membw_GBps": max(membw), "membw_samples_GBps": membw, "membw_method": method,
            "rows": rows,
            "summary": report.summarize(rows, labels)}
-    report.print_summary(run)
+    if not getattr(args, "merged_later", False):
+        report.print_summary(run)
     return run
 
 
@@ -147,10 +149,11 @@ def _collect(tmpdir, world, exitcodes):
         return json.load(f)
 
 
-def _mpirun_world(args, world):
-    """As _spawn_world, with the ranks started by mpirun (MPI is a backend: its ranks must be MPI's
-    own); every backend runs in them the same way. Ranks are not bound to cores, as spawned ones."""
-    kind, path = mpi_launcher()
+def _mpirun_world(args, world, kind):
+    """As _spawn_world, with the ranks started by kind's mpirun (MPI is a backend: its ranks must be
+    MPI's own); every backend runs in them the same way. Ranks are not bound to cores, as spawned
+    ones."""
+    path = mpi_launchers()[kind]
     tmpdir = tempfile.mkdtemp(prefix="ringreduce-bench-")
     try:
         with open(os.path.join(tmpdir, "args.pkl"), "wb") as f:
@@ -161,10 +164,71 @@ def _mpirun_world(args, world):
             if os.geteuid() == 0:
                 cmd.append("--allow-run-as-root")
         cmd += [sys.executable, "-m", "ringreduce.bench.mpi_rank", tmpdir]
-        code = subprocess.run(cmd).returncode
+        code = subprocess.run(cmd, env=_mpi4py_env(kind, tmpdir)).returncode
         return _collect(tmpdir, world, [code] + [0] * (world - 1))
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _mpi4py_env(kind, tmpdir):
+    """The environment that makes mpi4py load kind's library. Its PyPI wheel carries one extension
+    per MPI ABI and dlopens libmpi.so (whichever MPI the system's alternatives chose) unless told;
+    its MPICH extension links libmpi.so.12, which Debian and Ubuntu ship only as libmpich.so.12."""
+    env = dict(os.environ)
+    if kind == "openmpi":
+        env.setdefault("MPI4PY_LIBMPI", "libmpi.so.40")
+    elif kind == "mpich":
+        env.setdefault("MPI4PY_LIBMPI", "libmpi.so.12")
+        real = _shared_library("libmpich.so.12")
+        if _shared_library("libmpi.so.12") is None and real is not None:
+            libdir = os.path.join(tmpdir, "mpich-abi")
+            os.makedirs(libdir)
+            os.symlink(real, os.path.join(libdir, "libmpi.so.12"))
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                p for p in (libdir, env.get("LD_LIBRARY_PATH")) if p)
+    return env
+
+
+def _shared_library(soname):
+    """The path the dynamic linker's cache gives soname, or None."""
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        name, _, path = line.strip().partition(" => ")
+        if name.split(" ")[0] == soname and os.path.exists(path):
+            return path
+    return None
+
+
+def _world_run(args, world):
+    """One sweep at world ranks. With several MPIs each needs its own launch (a process loads one
+    MPI): the first runs every backend, each other one only its MPI row; the rows are merged and
+    the summary printed once."""
+    mpis = [b for b in args.backends if b.startswith("mpi/")]
+    if not mpis:
+        return _spawn_world(args, world)
+    if len(mpis) == 1:
+        return _mpirun_world(args, world, mpis[0].split("/", 1)[1])
+    first = copy.copy(args)
+    first.backends = [b for b in args.backends if not b.startswith("mpi/") or b == mpis[0]]
+    first.merged_later = True
+    run = _mpirun_world(first, world, mpis[0].split("/", 1)[1])
+    for label in mpis[1:]:
+        print(f"[bench] N={world}: {label} in its own launch (one MPI per process)",
+              file=sys.stderr, flush=True)
+        only = copy.copy(first)
+        only.backends = [label]
+        extra = _mpirun_world(only, world, label.split("/", 1)[1])
+        run["rows"] += extra["rows"]
+        run["notes"] += extra["notes"]
+        run["membw_samples_GBps"] += extra["membw_samples_GBps"]
+        run["peak_membw_GBps"] = max(run["membw_samples_GBps"])
+    run["backends"] = [b for b in args.backends if any(r["backend"] == b for r in run["rows"])]
+    run["summary"] = report.summarize(run["rows"], run["backends"])
+    report.print_summary(run)
+    return run
 
 
 def mpi_rank_main(tmpdir):
@@ -238,9 +302,8 @@ def main(argv=None):
     try:
         if any(b.startswith("deepspeed/") for b in args.backends):
             ds_prefix = _prepare_deepspeed()
-        mpi = any(b.startswith("mpi/") for b in args.backends)
         for world in args.nranks:
-            runs.append((_mpirun_world if mpi else _spawn_world)(args, world))
+            runs.append(_world_run(args, world))
     except RuntimeError as e:
         print(f"ringreduce.bench: {e}", file=sys.stderr, flush=True)
         return 1

@@ -80,9 +80,12 @@ class Context:
         self.args, self.rank, self.world, self.device, self.ctrl = args, rank, world, device, ctrl
         self.cuda = device.type == "cuda"
         bk.HOSTS = args.hosts
-        self.backends = [bk.make(label, args.op, rank, world) for label in args.backends]
         self.notes = []
         self.tty = sys.stderr.isatty()
+        self.backends = [bk.make(label, args.op, rank, world) for label in args.backends]
+        for b in self.backends:  # the peers' versions, with the numbers they produce
+            if getattr(b, "library", None):
+                self.note(f"{b.label}: {b.library}")
 
     def sync(self):
         if self.cuda:
