@@ -21,7 +21,9 @@ log = logging.getLogger("ringreduce")
 # pipeline steps per chunk. See csrc/shm/protocol.h for where the default comes from.
 DEFAULT_SLICE_BYTES = 128 << 10
 # Busy-poll before sleeping on a futex. With more ranks than cores a spinning waiter steals the
-# core from the rank it waits for, so it spins far shorter then (measured in BENCHMARKS.md).
+# core from the rank it waits for, so it goes straight to yielding then (one 64-pause poll first):
+# world 4 on 2 cores, 4 KiB all-reduce, 12.5-17 us a call against 15-25 with a 2 us spin, and no
+# worse at 256 KiB-4 MiB (BENCHMARKS.md section 5).
 SPIN_NS_DEDICATED = 50_000
 SPIN_NS_OVERSUBSCRIBED = 0
 # Then, with more ranks than cores, poll with sched_yield this long before the futex sleep: the
