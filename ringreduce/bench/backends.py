@@ -171,7 +171,7 @@ class Mpi:
             raise RuntimeError(f"{label}: MPI sees rank {self.comm.Get_rank()} of "
                                f"{self.comm.Get_size()}, torch.distributed rank {rank} of {world}: "
                                f"the ranks were not started by mpirun")
-        self.library = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+        self.library = " ".join(MPI.Get_library_version().splitlines()[0].split(",")[0].split())
         want = {"openmpi": "Open MPI", "mpich": "MPICH"}.get(label.split("/", 1)[1])
         if want and want not in self.library:  # launched by one MPI, mpi4py loaded another
             raise RuntimeError(f"{label}: mpi4py loaded {self.library!r}, not {want} "
