@@ -32,9 +32,10 @@ SPIN_NS_OVERSUBSCRIBED = 0
 YIELD_NS_OVERSUBSCRIBED = 1_000_000
 # Auto algorithm: one-shot for all-reduces up to this many bytes, the ring above. Measured on the
 # 2-core dev machine (BENCHMARKS.md section 5): at world 2 one-shot and ring tie up to 16 KiB and
-# one-shot loses above; at world 4 (oversubscribed) one-shot wins at 4 KiB, was ahead at 64 KiB in
-# one measurement and behind in another, and loses from 256 KiB. Noisy: revisit on a quiet machine.
-ONESHOT_MAX_BYTES = 64 << 10
+# one-shot loses above; at world 4 (oversubscribed) one-shot wins at 4-16 KiB, wins or ties at
+# 32 KiB, and loses at 64 KiB (ring 54-67 us against one-shot 67-85, four runs). Noisy machine;
+# not measured with more ranks or on dedicated cores at world > 2.
+ONESHOT_MAX_BYTES = 32 << 10
 ONESHOT_MAX_BYTES_WORLD2 = 16 << 10
 ALGOS = ("auto", "ring", "oneshot")
 
