@@ -54,7 +54,8 @@ def main():
     try:
         from mpi4py import MPI
         buf = t.numpy()
-        rows.append((f"mpi4py Allreduce ({MPI.Get_library_version().split(',')[0].strip()})",
+        lib = " ".join(MPI.Get_library_version().splitlines()[0].split(",")[0].split())
+        rows.append((f"mpi4py Allreduce ({lib})",
                      lambda: MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf)))
     except Exception as e:  # not installed, or no MPI library
         print(f"# mpi4py row skipped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
