@@ -164,6 +164,19 @@ def test_calibrated_batches_in_a_run(tmp_path):
         assert r["agg_iters"] > (100 if r["backend"] == "ringreduce/shm" else 0), r
 
 
+def test_stalled_warmup_does_not_leave_short_batches(tmp_path):
+    # Rank 0 stalls 60 ms in every batch of both warm-ups (as a descheduled rank did in CI): the
+    # counts those batches suggest are far too small, and the timed batches must not keep them.
+    res = bench("--nranks", "2", "-b", "4K", "-e", "4K", "--collectives", "all_reduce",
+                "--backends", "ringreduce/shm", "-n", "3", "-w", "2", "--batch_ms", "20",
+                "--stall-for-test", "60", "--json", str(tmp_path / "r.json"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "r.json").read_text())["runs"][0]["rows"]
+    assert len(rows) == 2 and all(r["wrong"] == 0 for r in rows)
+    for r in rows:
+        assert r["agg_iters"] * r["time_us"] / 1e3 >= 10, r
+
+
 def test_check_off_prints_na():
     res = bench("--quick", "--nranks", "2", "-e", "1K", "--collectives", "all_reduce", "-c", "0")
     assert res.returncode == 0, res.stderr[-3000:]

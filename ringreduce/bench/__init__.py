@@ -60,7 +60,9 @@ Checking (-c 1, the default)
     over ranks, in the worst timed iteration; with -c 0 it prints N/A. The exit status is 1 when
     any element was wrong. ``--corrupt-for-test BACKEND`` (hidden, test-only) adds 100 to element
     0 of rank 0's result after the first timed call of that backend in every row, so the tests can
-    see the check fail.
+    see the check fail. ``--stall-for-test MS`` (hidden, test-only) has rank 0 sleep MS inside
+    every batch of the first warm-up iterations, as a descheduled rank would, so the tests can see
+    that a stalled warm-up does not leave short timed batches.
 
 Peak memory bandwidth
     CPU: rank 0 copies a 256 MiB tensor with torch (all cores), counting read + write (2 x bytes)

@@ -143,6 +143,9 @@ def build_parser():
     p.add_argument("--quick", action="store_true", help="small sweep for smoke tests")
     # Test-only: corrupts rank 0's result of BACKEND once per row (see the package docstring).
     p.add_argument("--corrupt-for-test", metavar="BACKEND", help=argparse.SUPPRESS)
+    # Test-only: rank 0 sleeps MS inside every batch of the first --warmup_iters iterations.
+    p.add_argument("--stall-for-test", metavar="MS", type=float, default=0.0,
+                   help=argparse.SUPPRESS)
     return p
 
 

@@ -9,12 +9,12 @@ import torch.distributed as dist
 
 from . import backends as bk
 from . import report
-from .cli import agg_iters, calibrated, sizes
+from .cli import BATCH_CALLS_MAX, agg_iters, calibrated, sizes
 from .data import Reference, sentinel
 
 MEMBW_BYTES = 256 << 20  # large enough to leave every cache far behind (L3 is tens of MiB)
 MEMBW_REPEATS = 5
-EXTRA_WARMUPS = 4       # calibration rounds added when a warm-up batch stays short
+EXTRA_WARMUPS = 6       # iterations run again when a batch came out short of its target
 CORRUPT_DELTA = 100      # added by --corrupt-for-test; far outside any tolerance
 
 
@@ -165,10 +165,13 @@ def time_case(ctx, buffers, inplace, backends, agg):
     """Warmup and timed iterations, backends rotated every iteration; per-backend statistics.
 
     An iteration times a batch of calls back to back after a barrier, per call. With -m the batch
-    is agg calls for every backend; without, each backend's batch is calibrated in the warm-up
-    (every rank agrees on the slowest rank's time) to last at least --batch_ms. With batches of one
-    call the timed result is checked; with more, repeated in-place calls change their own input, so
-    an untimed call from fresh buffers just before is checked instead."""
+    is agg calls for every backend; without, each backend's batch is calibrated (every rank agrees
+    on the slowest rank's time) to last at least --batch_ms: after every iteration, warm-up or
+    timed, a batch shorter than half of that grows its count, and the iteration does not count and
+    runs again (at most EXTRA_WARMUPS times), so a stalled warm-up cannot leave a short count for
+    the timed batches. With batches of one call the timed result is checked; with more, repeated
+    in-place calls change their own input, so an untimed call from fresh buffers just before is
+    checked instead."""
     a = ctx.args
     k = len(backends)
     calls = [agg] * k
@@ -177,7 +180,7 @@ def time_case(ctx, buffers, inplace, backends, agg):
     warmup, it = a.warmup_iters, 0
     while it < warmup + a.iters:
         timed = it - warmup
-        warm = torch.zeros(k, dtype=torch.float64)
+        batch = torch.zeros(k, dtype=torch.float64)
         for j in [(it + s) % k for s in range(k)]:  # rotate the order so no backend is always first
             b = backends[j]
             if calls[j] > 1 and timed >= 0:
@@ -188,25 +191,25 @@ def time_case(ctx, buffers, inplace, backends, agg):
             call, result = buffers.prepare(b, inplace)
             ctx.barrier()
             t0 = time.perf_counter()
+            if a.stall_for_test and it < a.warmup_iters and ctx.rank == 0:
+                time.sleep(a.stall_for_test * 1e-3)
             for _ in range(calls[j]):
                 call()
             ctx.sync()
-            t1 = time.perf_counter()
-            if timed < 0:
-                warm[j] = t1 - t0
-                continue
-            times[j, timed] = (t1 - t0) / calls[j]
-            if calls[j] == 1:
-                check(ctx, buffers, b, result, wrong, j, timed)
-        if timed < 0 and a.agg_iters is None:
-            dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=ctx.ctrl)
-            # Only ever longer: one warm-up batch slowed by a descheduled rank must not shorten it;
-            # while a batch is still short of half the target, warm up once more (a few times).
-            short = any(warm[j].item() < a.batch_ms * 0.5e-3 for j in range(k))
-            calls = [max(calls[j], calibrated(calls[j], warm[j].item(), a.batch_ms))
+            batch[j] = time.perf_counter() - t0
+            if timed >= 0:
+                times[j, timed] = batch[j] / calls[j]
+                if calls[j] == 1:
+                    check(ctx, buffers, b, result, wrong, j, timed)
+        if a.agg_iters is None:
+            dist.all_reduce(batch, op=dist.ReduceOp.MAX, group=ctx.ctrl)
+            # Only ever longer: one batch slowed by a descheduled rank must not shorten it.
+            short = any(calls[j] < BATCH_CALLS_MAX and batch[j].item() < a.batch_ms * 0.5e-3
+                        for j in range(k))
+            calls = [max(calls[j], calibrated(calls[j], batch[j].item(), a.batch_ms))
                      for j in range(k)]
-            if short and timed == -1 and warmup < a.warmup_iters + EXTRA_WARMUPS:
-                warmup += 1
+            if short and timed >= -1 and warmup < a.warmup_iters + EXTRA_WARMUPS:
+                warmup += 1  # this iteration (or the last warm-up) runs again with the new counts
         it += 1
     # The call ends when the slowest rank is done; wrong elements add up over ranks.
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=ctx.ctrl)
@@ -224,8 +227,8 @@ def check(ctx, buffers, backend, result, wrong, j, timed):
     a = ctx.args
     if a.corrupt_for_test == backend.label and timed == 0 and ctx.rank == 0:
         result[:1].add_(CORRUPT_DELTA)
-    if a.check:
-        wrong[j, timed] = buffers.ref.wrong(result)
+    if a.check:  # a run-again iteration keeps what the first try found
+        wrong[j, timed] = max(int(wrong[j, timed]), buffers.ref.wrong(result))
 
 
 def sweep(ctx):
