@@ -9,7 +9,8 @@
   call's `job` (the collective itself on the CPU; waiting for the device on CUDA) and completes the
   call's future with its result or its error. Work wraps that future.
 - close(): idempotent; stops the worker, then the transport frees what it holds; destroy(group) and,
-  at exit, destroy_all() close every communicator, CPU and CUDA alike.
+  at exit, destroy_all() close every communicator, CPU and CUDA alike. A CPU communicator whose
+  process group torch.distributed destroyed is closed at the next creation.
 """
 import atexit
 import datetime
@@ -333,6 +334,7 @@ class Registry:
         comm = self._cached(k, g)
         if comm is not None:
             return comm
+        self._close_destroyed()
         with self._lock:
             lock = self._creating.setdefault(k, threading.Lock())
         with lock:
@@ -342,6 +344,21 @@ class Registry:
                 with self._lock:
                     self._comms[k] = (g, comm)
         return comm
+
+    def _close_destroyed(self):
+        """Closes the CPU communicators of process groups that torch.distributed has destroyed
+        (destroy_process_group without rr.destroy, then init again): run before each creation, so
+        that such a process does not pile up their memory, worker threads and groups. Closing one is
+        local. CUDA communicators wait for the other ranks in close(), through the group's store, so
+        they stay until destroy_all at exit."""
+        live = dist.distributed_c10d._world.pg_map
+        with self._lock:
+            stale = [k for k, (g, _) in self._comms.items() if k[1] == "shm" and g not in live]
+            entries = [self._comms.pop(k) for k in stale]
+            for k in stale:
+                self._creating.pop(k, None)
+        for _, comm in entries:
+            comm.close()
 
     def destroy(self, group=None):
         """Closes every communicator of group (None: the default group); idempotent."""

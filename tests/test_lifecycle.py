@@ -80,6 +80,30 @@ def test_async_failure_reaches_future_wait_and_next_call():
         assert "broken by an earlier failure" in again and "mismatched" in again, again
 
 
+def reinit_worker(rank, world, store_dir):
+    """A process that destroys its process groups with torch.distributed alone (no rr.destroy) and
+    initialises again, as a notebook or an in-process restart does."""
+    import os.path
+    sub = dist.new_group(list(range(world)))
+    t = torch.ones(8)
+    rr.all_reduce(t)
+    rr.all_reduce(t, group=sub)
+    old = list(_lifecycle.REGISTRY.live(("shm",)))
+    dist.destroy_process_group(sub)
+    dist.destroy_process_group()
+    store = dist.FileStore(os.path.join(store_dir, "second-store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    t = torch.full((8,), float(rank + 1))
+    rr.all_reduce(t)  # the first creation after the destroy closes the communicators left behind
+    return len(old), [c.closed for c in old], len(_lifecycle.REGISTRY.live(("shm",))), t[0].item()
+
+
+def test_destroyed_groups_communicators_are_closed(tmp_path):
+    for n_old, closed, live, value in run_ranks(2, reinit_worker, str(tmp_path), timeout=120):
+        assert n_old == 2 and closed == [True, True], (n_old, closed)
+        assert live == 1 and value == 3.0, (live, value)
+
+
 def test_decide_transport():
     host = "node1/boot-a"
     assert _cuda.decide_transport([host] * 4, ["ok"] * 4)[0] == "p2p"
