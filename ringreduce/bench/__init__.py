@@ -62,7 +62,9 @@ Checking (-c 1, the default)
     0 of rank 0's result after the first timed call of that backend in every row, so the tests can
     see the check fail. ``--stall-for-test MS`` (hidden, test-only) has rank 0 sleep MS inside
     every batch of the first warm-up iterations, as a descheduled rank would, so the tests can see
-    that a stalled warm-up does not leave short timed batches.
+    that a stalled warm-up does not leave short timed batches. ``--crash-at-exit-for-test RANK``
+    (hidden, test-only) has that rank abort after its sweep and teardown: a rank that dies there
+    (not in the sweep or ringreduce's close) is a warning, and its results are kept.
 
 Peak memory bandwidth
     CPU: rank 0 copies a 256 MiB tensor with torch (all cores), counting read + write (2 x bytes)

@@ -146,6 +146,9 @@ def build_parser():
     # Test-only: rank 0 sleeps MS inside every batch of the first --warmup_iters iterations.
     p.add_argument("--stall-for-test", metavar="MS", type=float, default=0.0,
                    help=argparse.SUPPRESS)
+    # Test-only: rank RANK aborts (SIGABRT) at exit, after its sweep and teardown.
+    p.add_argument("--crash-at-exit-for-test", metavar="RANK", type=int, default=None,
+                   help=argparse.SUPPRESS)
     return p
 
 
