@@ -38,7 +38,13 @@ RingReduceError = _C.RingReduceError
 # p2p knobs (see csrc/cuda/p2p.h for where the defaults come from). RINGREDUCE_CUDA_SLICE_BYTES is
 # also the test-only knob: a tiny value (e.g. 256) forces many pipeline steps per chunk.
 DEFAULT_CHANNELS = 16
-DEFAULT_SLICE_BYTES = 128 << 10
+DEFAULT_SLICE_BYTES = 512 << 10  # the largest slice; each call's plan cuts smaller ones by size
+# Bytes per block, source and round of the one-shot/two-shot algorithms (RINGREDUCE_CUDA_SLOT_BYTES;
+# a tiny value forces many rounds, as RINGREDUCE_CUDA_SLICE_BYTES does for the ring).
+DEFAULT_SLOT_BYTES = 32 << 10
+ALGOS = ("auto", "ring", "oneshot", "twoshot")
+# The direct algorithms write into every rank's memory: up to this many ranks (csrc/cuda/p2p.h).
+MAX_DIRECT_RANKS = 16
 # nccl staging buffer (bytes, two of them); see csrc/cuda/nccl_ring.h.
 DEFAULT_STAGING_BYTES = 16 << 20
 # How long close() waits for the other ranks to stop using this rank's memory.
@@ -153,28 +159,55 @@ class Communicator(_lifecycle.Communicator):
     def _bootstrap_p2p(self):
         channels = env_int("RINGREDUCE_CUDA_CHANNELS", DEFAULT_CHANNELS)
         slice_bytes = env_int("RINGREDUCE_CUDA_SLICE_BYTES", DEFAULT_SLICE_BYTES)
+        slot_bytes = env_int("RINGREDUCE_CUDA_SLOT_BYTES", DEFAULT_SLOT_BYTES)
+        algo = os.environ.get("RINGREDUCE_CUDA_ALGO", "auto").strip().lower() or "auto"
+        if algo not in ALGOS:
+            raise ValueError(f"ringreduce: RINGREDUCE_CUDA_ALGO must be one of {', '.join(ALGOS)}; "
+                             f"got {algo!r}")
         native = _C.P2pComm(self.device.index, self.rank, self.world_size, channels, slice_bytes,
-                            self.timeout)
+                            self.timeout, algo, slot_bytes)
         try:
-            config = f"{channels}/{slice_bytes}".encode()
+            # The plan of every call must be the same on every rank: so must these.
+            config = f"{channels}/{slice_bytes}/{slot_bytes}/{algo}".encode()
             setup, n, r = self._setup, self.world_size, self.rank
             setup.set(f"config/{r}", config)
             setup.set(f"handle/{r}", native.handle())
             for peer, theirs in enumerate(setup.all("config", n, "buffers")):
                 if theirs != config:
                     raise ValueError(
-                        f"ringreduce: rank {r} has p2p channels/slice_bytes {config.decode()} but "
-                        f"rank {peer} has {theirs.decode()}; set RINGREDUCE_CUDA_CHANNELS and "
-                        f"RINGREDUCE_CUDA_SLICE_BYTES alike on every rank")
+                        f"ringreduce: rank {r} has p2p channels/slice_bytes/slot_bytes/algorithm "
+                        f"{config.decode()} but rank {peer} has {theirs.decode()}; set "
+                        f"RINGREDUCE_CUDA_CHANNELS, RINGREDUCE_CUDA_SLICE_BYTES, "
+                        f"RINGREDUCE_CUDA_SLOT_BYTES and RINGREDUCE_CUDA_ALGO alike on every rank")
+            # Every rank's handle when every rank can map every other (the direct algorithms),
+            # else the neighbours' only: the same choice on every rank.
+            direct = self._direct_possible()
             up, down = (r - 1) % n, (r + 1) % n
-            native.connect(setup.get(f"handle/{up}", f"rank {up}'s IPC handle"),
-                           setup.get(f"handle/{down}", f"rank {down}'s IPC handle"))
+            native.connect([b"" if q == r or not (direct or q in (up, down)) else
+                            setup.get(f"handle/{q}", f"rank {q}'s IPC handle") for q in range(n)])
         except BaseException:
             native.close(False)  # the others may have mapped our memory already
             raise
-        log.debug("rank %d/%d: p2p ring ready on %s (%d channels, slice %d B, timeout %g s)",
-                  self.rank, self.world_size, self.device, channels, slice_bytes, self.timeout)
+        log.debug("rank %d/%d: p2p ready on %s (algorithm %s, direct algorithms %s, at most %d "
+                  "channels and %d B slices, direct slots %d B, timeout %g s)", self.rank,
+                  self.world_size, self.device, algo, "on" if native.direct() else "off", channels,
+                  slice_bytes, slot_bytes, self.timeout)
         return native
+
+    def _direct_possible(self):
+        """Whether every rank can map every other rank's memory (the one-shot and two-shot
+        algorithms write into all of them); the same answer on every rank."""
+        n, r = self.world_size, self.rank
+        me = f"{host_id()}|{_C.cuda_bus_id(self.device.index)}"
+        self._setup.set(f"bus/{r}", me)
+        where = [v.decode().split("|") for v in self._setup.all("bus", n, "host and device")]
+        ok = n <= MAX_DIRECT_RANKS and len({h for h, _ in where}) == 1
+        for q in range(n):
+            if ok and q != r:
+                ok = bool(_C.cuda_can_map(self.device.index, where[q][1])[0])
+        self._setup.set(f"direct/{r}", b"1" if ok else b"0")
+        verdicts = self._setup.all("direct", n, "peer-access check of every pair")
+        return all(v == b"1" for v in verdicts)
 
     def _bootstrap_nccl(self):
         lib = _nccl_lib()

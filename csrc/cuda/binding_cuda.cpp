@@ -273,7 +273,7 @@ void register_cuda(py::module_& m) {
 
   py::class_<P2pComm> p2p(m, "P2pComm");
   p2p.def(py::init([](int device, int rank, int nranks, int channels, size_t slice_bytes,
-                      double timeout_s) {
+                      double timeout_s, const std::string& algo, size_t direct_slot_bytes) {
            c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
            rc::p2p::Options o;
            o.rank = rank;
@@ -281,15 +281,35 @@ void register_cuda(py::module_& m) {
            o.channels = channels;
            o.slice_bytes = slice_bytes;
            o.timeout_s = timeout_s;
+           o.direct_slot_bytes = direct_slot_bytes;
+           o.algo = algo == "auto"      ? rc::p2p::Algo::Auto
+                    : algo == "ring"    ? rc::p2p::Algo::Ring
+                    : algo == "oneshot" ? rc::p2p::Algo::OneShot
+                    : algo == "twoshot" ? rc::p2p::Algo::TwoShot
+                                        : rc::p2p::Algo(255);
+           TORCH_CHECK_VALUE(o.algo != rc::p2p::Algo(255), "ringreduce: RINGREDUCE_CUDA_ALGO must be one "
+                             "of auto, ring, oneshot, twoshot; got '", algo, "'");
            return std::make_unique<P2pComm>(std::make_unique<rc::p2p::Ring>(o), nranks);
          }),
          py::arg("device"), py::arg("rank"), py::arg("nranks"), py::arg("channels"),
-         py::arg("slice_bytes"), py::arg("timeout_s"))
+         py::arg("slice_bytes"), py::arg("timeout_s"), py::arg("algo") = "auto",
+         py::arg("direct_slot_bytes") = rc::p2p::kDefaultDirectSlotBytes)
       .def("handle", [](P2pComm& c) { return py::bytes(c.ring().handle()); })
-      .def("connect", [](P2pComm& c, const std::string& up, const std::string& down) {
+      .def("connect", [](P2pComm& c, const std::vector<py::bytes>& handles) {
         c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device()));
-        c.ring().connect(up, down);
-      }, py::arg("up"), py::arg("down"));
+        std::vector<std::string> h;
+        for (const py::bytes& b : handles) h.push_back(std::string(b));
+        c.ring().connect(h);
+      }, py::arg("handles"))
+      .def("direct", [](P2pComm& c) { return c.ring().direct(); })
+      .def("algorithm", [](P2pComm& c, const std::string& coll, int64_t numel, int dtype_bytes) {
+        // The plan of a float-like call of this size (for logs and tests of the choice).
+        const rr::Coll k = coll == "all_reduce" ? rr::Coll::AllReduce
+                           : coll == "reduce_scatter" ? rr::Coll::ReduceScatter : rr::Coll::AllGather;
+        const rr::DType t = dtype_bytes == 2 ? rr::DType::F16 : dtype_bytes == 8 ? rr::DType::F64
+                                                                                 : rr::DType::F32;
+        return std::string(rc::p2p::algo_name(c.ring().plan_of({k, t, rr::RedOp::Sum, numel, nullptr, nullptr}).algo));
+      }, py::arg("coll"), py::arg("numel"), py::arg("dtype_bytes") = 4);
   bind_common(p2p);
 
   py::class_<NcclComm> nccl(m, "NcclComm");

@@ -33,8 +33,9 @@ class DeviceScope {
 
 std::string call_text(const MsgHeader& h) {
   char buf[200];
-  std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s)", coll_name(Coll(h.coll)),
-                static_cast<long long>(h.numel), dtype_name(DType(h.dtype)), op_name(RedOp(h.op)));
+  std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s; %s)", coll_name(Coll(h.coll)),
+                static_cast<long long>(h.numel), dtype_name(DType(h.dtype)), op_name(RedOp(h.op)),
+                algo_name(Algo(h.algo)));
   return buf;
 }
 
@@ -49,6 +50,78 @@ const char* cause_text(uint32_t cause) {
 }
 
 }  // namespace
+
+const char* algo_name(Algo a) {
+  switch (a) {
+    case Algo::Auto: return "auto";
+    case Algo::Ring: return "ring";
+    case Algo::OneShot: return "oneshot";
+    case Algo::TwoShot: return "twoshot";
+  }
+  return "unknown";
+}
+
+// The alpha-beta model's figures for H100 NVLink (benchmarks/gpu_cost.py cites their sources): a
+// remote round trip, and the bandwidth of one direction of a GPU's links.
+constexpr double kModelRttS = 1e-6;
+constexpr double kModelLinkBytesPerS = 450e9;
+// Direct algorithms: a block per this many bytes of the tensor (one-shot: at most kOneShotBlocks).
+constexpr size_t kDirectBytesPerBlock = 64 << 10;
+constexpr int kOneShotBlocks = 4;
+
+size_t oneshot_max_bytes(int n) {
+  // One-shot writes (n-1) x size per rank against two-shot's 2(n-1)/n x size, and saves one of
+  // two-shot's two dependent hops (half a round trip each): worth it while
+  // (n-1)(n-2)/n x size / bandwidth < half a round trip. Rounded down to a power of two.
+  constexpr size_t kCap = 1 << 20;
+  if (n <= 2) return kCap;
+  const double limit = 0.5 * kModelRttS * kModelLinkBytesPerS * n / ((n - 1.0) * (n - 2.0));
+  size_t b = 1;
+  while (b * 2 <= limit && b * 2 <= kCap) b *= 2;
+  return b;
+}
+
+Plan plan(const Call& c, const Options& o, bool direct) {
+  const int n = o.nranks;
+  const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
+  const size_t bytes = static_cast<size_t>(c.numel) * es;
+  Algo algo = o.algo;
+  if (algo == Algo::Auto)
+    algo = !direct ? Algo::Ring
+           : c.coll == Coll::AllReduce && bytes <= oneshot_max_bytes(n) ? Algo::OneShot
+           : bytes <= kTwoShotMaxBytes ? Algo::TwoShot : Algo::Ring;
+  // One-shot of a reduce-scatter or an all-gather is two-shot's half of it.
+  if (algo == Algo::OneShot && c.coll != Coll::AllReduce) algo = Algo::TwoShot;
+  if (!direct) algo = Algo::Ring;
+  const int64_t max_chunk = c.coll == Coll::AllReduce ? (c.numel + n - 1) / n : c.numel / n;
+  auto div_up = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  Plan p{algo, 1, 1, 1};
+  if (algo == Algo::Ring) {
+    int64_t slice = static_cast<int64_t>(o.slice_bytes);
+    if (o.exact) {
+      p.blocks = o.channels;
+    } else {
+      const int64_t want = max_chunk * es / static_cast<int64_t>(kChannelBytes);
+      p.blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, o.channels)));
+      const int64_t part_bytes = div_up(max_chunk, p.blocks) * es;
+      const int64_t s = static_cast<int64_t>(round_up(div_up(part_bytes, kSlicesInFlight), kVecBytes));
+      slice = std::min(slice, std::max<int64_t>(s, kMinSliceBytes));
+    }
+    p.slice_elems = std::max<int64_t>(1, slice / es);
+    p.steps = ring::num_slices(div_up(max_chunk, p.blocks), p.slice_elems);
+    return p;
+  }
+  const int cap = algo == Algo::OneShot ? kOneShotBlocks : kDirectBlocks;
+  if (o.exact)
+    p.blocks = std::min(o.channels, cap);
+  else
+    p.blocks = static_cast<int>(std::max<int64_t>(
+        1, std::min<int64_t>(cap, static_cast<int64_t>(bytes / kDirectBytesPerBlock))));
+  p.slice_elems = std::max<int64_t>(1, static_cast<int64_t>(o.direct_slot_bytes) / es);
+  const int64_t span = algo == Algo::OneShot ? c.numel : max_chunk;
+  p.steps = ring::num_slices(div_up(span, p.blocks), p.slice_elems);
+  return p;
+}
 
 std::string device_bus_id() {
   int dev = 0;
@@ -73,6 +146,17 @@ bool can_map(const std::string& bus_id, std::string* why) {
   return can != 0;
 }
 
+size_t Ring::fifo_bytes() const {
+  return static_cast<size_t>(opt_.channels) * kSlots * slot_stride(opt_.slice_bytes);
+}
+
+size_t Ring::area_bytes() const {
+  const size_t direct = opt_.nranks <= kMaxPeers ? static_cast<size_t>(2 * 2 * kDirectBlocks) *
+                                                       opt_.nranks * slot_stride(opt_.direct_slot_bytes)
+                                                 : 0;
+  return data_offset() + fifo_bytes() + direct;
+}
+
 Ring::Ring(const Options& opt) : opt_(opt) {
   if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
     throw std::invalid_argument("ringreduce: rank " + std::to_string(opt.rank) + " out of range for " +
@@ -83,14 +167,19 @@ Ring::Ring(const Options& opt) : opt_(opt) {
   if (opt.slice_bytes < kVecBytes || opt.slice_bytes % kVecBytes)
     throw std::invalid_argument("ringreduce: p2p slice_bytes must be a positive multiple of 16, got " +
                                 std::to_string(opt.slice_bytes));
+  if (opt.direct_slot_bytes < kVecBytes || opt.direct_slot_bytes % kVecBytes)
+    throw std::invalid_argument("ringreduce: p2p direct_slot_bytes must be a positive multiple of 16, got " +
+                                std::to_string(opt.direct_slot_bytes));
   RR_CUDA_CHECK(cudaGetDevice(&device_));
   up_ = ring::mod(opt.rank - 1, opt.nranks);
   down_ = ring::mod(opt.rank + 1, opt.nranks);
   try {
     RR_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     void* p = nullptr;
-    RR_CUDA_CHECK(cudaMalloc(&p, area_bytes(opt.channels, opt.slice_bytes)));
+    RR_CUDA_CHECK(cudaMalloc(&p, area_bytes()));
     area_ = static_cast<char*>(p);
+    peers_.assign(opt.nranks, nullptr);
+    peers_[opt.rank] = area_;
     RR_CUDA_CHECK(cudaHostAlloc(&p, sizeof(HostCtl), cudaHostAllocMapped | cudaHostAllocPortable));
     ctl_ = static_cast<HostCtl*>(p);
     std::memset(static_cast<void*>(ctl_), 0, sizeof(HostCtl));
@@ -99,7 +188,7 @@ Ring::Ring(const Options& opt) : opt_(opt) {
     RR_CUDA_CHECK(cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocPortable));
     abort_src_ = static_cast<uint32_t*>(p);
     *abort_src_ = 0;
-    // Counters and abort word start at zero; slot data needs no initialisation.
+    // Counters, flags and abort word start at zero; data needs no initialisation.
     RR_CUDA_CHECK(cudaMemsetAsync(area_, 0, data_offset(), side_));
     RR_CUDA_CHECK(cudaStreamSynchronize(side_));
   } catch (...) {
@@ -122,12 +211,26 @@ std::string Ring::handle() const {
   return std::string(reinterpret_cast<const char*>(&h), sizeof h);
 }
 
-void Ring::connect(const std::string& up_handle, const std::string& down_handle) {
-  if (opt_.nranks == 1) return;
-  if (up_handle.size() != sizeof(cudaIpcMemHandle_t) || down_handle.size() != sizeof(cudaIpcMemHandle_t))
-    throw RingError("ringreduce: p2p bootstrap: IPC handles have the wrong size");
+void Ring::connect(const std::vector<std::string>& handles) {
+  const int n = opt_.nranks;
+  if (n == 1) return;
+  if (static_cast<int>(handles.size()) != n)
+    throw RingError("ringreduce: p2p bootstrap: " + std::to_string(handles.size()) +
+                    " IPC handles for " + std::to_string(n) + " ranks");
   DeviceScope scope(device_);
-  auto open = [&](const std::string& bytes, int peer) {
+  ipc_ = true;
+  bool all = n <= kMaxPeers;
+  for (int q = 0; q < n; ++q) {
+    if (q == opt_.rank) continue;
+    const std::string& bytes = handles[q];
+    if (bytes.empty()) {
+      if (q == up_ || q == down_)
+        throw RingError("ringreduce: p2p bootstrap: no IPC handle of neighbour rank " + std::to_string(q));
+      all = false;
+      continue;
+    }
+    if (bytes.size() != sizeof(cudaIpcMemHandle_t))
+      throw RingError("ringreduce: p2p bootstrap: IPC handles have the wrong size");
     cudaIpcMemHandle_t h;
     std::memcpy(&h, bytes.data(), sizeof h);
     void* p = nullptr;
@@ -136,20 +239,19 @@ void Ring::connect(const std::string& up_handle, const std::string& down_handle)
     if (e != cudaSuccess) {
       cudaGetLastError();
       throw RingError(std::string("ringreduce: rank ") + std::to_string(opt_.rank) +
-                      ": cannot map the memory of rank " + std::to_string(peer) +
+                      ": cannot map the memory of rank " + std::to_string(q) +
                       " through CUDA IPC (" + cudaGetErrorString(e) +
                       "); the devices may not be peers: use RINGREDUCE_TRANSPORT=nccl");
     }
-    return static_cast<char*>(p);
-  };
-  ipc_ = true;
-  up_area_ = open(up_handle, up_);
-  down_area_ = up_ == down_ ? up_area_ : open(down_handle, down_);
+    peers_[q] = static_cast<char*>(p);
+  }
+  direct_ = all;
 }
 
-void Ring::connect_local(const Ring& up, const Ring& down) {
-  up_area_ = up.area_;
-  down_area_ = down.area_;
+void Ring::connect_local(const std::vector<const Ring*>& rings) {
+  for (int q = 0; q < opt_.nranks; ++q)
+    if (q != opt_.rank) peers_[q] = rings[q]->area_;
+  direct_ = opt_.nranks <= kMaxPeers;
 }
 
 void Ring::run(const Call& c, cudaStream_t stream) {
@@ -168,35 +270,41 @@ void Ring::run(const Call& c, cudaStream_t stream) {
       RR_CUDA_CHECK(cudaMemcpyAsync(c.out, c.in, c.numel * es, cudaMemcpyDeviceToDevice, stream));
     return;
   }
-  if (!up_area_) throw RingError("ringreduce: p2p ring is not connected");
-  launch_ring(args(c), stream);
+  if (!peers_[up_] || !peers_[down_]) throw RingError("ringreduce: p2p ring is not connected");
+  launch(args(c), stream);
 }
 
-RingArgs Ring::args(const Call& c) const {
+Args Ring::args(const Call& c) const {
   const int n = opt_.nranks;
-  const size_t es = dtype_size(c.dtype);
-  RingArgs a{};
+  const Plan p = plan_of(c);
+  const bool direct = p.algo != Algo::Ring;
+  Args a{};
   a.self = reinterpret_cast<Area*>(area_);
-  a.up = reinterpret_cast<const Area*>(up_area_);
-  a.down = reinterpret_cast<const Area*>(down_area_);
-  a.self_data = area_ + data_offset();
-  a.up_data = up_area_ + data_offset();
+  a.self_data = area_ + data_offset() + (direct ? fifo_bytes() : 0);
+  for (int q = 0; q < n && q < kMaxPeers; ++q) {
+    a.peer[q] = reinterpret_cast<Area*>(peers_[q]);
+    a.peer_data[q] = peers_[q] ? peers_[q] + data_offset() + fifo_bytes() : nullptr;
+  }
+  a.up = reinterpret_cast<Area*>(peers_[up_]);
+  a.down = reinterpret_cast<Area*>(peers_[down_]);
+  a.down_data = peers_[down_] ? peers_[down_] + data_offset() : nullptr;
   a.ctl = ctl_dev_;
   a.in = c.in;
   a.out = c.out;
   a.numel = c.numel;
-  a.slice_elems = static_cast<int64_t>(opt_.slice_bytes / es);
-  a.num_slices = slices_per_channel(c.coll, c.numel, n, opt_.channels, a.slice_elems);
+  a.slice_elems = p.slice_elems;
+  a.steps = p.steps;
   a.op_seq = op_seq_;
   a.timeout_ns = static_cast<uint64_t>(opt_.timeout_s * 1e9);
-  a.slot_stride = slot_stride(opt_.slice_bytes);
+  a.slot_stride = slot_stride(direct ? opt_.direct_slot_bytes : opt_.slice_bytes);
   a.rank = opt_.rank;
   a.nranks = n;
-  a.nch = opt_.channels;
+  a.blocks = p.blocks;
   a.divisor = c.op == RedOp::Avg ? n : 1;
   a.coll = static_cast<uint8_t>(c.coll);
   a.dtype = static_cast<uint8_t>(c.dtype);
   a.op = static_cast<uint8_t>(c.op);
+  a.algo = static_cast<uint8_t>(p.algo);
   return a;
 }
 
@@ -207,11 +315,15 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
   if (e.phase < 0)
     std::snprintf(where, sizeof where, "%s #%llu (not started, channel %d)",
                   coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq), channel);
-  else
-    std::snprintf(where, sizeof where, "%s #%llu (%s step %d, slice %lld, channel %d)",
+  else if (e.phase < 2)
+    std::snprintf(where, sizeof where, "%s #%llu (ring %s step %d, slice %lld, channel %d)",
                   coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
                   e.phase ? "all-gather" : "reduce-scatter", e.step, static_cast<long long>(e.slice),
                   channel);
+  else
+    std::snprintf(where, sizeof where, "%s #%llu (%s phase %d, round %lld, block %d)",
+                  coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
+                  algo_name(Algo(e.mine.algo)), e.phase - 2, static_cast<long long>(e.slice), channel);
   const std::string me = "ringreduce: rank " + std::to_string(opt_.rank) + ": ";
   if (!e.local)
     return me + where + " stopped because rank " + std::to_string(who) + " " + cause_text(cause) +
@@ -246,7 +358,7 @@ std::string Ring::failure() {
   if (!failure_.empty() || !ctl_) return failure_;
   // Prefer a record of a block that saw the cause itself over one that learned of it.
   int pick = -1;
-  for (int k = 0; k < opt_.channels; ++k) {
+  for (int k = 0; k < kMaxChannels; ++k) {
     const volatile ErrorRecord* e = &ctl_->err[k];
     if (e->word == 0) continue;
     if (pick < 0 || (e->local && !ctl_->err[pick].local)) pick = k;
@@ -263,7 +375,7 @@ uint64_t Ring::failed_seq() {
   std::lock_guard<std::mutex> lk(mu_);
   uint64_t first = abort_seq_;
   if (!ctl_) return first;
-  for (int k = 0; k < opt_.channels; ++k) {
+  for (int k = 0; k < kMaxChannels; ++k) {
     const volatile ErrorRecord* e = &ctl_->err[k];
     if (e->word == 0) continue;
     std::atomic_thread_fence(std::memory_order_acquire);
@@ -284,13 +396,16 @@ void Ring::abort_locked(const std::string& why) {
   if (abort_seq_ == 0) abort_seq_ = op_seq_ + 1;
   std::atomic_thread_fence(std::memory_order_seq_cst);
   reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = 1;
-  // Also stop the neighbours, which read only device memory: copy the abort word into the area on
-  // a side stream, beside a kernel that may be spinning. Not awaited here (close() synchronizes).
+  // Also stop the peers, which poll only their own memory: copy the abort word into every area this
+  // rank maps (its own included) on a side stream, beside a kernel that may be spinning. Not awaited
+  // here (close() synchronizes).
   if (area_ && opt_.nranks > 1 && *abort_src_ == 0) {
     *abort_src_ = abort_word(kHostAbort, opt_.rank);
     DeviceScope scope(device_);
-    cudaMemcpyAsync(area_ + offsetof(Area, abort), abort_src_, sizeof(uint32_t),
-                    cudaMemcpyHostToDevice, side_);
+    for (char* area : peers_)
+      if (area)
+        cudaMemcpyAsync(area + offsetof(Area, abort), abort_src_, sizeof(uint32_t),
+                        cudaMemcpyHostToDevice, side_);
     cudaGetLastError();
   }
   if (failure_.empty()) failure_ = "ringreduce: rank " + std::to_string(opt_.rank) + ": aborted: " + why;
@@ -323,12 +438,13 @@ void Ring::close(bool peers_done) {
   const bool keep = area_ && opt_.nranks > 1 && !peers_done;
   if (keep) abort_locked("closed while a neighbour may still use this rank's memory");
   if (side_) cudaStreamSynchronize(side_);
-  if (ipc_ && up_area_) cudaIpcCloseMemHandle(up_area_);
-  if (ipc_ && down_area_ && down_area_ != up_area_) cudaIpcCloseMemHandle(down_area_);
-  up_area_ = down_area_ = nullptr;
+  if (ipc_)
+    for (size_t q = 0; q < peers_.size(); ++q)
+      if (peers_[q] && peers_[q] != area_) cudaIpcCloseMemHandle(peers_[q]);
+  peers_.clear();
   if (keep) {
     std::lock_guard<std::mutex> klk(g_kept_mu);
-    g_kept_bytes += area_bytes(opt_.channels, opt_.slice_bytes);  // freed by the process's exit
+    g_kept_bytes += area_bytes();  // freed by the process's exit
   } else if (area_) {
     cudaFree(area_);
   }

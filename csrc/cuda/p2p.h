@@ -24,39 +24,69 @@ namespace ringreduce::cuda::p2p {
 
 // Same FIFO depth, and the same reason for it, as the shared-memory ring.
 constexpr int kSlots = ring::kSlots;
-// Channels (one thread block each, over disjoint parts of every chunk). 16 is a guess from NCCL's
-// ring channel counts on NVLink machines (16-32 on A100/H100); not measured here (no GPU).
+// Ring channels (one thread block each, over disjoint parts of every chunk): at most this many, and
+// by default at most 16 (NCCL's ring channel counts on NVLink machines are 16-32 on A100/H100; not
+// measured here: no GPU). The count used per call comes from plan().
 constexpr int kDefaultChannels = 16;
 constexpr int kMaxChannels = 32;
-// Slice (message) size: the shared-memory ring's default; each block moves it with 512 x 16 B
-// vectors in 16 rounds. Not measured on a GPU yet.
-constexpr size_t kDefaultSliceBytes = 128 << 10;
+// The largest slice (and so the FIFO slot): 512 KiB, NCCL's slice in its simple protocol
+// (NCCL_BUFFSIZE 4 MiB / 8 steps). plan() cuts smaller slices for smaller tensors.
+constexpr size_t kDefaultSliceBytes = 512 << 10;
+// plan(): a channel per this many bytes of a chunk (so a channel moves enough to hide its per-hop
+// latency), and slices of a channel's part in at least this many pieces (a pipeline 4 deep), no
+// smaller than kMinSliceBytes.
+constexpr size_t kChannelBytes = 128 << 10;
+constexpr int kSlicesInFlight = 4;
+constexpr size_t kMinSliceBytes = 4 << 10;
+// Direct algorithms (one-shot, two-shot) write into every peer's memory: up to this many ranks.
+constexpr int kMaxPeers = 16;
+// Thread blocks of the direct algorithms, and the bytes one block moves per source and round
+// (its slot in each peer's direct buffer).
+constexpr int kDirectBlocks = 16;
+constexpr size_t kDefaultDirectSlotBytes = 32 << 10;
 // Slot data starts at the slice's byte offset mod 16 in the tensor, so that a 16-byte aligned tensor
 // and the slot have the same alignment and the vector path applies; a slot is this much larger.
 constexpr size_t kVecBytes = 16;
 // Flags sit on their own 128-byte line (the L2 line size of NVIDIA GPUs).
 constexpr size_t kLine = 128;
 
+// Which algorithm a call runs. Values are part of the message headers.
+enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3 };
+const char* algo_name(Algo a);
+
 struct alignas(kLine) Counter {
   uint64_t value;
 };
-struct ChannelFlags {
-  Counter posted;    // messages this rank has written into its own slots
-  Counter consumed;  // messages this rank has consumed from its upstream neighbour's slots
+// Every flag a rank polls lives in its own memory, written by the peer that moves data to it
+// (push): a wait never reads another GPU's memory.
+struct RingFlags {
+  Counter posted;    // written by upstream: messages it has written into this rank's FIFO
+  Counter credits;   // written by downstream: messages of this rank's it has consumed
+  Counter sent;      // this rank's own counts, read at each launch (CUDA graph replays go on
+  Counter received;  // from where the FIFO stands)
+};
+struct alignas(kLine) Arrivals {
+  uint64_t from[kMaxPeers];  // the last round whose data rank q has written here
+};
+struct DirectFlags {
+  Counter seq;          // rounds this block has run (own)
+  Arrivals arrived[2];  // phase 0: inputs (one-shot) or chunks to reduce (two-shot); 1: results
 };
 struct MsgHeader {
   uint64_t op_seq;
   int64_t numel;
   uint64_t nbytes;
-  uint32_t index;  // message index within the call
-  uint8_t coll, dtype, op, pad;
+  uint32_t index;  // message (ring) or round (direct) index within the call
+  uint8_t coll, dtype, op, algo;
 };
 
-// The start of every rank's area; slot data follows at data_offset().
+// The start of every rank's area; FIFO and direct data follow at data_offset().
 struct alignas(kLine) Area {
   uint32_t abort;  // 0, or abort_word(cause, rank): why and where the group stopped (sticky)
-  alignas(kLine) ChannelFlags ch[kMaxChannels];
-  MsgHeader hdr[kMaxChannels][kSlots];
+  alignas(kLine) RingFlags ring[kMaxChannels];
+  DirectFlags direct[kDirectBlocks];
+  MsgHeader ring_hdr[kMaxChannels][kSlots];                  // written with each message
+  MsgHeader direct_hdr[2][2][kDirectBlocks][kMaxPeers];      // [parity][phase][block][source]
 };
 
 // Why a wait ended without its message; packed with the rank that saw it first into abort words.
@@ -67,40 +97,44 @@ RR_HOST_DEVICE inline uint32_t abort_word(uint32_t cause, int rank) {
 RR_HOST_DEVICE inline uint32_t abort_cause(uint32_t w) { return w >> 24; }
 RR_HOST_DEVICE inline int abort_rank(uint32_t w) { return static_cast<int>(w & 0xffffffu) - 1; }
 
-// Written by the first block of a channel that stops, into host-mapped memory; `word` last.
+// Written by the first block that stops, into host-mapped memory; `word` last.
 struct ErrorRecord {
   uint32_t word;   // abort_word of the cause (its rank may be another one: propagated)
   uint32_t local;  // 1: this block saw the cause itself (timeout/mismatch/host abort here)
-  int32_t peer;    // the neighbour waited on
-  int32_t phase;   // 0 reduce-scatter, 1 all-gather, -1 not started (stopped before the call)
+  int32_t peer;    // the rank waited on
+  int32_t phase;   // 0 reduce-scatter, 1 all-gather (ring); 2 direct phase 0, 3 direct phase 1;
+                   // -1 not started (stopped before the call)
   int32_t step;
-  int32_t waiting_for_slot;  // 1: a free slot at downstream, 0: a message from upstream
+  int32_t waiting_for_slot;  // 1: a free slot at downstream, 0: a message from a peer
   int64_t slice;
   MsgHeader mine;  // this rank's call
-  MsgHeader got;   // the upstream header (mismatch, bad size)
+  MsgHeader got;   // the peer's header (mismatch, bad size)
 };
 struct HostCtl {
   uint32_t abort;  // set by the host: stop every wait of this rank's kernels
   alignas(kLine) ErrorRecord err[kMaxChannels];
 };
 
-struct RingArgs {
+// The kernel arguments of one call (both kernels).
+struct Args {
   Area* self;
-  const Area* up;
-  const Area* down;
-  char* self_data;
-  const char* up_data;
+  char* self_data;              // this rank's FIFO (ring) or direct buffer
+  Area* peer[kMaxPeers];        // every rank's area by rank (direct; null when not mapped)
+  char* peer_data[kMaxPeers];   // their direct buffers
+  Area* up;                     // ring neighbours' areas
+  Area* down;
+  char* down_data;              // downstream's FIFO
   HostCtl* ctl;
   const void* in;
   void* out;
   int64_t numel;
-  int64_t slice_elems;
-  int64_t num_slices;
+  int64_t slice_elems;  // ring: slice; direct: elements per block, source and round
+  int64_t steps;        // ring: slices per channel; direct: rounds
   uint64_t op_seq;
   uint64_t timeout_ns;
   uint64_t slot_stride;
-  int rank, nranks, nch, divisor;
-  uint8_t coll, dtype, op;
+  int rank, nranks, blocks, divisor;
+  uint8_t coll, dtype, op, algo;
 };
 
 // The transport choice: PCI bus id of the current device ("0000:17:00.0"), and whether the current
@@ -109,30 +143,47 @@ struct RingArgs {
 std::string device_bus_id();
 bool can_map(const std::string& bus_id, std::string* why);
 
-// One block per channel; torch-free launcher (csrc/cuda/p2p_kernel.cu).
-void launch_ring(const RingArgs& a, cudaStream_t stream);
+// Launches the kernel of a.algo (Ring or OneShot/TwoShot) with a.blocks blocks; torch-free
+// (csrc/cuda/p2p_kernel.cu).
+void launch(const Args& a, cudaStream_t stream);
 
 inline size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 inline size_t slot_stride(size_t slice_bytes) { return round_up(slice_bytes + kVecBytes, kLine); }
 inline size_t data_offset() { return round_up(sizeof(Area), 256); }
-inline size_t area_bytes(int nch, size_t slice_bytes) {
-  return data_offset() + static_cast<size_t>(nch) * kSlots * slot_stride(slice_bytes);
-}
-// Slices per channel: every channel uses the count of the largest channel part of any chunk.
-inline int64_t slices_per_channel(Coll c, int64_t numel, int n, int nch, int64_t slice_elems) {
-  const int64_t max_chunk = c == Coll::AllReduce ? (numel + n - 1) / n : numel / n;
-  return ring::num_slices((max_chunk + nch - 1) / nch, slice_elems);
-}
 
 struct Options {
   int rank = 0;
   int nranks = 1;
-  int channels = kDefaultChannels;
-  size_t slice_bytes = kDefaultSliceBytes;
+  int channels = kDefaultChannels;  // the most ring channels a call uses
+  size_t slice_bytes = kDefaultSliceBytes;  // the largest ring slice (a FIFO slot)
+  size_t direct_slot_bytes = kDefaultDirectSlotBytes;  // per block, source and round
+  // Test knob: every ring call uses exactly `channels` and `slice_bytes` (no plan by size), so that
+  // tiny slices force many pipeline steps at every size.
+  bool exact = false;
+  Algo algo = Algo::Auto;  // RINGREDUCE_CUDA_ALGO
   double timeout_s = 300.0;  // RINGREDUCE_TIMEOUT: per wait
 };
 
-// One rank's side of the ring, on the device current at construction.
+// How one call runs: the algorithm, its blocks, and its slice/round size in elements.
+struct Plan {
+  Algo algo;
+  int blocks;
+  int64_t slice_elems;
+  int64_t steps;  // ring: slices per channel; direct: rounds
+};
+// The same inputs give the same plan on every rank. direct: the direct algorithms are possible (every
+// rank maps every other, nranks <= kMaxPeers); a forced one-shot/two-shot falls back to the ring
+// where impossible (one-shot: all-reduce only).
+Plan plan(const Call& c, const Options& o, bool direct);
+// Auto thresholds (bytes of the full tensor) from the alpha-beta model of benchmarks/gpu_cost.py
+// (not from GPU timings: none was lent): one-shot while its extra remote bytes, (n-1) x size
+// against two-shot's 2(n-1)/n x size, cost less than the half round trip it saves.
+size_t oneshot_max_bytes(int nranks);
+// Two-shot up to here; the ring above (its pipeline keeps every slice moving, where two-shot waits
+// for a whole round before gathering it).
+constexpr size_t kTwoShotMaxBytes = 16 << 20;
+
+// One rank's side of the group, on the device current at construction.
 class Ring {
  public:
   explicit Ring(const Options& opt);
@@ -142,54 +193,60 @@ class Ring {
 
   // This rank's area as cudaIpcMemHandle_t bytes, for the other ranks.
   std::string handle() const;
-  // Maps the neighbours' areas (handles from handle() on ranks rank-1 and rank+1).
-  void connect(const std::string& up_handle, const std::string& down_handle);
-  // Native tests only: ranks as streams of one process, neighbours' areas used directly.
-  void connect_local(const Ring& up, const Ring& down);
+  // Maps the other ranks' areas: handles[q] from handle() on rank q (this rank's own is ignored).
+  // The neighbours' are required; the direct algorithms run only when every rank of the group
+  // passed every handle (an empty string: not mappable) and the group has <= kMaxPeers ranks.
+  void connect(const std::vector<std::string>& handles);
+  // Native tests only: ranks as streams of one process, the others' areas used directly.
+  void connect_local(const std::vector<const Ring*>& rings);
   // Enqueues one collective on stream (ordered after what is already there). Throws RingError when
   // the ring is broken; a failure inside the kernel is seen later by failure(). Capture-safe (CUDA
-  // graphs): no host synchronisation, and the kernel takes where each channel's FIFO stands from
-  // the ring's own counters in device memory, so a replayed launch continues where the ring is.
+  // graphs): no host synchronisation, and the kernels take where each FIFO and round counter
+  // stands from device memory, so a replayed launch continues where the group is.
   void run(const Call& c, cudaStream_t stream);
   // The kernel arguments of call c as run() launches them (after run() counted the call): a CUDA
   // graph replays exactly these; the native tests launch them again to play a replay.
-  RingArgs args(const Call& c) const;
+  Args args(const Call& c) const;
+  Plan plan_of(const Call& c) const { return plan(c, opt_, direct_); }
+  bool direct() const { return direct_; }
   // The first failure the device recorded, formatted, or "" while there is none.
   std::string failure();
   bool broken() { return !failure().empty(); }
   // The op_seq of the first call that failed, or 0: that call and every later one failed, every
   // earlier one completed. Final for a call once its kernel has finished.
   uint64_t failed_seq();
-  // Stops this rank's running and future kernels; neighbours stop when they next wait on it.
+  // Stops this rank's running and future kernels and tells every mapped peer.
   void abort(const std::string& why);
   // Watches the processes of these peers (every 50 ms): a dead one aborts the ring with
   // "peer rank R (pid P) died", so no rank waits out its timeout for a killed one.
   void watch_peers(std::vector<host::Peer> peers);
-  // Unmaps the neighbours and frees. Idempotent; no kernel of this ring may be running.
-  // peers_done=false: a neighbour may still read this rank's area (the close barrier failed, or the
-  // ring broke): the area is marked aborted, so their waits stop, and kept until the process exits,
-  // since freeing it could hand memory they still read to another allocation.
+  // Unmaps the peers and frees. Idempotent; no kernel of this ring may be running.
+  // peers_done=false: a peer may still read or write this rank's area (the close barrier failed,
+  // or the ring broke): the area is marked aborted, so their waits stop, and kept until the
+  // process exits, since freeing it could hand memory they still use to another allocation.
   void close(bool peers_done = true);
   // Areas kept by close(false) in this process (bytes), for tests and logs.
   static size_t kept_bytes();
   bool closed() const { return area_ == nullptr; }
   uint64_t op_seq() const { return op_seq_; }
   int device() const { return device_; }
+  size_t area_bytes() const;
 
  private:
-  std::string describe(const ErrorRecord& e, int channel) const;
+  std::string describe(const ErrorRecord& e, int block) const;
   void abort_locked(const std::string& why);
+  size_t fifo_bytes() const;
 
   Options opt_;
   int device_ = 0;
   int up_ = 0, down_ = 0;
   char* area_ = nullptr;  // own area (cudaMalloc)
-  char* up_area_ = nullptr;
-  char* down_area_ = nullptr;
-  bool ipc_ = false;  // the neighbours' areas are IPC mappings (closed on close())
+  std::vector<char*> peers_;  // every rank's area by rank (own included; null: not mapped)
+  bool ipc_ = false;  // peers_ are IPC mappings (closed on close())
+  bool direct_ = false;
   HostCtl* ctl_ = nullptr;  // host-mapped (cudaHostAlloc)
   HostCtl* ctl_dev_ = nullptr;  // the same memory as the device sees it
-  uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the own area
+  uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the areas
   cudaStream_t side_ = nullptr;  // for that copy, beside a kernel that may be spinning
   std::atomic<uint64_t> op_seq_{0};
   uint64_t abort_seq_ = 0;  // op_seq_ + 1 at a host abort: the first call it can affect

@@ -1,6 +1,16 @@
-// The ring kernel of the p2p transport: one block per channel runs the schedule of Ring::run in
-// csrc/shm/protocol.cpp on its part of every chunk. Thread 0 waits and checks headers; the block
-// moves the data; thread 0 posts. Flags are release/acquire at system scope.
+// The kernels of the p2p transport. Data is pushed: a rank writes into the memory of the rank that
+// needs the data (16-byte stores) and raises a flag there; every wait polls the waiting rank's own
+// memory (relaxed loads, one acquire fence after success), so no wait crosses the link.
+//   ring:     one block per channel runs the schedule of csrc/ring/schedule.h on its part of every
+//             chunk; each message goes from the sender's input or FIFO straight into the
+//             receiver's FIFO. The receiver's FIFO is the one copy left (user tensors are not
+//             mapped by the peers): all-gather copies each arriving slice from it into the output.
+//   one-shot: every rank writes its input into every peer's direct buffer; each reduces the n
+//             inputs in rank order (bitwise identical on every rank).
+//   two-shot: every rank writes chunk p of its input to rank p; rank p reduces chunk p in rank
+//             order and writes the result into every rank's direct buffer, from which each copies
+//             it into its output. Remote bytes as the ring's, two dependent hops instead of 2(n-1).
+// Every message carries the call's header, checked against this rank's call from local memory.
 #include "cuda/kernels.h"
 #include "cuda/p2p.h"
 #include "cuda/platform.cuh"
@@ -9,8 +19,8 @@
 namespace ringreduce::cuda::p2p {
 namespace {
 
-// Flag polls between checks of abort words and the clock: an abort check reads peer memory, so it
-// is done every 64 polls (NCCL checks its abort flag every few hundred spins for the same reason).
+// Flag polls between checks of the abort words and the clock (NCCL checks its abort flag every few
+// hundred spins; these checks read local and host-mapped memory).
 constexpr uint32_t kPollsPerCheck = 64;
 
 // Where a block is in the schedule (for error records).
@@ -19,12 +29,7 @@ struct Where {
   int64_t slice;
 };
 
-struct Chan {
-  uint64_t sent, received;
-  uint32_t index;  // message index within the call
-};
-
-__device__ MsgHeader my_header(const RingArgs& a, uint64_t nbytes, uint32_t index) {
+__device__ MsgHeader my_header(const Args& a, uint64_t nbytes, uint32_t index) {
   MsgHeader h;
   h.op_seq = a.op_seq;
   h.numel = a.numel;
@@ -33,38 +38,70 @@ __device__ MsgHeader my_header(const RingArgs& a, uint64_t nbytes, uint32_t inde
   h.coll = a.coll;
   h.dtype = a.dtype;
   h.op = a.op;
-  h.pad = 0;
+  h.algo = a.algo;
   return h;
 }
 
-// Thread 0: waits until *ctr >= target. Returns 0, or the abort word that ended the wait; *local
-// tells whether this wait saw the cause itself (host abort, timeout) or learned of it.
-__device__ uint32_t wait_ge(const RingArgs& a, const uint64_t* ctr, uint64_t target,
-                            const Area* peer, bool* local) {
-  *local = true;
-  if (ld_acquire_sys(ctr) >= target) return 0;
-  const uint64_t t0 = globaltimer_ns();
-  for (uint32_t polls = 1;; ++polls) {
-    if (ld_acquire_sys(ctr) >= target) return 0;
-    spin_hint();
-    if (polls % kPollsPerCheck) continue;
-    if (ld_relaxed_sys(&a.ctl->abort)) return abort_word(kHostAbort, a.rank);
-    if (globaltimer_ns() - t0 > a.timeout_ns) return abort_word(kTimeout, a.rank);
-    *local = false;
-    uint32_t w = ld_relaxed_sys(&a.self->abort);  // another channel of this rank stopped
-    if (w) return w;
-    w = ld_relaxed_sys(&peer->abort);  // the neighbour stopped
-    if (w) return w;
-    *local = true;
-  }
+// Headers move as two 16-byte words through L2, like the data (the emulator counts them as data).
+static_assert(sizeof(MsgHeader) == 32, "MsgHeader is two 16-byte words");
+__device__ void put_header(MsgHeader* dst, const MsgHeader& h) {
+  uint4 w[2];
+  __builtin_memcpy(w, &h, sizeof h);
+  __stcg(reinterpret_cast<uint4*>(dst), w[0]);
+  __stcg(reinterpret_cast<uint4*>(dst) + 1, w[1]);
+}
+__device__ MsgHeader get_header(const MsgHeader* src) {
+  uint4 w[2];
+  w[0] = __ldcg(reinterpret_cast<const uint4*>(src));
+  w[1] = __ldcg(reinterpret_cast<const uint4*>(src) + 1);
+  MsgHeader h;
+  __builtin_memcpy(&h, w, sizeof h);
+  return h;
 }
 
-// Thread 0: records the first stop of this channel for the host and tells the neighbours.
-__device__ void record_stop(const RingArgs& a, uint32_t word, bool local, int peer, const Where& w,
+// Thread 0: waits until *ctr (in this rank's memory) >= target. Returns 0, or the abort word that
+// ended the wait; *local tells whether this wait saw the cause itself (host abort, timeout) or
+// learned of it from the abort word a peer or another block wrote here. *seen: the value read.
+__device__ uint32_t wait_ge(const Args& a, const uint64_t* ctr, uint64_t target, bool* local,
+                            uint64_t* seen = nullptr) {
+  *local = true;
+  uint64_t v = ld_relaxed_sys(ctr);
+  if (v < target) {
+    const uint64_t t0 = globaltimer_ns();
+    for (uint32_t polls = 1;; ++polls) {
+      v = ld_relaxed_sys(ctr);
+      if (v >= target) break;
+      spin_hint();
+      if (polls % kPollsPerCheck) continue;
+      if (ld_relaxed_sys(&a.ctl->abort)) return abort_word(kHostAbort, a.rank);
+      if (globaltimer_ns() - t0 > a.timeout_ns) return abort_word(kTimeout, a.rank);
+      const uint32_t w = ld_relaxed_sys(&a.self->abort);
+      if (w) {
+        *local = false;
+        return w;
+      }
+    }
+  }
+  fence_acquire_sys();
+  note_wait(ctr);
+  if (seen) *seen = v;
+  return 0;
+}
+
+__device__ void notify(Area* peer, uint32_t word) {
+  if (peer) atomicCAS_system(&peer->abort, 0u, word);
+}
+
+// Thread 0: records the first stop of this block for the host and writes the abort word into
+// every peer this rank can reach, so that their waits (on their own memory) stop too.
+__device__ void record_stop(const Args& a, uint32_t word, bool local, int peer, const Where& w,
                             bool slot, const MsgHeader& mine, const MsgHeader* got) {
-  // System scope: the neighbours poll this word from other GPUs (ld.relaxed.sys); a plain
-  // atomicCAS is device scope only and not guaranteed to become visible to them.
+  // System scope: the peers poll these words from other GPUs.
   atomicCAS_system(&a.self->abort, 0u, word);
+  notify(a.up, word);
+  notify(a.down, word);
+  for (int q = 0; q < a.nranks && q < kMaxPeers; ++q)
+    if (q != a.rank) notify(a.peer[q], word);
   volatile ErrorRecord* e = &a.ctl->err[blockIdx.x];
   if (e->word) return;
   e->local = local;
@@ -79,46 +116,68 @@ __device__ void record_stop(const RingArgs& a, uint32_t word, bool local, int pe
   e->word = word;
 }
 
-// Thread 0 waits for what the step needs: a message from upstream (and checks its header) and/or
-// a free slot at downstream. The block learns the outcome; false: stop.
-__device__ bool step_begin(const RingArgs& a, const Chan& c, bool recv, bool send,
-                           uint64_t expect_bytes, const Where& w) {
+// Thread 0: the cause (kOk, kMismatch, kBadSize) of a header that should describe `mine`.
+__device__ uint32_t check_header(const MsgHeader& got, const MsgHeader& mine) {
+  if (got.op_seq != mine.op_seq || got.coll != mine.coll || got.dtype != mine.dtype ||
+      got.op != mine.op || got.numel != mine.numel || got.algo != mine.algo)
+    return kMismatch;
+  if (got.nbytes != mine.nbytes || got.index != mine.index) return kBadSize;
+  return kOk;
+}
+
+// A group broken before this kernel started stops it here, and records that this call failed too
+// (the host tells a call's success by the first failed op_seq). Every thread returns the verdict.
+__device__ bool broken_at_start(const Args& a) {
+  __shared__ uint32_t s_broken;
+  if (threadIdx.x == 0) {
+    const uint32_t word = ld_relaxed_sys(&a.self->abort);
+    s_broken = word | ld_relaxed_sys(&a.ctl->abort);
+    if (s_broken) {
+      const uint32_t w = word ? word : abort_word(kHostAbort, a.rank);
+      record_stop(a, w, abort_rank(w) == a.rank, -1, Where{-1, 0, 0}, false, my_header(a, 0, 0),
+                  nullptr);
+    }
+  }
+  __syncthreads();
+  return s_broken != 0;
+}
+
+// ---- ring ------------------------------------------------------------------------------------------
+
+struct Chan {
+  uint64_t sent, received;
+  uint64_t credits;  // thread 0: the last credit count read (NCCL caches its peer's tail the same way)
+  uint32_t index;    // message index within the call
+};
+
+// Thread 0 waits for what the step needs: a message in this rank's FIFO (and checks its header)
+// and/or a free slot in downstream's FIFO (a credit). The block learns the outcome; false: stop.
+__device__ bool step_begin(const Args& a, Chan& c, bool recv, bool send, uint64_t expect_bytes,
+                           const Where& w) {
   __shared__ uint32_t s_stop;
   if (threadIdx.x == 0) {
     const int k = blockIdx.x;
     const int up = (a.rank + a.nranks - 1) % a.nranks, down = (a.rank + 1) % a.nranks;
-    const MsgHeader mine = my_header(a, expect_bytes, c.index);
+    MsgHeader mine = my_header(a, expect_bytes, 0);
     uint32_t stop = 0;
     bool local = true;
     if (recv) {
-      stop = wait_ge(a, &a.up->ch[k].posted.value, c.received + 1, a.up, &local);
+      stop = wait_ge(a, &a.self->ring[k].posted.value, c.received + 1, &local);
       if (stop) {
         record_stop(a, stop, local, up, w, false, mine, nullptr);
       } else {
-        MsgHeader got;
-        const volatile MsgHeader* h = &a.up->hdr[k][c.received % kSlots];
-        got.op_seq = h->op_seq;
-        got.numel = h->numel;
-        got.nbytes = h->nbytes;
-        got.index = h->index;
-        got.coll = h->coll;
-        got.dtype = h->dtype;
-        got.op = h->op;
-        got.pad = 0;
-        uint32_t cause = kOk;
-        if (got.op_seq != mine.op_seq || got.coll != mine.coll || got.dtype != mine.dtype ||
-            got.op != mine.op || got.numel != mine.numel)
-          cause = kMismatch;
-        else if (got.nbytes != expect_bytes)
-          cause = kBadSize;
+        const MsgHeader got = get_header(&a.self->ring_hdr[k][c.received % kSlots]);
+        mine.index = got.index;  // the ring numbers messages per sender; the schedule checks sizes
+        const uint32_t cause = check_header(got, mine);
         if (cause != kOk) {
           stop = abort_word(cause, a.rank);
           record_stop(a, stop, true, up, w, false, mine, &got);
         }
       }
     }
-    if (!stop && send && c.sent + 1 > static_cast<uint64_t>(kSlots)) {
-      stop = wait_ge(a, &a.down->ch[k].consumed.value, c.sent + 1 - kSlots, a.down, &local);
+    const uint64_t need = c.sent + 1 > static_cast<uint64_t>(kSlots) ? c.sent + 1 - kSlots : 0;
+    if (!stop && send && c.credits < need) {
+      stop = wait_ge(a, &a.self->ring[k].credits.value, need, &local, &c.credits);
       if (stop) record_stop(a, stop, local, down, w, true, mine, nullptr);
     }
     s_stop = stop;
@@ -127,40 +186,33 @@ __device__ bool step_begin(const RingArgs& a, const Chan& c, bool recv, bool sen
   return s_stop == 0;
 }
 
-// After the block has moved the data: thread 0 publishes the message (header, then posted) and/or
-// frees the upstream slot (consumed). The barrier orders every thread's accesses before them.
-__device__ void step_end(const RingArgs& a, Chan& c, bool recv, bool send, uint64_t send_bytes) {
+// After the block has moved the data: thread 0 writes the header into downstream's FIFO and raises
+// its posted count, and/or returns the slot to upstream (a credit). The barrier orders every
+// thread's accesses before them; the system fence makes the block's remote stores visible first.
+__device__ void step_end(const Args& a, Chan& c, bool recv, bool send, uint64_t send_bytes) {
   __syncthreads();
   if (threadIdx.x == 0) {
     const int k = blockIdx.x;
     if (send) {
-      volatile MsgHeader* h = &a.self->hdr[k][c.sent % kSlots];
-      const MsgHeader m = my_header(a, send_bytes, c.index);
-      h->op_seq = m.op_seq;
-      h->numel = m.numel;
-      h->nbytes = m.nbytes;
-      h->index = m.index;
-      h->coll = m.coll;
-      h->dtype = m.dtype;
-      h->op = m.op;
-      st_release_sys(&a.self->ch[k].posted.value, c.sent + 1);
+      put_header(&a.down->ring_hdr[k][c.sent % kSlots], my_header(a, send_bytes, c.index));
+      __threadfence_system();
+      st_release_sys(&a.down->ring[k].posted.value, c.sent + 1);
     }
-    if (recv) st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);
+    if (recv) st_release_sys(&a.up->ring[k].credits.value, c.received + 1);
   }
   if (send) ++c.sent, ++c.index;
   if (recv) ++c.received;
 }
 
 template <class T>
-__device__ __forceinline__ T* slot_at(const RingArgs& a, const char* data, uint64_t msg,
-                                      int64_t begin) {
+__device__ __forceinline__ T* slot_at(const Args& a, char* fifo, uint64_t msg, int64_t begin) {
   const uint64_t slot = static_cast<uint64_t>(blockIdx.x) * kSlots + msg % kSlots;
   const uint64_t shift = (static_cast<uint64_t>(begin) * sizeof(T)) & (kVecBytes - 1);
-  return reinterpret_cast<T*>(const_cast<char*>(data) + slot * a.slot_stride + shift);
+  return reinterpret_cast<T*>(fifo + slot * a.slot_stride + shift);
 }
 
 template <class T, RedOp Op>
-__global__ void __launch_bounds__(kThreads) ring_kernel(RingArgs a) {
+__global__ void __launch_bounds__(kThreads) ring_kernel(Args a) {
   const int n = a.nranks, r = a.rank, tid = threadIdx.x, nt = blockDim.x;
   const Coll coll = static_cast<Coll>(a.coll);
   const bool ar = coll == Coll::AllReduce;
@@ -168,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(RingArgs a) {
   const int64_t m = a.numel / n, S = a.slice_elems;
   auto part = [&](int c, int64_t j) {
     const ring::Span ch = ar ? ring::chunk(a.numel, n, c) : ring::Span{c * m, m};
-    return ring::slice(ring::channel_part(ch, a.nch, blockIdx.x), j, S);
+    return ring::slice(ring::channel_part(ch, a.blocks, blockIdx.x), j, S);
   };
   const T* in = static_cast<const T*>(a.in);
   T* out = static_cast<T*>(a.out);
@@ -176,46 +228,38 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(RingArgs a) {
   const int64_t out_shift = coll == Coll::ReduceScatter ? r * m : 0;
   const int64_t in_shift = coll == Coll::AllGather ? r * m : 0;
   const uint64_t es = sizeof(T);
+  if (broken_at_start(a)) return;
 
-  // A ring broken before this kernel started stops it here, and records that this call failed too
-  // (the host tells a call's success by the first failed op_seq).
-  __shared__ uint32_t s_broken;
+  // Where this channel's FIFOs stand: this rank's own counts (every earlier kernel of this group
+  // has finished: one stream). Read from memory, not passed at launch, so that a CUDA graph
+  // replaying this launch goes on from where the ring is now, not from where it was when captured.
+  __shared__ uint64_t s_sent, s_received, s_credits;
+  RingFlags* f = &a.self->ring[blockIdx.x];
   if (tid == 0) {
-    const uint32_t word = ld_relaxed_sys(&a.self->abort);
-    s_broken = word | ld_relaxed_sys(&a.ctl->abort);
-    if (s_broken) {
-      const uint32_t w = word ? word : abort_word(kHostAbort, r);
-      record_stop(a, w, abort_rank(w) == r, -1, Where{-1, 0, 0}, false, my_header(a, 0, 0), nullptr);
-    }
+    s_sent = ld_relaxed_sys(&f->sent.value);
+    s_received = ld_relaxed_sys(&f->received.value);
+    s_credits = 0;  // unknown: the first send that needs one reads it
   }
   __syncthreads();
-  if (s_broken) return;
-
-  // Where this channel's FIFO stands: its own counters (every earlier kernel of this ring has
-  // finished: one stream). Read from memory, not passed at launch, so that a CUDA graph replaying
-  // this launch goes on from where the ring is now, not from where it was when captured.
-  __shared__ uint64_t s_sent, s_received;
-  if (tid == 0) {
-    s_sent = ld_acquire_sys(&a.self->ch[blockIdx.x].posted.value);
-    s_received = ld_acquire_sys(&a.self->ch[blockIdx.x].consumed.value);
-  }
-  __syncthreads();
-  Chan c{s_sent, s_received, 0};
-  for (int64_t j = 0; j < a.num_slices; ++j) {
+  Chan c{s_sent, s_received, s_credits, 0};
+  char* mine = a.self_data;
+  char* theirs = a.down_data;
+  bool ok = true;
+  for (int64_t j = 0; ok && j < a.steps; ++j) {
     if (rs) {
       Where w{0, 0, j};
       const ring::Span sp = part(ring::rs_send_chunk(r, 0, n), j);
-      if (!step_begin(a, c, false, true, 0, w)) return;
-      span_op<T, RedOp::Sum, false>(slot_at<T>(a, a.self_data, c.sent, sp.begin), nullptr, in + sp.begin,
-                            nullptr, sp.count, 1, tid, nt);
+      if (!(ok = step_begin(a, c, false, true, 0, w))) break;
+      span_op<T, RedOp::Sum, false>(slot_at<T>(a, theirs, c.sent, sp.begin), nullptr, in + sp.begin,
+                                    nullptr, sp.count, 1, tid, nt);
       step_end(a, c, false, true, sp.count * es);
       for (int s = 0; s < n - 1; ++s) {
         w.step = s;
         const ring::Span rp = part(ring::rs_recv_chunk(r, s, n), j);
         const bool last = s == n - 2, send = !last || ag;
-        if (!step_begin(a, c, true, send, rp.count * es, w)) return;
-        const T* src = slot_at<T>(a, a.up_data, c.received, rp.begin);
-        T* fwd = send ? slot_at<T>(a, a.self_data, c.sent, rp.begin) : nullptr;
+        if (!(ok = step_begin(a, c, true, send, rp.count * es, w))) break;
+        const T* src = slot_at<T>(a, mine, c.received, rp.begin);
+        T* fwd = send ? slot_at<T>(a, theirs, c.sent, rp.begin) : nullptr;
         if (!last)  // recv, reduce, send
           span_op<T, Op, true>(fwd, nullptr, src, in + rp.begin, rp.count, 1, tid, nt);
         else  // recv, reduce, copy (the chunk is final here) and send it on for the all-gather
@@ -223,43 +267,213 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(RingArgs a) {
                                a.divisor, tid, nt);
         step_end(a, c, true, send, rp.count * es);
       }
+      if (!ok) break;
     }
     if (ag) {
       Where w{1, 0, j};
       if (!rs) {  // all-gather alone: this rank's chunk comes from the input
         const ring::Span sp = part(r, j);
         const T* src = in + (sp.begin - in_shift);
-        if (!step_begin(a, c, false, true, 0, w)) return;
-        span_op<T, RedOp::Sum, false>(slot_at<T>(a, a.self_data, c.sent, sp.begin),
-                              src != out + sp.begin ? out + sp.begin : nullptr, src, nullptr,
-                              sp.count, 1, tid, nt);
+        if (!(ok = step_begin(a, c, false, true, 0, w))) break;
+        span_op<T, RedOp::Sum, false>(slot_at<T>(a, theirs, c.sent, sp.begin),
+                                      src != out + sp.begin ? out + sp.begin : nullptr, src, nullptr,
+                                      sp.count, 1, tid, nt);
         step_end(a, c, false, true, sp.count * es);
       }
       for (int t = 0; t < n - 1; ++t) {
         w.step = t;
         const ring::Span rp = part(ring::ag_recv_chunk(r, t, n), j);
         const bool send = t < n - 2;  // recv, copy, send; the last step only copies
-        if (!step_begin(a, c, true, send, rp.count * es, w)) return;
-        const T* src = slot_at<T>(a, a.up_data, c.received, rp.begin);
-        span_op<T, RedOp::Sum, false>(out + rp.begin,
-                              send ? slot_at<T>(a, a.self_data, c.sent, rp.begin) : nullptr, src,
-                              nullptr, rp.count, 1, tid, nt);
+        if (!(ok = step_begin(a, c, true, send, rp.count * es, w))) break;
+        const T* src = slot_at<T>(a, mine, c.received, rp.begin);
+        span_op<T, RedOp::Sum, false>(out + rp.begin, send ? slot_at<T>(a, theirs, c.sent, rp.begin)
+                                                           : nullptr,
+                                      src, nullptr, rp.count, 1, tid, nt);
         step_end(a, c, true, send, rp.count * es);
       }
     }
   }
+  // Where the FIFOs stand for the next launch (also after a stop: the group is broken then).
+  __syncthreads();
+  if (tid == 0) {
+    f->sent.value = c.sent;
+    f->received.value = c.received;
+  }
+}
+
+// ---- one-shot and two-shot ----------------------------------------------------------------------
+
+// Slot of `source`'s data for phase ph of this block's round with parity par, in the direct buffer
+// at base (a rank's own, or a peer's).
+template <class T>
+__device__ __forceinline__ T* dslot(const Args& a, char* base, int par, int ph, int source,
+                                   int64_t begin) {
+  const uint64_t slot =
+      ((static_cast<uint64_t>(par) * 2 + ph) * kDirectBlocks + blockIdx.x) * a.nranks + source;
+  const uint64_t shift = (static_cast<uint64_t>(begin) * sizeof(T)) & (kVecBytes - 1);
+  return reinterpret_cast<T*>(base + slot * a.slot_stride + shift);
+}
+
+// Thread 0 publishes this block's phase-ph data of round i (already written by the block into the
+// peers' buffers: the barrier first) to every peer: header, system fence, then the round's flag.
+// bytes_for(p): the bytes written to rank p.
+template <class F>
+__device__ void post_all(const Args& a, int par, int ph, uint64_t seq, int64_t i, F bytes_for) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int p = 0; p < a.nranks; ++p)
+      if (p != a.rank)
+        put_header(&a.peer[p]->direct_hdr[par][ph][blockIdx.x][a.rank],
+                   my_header(a, bytes_for(p), static_cast<uint32_t>(i)));
+    __threadfence_system();
+    for (int p = 0; p < a.nranks; ++p)
+      if (p != a.rank) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);
+  }
+}
+
+// Thread 0 waits until every peer's phase-ph data of round i has arrived here and checks their
+// headers; bytes_for(q): what rank q must have sent. The block learns the outcome; false: stop.
+template <class F>
+__device__ bool wait_all(const Args& a, int par, int ph, uint64_t seq, int64_t i, F bytes_for) {
+  __shared__ uint32_t s_stop;
+  if (threadIdx.x == 0) {
+    uint32_t stop = 0;
+    for (int k = 1; k < a.nranks && !stop; ++k) {
+      const int q = (a.rank + k) % a.nranks;
+      MsgHeader mine = my_header(a, bytes_for(q), static_cast<uint32_t>(i));
+      const Where w{2 + ph, q, i};
+      bool local = true;
+      stop = wait_ge(a, &a.self->direct[blockIdx.x].arrived[ph].from[q], seq, &local);
+      if (stop) {
+        record_stop(a, stop, local, q, w, false, mine, nullptr);
+        break;
+      }
+      const MsgHeader got = get_header(&a.self->direct_hdr[par][ph][blockIdx.x][q]);
+      const uint32_t cause = check_header(got, mine);
+      if (cause != kOk) {
+        stop = abort_word(cause, a.rank);
+        record_stop(a, stop, true, q, w, false, mine, &got);
+      }
+    }
+    s_stop = stop;
+  }
+  __syncthreads();
+  return s_stop == 0;
+}
+
+template <class T, RedOp Op>
+__global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
+  const int n = a.nranks, r = a.rank, tid = threadIdx.x, nt = blockDim.x;
+  const Coll coll = static_cast<Coll>(a.coll);
+  const bool oneshot = static_cast<Algo>(a.algo) == Algo::OneShot;
+  const bool ar = coll == Coll::AllReduce;
+  const bool scatter = coll != Coll::AllGather, gather = coll != Coll::ReduceScatter;
+  const int64_t m = a.numel / n;
+  // The span this block moves in round i: of the whole tensor (one-shot) or of chunk c (two-shot).
+  auto part = [&](int c, int64_t i) {
+    const ring::Span ch = oneshot ? ring::Span{0, a.numel}
+                                  : ar ? ring::chunk(a.numel, n, c) : ring::Span{c * m, m};
+    return ring::slice(ring::channel_part(ch, a.blocks, blockIdx.x), i, a.slice_elems);
+  };
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  const int64_t out_shift = coll == Coll::ReduceScatter ? r * m : 0;
+  const int64_t in_shift = coll == Coll::AllGather ? r * m : 0;
+  const uint64_t es = sizeof(T);
+  if (broken_at_start(a)) return;
+
+  // Rounds alternate between two halves of every direct buffer (parity). Writing round s into a
+  // peer needs that peer done with round s - 2 there: it is, since this rank has finished round
+  // s - 1, which needed the peer's data of round s - 1, sent after its round s - 2 (whatever
+  // collective or algorithm ran in between: each needs every rank's data). So no credits.
+  __shared__ uint64_t s_seq;
+  DirectFlags* f = &a.self->direct[blockIdx.x];
+  if (tid == 0) s_seq = ld_relaxed_sys(&f->seq.value);
+  __syncthreads();
+  uint64_t seq = s_seq;
+  T* dst[kMaxSpanPtrs];
+  const T* src[kMaxSpanPtrs];
+  for (int64_t i = 0; i < a.steps; ++i) {
+    const int par = static_cast<int>(++seq & 1);
+    if (oneshot) {
+      // Every rank's input to every rank; each reduces all n in rank order.
+      const ring::Span P = part(0, i);
+      int nd = 0;
+      for (int p = 0; p < n; ++p)
+        if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], par, 0, r, P.begin);
+      src[0] = in + P.begin;
+      span_multi<T, RedOp::Sum>(dst, nd, src, 1, P.count, 1, tid, nt);
+      post_all(a, par, 0, seq, i, [&](int) { return P.count * es; });
+      if (!wait_all(a, par, 0, seq, i, [&](int) { return P.count * es; })) break;
+      for (int q = 0; q < n; ++q) src[q] = q == r ? in + P.begin : dslot<T>(a, a.self_data, par, 0, q, P.begin);
+      dst[0] = out + P.begin;
+      span_multi<T, Op>(dst, 1, src, n, P.count, a.divisor, tid, nt);
+      continue;
+    }
+    const ring::Span mine = part(r, i);
+    if (scatter) {
+      // Chunk p of this rank's input to rank p.
+      for (int p = 0; p < n; ++p) {
+        if (p == r) continue;
+        const ring::Span sp = part(p, i);
+        dst[0] = dslot<T>(a, a.peer_data[p], par, 0, r, sp.begin);
+        src[0] = in + sp.begin;
+        span_multi<T, RedOp::Sum>(dst, 1, src, 1, sp.count, 1, tid, nt);
+      }
+      post_all(a, par, 0, seq, i, [&](int p) { return part(p, i).count * es; });
+      if (!wait_all(a, par, 0, seq, i, [&](int) { return mine.count * es; })) break;
+      // Chunk r reduced in rank order, into the output and (all-reduce) every peer's buffer.
+      for (int q = 0; q < n; ++q)
+        src[q] = q == r ? in + mine.begin : dslot<T>(a, a.self_data, par, 0, q, mine.begin);
+      int nd = 0;
+      dst[nd++] = out + (mine.begin - out_shift);
+      if (gather)
+        for (int p = 0; p < n; ++p)
+          if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], par, 1, r, mine.begin);
+      span_multi<T, Op>(dst, nd, src, n, mine.count, a.divisor, tid, nt);
+    } else {
+      // All-gather alone: this rank's chunk from its input to every peer (and to its own output).
+      int nd = 0;
+      const T* s0 = in + (mine.begin - in_shift);
+      for (int p = 0; p < n; ++p)
+        if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], par, 1, r, mine.begin);
+      if (s0 != out + mine.begin) dst[nd++] = out + mine.begin;
+      src[0] = s0;
+      span_multi<T, RedOp::Sum>(dst, nd, src, 1, mine.count, 1, tid, nt);
+    }
+    if (!gather) continue;
+    post_all(a, par, 1, seq, i, [&](int) { return mine.count * es; });
+    if (!wait_all(a, par, 1, seq, i, [&](int q) { return part(q, i).count * es; })) break;
+    for (int q = 0; q < n; ++q) {
+      if (q == r) continue;
+      const ring::Span sp = part(q, i);
+      dst[0] = out + sp.begin;
+      src[0] = dslot<T>(a, a.self_data, par, 1, q, sp.begin);
+      span_multi<T, RedOp::Sum>(dst, 1, src, 1, sp.count, 1, tid, nt);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) f->seq.value = seq;
 }
 
 }  // namespace
 
-void launch_ring(const RingArgs& a, cudaStream_t stream) {
-  if (a.nch < 1 || a.nch > kMaxChannels || a.nranks < 2)
-    throw std::invalid_argument("ringreduce: launch_ring: bad channel or rank count");
+void launch(const Args& a, cudaStream_t stream) {
+  const Algo algo = static_cast<Algo>(a.algo);
+  const bool direct = algo == Algo::OneShot || algo == Algo::TwoShot;
+  if (a.nranks < 2 || a.blocks < 1 || a.blocks > (direct ? kDirectBlocks : kMaxChannels) ||
+      (direct && a.nranks > kMaxPeers) || (!direct && algo != Algo::Ring))
+    throw std::invalid_argument("ringreduce: p2p launch: bad algorithm, block or rank count");
   dispatch_dtype(static_cast<DType>(a.dtype), [&](auto tag) {
     using T = decltype(tag);
     dispatch_op(static_cast<RedOp>(a.op), [&](auto optag) {
-      constexpr auto kernel = &ring_kernel<T, decltype(optag)::value>;
-      RR_LAUNCH(kernel, a.nch, kThreads, stream, a);
+      if (direct) {
+        constexpr auto kernel = &direct_kernel<T, decltype(optag)::value>;
+        RR_LAUNCH(kernel, a.blocks, kThreads, stream, a);
+      } else {
+        constexpr auto kernel = &ring_kernel<T, decltype(optag)::value>;
+        RR_LAUNCH(kernel, a.blocks, kThreads, stream, a);
+      }
     });
   });
   RR_CUDA_CHECK(cudaGetLastError());

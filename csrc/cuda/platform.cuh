@@ -37,6 +37,16 @@ __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
   asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// Flag polls: relaxed (no L1 invalidation per spin, as ld.acquire does), then one acquire fence
+// once the flag is seen.
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_acquire_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// The emulator's cost model hears of every completed wait (tests/native/emu/README.md); nothing here.
+__device__ __forceinline__ void note_wait(const void*) {}
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -48,8 +58,15 @@ __device__ __forceinline__ void spin_hint() {}
 #else
 
 inline uint64_t ld_acquire_sys(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-inline void st_release_sys(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline void st_release_sys(uint64_t* p, uint64_t v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+  ::emu::cost_flag_store(p);
+}
 inline uint32_t ld_relaxed_sys(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline uint64_t ld_relaxed_sys(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void fence_acquire_sys() { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
+// A wait on flag p has ended: the emulator's cost model advances this block's clock.
+inline void note_wait(const void* p) { ::emu::cost_wait(p); }
 inline uint64_t globaltimer_ns() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                    std::chrono::steady_clock::now().time_since_epoch())

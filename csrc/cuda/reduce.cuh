@@ -168,6 +168,68 @@ __device__ void span_op(T* d0, T* d1, const T* a, const T* b, int64_t n, int div
   }
 }
 
+// Cooperative over the threads of one block, for the direct algorithms:
+//   v[i] = src[0][i] op src[1][i] op ... op src[ns-1][i], in that order, accumulated in the compute
+//   type and rounded once (divided by div when div > 1); ns == 1 copies. v[i] is stored to every
+//   dst[0..nd). Sources in rank order give every rank the same bits.
+// Vectorized (16 bytes) where every pointer has the same alignment mod 16, else element by element.
+constexpr int kMaxSpanPtrs = 17;  // a rank's own output plus kMaxPeers destinations
+template <class T, RedOp Op>
+__device__ void span_multi(T* const* dst, int nd, const T* const* src, int ns, int64_t n, int div,
+                           int tid, int nthreads) {
+  if (n <= 0) return;
+  using N = Num<T>;
+  using C = typename N::C;
+  constexpr int K = 16 / sizeof(T);
+  const uintptr_t m = reinterpret_cast<uintptr_t>(src[0]) & 15;
+  bool same = m % sizeof(T) == 0;
+  for (int q = 1; q < ns; ++q) same = same && (reinterpret_cast<uintptr_t>(src[q]) & 15) == m;
+  for (int d = 0; d < nd; ++d) same = same && (reinterpret_cast<uintptr_t>(dst[d]) & 15) == m;
+  int64_t head = n;
+  if (same) {
+    head = static_cast<int64_t>(((16 - m) & 15) / sizeof(T));
+    if (head > n) head = n;
+  }
+  const int64_t nv = (n - head) / K;
+  auto one = [&](int64_t i) {
+    C acc = N::up(load1(src[0] + i));
+    for (int q = 1; q < ns; ++q) acc = apply<Op>(acc, N::up(load1(src[q] + i)));
+    if (div > 1) {
+      if constexpr (std::is_integral_v<C>) acc = static_cast<C>(static_cast<int64_t>(acc) / div);
+      else acc = acc / static_cast<C>(div);
+    }
+    const T v = N::down(acc);
+    for (int d = 0; d < nd; ++d) store1(dst[d] + i, v);
+  };
+  for (int64_t i = tid; i < head; i += nthreads) one(i);
+  for (int64_t i = head + nv * K + tid; i < n; i += nthreads) one(i);
+  for (int64_t i = tid; i < nv; i += nthreads) {
+    T x[K];
+    C acc[K];
+    uint4 v = __ldcg(reinterpret_cast<const uint4*>(src[0] + head) + i);
+    __builtin_memcpy(x, &v, 16);
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[k] = N::up(x[k]);
+    for (int q = 1; q < ns; ++q) {
+      v = __ldcg(reinterpret_cast<const uint4*>(src[q] + head) + i);
+      __builtin_memcpy(x, &v, 16);
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] = apply<Op>(acc[k], N::up(x[k]));
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      C c = acc[k];
+      if (div > 1) {
+        if constexpr (std::is_integral_v<C>) c = static_cast<C>(static_cast<int64_t>(c) / div);
+        else c = c / static_cast<C>(div);
+      }
+      x[k] = N::down(c);
+    }
+    __builtin_memcpy(&v, x, 16);
+    for (int d = 0; d < nd; ++d) __stcg(reinterpret_cast<uint4*>(dst[d] + head) + i, v);
+  }
+}
+
 // Host-side dispatch: f(T{}) for the element type of t.
 template <class F>
 void dispatch_dtype(DType t, F&& f) {

@@ -101,10 +101,15 @@ inline double value(rr::DType t, int64_t i, int salt) {
   return t == rr::DType::U8 ? static_cast<double>(v % 4) : static_cast<double>(v - 2);
 }
 
+// p: the allocation plus offset bytes (an unaligned buffer when offset % 16 != 0).
 struct DevBuf {
   char* p = nullptr;
-  explicit DevBuf(size_t bytes) { RR_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1)); }
-  ~DevBuf() { cudaFree(p); }
+  size_t offset = 0;
+  explicit DevBuf(size_t bytes, size_t off = 0) : offset(off) {
+    RR_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
+    p += offset;
+  }
+  ~DevBuf() { cudaFree(p - offset); }
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
 };
@@ -121,8 +126,9 @@ struct Rank {
 // chunk of the input; all_gather: input = this rank's chunk of the output) or not; checks every
 // rank's output exactly, that nothing past the output was written, that an out-of-place input is
 // untouched, and that all_reduce/all_gather results are bitwise the same on every rank.
+// shift: the tensors start this many elements past a 16-byte aligned address (unaligned tensors).
 inline void check_collective(std::vector<Rank>& ranks, rr::Coll coll, rr::DType t, rr::RedOp op,
-                             int64_t numel, bool inplace, const char* what) {
+                             int64_t numel, bool inplace, const char* what, int shift = 0) {
   const int n = static_cast<int>(ranks.size());
   const size_t es = rr::dtype_size(t);
   const int64_t m = numel / n;
@@ -138,14 +144,14 @@ inline void check_collective(std::vector<Rank>& ranks, rr::Coll coll, rr::DType 
     host_in[r].assign((big + 1) * es, 0x5a);
     for (int64_t i = 0; i < in_n; ++i)
       put(t, &host_in[r][((ag && inplace ? r * m : 0) + i) * es], value(t, i + (ag ? r * m : 0), r));
-    ins.push_back(std::make_unique<DevBuf>((big + 1) * es));
+    ins.push_back(std::make_unique<DevBuf>((big + 1 + shift) * es, shift * es));
     RR_CUDA_CHECK(cudaMemcpy(ins[r]->p, host_in[r].data(), (big + 1) * es, cudaMemcpyHostToDevice));
     if (coll == rr::Coll::AllReduce || inplace) {
       outs.push_back(nullptr);
       in_p[r] = ins[r]->p + (ag && inplace ? r * m * es : 0);
       out_p[r] = ins[r]->p + (rs && inplace ? r * m * es : 0);
     } else {
-      outs.push_back(std::make_unique<DevBuf>((out_n + 1) * es));
+      outs.push_back(std::make_unique<DevBuf>((out_n + 1 + shift) * es, shift * es));
       RR_CUDA_CHECK(cudaMemset(outs[r]->p, 0x5a, (out_n + 1) * es));
       in_p[r] = ins[r]->p;
       out_p[r] = outs[r]->p;
@@ -225,7 +231,8 @@ inline void run_test(int argc, char** argv, const char* name, const std::functio
 }
 
 // Every collective x dtype x op x size, in place and not, on one set of ranks (many calls in a row).
-inline int sweep(std::vector<Rank>& ranks, const std::vector<int64_t>& sizes, const char* what) {
+inline int sweep(std::vector<Rank>& ranks, const std::vector<int64_t>& sizes, const char* what,
+                 int shift = 0) {
   const int n = static_cast<int>(ranks.size());
   int cases = 0;
   for (rr::Coll coll : {rr::Coll::AllReduce, rr::Coll::ReduceScatter, rr::Coll::AllGather})
@@ -236,7 +243,7 @@ inline int sweep(std::vector<Rank>& ranks, const std::vector<int64_t>& sizes, co
           const int64_t total = coll == rr::Coll::AllReduce ? numel : (numel / n) * n;
           for (bool inplace : {true, false}) {
             if (coll == rr::Coll::AllReduce && !inplace) continue;
-            check_collective(ranks, coll, t, op, total, inplace, what);
+            check_collective(ranks, coll, t, op, total, inplace, what, shift);
             ++cases;
           }
         }

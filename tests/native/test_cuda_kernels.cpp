@@ -108,7 +108,9 @@ static void test_avg_wide_divisor() {
 struct Group {
   std::vector<std::unique_ptr<rc::p2p::Ring>> rings;
   std::vector<Rank> ranks;
-  Group(int n, int channels, size_t slice_bytes, double timeout_s) {
+  Group(int n, int channels, size_t slice_bytes, double timeout_s,
+        rc::p2p::Algo algo = rc::p2p::Algo::Auto, bool exact = false,
+        size_t direct_slot_bytes = rc::p2p::kDefaultDirectSlotBytes) {
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
       rc::p2p::Options o;
@@ -117,6 +119,9 @@ struct Group {
       o.channels = channels;
       o.slice_bytes = slice_bytes;
       o.timeout_s = timeout_s;
+      o.algo = algo;
+      o.exact = exact;
+      o.direct_slot_bytes = direct_slot_bytes;
       rings.push_back(std::make_unique<rc::p2p::Ring>(o));
       Rank k;
       k.device = device_of(r);
@@ -126,14 +131,18 @@ struct Group {
       k.failure = [ring] { return ring->failure(); };
       ranks.push_back(k);
     }
+    std::vector<std::string> handles;
+    std::vector<const rc::p2p::Ring*> all;
+    for (auto& ring : rings) {
+      handles.push_back(ring->handle());
+      all.push_back(ring.get());
+    }
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
-      auto& up = *rings[(r + n - 1) % n];
-      auto& down = *rings[(r + 1) % n];
 #ifdef RINGREDUCE_EMU
-      rings[r]->connect(up.handle(), down.handle());  // the path of real ranks: IPC mappings
+      rings[r]->connect(handles);  // the path of real ranks: IPC mappings
 #else
-      rings[r]->connect_local(up, down);
+      rings[r]->connect_local(all);
 #endif
     }
   }
@@ -148,16 +157,23 @@ struct Group {
 static void test_ring() {
   int cases = 0;
   const auto t0 = Clock::now();
+  using rc::p2p::Algo;
   for (int n = 2; n <= 4; ++n) {
-    // A tiny slice (64 B) forces many pipeline steps (thousands per chunk at the largest size);
-    // the defaults show the usual path.
-    const size_t slices[] = {64, rc::p2p::kDefaultSliceBytes};
-    const int channels[] = {3, rc::p2p::kDefaultChannels};
-    for (int c = 0; c < 2; ++c) {
-      Group g(n, channels[c], slices[c], 20.0);
-      char what[64];
-      std::snprintf(what, sizeof what, "p2p n=%d slice=%zu", n, slices[c]);
-      cases += sweep(g.ranks, {0, 1, n - 1, n + 1, 1000 * n + 7, 3 * 65536 + 5}, what);
+    // Each algorithm forced, with tiny slices/slots (64 B: many pipeline steps or rounds per call)
+    // and 3 blocks; then the defaults, where the plan picks algorithm, blocks and slices by size
+    // (several algorithms on one communicator, call after call).
+    struct Config { Algo algo; bool exact; size_t slice, slot; int channels; int shift; };
+    const Config configs[] = {
+        {Algo::Ring, true, 64, 64, 3, 0},       {Algo::OneShot, true, 64, 64, 3, 0},
+        {Algo::TwoShot, true, 64, 64, 3, 1},    {Algo::Auto, false, rc::p2p::kDefaultSliceBytes,
+                                                 rc::p2p::kDefaultDirectSlotBytes,
+                                                 rc::p2p::kDefaultChannels, 0}};
+    for (const Config& c : configs) {
+      Group g(n, c.channels, c.slice, 20.0, c.algo, c.exact, c.slot);
+      char what[96];
+      std::snprintf(what, sizeof what, "p2p n=%d %s slice=%zu slot=%zu shift=%d", n,
+                    rc::p2p::algo_name(c.algo), c.slice, c.slot, c.shift);
+      cases += sweep(g.ranks, {0, 1, n - 1, n + 1, 1000 * n + 7, 3 * 65536 + 5}, what, c.shift);
     }
   }
   std::printf("p2p ring: %d cases (%.1f s)\n", cases, seconds_since(t0));
@@ -295,8 +311,8 @@ static void test_replayed_launches_stay_in_step() {
     for (int r = 0; r < n; ++r) g.rings[r]->run(g.call(numel, *bufs[r]), g.ranks[r].stream);
     if (round == 0)
       for (int replay = 0; replay < 2; ++replay)
-        for (int r = 0; r < n; ++r) rc::p2p::launch_ring(g.rings[r]->args(g.call(numel, *bufs[r])),
-                                                          g.ranks[r].stream);
+        for (int r = 0; r < n; ++r) rc::p2p::launch(g.rings[r]->args(g.call(numel, *bufs[r])),
+                                                     g.ranks[r].stream);
   }
   sync_all(g);
   const float want = S * n * n * n;

@@ -33,6 +33,15 @@ namespace emu {
 
 thread_local dim3 block_idx, block_dim, grid_dim;
 
+// cost.cpp
+void cost_map(const void* base, size_t bytes, int device, uint64_t id);
+void cost_unmap(const void* base);
+void cost_block_begin(int device, uint64_t clock);
+uint64_t cost_block_end();
+void cost_kernel_end(int device, uint64_t clock);
+void cost_copy(int device, const void* dst, const void* src, size_t bytes);
+void cost_reset_stream_clocks();
+
 namespace {
 
 constexpr int kMaxDevices = 64;
@@ -185,7 +194,10 @@ void make_fiber(Fiber& f) {
 #endif
 }
 
-void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdim, uint64_t seed) {
+void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdim, uint64_t seed,
+               int device, uint64_t clock, uint64_t* end_clock) {
+  tl_device = device;
+  cost_block_begin(device, clock);
   block_idx = bidx;
   block_dim = bdim;
   grid_dim = gdim;
@@ -224,6 +236,7 @@ void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdi
     if (b.yielded) sched_yield();
   }
   tl_block = nullptr;
+  *end_clock = cost_block_end();
   std::lock_guard<std::mutex> lk(g_stacks_mu);
   for (Fiber& f : b.fibers) g_stacks.push_back(f.stack);
 }
@@ -259,6 +272,7 @@ using emu::tl_device;
 // ---- streams and events ----------------------------------------------------------------------------
 struct CUstream_st {
   int device = 0;
+  uint64_t clock = 0;  // the cost model's clock: where the last kernel on this stream ended
   std::atomic<bool> capturing{false};  // emu_set_capturing
   std::mutex mu;
   std::condition_variable cv;
@@ -508,6 +522,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   const uint64_t id = g_next_id++;
   g_dev[reinterpret_cast<uintptr_t>(m)] = Alloc{static_cast<char*>(m), mapped, tl_device, id};
   g_dev_by_id[id] = reinterpret_cast<uintptr_t>(m);
+  emu::cost_map(m, mapped, tl_device, id);
   *p = m;
   return cudaSuccess;
 }
@@ -518,6 +533,7 @@ cudaError_t cudaFree(void* p) {
   auto it = g_dev.find(reinterpret_cast<uintptr_t>(p));
   if (it == g_dev.end() || it->second.freed) return fail(cudaErrorInvalidValue);
   Alloc& a = it->second;
+  emu::cost_unmap(a.base);
   if (a.opened > 0) {  // still mapped by a peer: it reads whatever the memory is reused for
     std::memset(a.base, emu::kFreedByte, a.mapped);
     munmap(a.base, a.mapped);
@@ -560,7 +576,13 @@ cudaError_t cudaFreeHost(void* p) {
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t s) {
   EMU_ENTER();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
-  if (bytes) resolve(s)->push([=] { std::memmove(dst, src, bytes); });
+  if (bytes) {
+    const int dev = resolve(s)->device;
+    resolve(s)->push([=] {
+      emu::cost_copy(dev, dst, src, bytes);
+      std::memmove(dst, src, bytes);
+    });
+  }
   return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
@@ -724,6 +746,7 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned) 
   if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
   ++a.opened;
   g_alias[reinterpret_cast<uintptr_t>(m)] = id;
+  emu::cost_map(m, a.mapped, a.device, id);
   *p = m;
   return cudaSuccess;
 }
@@ -734,6 +757,7 @@ cudaError_t cudaIpcCloseMemHandle(void* p) {
   if (it == g_alias.end()) return fail(cudaErrorInvalidValue);
   auto id = g_dev_by_id.find(it->second);
   Alloc& a = g_dev[id->second];
+  emu::cost_unmap(p);
   munmap(p, a.mapped);
   g_alias.erase(it);
   if (--a.opened == 0 && a.freed) {
@@ -779,14 +803,23 @@ void emu::launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void(
   dim3 run = block;
   if (block.y == 1 && block.z == 1) run.x = std::min<unsigned>(block.x, g_block_threads);
   const uint64_t seed = ++g_launches * 0x9e3779b97f4a7c15ull;
-  resolve(stream)->push([grid, run, blocks, seed, body = std::move(body)] {
+  CUstream_st* st = resolve(stream);
+  resolve(stream)->push([st, grid, run, blocks, seed, body = std::move(body)] {
     std::vector<std::thread> ths;
+    std::vector<uint64_t> ends(blocks, 0);
     ths.reserve(blocks);
     for (uint64_t b = 0; b < blocks; ++b) {
       const dim3 idx(static_cast<unsigned>(b % grid.x), static_cast<unsigned>(b / grid.x % grid.y),
                      static_cast<unsigned>(b / (static_cast<uint64_t>(grid.x) * grid.y)));
-      ths.emplace_back(run_block, &body, idx, run, grid, seed + b);
+      ths.emplace_back(run_block, &body, idx, run, grid, seed + b, st->device, st->clock, &ends[b]);
     }
     for (std::thread& t : ths) t.join();
+    st->clock = *std::max_element(ends.begin(), ends.end());
+    cost_kernel_end(st->device, st->clock);
   });
+}
+
+void emu::cost_reset_stream_clocks() {
+  std::lock_guard<std::mutex> lk(g_streams_mu);
+  for (CUstream_st* s : g_streams) s->clock = 0;
 }

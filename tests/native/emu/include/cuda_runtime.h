@@ -7,6 +7,7 @@
 // fibers on it, which switch at __syncthreads() and in spin loops (spin_hint). __shared__ is
 // thread_local storage: one copy per OS thread, i.e. per block.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -146,6 +147,12 @@ void syncthreads();
 void spin_hint();
 // Enqueues body on stream to run grid x block times; a bad configuration sets the last error.
 void launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void()> body);
+// The cost model (cost.cpp; emu_cost_* in emu.h): hooks of data accesses, flag stores and
+// completed waits, called by the device code below and by csrc/cuda/platform.cuh.
+extern std::atomic<bool> cost_enabled;
+void cost_access(const void* p, size_t bytes, bool store);
+void cost_flag_store(const void* p);
+void cost_wait(const void* p);
 }  // namespace emu
 
 #define threadIdx (::emu::thread_idx())
@@ -163,6 +170,13 @@ inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned value) {
 inline unsigned atomicCAS_system(unsigned* p, unsigned compare, unsigned value) {
   return atomicCAS(p, compare, value);
 }
-// Cache-hint loads and stores: plain accesses on the CPU (its caches are coherent).
-template <class T> inline T __ldcg(const T* p) { return *p; }
-template <class T> inline void __stcg(T* p, T v) { *p = v; }
+// Cache-hint loads and stores: plain accesses on the CPU (its caches are coherent). The kernels
+// move all their data through these, so the cost model counts it here.
+template <class T> inline T __ldcg(const T* p) {
+  if (::emu::cost_enabled.load(std::memory_order_relaxed)) ::emu::cost_access(p, sizeof(T), false);
+  return *p;
+}
+template <class T> inline void __stcg(T* p, T v) {
+  if (::emu::cost_enabled.load(std::memory_order_relaxed)) ::emu::cost_access(p, sizeof(T), true);
+  *p = v;
+}

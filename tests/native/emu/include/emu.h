@@ -23,4 +23,18 @@ void emu_clear_fault(int device);
 int emu_block_threads();
 // Kernel launches executed so far.
 uint64_t emu_launches();
+
+// The cost model (tests/native/emu/cost.cpp): what each device did since the last reset.
+struct EmuCost {
+  uint64_t remote_read, remote_write;  // bytes of other devices' memory (through IPC mappings)
+  uint64_t local_read, local_write;    // bytes of its own memory (kernels and device copies)
+  uint64_t remote_waits, local_waits;  // completed waits on a flag in another device's / own memory
+  uint64_t remote_posts;               // flag stores into another device's memory
+  uint64_t launches;                   // kernels
+  uint64_t half_round_trips;           // the latest clock a kernel of this device ended at
+};
+void emu_cost_enable(int on);
+// Zero every count, clock and flag stamp (streams restart at time 0).
+void emu_cost_reset(void);
+void emu_cost_get(int device, struct EmuCost* out);
 }
