@@ -35,7 +35,11 @@ smoke = pytest.mark.smoke
 NCCL_ENV = {"RINGREDUCE_TRANSPORT": "nccl", "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 P2P_ENV = {"RINGREDUCE_TRANSPORT": "p2p"}
 # Test-only knobs: tiny slices / staging force many pipeline steps and pieces per chunk.
-P2P_TINY = {**P2P_ENV, "RINGREDUCE_CUDA_SLICE_BYTES": "256", "RINGREDUCE_CUDA_CHANNELS": "3"}
+P2P_TINY = {**P2P_ENV, "RINGREDUCE_CUDA_SLICE_BYTES": "256", "RINGREDUCE_CUDA_CHANNELS": "3",
+            "RINGREDUCE_CUDA_ALGO": "ring"}
+# Each p2p algorithm forced, with tiny direct slots (many rounds per call).
+P2P_ALGO = {algo: {**P2P_ENV, "RINGREDUCE_CUDA_ALGO": algo, "RINGREDUCE_CUDA_SLOT_BYTES": "256"}
+            for algo in ("oneshot", "twoshot")}
 NCCL_TINY = {**NCCL_ENV, "RINGREDUCE_NCCL_STAGING_BYTES": "4096"}
 TRANSPORTS = pytest.mark.parametrize("env", [P2P_ENV, NCCL_ENV], ids=["p2p", "nccl"])
 
@@ -152,6 +156,11 @@ SWEEPS = {
                         lambda w: [1, w + 1, 4099]),
     "nccl_tiny_staging": (NCCL_TINY, [2, 3], (torch.float32, torch.int32),
                           lambda w: [w + 1, 20_011]),
+    # the direct algorithms forced (the default sweep above runs the plans by size: mostly these)
+    "p2p_oneshot": (P2P_ALGO["oneshot"], [2, 3, 4], (torch.float32, torch.bfloat16, torch.int8),
+                    lambda w: [0, 1, w + 1, 4099, 100_003]),
+    "p2p_twoshot": (P2P_ALGO["twoshot"], [2, 3, 4], (torch.float32, torch.float16, torch.int64),
+                    lambda w: [0, 1, w + 1, 4099, 100_003]),
 }
 
 

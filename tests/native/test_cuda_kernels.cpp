@@ -185,46 +185,54 @@ static void sync_all(Group& g) {
 }
 
 
+const rc::p2p::Algo kAlgos[] = {rc::p2p::Algo::Ring, rc::p2p::Algo::OneShot, rc::p2p::Algo::TwoShot};
+
 // Rank n-1 never calls: the others stop within the timeout, saying why; the ring stays broken.
+// On each algorithm.
 static void test_timeout() {
-  DevBuf buf(4096 * 4);
-  Group g(3, 2, 4096, 1.0);
-  const auto t0 = Clock::now();
-  for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
-  sync_all(g);
-  EXPECT(seconds_since(t0) < 5, "the silent rank was noticed after %.1f s (timeout 1 s)", seconds_since(t0));
-  bool timed_out = false;
-  for (int r = 0; r < 2; ++r) {
-    const std::string f = g.rings[r]->failure();
-    timed_out |= contains(f, "timed out after 1 s waiting for");
-    EXPECT(contains(f, "timed out") || contains(f, "stopped because"), "rank %d: failure is '%s'", r, f.c_str());
-    EXPECT(g.rings[r]->failed_seq() == 1, "rank %d: first failed call %llu, want 1", r,
-           (unsigned long long)g.rings[r]->failed_seq());
-    EXPECT(run_throws(g.ranks[r], r, buf, "broken by an earlier failure"), "rank %d: a broken ring accepted a call", r);
+  for (rc::p2p::Algo algo : kAlgos) {
+    DevBuf buf(4096 * 4);
+    Group g(3, 2, 4096, 1.0, algo);
+    const auto t0 = Clock::now();
+    for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
+    sync_all(g);
+    EXPECT(seconds_since(t0) < 5, "%s: the silent rank was noticed after %.1f s (timeout 1 s)",
+           rc::p2p::algo_name(algo), seconds_since(t0));
+    bool timed_out = false;
+    for (int r = 0; r < 2; ++r) {
+      const std::string f = g.rings[r]->failure();
+      timed_out |= contains(f, "timed out after 1 s waiting for");
+      EXPECT(contains(f, "timed out") || contains(f, "stopped because"), "rank %d: failure is '%s'", r, f.c_str());
+      EXPECT(g.rings[r]->failed_seq() == 1, "rank %d: first failed call %llu, want 1", r,
+             (unsigned long long)g.rings[r]->failed_seq());
+      EXPECT(run_throws(g.ranks[r], r, buf, "broken by an earlier failure"), "rank %d: a broken ring accepted a call", r);
+    }
+    EXPECT(timed_out, "%s: no rank reported the timeout itself", rc::p2p::algo_name(algo));
+    std::printf("timeout (%s): rank 0 says: %s\n", rc::p2p::algo_name(algo), g.rings[0]->failure().c_str());
   }
-  EXPECT(timed_out, "no rank reported the timeout itself");
-  std::printf("timeout: rank 0 says: %s\n", g.rings[0]->failure().c_str());
 }
 
 // Rank 1 calls with another numel: every rank fails, one names both calls; the good call before
-// the mismatch is not counted as failed.
+// the mismatch is not counted as failed. On each algorithm.
 static void test_mismatch() {
-  DevBuf buf(2000 * 4);
-  Group g(3, 2, 4096, 10.0);
-  for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(1000, buf), g.ranks[r].stream);
-  sync_all(g);
-  for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(r == 1 ? 1001 : 1000, buf), g.ranks[r].stream);
-  sync_all(g);
-  bool named = false;
-  for (int r = 0; r < 3; ++r) {
-    const std::string f = g.rings[r]->failure();
-    EXPECT(!f.empty(), "rank %d did not fail", r);
-    named |= contains(f, "mismatched collective calls") && contains(f, "numel=1001") && contains(f, "numel=1000");
-    EXPECT(g.rings[r]->failed_seq() == 2, "rank %d: first failed call %llu, want 2", r,
-           (unsigned long long)g.rings[r]->failed_seq());
+  for (rc::p2p::Algo algo : kAlgos) {
+    DevBuf buf(2000 * 4);
+    Group g(3, 2, 4096, 10.0, algo);
+    for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(1000, buf), g.ranks[r].stream);
+    sync_all(g);
+    for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(r == 1 ? 1001 : 1000, buf), g.ranks[r].stream);
+    sync_all(g);
+    bool named = false;
+    for (int r = 0; r < 3; ++r) {
+      const std::string f = g.rings[r]->failure();
+      EXPECT(!f.empty(), "rank %d did not fail", r);
+      named |= contains(f, "mismatched collective calls") && contains(f, "numel=1001") && contains(f, "numel=1000");
+      EXPECT(g.rings[r]->failed_seq() == 2, "rank %d: first failed call %llu, want 2", r,
+             (unsigned long long)g.rings[r]->failed_seq());
+    }
+    EXPECT(named, "%s: no rank named the mismatched calls", rc::p2p::algo_name(algo));
+    std::printf("mismatch (%s): rank 1 says: %s\n", rc::p2p::algo_name(algo), g.rings[1]->failure().c_str());
   }
-  EXPECT(named, "no rank named the mismatched calls");
-  std::printf("mismatch: rank 1 says: %s\n", g.rings[1]->failure().c_str());
 }
 
 // Rank 0 aborts while the ring waits on a silent rank 2: rank 0 and rank 1 stop at once.
@@ -295,7 +303,7 @@ static void test_dead_peer() {
 // in-place all_reduce, then launches exactly the same kernel arguments twice more (a replay), then
 // runs again: four all_reduces in step (values x, S, nS, n^2 S, n^3 S), because the kernel takes
 // where the FIFOs stand from the ring's counters, not from its arguments.
-static void test_replayed_launches_stay_in_step() {
+static void replayed_launches_stay_in_step(rc::p2p::Algo algo) {
   const int n = 3;
   const int64_t numel = 5000;
   std::vector<std::unique_ptr<DevBuf>> bufs;
@@ -305,7 +313,7 @@ static void test_replayed_launches_stay_in_step() {
     std::vector<float> h(numel, static_cast<float>(r + 1));
     RR_CUDA_CHECK(cudaMemcpy(bufs[r]->p, h.data(), numel * 4, cudaMemcpyHostToDevice));
   }
-  Group g(n, 2, 256, 10.0);
+  Group g(n, 2, 256, 10.0, algo, false, 256);  // several rounds/slices per call
   const float S = n * (n + 1) / 2.0f;
   for (int round = 0; round < 2; ++round) {
     for (int r = 0; r < n; ++r) g.rings[r]->run(g.call(numel, *bufs[r]), g.ranks[r].stream);
@@ -322,9 +330,13 @@ static void test_replayed_launches_stay_in_step() {
     RR_CUDA_CHECK(cudaMemcpy(h.data(), bufs[r]->p, numel * 4, cudaMemcpyDeviceToHost));
     int bad = 0;
     for (float v : h) bad += v != want;
-    EXPECT(bad == 0, "rank %d: %d of %lld elements are not %g after replays (e.g. %g)", r, bad,
+    EXPECT(bad == 0, "%s rank %d: %d of %lld elements are not %g after replays (e.g. %g)", rc::p2p::algo_name(algo), r, bad,
            (long long)numel, want, h[0]);
   }
+}
+
+static void test_replayed_launches_stay_in_step() {
+  for (rc::p2p::Algo algo : kAlgos) replayed_launches_stay_in_step(algo);
 }
 
 #ifdef RINGREDUCE_EMU

@@ -60,7 +60,8 @@ struct Block {
   bool remote_written = false;
   uint64_t n[kClock] = {};
   uint64_t hit_ver = 0;
-  Range hit{};
+  Range hit[4]{};  // the last ranges found (a kernel's accesses alternate between a few)
+  int next = 0;
 };
 thread_local Block tl;
 
@@ -68,16 +69,22 @@ thread_local Block tl;
 const Range* find(const void* p) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   const uint64_t ver = g_ranges_ver.load(std::memory_order_acquire);
-  if (tl.hit_ver == ver && a >= tl.hit.begin && a < tl.hit.end) return &tl.hit;
+  if (tl.hit_ver == ver) {
+    for (const Range& h : tl.hit)
+      if (a >= h.begin && a < h.end) return &h;
+  } else {
+    for (Range& h : tl.hit) h = Range{};
+    tl.hit_ver = ver;
+  }
   std::shared_lock<std::shared_mutex> lk(g_ranges_mu);
   auto it = std::upper_bound(g_ranges.begin(), g_ranges.end(), a,
                              [](uintptr_t x, const Range& r) { return x < r.begin; });
   if (it == g_ranges.begin()) return nullptr;
   --it;
   if (a >= it->end) return nullptr;
-  tl.hit = *it;
-  tl.hit_ver = ver;
-  return &tl.hit;
+  Range& h = tl.hit[tl.next++ & 3];
+  h = *it;
+  return &h;
 }
 
 uint64_t key(const Range& r, const void* p) {

@@ -25,53 +25,40 @@ NCCL_TEST = ("test_nccl_ring_emu", ["test_sweep"])
 MUTATIONS = {
     "no_barrier_before_post": (
         KERNEL,
-        "__device__ void step_end(const RingArgs& a, Chan& c, bool recv, bool send, uint64_t send_bytes) {\n  __syncthreads();",
-        "__device__ void step_end(const RingArgs& a, Chan& c, bool recv, bool send, uint64_t send_bytes) {",
-        P2P_TEST, "thread 0 posts while other threads still write the slot"),
-    "no_barrier_after_wait": (
-        KERNEL,
-        "    s_stop = stop;\n  }\n  __syncthreads();\n  return s_stop == 0;",
-        "    s_stop = stop;\n  }\n  return s_stop == 0;",
-        P2P_TEST, "threads read the slot before thread 0 saw the message arrive"),
+        "__device__ void step_end(const Args& a, Chan& c, bool recv, bool send, uint64_t send_bytes) {\n  __syncthreads();",
+        "__device__ void step_end(const Args& a, Chan& c, bool recv, bool send, uint64_t send_bytes) {",
+        P2P_TEST, "thread 0 posts while other threads still write the receiver's slot"),
     "slice_shifted_by_one": (
         KERNEL,
-        "    return ring::slice(ring::channel_part(ch, a.nch, blockIdx.x), j, S);",
-        "    ring::Span sp = ring::slice(ring::channel_part(ch, a.nch, blockIdx.x), j, S);\n"
+        "    return ring::slice(ring::channel_part(ch, a.blocks, blockIdx.x), j, S);",
+        "    ring::Span sp = ring::slice(ring::channel_part(ch, a.blocks, blockIdx.x), j, S);\n"
         "    if (sp.count > 1) ++sp.begin, --sp.count;\n    return sp;",
-        P2P_TEST, "one element of every slice is never moved"),
-    "post_before_data": (
+        P2P_TEST, "one element of every ring slice is never moved"),
+    "skip_credit_in_all_gather": (
         KERNEL,
-        "      if (!step_begin(a, c, true, send, rp.count * es, w)) return;\n"
-        "        const T* src = slot_at<T>(a, a.up_data, c.received, rp.begin);\n"
-        "        T* fwd",
-        "      if (!step_begin(a, c, true, send, rp.count * es, w)) return;\n"
-        "        if (send && threadIdx.x == 0) {\n"
-        "          volatile MsgHeader* h = &a.self->hdr[blockIdx.x][c.sent % kSlots];\n"
-        "          const MsgHeader m = my_header(a, rp.count * es, c.index);\n"
-        "          h->op_seq = m.op_seq; h->numel = m.numel; h->nbytes = m.nbytes; h->index = m.index;\n"
-        "          h->coll = m.coll; h->dtype = m.dtype; h->op = m.op;\n"
-        "          st_release_sys(&a.self->ch[blockIdx.x].posted.value, c.sent + 1);\n"
-        "        }\n"
-        "        const T* src = slot_at<T>(a, a.up_data, c.received, rp.begin);\n"
-        "        T* fwd",
-        P2P_TEST, "the reduce-scatter step posts its message before reducing into it"),
-    "skip_one_consumed_update": (
-        KERNEL,
-        "    if (recv) st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);",
-        "    if (recv && c.received % 5 != 3) st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);",
-        P2P_TEST, "NOT expected: counters are absolute, the next update carries a skipped one"),
-    "skip_consumed_in_all_gather": (
-        KERNEL,
-        "    if (recv) st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);",
-        "    if (recv && c.index < 2) st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);",
+        "    if (recv) st_release_sys(&a.up->ring[k].credits.value, c.received + 1);",
+        "    if (recv && c.index < 2) st_release_sys(&a.up->ring[k].credits.value, c.received + 1);",
         P2P_TEST, "the sender never gets its slots back: it waits until the timeout"),
-    "consumed_before_read": (
+    "direct_no_wait_for_gather": (
         KERNEL,
-        "          record_stop(a, stop, true, up, w, false, mine, &got);\n        }\n",
-        "          record_stop(a, stop, true, up, w, false, mine, &got);\n        }\n"
-        "        else st_release_sys(&a.self->ch[k].consumed.value, c.received + 1);\n",
-        P2P_TEST, "NOT expected below 5 ranks: a sender leads its reader by at most 2(n-1) < 8 "
-        "messages, so the early-freed slot is not reused yet"),
+        "    if (!wait_all(a, par, 1, seq, i, [&](int q) { return part(q, i).count * es; })) break;",
+        "",
+        P2P_TEST, "two-shot copies the gathered chunks before they have arrived"),
+    "twoshot_gather_into_wrong_chunk": (
+        KERNEL,
+        "      dst[0] = out + sp.begin;\n      src[0] = dslot<T>(a, a.self_data, par, 1, q, sp.begin);",
+        "      dst[0] = out + mine.begin;\n      src[0] = dslot<T>(a, a.self_data, par, 1, q, sp.begin);",
+        P2P_TEST, "every gathered chunk lands on this rank's own chunk"),
+    "oneshot_skips_last_rank": (
+        KERNEL,
+        "      span_multi<T, Op>(dst, 1, src, n, P.count, a.divisor, tid, nt);",
+        "      span_multi<T, Op>(dst, 1, src, n - 1, P.count, a.divisor, tid, nt);",
+        P2P_TEST, "one-shot leaves the last rank's input out of the sum"),
+    "flag_without_system_fence": (
+        KERNEL,
+        "                   my_header(a, bytes_for(p), static_cast<uint32_t>(i)));\n    __threadfence_system();",
+        "                   my_header(a, bytes_for(p), static_cast<uint32_t>(i)));",
+        P2P_TEST, "NOT expected on the emulator: x86 keeps stores in order; only a GPU shows it"),
     "nccl_recv_before_send": (
         STANDIN,
         [("    s.posted = true;\n  }\n  cl.cv.notify_all();", "  }"),

@@ -1,0 +1,132 @@
+"""Cost report of the p2p transport's algorithms, counted on the emulated CUDA device (no GPU has
+been lent to this project, so nothing here is a GPU timing).
+
+    python benchmarks/gpu_cost.py --world 8 --sizes 4K,256K,4M,256M [--algo auto,ring,oneshot,twoshot]
+        [--coll all_reduce] [--bin cbuild/gpu_cost_emu] [--json out.json] [--check]
+
+For each algorithm and size it runs one counted call on WORLD emulated GPUs (cbuild/gpu_cost_emu,
+built by `cmake -S . -B cbuild && cmake --build cbuild --target gpu_cost_emu`) and prints, for the
+busiest rank: bytes written to and read from other GPUs' memory, bytes written and read in its own
+memory, waits on remote flags (polls that cross the link), and the critical path in dependent remote
+round trips (tests/native/emu/cost.cpp says how it is counted). Then a projected time from an
+alpha-beta model with the H100 figures below: a model, not a measurement.
+
+--check exits 1 unless issue 25's targets hold at world 8: 4 KiB all-reduce (auto) within 3 round
+trips; 256 MiB: remote bytes per rank <= 1.05 x 2(N-1)/N x size and local writes no more than the
+output (no staging copy of the payload); 4 MiB ring: >= 4 slices per channel.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The model's H100 SXM figures (public, approximate; see BENCHMARKS.md section 8 for the sources):
+RTT_US = 1.0            # one remote round trip over NVLink 4 through NVSwitch, ~1 us
+LINK_GBS = 450.0        # NVLink 4: 900 GB/s per GPU in both directions, 450 GB/s each way
+HBM_GBS = 3350.0        # HBM3 of the H100 SXM: 3.35 TB/s
+LAUNCH_US = 3.0         # a kernel launch seen from the stream, ~2-5 us
+
+
+def parse_size(s):
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
+
+
+def human(b):
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if b >= div:
+            v = b / div
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
+    return str(b)
+
+
+def run(binary, world, coll, algo, sizes):
+    out = subprocess.run([binary, str(world), coll, algo, *map(str, sizes)], capture_output=True,
+                         text=True, check=False)
+    if out.returncode:
+        sys.exit(f"gpu_cost_emu failed: {out.stderr.strip() or out.stdout.strip()}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def summarize(row):
+    ranks = row["ranks"]
+    busiest = lambda k: max(r[k] for r in ranks)  # noqa: E731
+    rtt = max(r["half_round_trips"] for r in ranks) / 2
+    remote = max(r["remote_write"] + r["remote_read"] for r in ranks)
+    local = max(r["local_write"] + r["local_read"] for r in ranks)
+    t = LAUNCH_US + rtt * RTT_US + max(remote / (LINK_GBS * 1e3), local / (HBM_GBS * 1e3))
+    n, size = row["world"], row["bytes"]
+    factor = 2 * (n - 1) / n if row["coll"] == "all_reduce" else (n - 1) / n
+    return {**{k: row[k] for k in ("world", "coll", "algo", "bytes", "blocks", "slice_bytes", "steps")},
+            "remote_write": busiest("remote_write"), "remote_read": busiest("remote_read"),
+            "local_write": busiest("local_write"), "local_read": busiest("local_read"),
+            "remote_waits": sum(r["remote_waits"] for r in ranks),
+            "critical_rtt": rtt, "remote_vs_ideal": remote / (factor * size) if size else 0.0,
+            "model_us": t, "busbw_gbs": factor * size / t / 1e3 if size else 0.0}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--sizes", default="4K,256K,4M,256M")
+    p.add_argument("--algo", default="auto,ring,oneshot,twoshot")
+    p.add_argument("--coll", default="all_reduce",
+                   choices=["all_reduce", "reduce_scatter", "all_gather"])
+    p.add_argument("--bin", default=os.path.join(ROOT, "cbuild", "gpu_cost_emu"))
+    p.add_argument("--json")
+    p.add_argument("--check", action="store_true")
+    a = p.parse_args()
+    if not os.path.exists(a.bin):
+        sys.exit(f"{a.bin} not found: cmake -S . -B cbuild && cmake --build cbuild --target gpu_cost_emu")
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    rows = []
+    for algo in a.algo.split(","):
+        rows += [summarize(r) | {"asked": algo} for r in run(a.bin, a.world, a.coll, algo, sizes)]
+    print(f"{a.coll}, float32, world {a.world}, p2p transport on the emulated device (counts per "
+          f"call; busiest rank). Model: {RTT_US:g} us/round trip, {LINK_GBS:g} GB/s link, "
+          f"{HBM_GBS:g} GB/s HBM, {LAUNCH_US:g} us launch.")
+    head = ("asked", "ran", "size", "blk", "slice", "steps", "remote W", "remote R", "local W",
+            "rwaits", "crit RTT", "rem/ideal", "model us", "busbw")
+    print(" ".join(f"{h:>9}" for h in head))
+    for r in rows:
+        cells = (r["asked"], r["algo"], human(r["bytes"]), r["blocks"], human(r["slice_bytes"]),
+                 r["steps"], human(r["remote_write"]), human(r["remote_read"]),
+                 human(r["local_write"]), r["remote_waits"], f"{r['critical_rtt']:g}",
+                 f"{r['remote_vs_ideal']:.3f}", f"{r['model_us']:.1f}", f"{r['busbw_gbs']:.0f}")
+        print(" ".join(f"{str(c):>9}" for c in cells))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.check:
+        sys.exit(0 if check(rows, a.world) else 1)
+
+
+def check(rows, world):
+    ok = True
+
+    def expect(cond, what):
+        nonlocal ok
+        print(("ok   " if cond else "FAIL ") + what)
+        ok &= cond
+
+    for r in rows:
+        if r["coll"] != "all_reduce" or r["world"] != world:
+            continue
+        if r["asked"] == "auto" and r["bytes"] == 4 << 10:
+            expect(r["critical_rtt"] <= 3, f"4 KiB auto ({r['algo']}): {r['critical_rtt']:g} <= 3 round trips")
+        if r["bytes"] == 256 << 20 and r["asked"] in ("auto", "ring", "twoshot"):
+            expect(r["remote_vs_ideal"] <= 1.05,
+                   f"256 MiB {r['algo']}: remote bytes {r['remote_vs_ideal']:.3f} x 2(N-1)/N x size <= 1.05")
+            expect(r["local_write"] <= r["bytes"],
+                   f"256 MiB {r['algo']}: local writes {r['local_write']} <= output {r['bytes']} (no staging)")
+        if r["bytes"] == 4 << 20 and r["algo"] == "ring":
+            expect(r["steps"] >= 4, f"4 MiB ring: {r['steps']} >= 4 slices per channel")
+    return ok
+
+
+if __name__ == "__main__":
+    main()

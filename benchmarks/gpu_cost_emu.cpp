@@ -1,0 +1,114 @@
+// Counts what one collective of the p2p transport costs, on the emulated device (no GPU can be
+// timed here): `gpu_cost_emu WORLD COLL ALGO BYTES...` runs, for each size, one warm-up call and
+// then one counted call of float32 on WORLD ranks (rank r on emulated device r, IPC mappings as
+// between processes), and prints one JSON object per size: the plan and, per rank, the counts of
+// tests/native/emu/cost.cpp. benchmarks/gpu_cost.py runs it and applies the time model.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda/kernels.h"
+#include "cuda/p2p.h"
+#include "emu.h"
+
+namespace rr = ringreduce;
+namespace p2p = ringreduce::cuda::p2p;
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::fprintf(stderr, "usage: %s WORLD all_reduce|reduce_scatter|all_gather auto|ring|oneshot|twoshot BYTES...\n", argv[0]);
+    return 2;
+  }
+  const int n = std::atoi(argv[1]);
+  const std::string coll_s = argv[2], algo_s = argv[3];
+  const rr::Coll coll = coll_s == "all_reduce" ? rr::Coll::AllReduce
+                        : coll_s == "reduce_scatter" ? rr::Coll::ReduceScatter : rr::Coll::AllGather;
+  p2p::Algo algo = p2p::Algo::Auto;
+  for (p2p::Algo a : {p2p::Algo::Ring, p2p::Algo::OneShot, p2p::Algo::TwoShot})
+    if (algo_s == p2p::algo_name(a)) algo = a;
+  emu_set_device_count(n);
+  try {
+    std::vector<std::unique_ptr<p2p::Ring>> rings;
+    std::vector<cudaStream_t> streams(n);
+    std::vector<std::string> handles;
+    for (int r = 0; r < n; ++r) {
+      RR_CUDA_CHECK(cudaSetDevice(r));
+      p2p::Options o;
+      o.rank = r;
+      o.nranks = n;
+      o.algo = algo;
+      o.timeout_s = 600;
+      rings.push_back(std::make_unique<p2p::Ring>(o));
+      handles.push_back(rings.back()->handle());
+      RR_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
+    }
+    for (int r = 0; r < n; ++r) {
+      RR_CUDA_CHECK(cudaSetDevice(r));
+      rings[r]->connect(handles);
+    }
+    for (int i = 4; i < argc; ++i) {
+      const int64_t numel = (std::atoll(argv[i]) / 4 / n) * n;
+      std::vector<char*> in(n), out(n);
+      for (int r = 0; r < n; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(r));
+        const size_t in_b = (coll == rr::Coll::AllGather ? numel / n : numel) * 4;
+        const size_t out_b = (coll == rr::Coll::ReduceScatter ? numel / n : numel) * 4;
+        RR_CUDA_CHECK(cudaMalloc(&in[r], in_b ? in_b : 4));
+        RR_CUDA_CHECK(cudaMalloc(&out[r], out_b ? out_b : 4));
+        RR_CUDA_CHECK(cudaMemset(in[r], 0, in_b ? in_b : 4));
+      }
+      const rr::Call base{coll, rr::DType::F32, rr::RedOp::Sum, numel, nullptr, nullptr};
+      for (int pass = 0; pass < 2; ++pass) {  // a warm-up, then the counted call
+        if (pass == 1) {
+          emu_cost_reset();
+          emu_cost_enable(1);
+        }
+        for (int r = 0; r < n; ++r) {
+          RR_CUDA_CHECK(cudaSetDevice(r));
+          rr::Call c = base;
+          c.in = in[r];
+          c.out = coll == rr::Coll::AllReduce ? in[r] : out[r];
+          rings[r]->run(c, streams[r]);
+        }
+        for (int r = 0; r < n; ++r) RR_CUDA_CHECK(cudaStreamSynchronize(streams[r]));
+        emu_cost_enable(0);
+      }
+      for (int r = 0; r < n; ++r)
+        if (!rings[r]->failure().empty()) {
+          std::fprintf(stderr, "rank %d failed: %s\n", r, rings[r]->failure().c_str());
+          return 1;
+        }
+      const p2p::Plan p = rings[0]->plan_of(base);
+      std::printf("{\"world\": %d, \"coll\": \"%s\", \"algo\": \"%s\", \"bytes\": %lld, \"blocks\": %d, "
+                  "\"slice_bytes\": %lld, \"steps\": %lld, \"ranks\": [",
+                  n, coll_s.c_str(), p2p::algo_name(p.algo), static_cast<long long>(numel * 4), p.blocks,
+                  static_cast<long long>(p.slice_elems * 4), static_cast<long long>(p.steps));
+      for (int r = 0; r < n; ++r) {
+        EmuCost c;
+        emu_cost_get(r, &c);
+        std::printf("%s{\"remote_read\": %llu, \"remote_write\": %llu, \"local_read\": %llu, "
+                    "\"local_write\": %llu, \"remote_waits\": %llu, \"local_waits\": %llu, "
+                    "\"remote_posts\": %llu, \"launches\": %llu, \"half_round_trips\": %llu}",
+                    r ? ", " : "", (unsigned long long)c.remote_read, (unsigned long long)c.remote_write,
+                    (unsigned long long)c.local_read, (unsigned long long)c.local_write,
+                    (unsigned long long)c.remote_waits, (unsigned long long)c.local_waits,
+                    (unsigned long long)c.remote_posts, (unsigned long long)c.launches,
+                    (unsigned long long)c.half_round_trips);
+      }
+      std::printf("]}\n");
+      std::fflush(stdout);
+      for (int r = 0; r < n; ++r) {
+        cudaFree(in[r]);
+        cudaFree(out[r]);
+      }
+    }
+    for (int r = 0; r < n; ++r) rings[r]->close();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpu_cost_emu: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
