@@ -17,6 +17,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// settle()'s backoff. It polls without sleeping for the first kSpinFor: a non-blocking
+// ncclGroupEnd of p2p calls to connected peers settles in a few to ~20 us, and any sleep costs at
+// least Linux's default timer slack (50 us). Longer waits (connection setup, init, finalize, a
+// peer that is late) then sleep 1, 2, 4 ... us, at most kMaxPollSleep: it bounds the delay a
+// sleep adds to a few hundred us while polling at most a few thousand times a second.
+constexpr auto kSpinFor = std::chrono::microseconds(50);
+constexpr auto kMaxPollSleep = std::chrono::microseconds(256);
+
 // The few NCCL entry points we use, looked up in the already loaded library.
 struct Api {
   decltype(&ncclGetVersion) get_version = nullptr;
@@ -90,6 +98,8 @@ class DeviceScope {
   int prev_ = 0;
 };
 
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
 std::string seconds(double s) {
   char t[32];
   std::snprintf(t, sizeof t, "%g", s);
@@ -99,6 +109,47 @@ std::string seconds(double s) {
 }  // namespace
 
 int version(const std::string& lib) { return api(lib).version; }
+
+const char* algo_name(Algo a) {
+  switch (a) {
+    case Algo::Auto: return "auto";
+    case Algo::Ring: return "ring";
+    case Algo::OneShot: return "oneshot";
+    case Algo::TwoShot: return "twoshot";
+  }
+  return "unknown";
+}
+
+size_t oneshot_max_bytes(int n) {
+  constexpr double kAlphaS = 10e-6;           // one group round trip (header: settle + p2p latency)
+  constexpr double kNetBytesPerS = 25e9;      // a 200 Gb/s NIC
+  constexpr size_t kCap = 1 << 20;
+  if (n <= 2) return kCap;
+  const double limit = kAlphaS * kNetBytesPerS * n / ((n - 1.0) * (n - 2.0));
+  size_t b = 1;
+  while (b * 2 <= limit && b * 2 <= kCap) b *= 2;
+  return b;
+}
+
+Algo plan(const Call& c, const Options& o) {
+  const int n = o.nranks;
+  if (n < 2) return Algo::Ring;  // run() copies; nothing moves
+  const size_t es = dtype_size(c.dtype), bytes = static_cast<size_t>(c.numel) * es;
+  const size_t region = 2 * o.staging_bytes;
+  Algo a = o.algo;
+  if (a == Algo::Auto)
+    a = c.coll == Coll::AllReduce && bytes <= oneshot_max_bytes(n) ? Algo::OneShot
+        : bytes <= kTwoShotMaxBytes                                ? Algo::TwoShot
+                                                                   : Algo::Ring;
+  if (a == Algo::OneShot &&
+      (c.coll != Coll::AllReduce || (n - 1) * round_up(bytes, kSlotAlign) > region))
+    a = Algo::TwoShot;
+  // Two-shot's reduce-scatter receives pieces of region / (N-1) bytes: at least one element.
+  if (a == Algo::TwoShot && c.coll != Coll::AllGather &&
+      region / (n - 1) / kSlotAlign * kSlotAlign < es)
+    a = Algo::Ring;
+  return a;
+}
 
 std::string unique_id(const std::string& lib) {
   ncclUniqueId id;
@@ -122,11 +173,13 @@ Ring::Ring(const Options& opt, const std::string& id) : opt_(opt) {
   up_ = ring::mod(opt.rank - 1, opt.nranks);
   down_ = ring::mod(opt.rank + 1, opt.nranks);
   try {
-    for (char*& s : staging_) {
-      void* p = nullptr;
-      RR_CUDA_CHECK(cudaMalloc(&p, opt.staging_bytes));
-      s = static_cast<char*>(p);
-    }
+    // One allocation: the ring alternates two buffers, the direct algorithms use the first
+    // 2 x staging_bytes as one region. The second starts 256-byte aligned, as a cudaMalloc would.
+    const size_t first = round_up(opt.staging_bytes, 256);
+    void* p = nullptr;
+    RR_CUDA_CHECK(cudaMalloc(&p, first + opt.staging_bytes));
+    staging_[0] = static_cast<char*>(p);
+    staging_[1] = staging_[0] + first;
     if (opt.nranks > 1) {
       ncclUniqueId uid;
       std::memcpy(uid.internal, id.data(), sizeof uid.internal);
@@ -143,6 +196,7 @@ Ring::Ring(const Options& opt, const std::string& id) : opt_(opt) {
     close();
     throw;
   }
+  last_done_ = Clock::now();
   watchdog_ = std::thread([this] { watch(); });
 }
 
@@ -162,6 +216,34 @@ uint64_t Ring::first_unfinished() {
   cudaGetLastError();
   if (!inflight_.empty()) return inflight_.front().seq;
   return op_seq_ + (in_call_ ? 0 : 1);  // the call being enqueued, else the next one
+}
+
+uint64_t Ring::first_unretired() {
+  std::lock_guard<std::mutex> qlk(qmu_);
+  if (!inflight_.empty()) return inflight_.front().seq;
+  return op_seq_ + (in_call_ ? 0 : 1);
+}
+
+std::string Ring::retire_locked() {
+  uint64_t upto = 0;
+  {
+    std::lock_guard<std::mutex> qlk(qmu_);
+    for (Pending& p : inflight_) {
+      if (cudaEventQuery(p.done) != cudaSuccess) break;  // a fault is the watchdog's to report
+      if (p.seen_done == Clock::time_point{}) p.seen_done = Clock::now();
+      upto = p.seq;
+    }
+    cudaGetLastError();
+  }
+  const std::string why = async_error_locked();
+  if (!why.empty() || upto == 0) return why;
+  std::lock_guard<std::mutex> qlk(qmu_);
+  while (!inflight_.empty() && inflight_.front().seq <= upto) {
+    last_done_ = inflight_.front().seen_done;
+    cudaEventDestroy(inflight_.front().done);
+    inflight_.pop_front();
+  }
+  return "";
 }
 
 void Ring::set_failure(const std::string& why, uint64_t seq) {
@@ -195,14 +277,17 @@ void Ring::nccl_check(int res, const char* what) {
     msg += ". If ranks of the group share a GPU: NCCL >= 2.30 accepts that with "
            "NCCL_MULTI_RANK_GPU_ENABLE=1 set on every rank; or use RINGREDUCE_TRANSPORT=p2p, which "
            "moves data between ranks on one GPU through CUDA IPC";
+  set_failure(msg, first_unretired());
   fail_locked(msg);
   throw RingError(msg);
 }
 
 void Ring::settle(const char* what) {
   const Api& nc = api(opt_.lib);
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(opt_.timeout_s));
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(opt_.timeout_s));
+  std::chrono::nanoseconds nap = std::chrono::microseconds(1);
   for (;;) {
     if (!comm_) throw RingError(failure());
     if (abort_requested_) {
@@ -214,38 +299,51 @@ void Ring::settle(const char* what) {
     if (r != ncclSuccess) nccl_check(r, "ncclCommGetAsyncError");
     if (state == ncclSuccess) return;
     if (state != ncclInProgress) nccl_check(state, what);
-    if (Clock::now() > deadline) {
+    const auto now = Clock::now();
+    if (now > deadline) {
       const std::string msg = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + what +
                               " timed out after " + seconds(opt_.timeout_s) + " s (RINGREDUCE_TIMEOUT)";
       fail_locked(msg);
       throw RingError(msg);
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (now - start < kSpinFor) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::duration_cast<std::chrono::nanoseconds>(kMaxPollSleep));
+    }
   }
 }
 
-void Ring::group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream) {
+void Ring::group(const std::vector<P2p>& ops, cudaStream_t stream) {
   const Api& nc = api(opt_.lib);
   nccl_check(nc.group_start(), "ncclGroupStart");
-  const char* failed = "ncclSend";
-  ncclResult_t r = nc.send(sbuf, sbytes, ncclInt8, down_, comm_, stream);
-  if (r == ncclSuccess) {
-    failed = "ncclRecv";
-    r = nc.recv(rbuf, rbytes, ncclInt8, up_, comm_, stream);
+  const char* failed = nullptr;
+  ncclResult_t r = ncclSuccess;
+  for (const P2p& o : ops) {
+    failed = o.send ? "ncclSend" : "ncclRecv";
+    r = o.send ? nc.send(o.buf, o.bytes, ncclInt8, o.peer, comm_, stream)
+               : nc.recv(const_cast<void*>(o.buf), o.bytes, ncclInt8, o.peer, comm_, stream);
+    if (r != ncclSuccess) break;
   }
   // The group is ended whatever happened inside it: a group left open would defer every later NCCL
   // call of this thread, torch's included, without an error.
   const ncclResult_t end = nc.group_end();
-  nccl_check(r, failed);
+  if (r != ncclSuccess) nccl_check(r, failed);
   if (end != ncclInProgress) nccl_check(end, "ncclGroupEnd");
-  settle("ncclGroupEnd (send/recv with the ring neighbours)");
+  settle("ncclGroupEnd (send/recv with the peers)");
+}
+
+void Ring::group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream) {
+  ops_.assign({{true, sbuf, sbytes, down_}, {false, rbuf, rbytes, up_}});
+  group(ops_, stream);
 }
 
 void Ring::run(const Call& c, cudaStream_t stream) {
   if (closed_) throw RingError("ringreduce: nccl communicator is closed");
   const std::string f = failure();
   if (!f.empty()) throw RingError("ringreduce: communicator is broken by an earlier failure: " + f);
-  const int n = opt_.nranks, r = opt_.rank;
+  const int n = opt_.nranks;
   // A CUDA graph would replay NCCL's calls but not this function's host side (the staging
   // schedule's settle() polls, the watchdog's per-call events): refuse rather than record a graph
   // whose replays the watchdog cannot follow.
@@ -258,6 +356,13 @@ void Ring::run(const Call& c, cudaStream_t stream) {
     throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
                                 std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
   std::lock_guard<std::mutex> lk(mu_);
+  // Earlier calls first: an NCCL error they left is theirs, and raises here before this call.
+  const std::string earlier = retire_locked();
+  if (!earlier.empty()) {
+    set_failure(earlier, first_unretired());
+    fail_locked(earlier);
+    throw RingError(earlier);
+  }
   ++op_seq_;
   in_call_ = true;
   struct Done {
@@ -272,6 +377,92 @@ void Ring::run(const Call& c, cudaStream_t stream) {
       RR_CUDA_CHECK(cudaMemcpyAsync(out, in, c.numel * es, cudaMemcpyDeviceToDevice, stream));
     return;
   }
+  const Algo algo = plan(c, opt_);
+  if (algo == Algo::Ring) {
+    run_ring(c, stream);
+  } else {
+    if (c.coll != Coll::AllGather) direct_reduce(c, algo == Algo::OneShot, stream);
+    if (c.coll == Coll::AllGather || (c.coll == Coll::AllReduce && algo == Algo::TwoShot))
+      direct_gather(c, stream);
+  }
+  // The watchdog times the call from here (or from when the call before it finished).
+  cudaEvent_t done = nullptr;
+  RR_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  RR_CUDA_CHECK(cudaEventRecord(done, stream));
+  std::lock_guard<std::mutex> qlk(qmu_);
+  inflight_.push_back({done, op_seq_.load(), Clock::now()});
+}
+
+// Chunks of call c: all_reduce cuts any numel (ring::chunk); the others numel / n each.
+static ring::Span coll_chunk(const Call& c, int n, int k) {
+  if (c.coll == Coll::AllReduce) return ring::chunk(c.numel, n, k);
+  return {k * (c.numel / n), c.numel / n};
+}
+
+void Ring::direct_reduce(const Call& c, bool one_shot, cudaStream_t stream) {
+  const int n = opt_.nranks, r = opt_.rank;
+  const size_t es = dtype_size(c.dtype);
+  const char* in = static_cast<const char*>(c.in);
+  char* out = static_cast<char*>(c.out);
+  // Piece of rank q's input this rank receives (one-shot: all of it; else q's part of chunk r) into
+  // slot q of the region, slots kSlotAlign-aligned; this rank's own piece is read from its input.
+  const size_t slot_bytes = one_shot ? round_up(c.numel * es, kSlotAlign)
+                                     : 2 * opt_.staging_bytes / (n - 1) / kSlotAlign * kSlotAlign;
+  const int64_t S = one_shot ? std::max<int64_t>(c.numel, 1) : static_cast<int64_t>(slot_bytes / es);
+  auto slot = [&](int q) { return staging_[0] + (q < r ? q : q - 1) * slot_bytes; };
+  auto part = [&](int k) { return one_shot ? ring::Span{0, c.numel} : coll_chunk(c, n, k); };
+  const int64_t ns = ring::num_slices(part(0).count, S);  // chunk 0 is the largest
+  const int64_t out_shift = c.coll == Coll::ReduceScatter ? r * (c.numel / n) : 0;
+  const int divisor = c.op == RedOp::Avg ? n : 1;
+  for (int64_t j = 0; j < ns; ++j) {
+    const ring::Span mine = ring::slice(part(r), j, S);
+    ops_.clear();
+    for (int k = 1; k < n; ++k) {  // peers in ring order from each side: spreads the traffic
+      const int to = (r + k) % n, from = ring::mod(r - k, n);
+      const ring::Span sp = ring::slice(part(to), j, S);
+      ops_.push_back({true, in + sp.begin * es, sp.count * es, to});
+      ops_.push_back({false, slot(from), mine.count * es, from});
+    }
+    group(ops_, stream);
+    // Rank order, ((x0 op x1) op x2) ...: bitwise the same on every rank. Partial results go to
+    // the slot just consumed (or the accumulator's own slot at this rank's turn), never to the
+    // input; only the last launch writes the output, which may be the input (in place).
+    auto src = [&](int q) -> const void* { return q == r ? in + mine.begin * es : slot(q); };
+    const void* acc = src(0);
+    for (int q = 1; q < n; ++q) {
+      const bool last = q == n - 1;
+      void* dst = last ? out + (mine.begin - out_shift) * es : q != r ? slot(q) : const_cast<void*>(acc);
+      launch_reduce(c.dtype, c.op, dst, acc, src(q), mine.count, last ? divisor : 1, stream);
+      acc = dst;
+    }
+  }
+}
+
+void Ring::direct_gather(const Call& c, cudaStream_t stream) {
+  const int n = opt_.nranks, r = opt_.rank;
+  const size_t es = dtype_size(c.dtype);
+  char* out = static_cast<char*>(c.out);
+  const ring::Span mine = coll_chunk(c, n, r);
+  // all_reduce: the chunk direct_reduce finished in the output; all_gather: the input.
+  const char* src = c.coll == Coll::AllGather ? static_cast<const char*>(c.in) : out + mine.begin * es;
+  if (src != out + mine.begin * es && mine.count > 0)
+    RR_CUDA_CHECK(cudaMemcpyAsync(out + mine.begin * es, src, mine.count * es,
+                                  cudaMemcpyDeviceToDevice, stream));
+  ops_.clear();
+  for (int k = 1; k < n; ++k) {
+    const int to = (r + k) % n, from = ring::mod(r - k, n);
+    const ring::Span rp = coll_chunk(c, n, from);
+    ops_.push_back({true, src, mine.count * es, to});
+    ops_.push_back({false, out + rp.begin * es, rp.count * es, from});
+  }
+  group(ops_, stream);
+}
+
+void Ring::run_ring(const Call& c, cudaStream_t stream) {
+  const int n = opt_.nranks, r = opt_.rank;
+  const size_t es = dtype_size(c.dtype);
+  const char* in = static_cast<const char*>(c.in);
+  char* out = static_cast<char*>(c.out);
   const bool ar = c.coll == Coll::AllReduce;
   const bool rs = c.coll != Coll::AllGather, ag = c.coll != Coll::ReduceScatter;
   const int64_t m = c.numel / n;
@@ -311,29 +502,32 @@ void Ring::run(const Call& c, cudaStream_t stream) {
       }
     }
   }
-  // The watchdog times the call from here (or from when the call before it finished).
-  cudaEvent_t done = nullptr;
-  RR_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  RR_CUDA_CHECK(cudaEventRecord(done, stream));
-  std::lock_guard<std::mutex> qlk(qmu_);
-  inflight_.push_back({done, op_seq_.load(), Clock::now()});
 }
 
 void Ring::watch() {
   cudaSetDevice(device_);
   const auto timeout = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(opt_.timeout_s));
-  Clock::time_point last_done = Clock::now();
   std::unique_lock<std::mutex> qlk(qmu_);
   while (!stop_) {
     qcv_.wait_for(qlk, kWatchPeriod);
     if (stop_) break;
     std::string why;
     uint64_t why_seq = 0;
-    while (!inflight_.empty()) {
-      Pending& p = inflight_.front();
+    // The oldest call not complete is timed from when the one before it was seen complete. Complete
+    // calls stay until retire_locked() has also seen NCCL's async state clean after them.
+    Clock::time_point prev_done = last_done_;
+    for (Pending& p : inflight_) {
       const cudaError_t q = cudaEventQuery(p.done);
-      if (q == cudaErrorNotReady) break;
+      if (q == cudaErrorNotReady) {
+        if (Clock::now() - std::max(p.enqueued, prev_done) > timeout) {
+          why = "ringreduce: rank " + std::to_string(opt_.rank) + ": collective #" +
+                std::to_string(p.seq) + " on the nccl transport timed out after " +
+                seconds(opt_.timeout_s) + " s (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
+          why_seq = p.seq;
+        }
+        break;
+      }
       cudaGetLastError();
       if (q != cudaSuccess) {  // a fault on the stream (sticky): nothing after it ran right
         why = "ringreduce: rank " + std::to_string(opt_.rank) + ": collective #" +
@@ -342,19 +536,9 @@ void Ring::watch() {
         why_seq = p.seq;
         break;
       }
-      cudaEventDestroy(p.done);
-      inflight_.pop_front();
-      last_done = Clock::now();
+      if (p.seen_done == Clock::time_point{}) p.seen_done = Clock::now();
+      prev_done = p.seen_done;
     }
-    if (why.empty() && !inflight_.empty()) {
-      const Pending& p = inflight_.front();
-      const auto started = std::max(p.enqueued, last_done);
-      if (Clock::now() - started > timeout)
-        why = "ringreduce: rank " + std::to_string(opt_.rank) + ": collective #" +
-              std::to_string(p.seq) + " on the nccl transport timed out after " +
-              seconds(opt_.timeout_s) + " s (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
-    }
-    if (!why.empty() && why_seq == 0) why_seq = inflight_.front().seq;
     qlk.unlock();
     if (why.empty()) {
       std::vector<host::Peer> peers;
@@ -366,8 +550,9 @@ void Ring::watch() {
       if (!dead.empty()) why = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + dead;
     }
     if (why.empty() && failure().empty()) {
-      std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
-      if (lk.owns_lock()) why = async_error_locked();
+      std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);  // else run() retires
+      if (lk.owns_lock()) why = retire_locked();
+      if (!why.empty()) why_seq = first_unretired();
     }
     if (!why.empty()) set_failure(why, why_seq);  // the first failure wins
     // Abort for a timeout seen now, and also for one requested earlier while run() held mu_ (a
@@ -402,9 +587,9 @@ void Ring::poll() {
   std::string why;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    why = async_error_locked();
+    why = retire_locked();
     if (!why.empty()) {
-      set_failure(why);
+      set_failure(why, first_unretired());
       fail_locked(why);
     }
   }
@@ -456,10 +641,8 @@ void Ring::close() {
   }
   for (Pending& p : inflight_) cudaEventDestroy(p.done);
   inflight_.clear();
-  for (char*& s : staging_) {
-    if (s) cudaFree(s);
-    s = nullptr;
-  }
+  if (staging_[0]) cudaFree(staging_[0]);
+  staging_[0] = staging_[1] = nullptr;
   cudaGetLastError();
 }
 

@@ -1,7 +1,14 @@
-// The nccl transport: our ring schedule over NCCL send/recv (message passing, for ranks that cannot
-// map each other's memory). Each step is ncclGroupStart; ncclSend; ncclRecv; ncclGroupEnd into a
-// staging buffer on the caller's stream, then our reduce kernel. NCCL is the libnccl.so.2 the process
-// already has (torch's), opened with dlopen: no second copy, no link flags. Torch-free.
+// The nccl transport: our schedules over NCCL send/recv (message passing, for ranks that cannot
+// map each other's memory), on the caller's stream. Each NCCL group costs a host round trip (a
+// non-blocking ncclGroupEnd must settle before the next call), so by size (plan()):
+// - one-shot (small all_reduce): one group sends the whole input to every peer, then N-1 reduce
+//   launches in rank order ((x0 op x1) op x2 ...): 1 group instead of the ring's 2(N-1);
+// - two-shot (middle sizes): reduce-scatter as one group (chunk q to rank q) + N-1 reduce launches
+//   in rank order, all-gather as one group: 2 groups, the ring's bytes;
+// - ring (large): step s is ncclGroupStart; ncclSend; ncclRecv; ncclGroupEnd into a staging buffer,
+//   then our reduce kernel; one flow per rank, to its neighbour.
+// NCCL is the libnccl.so.2 the process already has (torch's), opened with dlopen: no second copy, no
+// link flags. Torch-free.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -26,6 +33,19 @@ namespace ringreduce::cuda::nccl {
 // 16 MiB keeps NCCL's transfers far above its per-call latency (a few us, i.e. ~1 MB at
 // NVLink speed) while costing 32 MiB per communicator.
 constexpr size_t kDefaultStagingBytes = 16 << 20;
+// The direct algorithms (one-shot, two-shot) receive N-1 pieces into both staging buffers as one
+// region of 2 x staging_bytes, each piece at a multiple of this (the kernels' widest load).
+constexpr size_t kSlotAlign = 16;
+// Two-shot up to here (bytes of the full tensor), the ring above. Both move 2(N-1)/N of the tensor
+// per rank; two-shot saves 2(N-1) - 2 group round trips (~10-20 us each: ncclGroupEnd settling plus
+// NCCL's p2p latency), which matter up to about this size at network speed (16 MiB x 2 x 7/8 at
+// 25 GB/s ~ 1.2 ms against ~0.2 ms of round trips at N = 8); above it the ring's one flow per rank
+// to its neighbour is what links between hosts carry best. As p2p::kTwoShotMaxBytes; not measured
+// on a GPU (none lent).
+constexpr size_t kTwoShotMaxBytes = 16 << 20;
+
+enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3 };
+const char* algo_name(Algo a);
 // How often the watchdog looks at the oldest call in flight and at NCCL's async error.
 constexpr auto kWatchPeriod = std::chrono::milliseconds(100);
 
@@ -41,7 +61,19 @@ struct Options {
   double timeout_s = 300.0;  // RINGREDUCE_TIMEOUT: setup, each NCCL call, and each collective
   size_t staging_bytes = kDefaultStagingBytes;
   std::string lib;
+  // Test knob: force an algorithm (Auto: by size). Where impossible it falls back: one-shot of a
+  // reduce-scatter or an all-gather, or one whose N-1 inputs do not fit the staging, to two-shot;
+  // two-shot whose pieces would be under one element (tiny staging, many ranks) to the ring.
+  Algo algo = Algo::Auto;
 };
+
+// One-shot up to here (bytes of the full tensor): it sends (N-1) x size per rank against
+// two-shot's 2(N-1)/N x size and saves one group round trip (alpha ~10 us); worth it while the
+// extra bytes, (N-1)(N-2)/N x size, take less than alpha at network speed (25 GB/s). Rounded down
+// to a power of two, at most 1 MiB (N = 2: no extra bytes). From this model, not from GPU timings.
+size_t oneshot_max_bytes(int nranks);
+// The algorithm of call c: the same on every rank for the same call (and the same options).
+Algo plan(const Call& c, const Options& o);
 
 class Ring {
  public:
@@ -76,14 +108,36 @@ class Ring {
     cudaEvent_t done;
     uint64_t seq;
     std::chrono::steady_clock::time_point enqueued;
+    std::chrono::steady_clock::time_point seen_done{};  // when its event was first seen complete
   };
+  struct P2p {  // one ncclSend (send) or ncclRecv of a group
+    bool send;
+    const void* buf;
+    size_t bytes;
+    int peer;
+  };
+  // One group of sends and receives on stream, settled (enqueued) before it returns.
+  void group(const std::vector<P2p>& ops, cudaStream_t stream);
+  // The ring's step: send to the next rank, receive from the previous one.
   void group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream);
+  void run_ring(const Call& c, cudaStream_t stream);
+  // Direct halves (one group each): reduce-scatter (one_shot: every rank's whole input, else chunk
+  // r of it) reduced in rank order into the output; all-gather of the reduced chunks.
+  void direct_reduce(const Call& c, bool one_shot, cudaStream_t stream);
+  void direct_gather(const Call& c, cudaStream_t stream);
   void settle(const char* what);  // non-blocking NCCL: wait until the last call is done, bounded
   void nccl_check(int res, const char* what);
   void fail_locked(const std::string& why);  // mu_ held: abort the NCCL communicator, record why
   // Records the first failure; seq: the first call it spoils (0: the oldest call not finished).
   void set_failure(const std::string& why, uint64_t seq = 0);
   uint64_t first_unfinished();  // qmu_ not held
+  // The call an NCCL error spoils: the oldest not retired (qmu_ not held). NCCL may report an
+  // error after the call's kernels have finished (its event is complete), so completion alone does
+  // not clear a call.
+  uint64_t first_unretired();
+  // mu_ held: retires the calls whose events have completed, once NCCL's async state read after
+  // those queries is clean; returns NCCL's error as a message, or "".
+  std::string retire_locked();
   void watch();
   std::string async_error_locked();  // mu_ held: NCCL's async error as a message, or ""
 
@@ -91,7 +145,8 @@ class Ring {
   int device_ = 0;
   int up_ = 0, down_ = 0;
   ncclComm* comm_ = nullptr;
-  char* staging_[2] = {nullptr, nullptr};
+  char* staging_[2] = {nullptr, nullptr};  // one allocation: the direct algorithms use both as one
+  std::vector<P2p> ops_;  // group()'s list, kept to avoid an allocation per group
   std::atomic<uint64_t> op_seq_{0};
   std::atomic<bool> in_call_{false};  // run() is enqueueing call op_seq_
   bool closed_ = false;
@@ -104,7 +159,8 @@ class Ring {
   std::vector<host::Peer> peers_;
   std::mutex qmu_;  // inflight_, stop_
   std::condition_variable qcv_;
-  std::deque<Pending> inflight_;
+  std::deque<Pending> inflight_;  // enqueued and not retired
+  std::chrono::steady_clock::time_point last_done_;  // seen_done of the last call retired
   bool stop_ = false;
   std::thread watchdog_;
 };

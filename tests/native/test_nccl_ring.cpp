@@ -1,10 +1,11 @@
 // Native test of the nccl transport (csrc/cuda/nccl_ring.cpp) on the emulated device, against the
 // in-process NCCL stand-in (tests/native/emu/nccl_standin.cpp), which nccl_ring.cpp loads by path as
 // it loads torch's libnccl.so.2. Ranks are threads; rank r on emulated device r.
-// (1) the ring's schedule: 2-4 ranks, every collective, in place and not, zero-size and numel < N,
-//     tiny staging buffers (a chunk in many pieces) and the default, many calls in a row;
-// (2) failures and their messages: a silent rank (the watchdog's timeout), mismatched sizes (NCCL's
-//     "message truncated"), an NCCL call failing inside a group (the group must still be ended), a
+// (1) the schedules (ring, one-shot, two-shot, and the choice by size): 2-4 ranks, every
+//     collective, in place and not, zero-size and numel < N, tiny staging buffers (a chunk in many
+//     pieces) and the default, many calls in a row; NCCL groups and reduce launches per call;
+// (2) failures and their messages, on every algorithm where they differ: a silent rank (the
+//     watchdog's timeout), mismatched sizes (NCCL's "message truncated"), an NCCL call failing inside a group (the group must still be ended), a
 //     CUDA fault on the stream (the watchdog must report it), two ranks on one GPU (NCCL refuses;
 //     the message says what to do), a peer process that dies, an abort, which call failed first.
 // Emulator only: real NCCL is exercised by tests/test_cuda.py on a GPU.
@@ -29,11 +30,13 @@ static const char* kLib = RR_TEST_NCCL_LIB;
 struct Hooks {
   void (*fail_next)(const char*, ncclResult_t) = nullptr;
   int (*group_depth)() = nullptr;
+  uint64_t (*groups)() = nullptr;
   Hooks() {
     void* h = dlopen(kLib, RTLD_NOW);
     if (!h) throw std::runtime_error(std::string("cannot load the NCCL stand-in: ") + dlerror());
     fail_next = reinterpret_cast<decltype(fail_next)>(dlsym(h, "standin_fail_next"));
     group_depth = reinterpret_cast<decltype(group_depth)>(dlsym(h, "standin_group_depth"));
+    groups = reinterpret_cast<decltype(groups)>(dlsym(h, "standin_groups"));
   }
 };
 
@@ -42,7 +45,8 @@ struct Group {
   std::vector<Rank> ranks;
   // Creation is collective (each constructor waits for the others), so each rank is built on a
   // thread of its own, on its device. devices: rank -> device (default rank r on device r).
-  Group(int n, size_t staging, double timeout_s, std::vector<int> devices = {}) {
+  Group(int n, size_t staging, double timeout_s, std::vector<int> devices = {},
+        rc::nccl::Algo algo = rc::nccl::Algo::Auto) {
     if (devices.empty())
       for (int r = 0; r < n; ++r) devices.push_back(r);
     const std::string id = rc::nccl::unique_id(kLib);
@@ -59,6 +63,7 @@ struct Group {
           o.timeout_s = timeout_s;
           o.staging_bytes = staging;
           o.lib = kLib;
+          o.algo = algo;
           rings[r] = std::make_unique<rc::nccl::Ring>(o, id);
         } catch (const std::exception& e) {
           errors[r] = e.what();
@@ -111,77 +116,169 @@ struct Group {
   }
 };
 
-// (1) the schedule.
+using rc::nccl::Algo;
+
+// (1) the schedules.
 static void test_sweep() {
   int cases = 0;
   const auto t0 = Clock::now();
   for (int n = 2; n <= 4; ++n) {
-    {  // staging of 64 bytes: every chunk goes through the ring in many pieces
-      Group g(n, 64, 20.0);
+    // Staging of 64 bytes: every chunk goes through in many pieces (the ring's 64-byte slices,
+    // two-shot's 128 / (n-1)-byte pieces). 64-byte pieces of the largest size (3 x 65536 elements)
+    // would take minutes on 2 cores: the default staging below runs that size.
+    for (Algo a : {Algo::Ring, Algo::TwoShot}) {
+      Group g(n, 64, 20.0, {}, a);
       char what[64];
-      std::snprintf(what, sizeof what, "nccl n=%d staging=64", n);
-      // 64-byte pieces of the largest size (3 x 65536 elements) would take minutes on 2 cores: the
-      // default staging below runs that size.
+      std::snprintf(what, sizeof what, "nccl n=%d staging=64 %s", n, rc::nccl::algo_name(a));
       cases += sweep(g.ranks, {0, 1, n - 1, n + 1, 1000 * n + 7}, what);
     }
-    {
-      Group g(n, rc::nccl::kDefaultStagingBytes, 20.0);
+    for (Algo a : {Algo::Auto, Algo::Ring}) {  // auto: one-shot for the small sizes, two-shot above
+      Group g(n, rc::nccl::kDefaultStagingBytes, 20.0, {}, a);
       char what[64];
-      std::snprintf(what, sizeof what, "nccl n=%d staging=default", n);
+      std::snprintf(what, sizeof what, "nccl n=%d staging=default %s", n, rc::nccl::algo_name(a));
       cases += sweep(g.ranks, {0, 1, n + 1, 3 * 65536 + 5}, what);
     }
   }
-  std::printf("nccl ring: %d cases (%.1f s)\n", cases, seconds_since(t0));
+  std::printf("nccl: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
+// One-shot forced at sizes auto gives two-shot (4099 x 8 bytes at n = 4 is over
+// oneshot_max_bytes); reduce-scatter and all-gather fall back to two-shot (their one group each).
+static void test_oneshot() {
+  int cases = 0;
+  for (int n = 2; n <= 4; ++n) {
+    Group g(n, rc::nccl::kDefaultStagingBytes, 20.0, {}, Algo::OneShot);
+    char what[64];
+    std::snprintf(what, sizeof what, "nccl n=%d oneshot", n);
+    cases += sweep(g.ranks, {1, n - 1, 7, 100 * n + 3, 4099}, what);
+  }
+  std::printf("oneshot: %d cases\n", cases);
+}
+
+static rr::Call call_of(rr::Coll coll, rr::DType t, int64_t numel) {
+  return {coll, t, rr::RedOp::Sum, numel, nullptr, nullptr};
+}
+
+// The choice by size, and the fallbacks where a forced algorithm is impossible.
+static void test_plan() {
+  using rr::Coll;
+  using rr::DType;
+  rc::nccl::Options o;
+  o.nranks = 8;
+  auto plan = [&](Coll c, DType t, int64_t numel) { return rc::nccl::plan(call_of(c, t, numel), o); };
+  EXPECT(rc::nccl::oneshot_max_bytes(2) == (1u << 20) && rc::nccl::oneshot_max_bytes(8) == (32u << 10),
+         "oneshot_max_bytes: n=2 %zu, n=8 %zu", rc::nccl::oneshot_max_bytes(2), rc::nccl::oneshot_max_bytes(8));
+  EXPECT(plan(Coll::AllReduce, DType::F32, 1024) == Algo::OneShot, "4 KiB");
+  EXPECT(plan(Coll::AllReduce, DType::F32, 8192) == Algo::OneShot, "32 KiB");
+  EXPECT(plan(Coll::AllReduce, DType::F32, 8193) == Algo::TwoShot, "32 KiB + 4");
+  EXPECT(plan(Coll::AllReduce, DType::F32, 1 << 20) == Algo::TwoShot, "4 MiB");
+  EXPECT(plan(Coll::AllReduce, DType::F32, 4 << 20) == Algo::TwoShot, "16 MiB");
+  EXPECT(plan(Coll::AllReduce, DType::F32, (4 << 20) + 1) == Algo::Ring, "16 MiB + 4");
+  EXPECT(plan(Coll::ReduceScatter, DType::F32, 1024) == Algo::TwoShot, "reduce_scatter 4 KiB");
+  EXPECT(plan(Coll::AllGather, DType::F32, 1024) == Algo::TwoShot, "all_gather 4 KiB");
+  o.algo = Algo::OneShot;
+  o.staging_bytes = 4096;  // one-shot's 7 inputs of 1200 bytes do not fit 8 KiB: two-shot
+  EXPECT(plan(Coll::AllReduce, DType::F32, 300) == Algo::TwoShot, "one-shot over the staging");
+  EXPECT(plan(Coll::AllReduce, DType::F32, 200) == Algo::OneShot, "one-shot in the staging");
+  o.staging_bytes = 16;  // two-shot pieces of 32 / 7 bytes, under 16: the ring
+  EXPECT(plan(Coll::AllReduce, DType::F64, 100) == Algo::Ring, "two-shot pieces under 16 bytes");
+  EXPECT(plan(Coll::AllGather, DType::F64, 800) == Algo::TwoShot, "all_gather needs no staging");
+  o.algo = Algo::Ring;
+  EXPECT(plan(Coll::AllReduce, DType::F32, 1) == Algo::Ring, "forced ring");
+}
+
+// NCCL groups and reduce launches per rank per call, world 8 (two ranks per emulated device), at
+// 4 KiB and 4 MiB float32 all_reduce: auto (one-shot: 1 group; two-shot: 2) against the ring
+// (2(N-1) = 14); N-1 = 7 reduce launches each.
+static void test_counts(const Hooks& hooks) {
+  setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+  const int n = 8;
+  for (Algo a : {Algo::Ring, Algo::Auto}) {
+    Group g(n, rc::nccl::kDefaultStagingBytes, 60.0, {0, 1, 2, 3, 0, 1, 2, 3}, a);
+    for (int64_t numel : {int64_t{1024}, int64_t{1} << 20}) {
+      const uint64_t groups0 = hooks.groups(), launches0 = emu_launches();
+      check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, true, "counts");
+      const double groups = double(hooks.groups() - groups0) / n;
+      const double launches = double(emu_launches() - launches0) / n;
+      const Algo used = rc::nccl::plan(g.call(numel, DevBuf(4)), {0, n});
+      const Algo got = a == Algo::Ring ? Algo::Ring : used;
+      const double want_groups = got == Algo::Ring ? 2 * (n - 1) : got == Algo::TwoShot ? 2 : 1;
+      std::printf("world %d, %lld B float32 all_reduce, %s: %g NCCL groups, %g reduce launches per call\n",
+                  n, (long long)numel * 4, rc::nccl::algo_name(got), groups, launches);
+      EXPECT(groups == want_groups, "%s %lld: %g groups", rc::nccl::algo_name(got), (long long)numel, groups);
+      EXPECT(launches == n - 1, "%s %lld: %g launches", rc::nccl::algo_name(got), (long long)numel, launches);
+    }
+  }
+  unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
 }
 
 // (2) failures.
 
 // Rank 2 never calls: NCCL waits forever; the watchdog fails the call at the timeout, aborts the
-// NCCL communicator (which ends the stream's wait) and the ring refuses later calls.
+// NCCL communicator (which ends the stream's wait) and the ring refuses later calls. 4096 floats
+// with 4 KiB staging: two-shot in auto (in two pieces); 64 floats: one-shot.
 static void test_timeout() {
-  DevBuf buf(4096 * 4);
-  Group g(3, 4096, 1.0);
-  for (int r = 0; r < 2; ++r) g.run(r, 4096, buf);
-  const double took = g.await_failures({0, 1}, 10);
-  g.sync();
-  EXPECT(took < 4, "the silent rank was noticed after %.1f s (timeout 1 s)", took);
-  for (int r = 0; r < 2; ++r) {
-    EXPECT(contains(g.rings[r]->failure(), "timed out after 1 s"), "rank %d: '%s'", r,
-           g.rings[r]->failure().c_str());
-    EXPECT(g.rings[r]->failed_seq() == 1, "rank %d: first failed %llu", r,
-           (unsigned long long)g.rings[r]->failed_seq());
-    EXPECT(run_throws(g.ranks[r], r, buf, "broken by an earlier failure"), "rank %d: a broken ring accepted a call", r);
+  for (auto [a, numel] : {std::pair{Algo::Ring, 4096}, std::pair{Algo::Auto, 4096}, std::pair{Algo::Auto, 64}}) {
+    DevBuf buf(numel * 4);
+    Group g(3, 4096, 1.0, {}, a);
+    const char* algo = rc::nccl::algo_name(rc::nccl::plan(g.call(numel, buf), {0, 3, 1.0, 4096, "", a}));
+    for (int r = 0; r < 2; ++r) g.run(r, numel, buf);
+    const double took = g.await_failures({0, 1}, 10);
+    g.sync();
+    EXPECT(took < 4, "%s: the silent rank was noticed after %.1f s (timeout 1 s)", algo, took);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT(contains(g.rings[r]->failure(), "timed out after 1 s"), "%s rank %d: '%s'", algo, r,
+             g.rings[r]->failure().c_str());
+      EXPECT(g.rings[r]->failed_seq() == 1, "%s rank %d: first failed %llu", algo, r,
+             (unsigned long long)g.rings[r]->failed_seq());
+      EXPECT(run_throws(g.ranks[r], r, buf, "broken by an earlier failure"), "%s rank %d: a broken ring accepted a call", algo, r);
+    }
+    std::printf("timeout (%s): rank 0 says: %s\n", algo, g.rings[0]->failure().c_str());
   }
-  std::printf("timeout: rank 0 says: %s\n", g.rings[0]->failure().c_str());
 }
 
 // Rank 1 calls with another numel after a good call: a receive smaller than its send is NCCL's
-// "message truncated"; every rank fails within its timeout; the good call is not counted. The rank
-// whose receive meets the larger send may learn it inside its own ncclGroupEnd (run() throws) or
-// later (failure()), depending on which rank posted first: both are allowed.
+// "message truncated"; every rank fails within its timeout; the good call is not counted, and the
+// bad one is (NCCL may report it after the call's event has completed). The rank whose receive
+// meets the larger send may learn it inside its own ncclGroupEnd (run() throws) or later
+// (failure()), depending on which rank posted first: both are allowed. Auto: one-shot (999 floats
+// in 4 KiB staging) for all; small (the sizes differ in two-shot pieces); other algorithms on
+// different ranks (one-shot against two-shot).
 static void test_size_mismatch() {
-  DevBuf buf(2000 * 4);
-  Group g(3, 4096, 2.0);
-  for (int r = 0; r < 3; ++r) g.run(r, 999, buf);
-  g.sync();
-  for (int r = 0; r < 3; ++r) {
-    try {
-      g.run(r, r == 1 ? 1001 : 998, buf);
-    } catch (const rr::RingError& e) {
-      EXPECT(!g.rings[r]->failure().empty(), "rank %d threw '%s' but recorded no failure", r, e.what());
+  struct Case {
+    Algo algo;
+    int64_t good, bad, others;
+  };
+  for (const Case& k : {Case{Algo::Ring, 999, 1001, 998}, Case{Algo::Auto, 999, 1001, 998},
+                        Case{Algo::Auto, 60, 61, 59}, Case{Algo::TwoShot, 999, 1001, 998},
+                        Case{Algo::Auto, 999, 2000, 998}}) {
+    DevBuf buf(2000 * 4);
+    Group g(3, 4096, 2.0, {}, k.algo);
+    const rc::nccl::Options o{0, 3, 2.0, 4096, "", k.algo};
+    char what[96];
+    std::snprintf(what, sizeof what, "%s/%s", rc::nccl::algo_name(rc::nccl::plan(g.call(k.bad, buf), o)),
+                  rc::nccl::algo_name(rc::nccl::plan(g.call(k.others, buf), o)));
+    for (int r = 0; r < 3; ++r) g.run(r, k.good, buf);
+    g.sync();
+    for (int r = 0; r < 3; ++r) {
+      try {
+        g.run(r, r == 1 ? k.bad : k.others, buf);
+      } catch (const rr::RingError& e) {
+        EXPECT(!g.rings[r]->failure().empty(), "%s: rank %d threw '%s' but recorded no failure", what, r, e.what());
+      }
     }
+    g.await_failures({0, 1, 2}, 15);
+    g.sync();
+    bool truncated = false;
+    for (int r = 0; r < 3; ++r) {
+      const std::string f = g.rings[r]->failure();
+      EXPECT(!f.empty(), "%s: rank %d did not fail", what, r);
+      truncated |= contains(f, "message truncated");
+      EXPECT(g.rings[r]->failed_seq() == 2, "%s: rank %d: first failed %llu (%s)", what, r,
+             (unsigned long long)g.rings[r]->failed_seq(), f.c_str());
+    }
+    EXPECT(truncated, "%s: no rank reported the truncated message", what);
   }
-  g.await_failures({0, 1, 2}, 15);
-  g.sync();
-  bool truncated = false;
-  for (int r = 0; r < 3; ++r) {
-    const std::string f = g.rings[r]->failure();
-    EXPECT(!f.empty(), "rank %d did not fail", r);
-    truncated |= contains(f, "message truncated");
-    EXPECT(g.rings[r]->failed_seq() == 2, "rank %d: first failed %llu", r,
-           (unsigned long long)g.rings[r]->failed_seq());
-  }
-  EXPECT(truncated, "no rank reported the truncated message");
 }
 
 // An NCCL call that fails inside the group: the ring raises, and the group is ended anyway (a group
@@ -312,6 +409,9 @@ int main(int argc, char** argv) {
     const Hooks hooks;
     std::printf("NCCL stand-in version %d at %s\n", rc::nccl::version(kLib), kLib);
     run_test(argc, argv, "test_sweep", [&] { test_sweep(); });
+    run_test(argc, argv, "test_oneshot", [&] { test_oneshot(); });
+    run_test(argc, argv, "test_plan", [&] { test_plan(); });
+    run_test(argc, argv, "test_counts", [&] { test_counts(hooks); });
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
     run_test(argc, argv, "test_size_mismatch", [&] { test_size_mismatch(); });
     run_test(argc, argv, "test_failure_inside_group", [&] { test_failure_inside_group(hooks); });

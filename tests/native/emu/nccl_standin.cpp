@@ -76,6 +76,7 @@ std::mutex g_mu;
 std::map<std::string, std::shared_ptr<Clique>> g_cliques;  // by unique id
 std::map<std::string, ncclResult_t> g_fail_next;
 std::atomic<uint64_t> g_ids{0};
+std::atomic<uint64_t> g_groups{0};  // operations enqueued (standin_groups)
 thread_local int tl_depth = 0;
 thread_local std::vector<Op> tl_group;
 std::string g_last_error;
@@ -174,6 +175,7 @@ void run_group(void* p) {
 }
 
 ncclResult_t enqueue(std::vector<Op>& ops) {
+  ++g_groups;
   // One GroupRun per (communicator, stream), keys assigned in issue order.
   std::map<std::pair<ncclComm*, cudaStream_t>, std::unique_ptr<GroupRun>> runs;
   for (const Op& o : ops) {
@@ -378,5 +380,7 @@ void standin_fail_next(const char* function, ncclResult_t result) {
 }
 
 int standin_group_depth() { return tl_depth; }
+
+uint64_t standin_groups() { return g_groups.load(); }
 
 }  // extern "C"

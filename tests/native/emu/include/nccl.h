@@ -3,6 +3,7 @@
 // signatures follow NCCL's public API so that nccl_ring.cpp compiles unchanged against either.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 #include "cuda_runtime.h"
 
@@ -65,7 +66,9 @@ ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t type, int peer, nc
                       cudaStream_t stream);
 
 // Test hooks of the stand-in (not NCCL's): the next call of `function` (e.g. "ncclRecv") on any
-// thread returns `result`; how deep the calling thread's group nesting is.
+// thread returns `result`; how deep the calling thread's group nesting is; how many operations
+// (a group, or a send/recv outside one) were enqueued so far, all communicators together.
 void standin_fail_next(const char* function, ncclResult_t result);
 int standin_group_depth();
+uint64_t standin_groups();
 }
