@@ -49,7 +49,8 @@ os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
 import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
-cpu_sources = ["csrc/bindings.cpp", "csrc/backend.cpp", "csrc/ops.cpp", "csrc/cpu/reduce.cpp",
+cpu_sources = ["csrc/bindings.cpp", "csrc/backend.cpp", "csrc/shm_comm.cpp", "csrc/ops.cpp",
+               "csrc/cpu/reduce.cpp",
                "csrc/shm/protocol.cpp", "csrc/shm/segment.cpp", "csrc/host/peers.cpp"]
 cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
 with_cuda = want_cuda(torch.version.cuda, cuda_home, cuda_sources)

@@ -1,54 +1,32 @@
-// The torch.distributed backend "ringreduce" as torch sees it: a c10d::Backend that forwards every
-// operation to a Python object (ringreduce/backend.py), which runs it on the ring or hands it to a
-// Gloo/NCCL delegate. In C++ because torch's own Python trampoline for Backend forwards only some
-// operations (not _allgather_base, _reduce_scatter_base, alltoall_base or getBackendName, which
-// all_gather_into_tensor, reduce_scatter_tensor and FSDP use), and because a Work defined in Python
-// loses its Python half once only C++ holds it. The ring's Work is RingWork, completed from Python.
+// The torch.distributed backend "ringreduce" as torch sees it: a c10d::Backend. The ring's
+// operations on CPU tensors of a one-host group run from here straight into the shared-memory
+// communicator (no Python, no GIL): synchronous calls on the calling thread, asynchronous ones
+// queued on the communicator's executor, whose Work completes from C++. Everything else — the first
+// call (which creates the communicator, collectively), other devices, multi-host plans, dtypes and
+// ops the ring does not serve, the operations delegated to Gloo/NCCL — is forwarded to a Python
+// object (ringreduce/backend.py). In C++ because torch's own Python trampoline for Backend forwards
+// only some operations (not _allgather_base, _reduce_scatter_base, alltoall_base or getBackendName),
+// and because a Work defined in Python loses its Python half once only C++ holds it.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/extension.h>
 
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "shm_comm.h"
+
 namespace {
 
+namespace rr = ringreduce;
 using c10d::Work;
-using WorkPtr = c10::intrusive_ptr<Work>;
-
-// A collective the ring runs: done when Python calls complete(); its future holds the output
-// tensors (as c10d's own backends' futures do: DDP's reducer reads them).
-class RingWork : public Work {
- public:
-  RingWork(c10d::OpType op, std::vector<at::Tensor> outputs) : Work(-1, op), outputs_(std::move(outputs)) {
-    std::vector<c10::Device> devices;
-    for (const at::Tensor& t : outputs_)
-      if (!t.device().is_cpu()) {
-        devices.push_back(t.device());
-        break;
-      }
-    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                       devices);
-  }
-  // error "": success. Called once, from the thread that saw the collective end.
-  void complete(const std::string& error) {
-    if (error.empty()) {
-      future_->markCompleted(c10::IValue(outputs_));
-      finish();
-    } else {
-      auto e = std::make_exception_ptr(std::runtime_error(error));
-      future_->setError(e);
-      finish(e);
-    }
-  }
-  std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
+using rr::RingWork;
+using rr::WorkPtr;
 
 bool finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -58,9 +36,75 @@ bool finalizing() {
 #endif
 }
 
+// What the C++ half runs without Python: the group's shared-memory communicator, once Python has
+// created it (set_cpu), and counts of the calls it ran, by operation.
+class Slot {
+ public:
+  std::shared_ptr<rr::ShmComm> cpu() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return cpu_;
+  }
+  void set_cpu(std::shared_ptr<rr::ShmComm> c) {
+    std::lock_guard<std::mutex> lk(mu_);
+    cpu_ = std::move(c);
+  }
+  void count(const char* op) {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++counts_[op];
+  }
+  std::map<std::string, int64_t> counts() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return counts_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::shared_ptr<rr::ShmComm> cpu_;
+  std::map<std::string, int64_t> counts_;
+};
+
+// The ring's code of a ReduceOp (csrc/cpu/reduce.h), or -1 (PREMUL_SUM, bitwise ops: Python's
+// path delegates them).
+int op_code(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return 0;
+    case c10d::ReduceOp::AVG: return 1;
+    case c10d::ReduceOp::MIN: return 2;
+    case c10d::ReduceOp::MAX: return 3;
+    case c10d::ReduceOp::PRODUCT: return 4;
+    default: return -1;
+  }
+}
+
+bool ring_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+    case at::kChar: case at::kByte: case at::kInt: case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Dense CPU tensors of one ring dtype.
+bool ring_can(const std::vector<at::Tensor>& ts) {
+  if (ts.empty()) return false;
+  for (const at::Tensor& t : ts)
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || t.is_sparse() ||
+        t.scalar_type() != ts[0].scalar_type() || !ring_dtype(t.scalar_type()))
+      return false;
+  return true;
+}
+
+template <class O>
+auto async_of(const O& o, int) -> decltype(o.asyncOp) { return o.asyncOp; }
+template <class O>
+bool async_of(const O&, long) { return true; }
+
 class ForwardingBackend : public c10d::Backend {
  public:
-  ForwardingBackend(int rank, int size, py::object impl) : Backend(rank, size), impl_(std::move(impl)) {}
+  ForwardingBackend(int rank, int size, py::object impl, std::shared_ptr<Slot> slot)
+      : Backend(rank, size), impl_(std::move(impl)), slot_(std::move(slot)) {}
   ~ForwardingBackend() override {
     // Another thread taking the GIL while the interpreter finalizes is ended by pthread_exit, whose
     // unwinding through this (noexcept) destructor would abort the process: leak the object then.
@@ -83,12 +127,25 @@ class ForwardingBackend : public c10d::Backend {
     return call("broadcast", t, o);
   }
   WorkPtr allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
+    const int code = op_code(o.reduceOp);
+    if (code >= 0 && ring_can(t))
+      if (auto c = open_cpu()) {
+        slot_->count("ring allreduce");
+        return run(*c, t.size() == 1 ? c->all_reduce(t[0], code) : c->all_reduce_flat(t, code),
+                   async_of(o, 0), c10d::OpType::ALLREDUCE);
+      }
     return call("allreduce", t, o);
   }
   WorkPtr allreduce_sparse(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
     return call("allreduce_sparse", t, o);
   }
   WorkPtr allreduce_coalesced(std::vector<at::Tensor>& t, const c10d::AllreduceCoalescedOptions& o) override {
+    const int code = op_code(o.reduceOp);
+    if (code >= 0 && ring_can(t))
+      if (auto c = open_cpu()) {
+        slot_->count("ring allreduce_coalesced");
+        return run(*c, c->all_reduce_flat(t, code), async_of(o, 0), c10d::OpType::ALLREDUCE_COALESCED);
+      }
     return call("allreduce_coalesced", t, o);
   }
   WorkPtr reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override {
@@ -99,6 +156,12 @@ class ForwardingBackend : public c10d::Backend {
     return call("allgather", out, in, o);
   }
   WorkPtr _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
+    if (ring_can({out, in}))
+      if (auto c = open_cpu()) {
+        check_sizes("all_gather_into_tensor", "output_tensor", out, "input_tensor", in);
+        slot_->count("ring _allgather_base");
+        return run(*c, c->all_gather(out, in), async_of(o, 0), c10d::OpType::_ALLGATHER_BASE);
+      }
     return call("_allgather_base", out, in, o);
   }
   WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
@@ -122,6 +185,14 @@ class ForwardingBackend : public c10d::Backend {
     return call("reduce_scatter", out, in, o);
   }
   WorkPtr _reduce_scatter_base(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
+    const int code = op_code(o.reduceOp);
+    if (code >= 0 && ring_can({out, in}))
+      if (auto c = open_cpu()) {
+        check_sizes("reduce_scatter_tensor", "input", in, "output", out);
+        slot_->count("ring _reduce_scatter_base");
+        return run(*c, c->reduce_scatter(out, in, code), async_of(o, 0),
+                   c10d::OpType::_REDUCE_SCATTER_BASE);
+      }
     return call("_reduce_scatter_base", out, in, o);
   }
   WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
@@ -144,25 +215,50 @@ class ForwardingBackend : public c10d::Backend {
   WorkPtr barrier(const c10d::BarrierOptions& o) override { return call("barrier", o); }
 
  private:
+  // The group's shared-memory communicator when Python has made it and it is still open.
+  std::shared_ptr<rr::ShmComm> open_cpu() {
+    auto c = slot_->cpu();
+    if (c && c->closed()) c.reset();
+    return c;
+  }
+
+  // Runs p now (a completed Work; errors raised here, as the direct API's synchronous call) or
+  // queued (the executor's Work).
+  WorkPtr run(rr::ShmComm& c, rr::Prepared p, bool async_op, c10d::OpType type) {
+    std::vector<at::Tensor> outputs = p.outputs;
+    WorkPtr w = c.start(std::move(p), async_op, type, /*gil=*/false);
+    if (w) return w;
+    auto done = c10::make_intrusive<RingWork>(type, std::move(outputs));
+    done->complete("");
+    return done;
+  }
+
+  void check_sizes(const char* fn, const char* big_name, const at::Tensor& big, const char* small_name,
+                   const at::Tensor& small) {
+    TORCH_CHECK_VALUE(big.numel() == small.numel() * size_, "ringreduce.", fn, ": ", big_name, " has ",
+                      big.numel(), " elements; expected ", small_name, ".numel() * world size = ",
+                      small.numel(), " * ", size_, " = ", small.numel() * size_);
+  }
+
   py::object impl_;
+  std::shared_ptr<Slot> slot_;
 };
 
 }  // namespace
 
 void register_backend(py::module_& m) {
-  m.def("make_backend", [](int rank, int size, py::object impl) -> c10::intrusive_ptr<c10d::Backend> {
-    return c10::make_intrusive<ForwardingBackend>(rank, size, std::move(impl));
-  }, py::arg("rank"), py::arg("size"), py::arg("impl"));
+  py::class_<Slot, std::shared_ptr<Slot>>(m, "BackendSlot")
+      .def(py::init<>())
+      .def("set_cpu", &Slot::set_cpu, py::arg("comm"),
+           "the shared-memory communicator the C++ half runs CPU ring calls on (None: none)")
+      .def("counts", &Slot::counts, "calls the C++ half ran on the ring, by operation");
+  m.def("make_backend", [](int rank, int size, py::object impl, std::shared_ptr<Slot> slot)
+            -> c10::intrusive_ptr<c10d::Backend> {
+    return c10::make_intrusive<ForwardingBackend>(rank, size, std::move(impl), std::move(slot));
+  }, py::arg("rank"), py::arg("size"), py::arg("impl"), py::arg("slot"));
   // op: the name of the Backend method, for profilers and debug output.
   m.def("ring_work", [](const std::string& op, std::vector<at::Tensor> outputs) -> WorkPtr {
-    c10d::OpType type = c10d::OpType::UNKNOWN;
-    if (op == "allreduce") type = c10d::OpType::ALLREDUCE;
-    else if (op == "allreduce_coalesced") type = c10d::OpType::ALLREDUCE_COALESCED;
-    else if (op == "allgather") type = c10d::OpType::ALLGATHER;
-    else if (op == "_allgather_base") type = c10d::OpType::_ALLGATHER_BASE;
-    else if (op == "reduce_scatter") type = c10d::OpType::REDUCE_SCATTER;
-    else if (op == "_reduce_scatter_base") type = c10d::OpType::_REDUCE_SCATTER_BASE;
-    return c10::make_intrusive<RingWork>(type, std::move(outputs));
+    return c10::make_intrusive<RingWork>(rr::op_type(op), std::move(outputs));
   }, py::arg("op"), py::arg("outputs"));
   m.def("ring_work_complete", [](const WorkPtr& work, const std::string& error) {
     auto* w = dynamic_cast<RingWork*>(work.get());

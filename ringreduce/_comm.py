@@ -6,7 +6,6 @@ calls in order, and close() are the lifecycle every transport shares (_lifecycle
 """
 import logging
 import os
-import threading
 import time
 import uuid
 
@@ -70,7 +69,6 @@ class Communicator(_lifecycle.Communicator):
         self.oneshot_max_bytes = env_int(
             "RINGREDUCE_ONESHOT_MAX_BYTES",
             ONESHOT_MAX_BYTES_WORLD2 if self.world_size == 2 else ONESHOT_MAX_BYTES)
-        self._run_lock = threading.Lock()
         self._native = self._bootstrap()
         log.debug("rank %d/%d: shm ring ready (slice %d B, timeout %g s, spin %d ns, yield %d ns, "
                   "algo %s, one-shot up to %d B)", self.rank, self.world_size, self.slice_bytes,
@@ -119,55 +117,28 @@ class Communicator(_lifecycle.Communicator):
         return self._native.algo(numel, torch.empty(0, dtype=dtype))
 
     # -- collectives (arguments already checked by ringreduce.collectives) --------------------
+    # The native communicator runs every call in order on its own executor (csrc/host/executor.h):
+    # a sync call on this thread, an async one on its worker or on the thread that waits for it.
+    # Non-contiguous tensors run through contiguous copies, copied back when the call is done.
     def all_reduce(self, tensor, op_code, async_op):
-        if tensor.is_contiguous():
-            def run():
-                self._native.all_reduce(tensor, op_code)
-        else:  # reduce a contiguous copy, then write back through the view
-            buf = tensor.contiguous()
-
-            def run():
-                self._native.all_reduce(buf, op_code)
-                tensor.copy_(buf)
-        return self.submit(run, [tensor], async_op)
+        return self._wrap(self._native.all_reduce(tensor, op_code, async_op))
 
     def reduce_scatter(self, output, input, op_code, async_op):
-        src = input.contiguous()
-        dst = output if output.is_contiguous() else torch.empty_like(
-            output, memory_format=torch.contiguous_format)
-
-        def run():
-            self._native.reduce_scatter(dst, src, op_code)
-            if dst is not output:
-                output.copy_(dst)
-        return self.submit(run, [output], async_op)
+        return self._wrap(self._native.reduce_scatter(output, input, op_code, async_op))
 
     def all_gather(self, output, input, async_op):
-        src = input.contiguous()
-        dst = output if output.is_contiguous() else torch.empty_like(
-            output, memory_format=torch.contiguous_format)
+        return self._wrap(self._native.all_gather(output, input, async_op))
 
-        def run():
-            self._native.all_gather(dst, src)
-            if dst is not output:
-                output.copy_(dst)
-        return self.submit(run, [output], async_op)
+    def _wrap(self, work):
+        return None if work is None else Work(work.get_future(), self._interrupted, work)
 
-    def submit(self, fn, result, async_op):
-        """Runs fn() (a native call) in order with earlier calls: a sync call with nothing in
-        flight on this thread, else on the worker. Returns a Work if async_op."""
-        def job():
-            with self._run_lock:
-                fn()
-        fut = self._submit(job, result, torch.futures.Future, inline=not async_op)
-        if fut is None:
-            return None
-        if async_op:
-            return Work(fut, self._interrupted)
-        # queued behind async calls: wait where Ctrl-C reaches us (the worker's wait does not)
-        _lifecycle.wait_interruptibly(fut, self._interrupted)
-        fut.wait()
-        return None
+    @property
+    def _inflight(self):
+        return self._native.inflight()
+
+    def synchronize(self):
+        """Waits until every call made so far has finished."""
+        self._native.synchronize()
 
     # -- lifetime ----------------------------------------------------------------------------
     @property
@@ -183,8 +154,7 @@ class Communicator(_lifecycle.Communicator):
             self._native.abort(f"rank {self.rank}: communicator closed with calls in flight")
 
     def _close_native(self):
-        with self._run_lock:
-            self._native.close()
+        self._native.close()  # lets queued calls end (aborted first if busy), joins the worker
 
 
 def make(member, timeout=None, hosts=None, **options):

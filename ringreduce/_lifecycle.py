@@ -145,9 +145,10 @@ class Work:
     """Handle of an async call, shaped like torch.distributed's Work. Its future completes once the
     call has finished (on the device, for CUDA tensors) and carries the call's error, if any."""
 
-    def __init__(self, fut, on_interrupt=None):
+    def __init__(self, fut, on_interrupt=None, native=None):
         self._fut = fut
         self._on_interrupt = on_interrupt
+        self._native = native  # the shm call's c10d Work: wait() may run it on this thread
 
     def wait(self, timeout=None):
         """Blocks until the call finished and raises its error, if any. timeout (seconds or a
@@ -158,6 +159,8 @@ class Work:
         if timeout is not None:
             seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
             seconds = max(seconds, 0.0)
+        elif self._native is not None and not self._fut.done():
+            _C.ring_work_help(self._native)  # still queued: run it here (no thread hand-off)
         if not wait_interruptibly(self._fut, self._on_interrupt, seconds):
             raise RingReduceError(f"Work.wait: the collective did not finish within "
                                   f"timeout={seconds:g} s; it is still running")
@@ -204,7 +207,8 @@ class Communicator:
         self.world_size = member.size
         self.timeout = float(timeout) if timeout is not None else default_timeout()
         self._state = threading.Condition()
-        self._inflight = 0
+        if not isinstance(getattr(type(self), "_inflight", None), property):  # native count
+            self._inflight = 0
         self._queue = queue.SimpleQueue()
         self._worker = None
         self._closed = False

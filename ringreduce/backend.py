@@ -11,11 +11,13 @@ that this backend creates lazily on the same store under its own prefix: Gloo fo
 NCCL for CUDA tensors. The group's timeout (init_process_group(timeout=...)) is the ring's timeout
 unless RINGREDUCE_TIMEOUT is set.
 
-torch calls the C++ half (csrc/backend.cpp), which forwards each operation here. A synchronous
-call (async_op=False) runs on the calling thread, as the direct API's does, and raises
-RingReduceError itself; an asynchronous one (and DDP's buckets) runs on the communicator's worker
-and returns a Work that the ring's own future completes: its failure surfaces from Work.wait() as
-a RuntimeError carrying the ring's message.
+torch calls the C++ half (csrc/backend.cpp). Once this object has created a group's shared-memory
+communicator (on the first ring call, collectively), the C++ half runs the ring operations on CPU
+tensors itself, without Python: a synchronous call (async_op=False) on the calling thread, raising
+RingReduceError itself, an asynchronous one (DDP's buckets) queued on the communicator's executor,
+whose Work completes from C++ (a failure surfaces from Work.wait() as a RuntimeError carrying the
+ring's message). Everything else is forwarded here: the first call, CUDA tensors, multi-host
+(hierarchical) plans, and what is delegated.
 """
 import atexit
 import collections
@@ -60,15 +62,24 @@ class RingBackend:
     """One process group's backend (all its device types): ring communicators and delegates, both
     created on first use. Creation is collective, like every first call on a group."""
 
-    def __init__(self, store, rank, size, timeout, group_name):
+    def __init__(self, store, rank, size, timeout, group_name, slot=None):
         self.store, self.rank, self.size = store, rank, size
+        self.slot = slot  # _C.BackendSlot: what the C++ half runs without Python
         self.group_name = group_name
         self.timeout = (None if "RINGREDUCE_TIMEOUT" in os.environ else _seconds(timeout))
         self._torch_timeout = timeout
         self._lock = threading.Lock()  # creations; a DDP thread and the main thread may race
         self._comms = {}
         self._delegates = {}
-        self.calls = collections.Counter()  # "ring <op>" / "delegate <op>": for tests and debugging
+        self._calls = collections.Counter()  # "ring <op>" / "delegate <op>": for tests and debugging
+
+    @property
+    def calls(self):
+        """Calls by "ring <op>" / "delegate <op>", from Python and from the C++ half."""
+        merged = collections.Counter(self._calls)
+        if self.slot is not None:
+            merged.update(self.slot.counts())
+        return merged
 
     # -- what serves a call ------------------------------------------------------------------
     def _comm(self, device):
@@ -90,6 +101,8 @@ class RingBackend:
                     comm = _cuda.Communicator(member, dev, transport, self.timeout)
                 else:
                     comm = _comm.make(member, timeout=self.timeout)
+                    if comm.transport == "shm" and self.slot is not None:
+                        self.slot.set_cpu(comm._native)  # from now on the C++ half runs it
                 self._comms[key] = comm
         return comm
 
@@ -114,7 +127,7 @@ class RingBackend:
         return backend
 
     def _delegated(self, device_type, name, *args):
-        self.calls["delegate " + name] += 1
+        self._calls["delegate " + name] += 1
         return getattr(self._delegate(device_type), name)(*args)
 
     def _fallback(self, device_type, name, outputs, *args):
@@ -127,7 +140,7 @@ class RingBackend:
         prefix = (f"ringreduce backend: {name} of {dtypes} {device_type} tensors is not done by the "
                   f"ring (it serves {served} with SUM, AVG, MIN, MAX, PRODUCT) and the "
                   f"{type(delegate).__name__} delegate refused it: ")
-        self.calls["delegate " + name] += 1
+        self._calls["delegate " + name] += 1
         try:
             work = getattr(delegate, name)(*args)
         except RuntimeError as e:
@@ -149,7 +162,7 @@ class RingBackend:
         (DDP's buckets: overlap with backward) and completes the Work when done. after() copies
         results out, once the collective is done."""
         comm = self._comm(device)
-        self.calls["ring " + op] += 1
+        self._calls["ring " + op] += 1
         if not getattr(opts, "asyncOp", True):
             run(comm, False)
             if after is not None:
@@ -289,7 +302,7 @@ class RingBackend:
             self._check_sizes("all_gather_into_tensor", "output_tensor", o, "input_tensor", i)
         if self._ring_can([*outputs, *inputs]):
             comm = self._comm(inputs[0].device)
-            self.calls["ring allgather_into_tensor_coalesced"] += 1
+            self._calls["ring allgather_into_tensor_coalesced"] += 1
             if not getattr(opts, "asyncOp", True):
                 for o, i in zip(outputs, inputs):
                     comm.all_gather(o, i, False)
@@ -297,7 +310,7 @@ class RingBackend:
             futures = [comm.all_gather(o, i, True).get_future() for o, i in zip(outputs, inputs)]
         else:
             delegate = self._delegate(inputs[0].device.type)
-            self.calls["delegate allgather_into_tensor_coalesced"] += 1
+            self._calls["delegate allgather_into_tensor_coalesced"] += 1
             futures = [delegate._allgather_base(o, i, opts).get_future()
                        for o, i in zip(outputs, inputs)]
         return self._all_of("_allgather_base", futures, list(outputs))
@@ -309,7 +322,7 @@ class RingBackend:
         code = _op_code(opts.reduceOp)
         if code is not None and self._ring_can([*outputs, *inputs]):
             comm = self._comm(inputs[0].device)
-            self.calls["ring reduce_scatter_tensor_coalesced"] += 1
+            self._calls["ring reduce_scatter_tensor_coalesced"] += 1
             if not getattr(opts, "asyncOp", True):
                 for o, i in zip(outputs, inputs):
                     comm.reduce_scatter(o, i, code, False)
@@ -318,7 +331,7 @@ class RingBackend:
                        for o, i in zip(outputs, inputs)]
         else:
             delegate = self._delegate(inputs[0].device.type)
-            self.calls["delegate reduce_scatter_tensor_coalesced"] += 1
+            self._calls["delegate reduce_scatter_tensor_coalesced"] += 1
             futures = [delegate._reduce_scatter_base(o, i, opts).get_future()
                        for o, i in zip(outputs, inputs)]
         return self._all_of("_reduce_scatter_base", futures, list(outputs))
@@ -350,6 +363,8 @@ class RingBackend:
         return self._delegated("cpu", "barrier", opts)
 
     def close(self):
+        if self.slot is not None:
+            self.slot.set_cpu(None)
         for comm in list(self._comms.values()):
             comm.close()
         self._comms.clear()
@@ -357,10 +372,11 @@ class RingBackend:
 
 def _create(dist_opts, backend_opts):
     """torch's creator hook (extended API): one RingBackend per process group."""
+    slot = _C.BackendSlot()
     impl = RingBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                       dist_opts.timeout, dist_opts.group_id)
+                       dist_opts.timeout, dist_opts.group_id, slot)
     _backends.add(impl)
-    return _C.make_backend(dist_opts.group_rank, dist_opts.group_size, impl)
+    return _C.make_backend(dist_opts.group_rank, dist_opts.group_size, impl, slot)
 
 
 _backends = weakref.WeakSet()  # a group's backend goes with the group (destroy_process_group)

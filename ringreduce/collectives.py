@@ -101,7 +101,7 @@ _world = _c10d._world  # one object for the process's life; its default_pg chang
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduces tensor across the group in place; every rank ends with the same result."""
     entry = _fast.get(group)
-    if entry is not None and not async_op and not entry[1]._inflight and not _is_compiling() and \
+    if entry is not None and not async_op and not _is_compiling() and \
             (group is not None or entry[0] is _world.default_pg) and entry[2](tensor, op):
         return None
     fn = "all_reduce"

@@ -352,7 +352,8 @@ def test_mpi_backend_quick_sweep():
         name = {"openmpi": "Open MPI", "mpich": "MPICH"}.get(k, "")
         assert f"# note: mpi/{k}: {name}" in res.stdout, res.stdout[-3000:]
     summary = res.stdout[res.stdout.rindex("# summary, nranks 3"):]
-    assert all(f"mpi/{k} / ringreduce/shm" in summary for k in kinds), summary
+    assert "/ time of ringreduce/shm" in summary, summary
+    assert all(f"mpi/{k}" in summary for k in kinds), summary
     label = f"mpi/{kinds[-1]}"
     bad = bench("--quick", "--nranks", "2", "-e", "1K", "--backends", label,
                 "--corrupt-for-test", label)
@@ -401,3 +402,34 @@ def test_simulated_hosts_row(tmp_path):
     assert bad.returncode == 2 and "more simulated hosts than ranks" in bad.stderr
     bad = bench("--quick", "--nranks", "2", "--backends", "ringreduce/hier")
     assert bad.returncode == 2 and "--hosts H" in bad.stderr
+
+
+def test_summary_fits_100_columns(capsys):
+    """The summary's ratio table: one column per baseline against the automatic choice, short
+    aligned headers, every line within 100 columns (issue 27); the full matrix stays in the JSON."""
+    from ringreduce.bench import report
+    labels = ["ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot", "torch", "torch/ringreduce",
+              "mpi/openmpi", "mpi/mpich", "deepspeed"]
+    rows = []
+    for c in ("all_reduce", "reduce_scatter", "all_gather"):
+        for size in (4096, 64 << 20):
+            for i, b in enumerate(labels):
+                for inplace in (False, True):
+                    rows.append({"collective": c, "size_bytes": size, "backend": b,
+                                 "inplace": inplace, "time_us": 10.0 * (i + 1),
+                                 "busbw_GBps": 1.0, "wrong": 0})
+    summary = report.summarize(rows, labels)
+    run = {"summary": summary, "nranks": 4, "peak_membw_GBps": None, "rows": rows}
+    report.print_summary(run)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    table = out[out.index("/ time of ringreduce/shm"):]
+    header = table.splitlines()[1]
+    assert header.split()[1:] == ["collective", "size", "torch", "torch/ringreduce", "mpi/openmpi",
+                                  "mpi/mpich", "deepspeed"], header
+    first = table.splitlines()[2].split()
+    assert first[1:4] == ["all_reduce", "4", "KiB"] and first[4:] == ["4.00", "5.00", "6.00", "7.00",
+                                                                      "8.00"], first
+    # the full matrix (every ringreduce row against every baseline) is still in the JSON summary
+    assert summary["time_ratios_inplace"][0]["deepspeed / ringreduce/ring"] == 4.0

@@ -1,0 +1,345 @@
+#include "shm_comm.h"
+
+#include <optional>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "torch_types.h"
+
+namespace ringreduce {
+
+unsigned long& main_thread_ident() {
+  static unsigned long ident = 0;
+  return ident;
+}
+
+PyObject*& ring_error_type() {
+  static PyObject* type = nullptr;
+  return type;
+}
+
+namespace {
+
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+shm::Algo parse_algo(const std::string& name) {
+  for (auto a : {shm::Algo::Auto, shm::Algo::Ring, shm::Algo::OneShot})
+    if (name == shm::algo_name(a)) return a;
+  TORCH_CHECK_VALUE(false, "ringreduce: RINGREDUCE_ALGO must be auto, ring or oneshot, got '", name, "'");
+}
+
+void check_cpu(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "ringreduce: ", arg, " is on ", t.device(),
+                    "; the shared-memory transport takes CPU tensors");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ringreduce: ", arg, " must be a dense (strided) tensor");
+}
+
+// A contiguous tensor to run on in place of t (t itself when it is contiguous), and whether the
+// result must be copied back into t.
+at::Tensor contiguous_out(const at::Tensor& t, bool& copy_back) {
+  copy_back = !t.is_contiguous();
+  return copy_back ? at::empty_like(t, at::MemoryFormat::Contiguous) : t;
+}
+
+}  // namespace
+
+// -- RingWork ---------------------------------------------------------------------------------------
+
+RingWork::RingWork(c10d::OpType op, std::vector<at::Tensor> outputs)
+    : Work(-1, op), outputs_(std::move(outputs)) {
+  std::vector<c10::Device> devices;
+  for (const at::Tensor& t : outputs_)
+    if (!t.device().is_cpu()) {
+      devices.push_back(t.device());
+      break;
+    }
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                     devices);
+}
+
+void RingWork::complete(const std::string& error) {
+  if (error.empty()) {
+    future_->markCompleted(c10::IValue(outputs_));
+    finish();
+  } else {
+    // RingError: reaches Python (future.wait, Work.wait) as ringreduce.RingReduceError.
+    auto e = std::make_exception_ptr(RingError(error));
+    future_->setError(e);
+    finish(e);
+  }
+}
+
+void RingWork::help() {
+  auto exec = exec_.lock();
+  if (!exec || !job_) return;
+  const bool gil = python_alive() && PyGILState_Check();
+  std::optional<py::gil_scoped_release> nogil;
+  if (gil) nogil.emplace();
+  with_interrupts([&](const Executor::Interrupted* i) { return exec->wait(job_, i); },
+                  on_interrupt);
+}
+
+bool RingWork::wait(std::chrono::milliseconds timeout) {
+  if (timeout == kNoTimeout) help();  // torch's "no timeout" (Work.hpp)
+  return Work::wait(timeout);
+}
+
+c10d::OpType op_type(const std::string& op) {
+  if (op == "allreduce") return c10d::OpType::ALLREDUCE;
+  if (op == "allreduce_coalesced") return c10d::OpType::ALLREDUCE_COALESCED;
+  if (op == "allgather") return c10d::OpType::ALLGATHER;
+  if (op == "_allgather_base") return c10d::OpType::_ALLGATHER_BASE;
+  if (op == "reduce_scatter") return c10d::OpType::REDUCE_SCATTER;
+  if (op == "_reduce_scatter_base") return c10d::OpType::_REDUCE_SCATTER_BASE;
+  return c10d::OpType::UNKNOWN;
+}
+
+// -- interrupts -------------------------------------------------------------------------------------
+
+// fn(interrupted) -> false when a wait for its turn was interrupted. On the main thread, a pending
+// signal's handler runs (with the GIL) every 50 ms of waiting; if it raises, the group is aborted
+// and its exception (KeyboardInterrupt) is raised here instead of the ring's error.
+void with_interrupts(const std::function<bool(const Executor::Interrupted*)>& fn,
+                     const std::function<void()>& abort_fn) {
+  if (PyThread_get_thread_ident() != main_thread_ident() || !python_alive()) {
+    fn(nullptr);
+    return;
+  }
+  std::unique_ptr<py::error_already_set> pending;
+  const Executor::Interrupted check = [&pending] {
+    py::gil_scoped_acquire acquire;
+    if (PyErr_CheckSignals() == 0) return false;
+    pending = std::make_unique<py::error_already_set>();
+    return true;
+  };
+  bool finished = false;
+  try {
+    finished = fn(&check);
+  } catch (...) {
+    if (pending) throw py::error_already_set(*pending);
+    throw;
+  }
+  if (!finished && abort_fn) abort_fn();
+  if (pending) throw py::error_already_set(*pending);
+}
+
+// -- ShmComm ----------------------------------------------------------------------------------------
+
+ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
+                 double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
+                 int64_t oneshot_max_bytes) {
+  shm::Options opt;
+  opt.rank = rank;
+  opt.nranks = nranks;
+  opt.timeout_s = timeout_s;
+  opt.spin_ns = spin_ns;
+  opt.yield_ns = yield_ns;
+  opt.algo = parse_algo(algo);
+  TORCH_CHECK_VALUE(oneshot_max_bytes >= 0, "ringreduce: oneshot_max_bytes must be >= 0, got ",
+                    oneshot_max_bytes);
+  opt.oneshot_max_bytes = static_cast<size_t>(oneshot_max_bytes);
+  nranks_ = nranks;
+  rank_ = rank;
+  TORCH_CHECK_VALUE(slice_bytes >= 64, "ringreduce: slice_bytes must be >= 64, got ", slice_bytes);
+  comm_ = std::make_unique<shm::Comm>(name, create, opt, slice_bytes);
+  exec_ = std::make_shared<Executor>();
+}
+
+ShmComm::~ShmComm() {
+  // The worker may complete futures whose Python callbacks take the GIL: never join holding it.
+  if (python_alive() && PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    close();
+  } else {
+    close();
+  }
+}
+
+Prepared ShmComm::all_reduce(const at::Tensor& t, int op) {
+  check_cpu(t, "tensor");
+  Prepared p;
+  bool copy_back = false;
+  at::Tensor buf = t;
+  if (!t.is_contiguous()) {
+    buf = t.contiguous();
+    copy_back = true;
+  }
+  p.call = {Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), buf.data_ptr(), buf.data_ptr()};
+  p.keep = {t, buf};
+  if (copy_back) p.after = [t, buf]() mutable { t.copy_(buf); };
+  p.outputs = {t};
+  return p;
+}
+
+Prepared ShmComm::all_reduce_flat(const std::vector<at::Tensor>& ts, int op) {
+  TORCH_CHECK_VALUE(!ts.empty(), "ringreduce: no tensors to all-reduce");
+  std::vector<at::Tensor> flat_parts;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    check_cpu(ts[i], "tensors");
+    TORCH_CHECK_TYPE(ts[i].scalar_type() == ts[0].scalar_type(), "ringreduce: coalesced tensors ",
+                     "must share one dtype; tensor ", i, " is ", ts[i].scalar_type(), ", tensor 0 ",
+                     ts[0].scalar_type());
+    flat_parts.push_back(ts[i].reshape(-1));
+  }
+  at::Tensor flat = at::cat(flat_parts);
+  Prepared p;
+  p.call = {Coll::AllReduce, to_dtype(flat, "tensors"), to_op(op), flat.numel(), flat.data_ptr(),
+            flat.data_ptr()};
+  p.keep = {flat};
+  std::vector<at::Tensor> outs = ts;
+  p.after = [outs, flat]() mutable {
+    int64_t offset = 0;
+    for (at::Tensor& t : outs) {
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  };
+  p.outputs = ts;
+  return p;
+}
+
+Prepared ShmComm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op) {
+  check_cpu(out, "output");
+  check_cpu(in, "input");
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output dtype ",
+                   out.scalar_type(), " differs from input dtype ", in.scalar_type());
+  TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, "ringreduce: input has ", in.numel(),
+                    " elements; expected output.numel() * world size = ", out.numel(), " * ", nranks_,
+                    " = ", out.numel() * nranks_);
+  at::Tensor src = in.contiguous();
+  bool copy_back = false;
+  at::Tensor dst = contiguous_out(out, copy_back);
+  Prepared p;
+  p.call = {Coll::ReduceScatter, to_dtype(in, "input"), to_op(op), in.numel(), src.data_ptr(),
+            dst.data_ptr()};
+  p.keep = {src, dst, out};
+  if (copy_back) p.after = [out, dst]() mutable { out.copy_(dst); };
+  p.outputs = {out};
+  return p;
+}
+
+Prepared ShmComm::all_gather(const at::Tensor& out, const at::Tensor& in) {
+  check_cpu(out, "output_tensor");
+  check_cpu(in, "input_tensor");
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output_tensor dtype ",
+                   out.scalar_type(), " differs from input_tensor dtype ", in.scalar_type());
+  TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks_, "ringreduce: output_tensor has ",
+                    out.numel(), " elements; expected input_tensor.numel() * world size = ",
+                    in.numel(), " * ", nranks_, " = ", in.numel() * nranks_);
+  at::Tensor src = in.contiguous();
+  bool copy_back = false;
+  at::Tensor dst = contiguous_out(out, copy_back);
+  Prepared p;
+  p.call = {Coll::AllGather, to_dtype(in, "input_tensor"), RedOp::Sum, out.numel(), src.data_ptr(),
+            dst.data_ptr()};
+  p.keep = {src, dst, out};
+  if (copy_back) p.after = [out, dst]() mutable { out.copy_(dst); };
+  p.outputs = {out};
+  return p;
+}
+
+void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted) {
+  if (comm_->closed()) throw RingError("ringreduce: communicator is closed");
+  comm_->ring().run(c, interrupted);
+}
+
+WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
+  if (closed()) throw RingError("ringreduce: communicator is closed");
+  auto abort_fn = [this] { abort("rank " + std::to_string(rank_) + ": interrupted by a signal"); };
+  if (!async_op) {
+    std::optional<py::gil_scoped_release> nogil;
+    if (gil) nogil.emplace();
+    with_interrupts([&](const Executor::Interrupted* i) {
+      return exec_->run([&](const Executor::Interrupted* ii) {
+        run_ring(p.call, ii);
+        if (p.after) p.after();
+      }, i);
+    }, abort_fn);
+    return WorkPtr();
+  }
+  auto work = c10::make_intrusive<RingWork>(op, p.outputs);
+  auto shared = std::make_shared<Prepared>(std::move(p));
+  auto job = exec_->submit(
+      [this, shared](const Executor::Interrupted* i) {
+        run_ring(shared->call, i);
+        if (shared->after) shared->after();
+      },
+      [work, shared](const std::string& error) mutable {
+        work->complete(error);
+        shared.reset();  // the tensors, once the Work holds its result
+      });
+  work->attach(exec_, job);
+  std::weak_ptr<Executor> alive = exec_;
+  work->on_interrupt = [this, alive, abort_fn] {
+    if (alive.lock()) abort_fn();
+  };
+  return work;
+}
+
+bool ShmComm::try_all_reduce(PyObject* obj, int op) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous()) return false;
+  DType dt;
+  switch (t.scalar_type()) {
+    case at::kFloat: dt = DType::F32; break;
+    case at::kDouble: dt = DType::F64; break;
+    case at::kHalf: dt = DType::F16; break;
+    case at::kBFloat16: dt = DType::BF16; break;
+    case at::kChar: dt = DType::I8; break;
+    case at::kByte: dt = DType::U8; break;
+    case at::kInt: dt = DType::I32; break;
+    case at::kLong: dt = DType::I64; break;
+    default: return false;
+  }
+  if (comm_->closed() || !exec_->try_claim()) return false;
+  struct Release {
+    Executor* e;
+    ~Release() { e->release(); }
+  } release{exec_.get()};
+  const Call c{Coll::AllReduce, dt, to_op(op), t.numel(), t.data_ptr(), t.data_ptr()};
+  py::gil_scoped_release nogil;
+  with_interrupts([&](const Executor::Interrupted* i) {
+    run_ring(c, i);
+    return true;
+  }, nullptr);
+  return true;
+}
+
+void ShmComm::abort(const std::string& why) {
+  if (!comm_->closed()) comm_->ring().abort(why);
+}
+bool ShmComm::broken() { return !comm_->closed() && comm_->ring().broken(); }
+std::string ShmComm::reason() { return comm_->closed() ? "" : comm_->ring().abort_reason(); }
+int64_t ShmComm::slice_bytes() { return static_cast<int64_t>(comm_->ring().slice_bytes()); }
+int64_t ShmComm::op_seq() { return static_cast<int64_t>(comm_->ring().op_seq()); }
+
+std::string ShmComm::algo(int64_t numel, const at::Tensor& like) {
+  const Call c{Coll::AllReduce, to_dtype(like, "like"), RedOp::Sum, numel, nullptr, nullptr};
+  return shm::algo_name(comm_->ring().choose(c));
+}
+
+void ShmComm::synchronize(bool gil) {
+  std::optional<py::gil_scoped_release> nogil;
+  if (gil) nogil.emplace();
+  with_interrupts([&](const Executor::Interrupted* i) { return exec_->synchronize(i); },
+                  [this] { abort("rank " + std::to_string(rank_) + ": interrupted by a signal"); });
+}
+
+void ShmComm::close() {
+  std::lock_guard<std::mutex> lk(close_mu_);
+  if (exec_) exec_->stop();
+  // A fast-path call may still hold the executor (it never queues): wait for it to release.
+  if (exec_) exec_->synchronize(nullptr);
+  if (comm_) comm_->close();
+}
+
+bool ShmComm::closed() { return comm_->closed(); }
+
+}  // namespace ringreduce

@@ -1,0 +1,118 @@
+// The shared-memory communicator as Python and the torch.distributed backend see it: torch tensors
+// in, ring calls out, every call (direct API, backend, sync or async) through one Executor so that
+// calls run in the order they were made. The backend (csrc/backend.cpp) calls it from C++ without
+// Python; the direct API through pybind11 (csrc/bindings.cpp).
+#pragma once
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/extension.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "host/executor.h"
+#include "shm/segment.h"
+
+namespace ringreduce {
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// Python's thread ident of the main thread (signals are delivered there); set at import.
+unsigned long& main_thread_ident();
+// ringreduce.RingReduceError, set at import.
+PyObject*& ring_error_type();
+
+// A collective the ring runs: done when its call completes; its future holds the output tensors
+// (as c10d's own backends' futures do: DDP's reducer reads them). wait() runs the call on the
+// waiting thread when the executor has not started it (see Executor).
+class RingWork : public c10d::Work {
+ public:
+  RingWork(c10d::OpType op, std::vector<at::Tensor> outputs);
+  // error "": success. Called once.
+  void complete(const std::string& error);
+  void attach(std::weak_ptr<Executor> exec, Executor::JobPtr job) {
+    exec_ = std::move(exec);
+    job_ = std::move(job);
+  }
+  // Runs this call here if it is still queued; then waits for it. Raises KeyboardInterrupt (after
+  // aborting the group via on_interrupt) if Ctrl-C arrives while waiting on the main thread.
+  void help();
+  bool wait(std::chrono::milliseconds timeout) override;
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::function<void()> on_interrupt;  // aborts the group
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::weak_ptr<Executor> exec_;
+  Executor::JobPtr job_;
+};
+
+c10d::OpType op_type(const std::string& name);
+
+// One ring call ready to run: the native call, the tensors it must keep alive, and what to copy
+// out once it is done (non-contiguous outputs, coalesced and list forms).
+struct Prepared {
+  Call call{};
+  std::vector<at::Tensor> keep;
+  std::function<void()> after;
+  std::vector<at::Tensor> outputs;  // the Work's result
+};
+
+class ShmComm {
+ public:
+  ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
+          double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
+          int64_t oneshot_max_bytes);
+  ~ShmComm();
+
+  int nranks() const { return nranks_; }
+  int rank() const { return rank_; }
+
+  // Argument checks as the direct API's, then a ring call. fn: the API's name for messages.
+  Prepared all_reduce(const at::Tensor& t, int op);
+  Prepared all_reduce_flat(const std::vector<at::Tensor>& ts, int op);  // one pass, one dtype
+  Prepared reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op);
+  Prepared all_gather(const at::Tensor& out, const at::Tensor& in);
+
+  // Runs p: synchronously (returns null, throws the ring's error or KeyboardInterrupt) or queued
+  // (returns a RingWork of type op). gil: whether the calling thread holds the GIL.
+  WorkPtr start(Prepared p, bool async_op, c10d::OpType op, bool gil);
+
+  // The direct API's fast path: a synchronous all-reduce when obj is a plain contiguous CPU tensor
+  // of a supported dtype and the communicator is idle; false (nothing touched) otherwise.
+  bool try_all_reduce(PyObject* obj, int op);
+
+  void abort(const std::string& why);
+  bool broken();
+  std::string reason();
+  int64_t slice_bytes();
+  int64_t op_seq();
+  std::string algo(int64_t numel, const at::Tensor& like);
+  int inflight() { return exec_->inflight(); }
+  void synchronize(bool gil);
+  // Stops the executor (queued calls run or fail first), then unmaps. Call without the GIL.
+  void close();
+  bool closed();
+
+ private:
+  // Runs one ring call on this thread (the executor claimed). Releases the GIL if held.
+  void run_ring(const Call& c, const Executor::Interrupted* interrupted);
+
+  std::unique_ptr<shm::Comm> comm_;
+  std::shared_ptr<Executor> exec_;
+  std::mutex close_mu_;
+  int nranks_ = 0, rank_ = 0;
+};
+
+// Runs fn with an interrupt check when on the main thread: Ctrl-C aborts the group (the ring's
+// own wait does; a wait for the executor calls abort_fn) and is raised (KeyboardInterrupt) after
+// fn returns or throws. Call without the GIL.
+// fn(interrupted) returns false when its wait was interrupted before the call ran.
+void with_interrupts(const std::function<bool(const Executor::Interrupted*)>& fn,
+                     const std::function<void()>& abort_fn);
+
+}  // namespace ringreduce
