@@ -96,6 +96,71 @@ def test_collectives_on_the_ring():
         assert used.get("ring " + op), (op, used)
 
 
+def cpp_path_worker(rank, world):
+    """After the first call (Python creates the communicator), the C++ half runs the ring calls:
+    sync and async interleaved, non-contiguous tensors, the list and coalesced forms."""
+    from ringreduce import backend
+    impl = backend.backend_of()
+    failures = []
+    total = sum(range(1, world + 1))
+    t = torch.full((8,), float(rank + 1))
+    dist.all_reduce(t)  # creates the communicator (through Python)
+    python_first = dict(impl._calls)
+    # async calls queued, a sync call behind them, then the waits in reverse order
+    ts = [torch.full((1000 + i,), float((rank + 1) * (i + 1))) for i in range(6)]
+    works = [dist.all_reduce(x, async_op=True) for x in ts]
+    last = torch.full((3,), float(rank + 1))
+    dist.all_reduce(last)  # runs after the six queued ones, on every rank
+    seen = []
+    works[0].get_future().then(lambda f: seen.append(f.value()[0][0].item()))
+    for w in reversed(works):
+        w.wait()
+    for i, x in enumerate(ts):
+        if not torch.all(x == total * (i + 1)):
+            failures.append(f"async #{i}: {x[:3].tolist()}")
+    if not torch.all(last == total):
+        failures.append(f"sync after async: {last.tolist()}")
+    if seen != [float(total)]:
+        failures.append(f"future callback saw {seen}")
+    # a non-contiguous view: reduced through a contiguous copy, written back through the view
+    m = torch.full((4, 6), float(rank + 1))
+    col = m[:, 2]
+    dist.all_reduce(col, op=dist.ReduceOp.MAX)
+    expect = torch.full((4, 6), float(rank + 1))
+    expect[:, 2] = world
+    if not torch.equal(m, expect):
+        failures.append(f"non-contiguous all_reduce: {m.tolist()}")
+    out = torch.empty(6, 2)[:, 0]  # non-contiguous output
+    dist.reduce_scatter_tensor(out, torch.arange(6.0 * world) + rank)
+    want = (torch.arange(6.0 * world) * world + sum(range(world)))[rank * 6:(rank + 1) * 6]
+    if not torch.equal(out, want):
+        failures.append(f"reduce_scatter_tensor into a view: {out.tolist()}")
+    big = torch.empty(world * 3, dtype=torch.int64)
+    work = dist.all_gather_into_tensor(big, torch.full((3,), rank, dtype=torch.int64), async_op=True)
+    work.wait()
+    if big.tolist() != [r for r in range(world) for _ in range(3)]:
+        failures.append(f"all_gather_into_tensor async: {big.tolist()}")
+    parts = [torch.full((2,), float(rank)), torch.full((2, 3), 1.0)]
+    dist.all_reduce_coalesced(parts)
+    if not (torch.all(parts[0] == sum(range(world))) and torch.all(parts[1] == world)):
+        failures.append("all_reduce_coalesced")
+    cpp = dict(impl.slot.counts())
+    return failures, python_first, dict(impl._calls), cpp
+
+
+def test_ring_calls_run_in_cpp():
+    """The first ring call creates the communicator through Python; every later one on CPU
+    tensors runs in the C++ half (issue 27), in the order made, with the same results."""
+    world = 3
+    for rank, (failures, first, python, cpp) in enumerate(
+            run_ranks(world, cpp_path_worker, backend=BACKEND, timeout=300)):
+        assert not failures, (rank, failures)
+        assert first == {"ring allreduce": 1}, first
+        assert python == first, python  # nothing else went through Python
+        assert cpp == {"ring allreduce": 8, "ring _reduce_scatter_base": 1,
+                       "ring _allgather_base": 1, "ring allreduce_coalesced": 1}, cpp
+
+
 def delegated_worker(rank, world):
     out = {}
     t = torch.full((4,), float(rank))

@@ -161,20 +161,27 @@ def test_close_is_idempotent_and_final():
         assert value == 2.0
 
 
-def interrupt_worker(rank, world, outcome_path, queued):
+def interrupt_worker(rank, world, outcome_path, queued, api="direct"):
     # Ctrl-C is SIGINT handled by Python's default handler (KeyboardInterrupt). Installed here, not
     # inherited: a process started in the background by a non-interactive shell (`python -m pytest
     # tests &` in a script, some CI runners) inherits SIGINT *ignored*, Python keeps it ignored, and
     # the signal below would be dropped: the call would just complete when the peers call.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    comm = rr.get_communicator()
-    rr.all_reduce(torch.ones(4))  # the ring is up on every rank
+    if api == "backend":  # dist.* on a ringreduce group: the C++ half runs the calls
+        from ringreduce import backend
+        all_reduce = dist.all_reduce
+        all_reduce(torch.ones(4))  # the ring is up on every rank
+        comm = backend.backend_of()._comms["cpu"]
+    else:
+        all_reduce = rr.all_reduce
+        comm = rr.get_communicator()
+        all_reduce(torch.ones(4))  # the ring is up on every rank
     if rank != 1:  # call only after rank 1 reported: it is interrupted before anyone else calls
         deadline = time.monotonic() + 120
         while not os.path.exists(outcome_path):
             assert time.monotonic() < deadline, "rank 1 never reported"
             time.sleep(0.01)
-        return raised(lambda: rr.all_reduce(torch.ones(4)))
+        return raised(lambda: all_reduce(torch.ones(4)))
     # Rank 1: Ctrl-C while waiting for peers that have not called yet.
     calls_before = comm._native.op_seq()
     sent = []
@@ -193,8 +200,8 @@ def interrupt_worker(rank, world, outcome_path, queued):
     try:
         try:
             if queued:  # an async call waits on the worker; the sync call queues behind it
-                rr.all_reduce(torch.ones(4), async_op=True)
-            rr.all_reduce(torch.ones(4))
+                all_reduce(torch.ones(4), async_op=True)
+            all_reduce(torch.ones(4))
             outcome = "no interrupt"  # (it can end only by the timeout: the peers have not called)
         except KeyboardInterrupt:
             outcome = "KeyboardInterrupt"
@@ -208,12 +215,17 @@ def interrupt_worker(rank, world, outcome_path, queued):
         os.rename(outcome_path + ".tmp", outcome_path)
 
 
-@pytest.mark.parametrize("queued", [False, True], ids=["inline", "queued_behind_async"])
-def test_ctrl_c_interrupts_a_waiting_rank(tmp_path, queued):
-    """Inline: the native wait polls for signals. Queued: the call runs on the worker thread and
-    the caller waits for it in Python, where Ctrl-C must land too."""
-    results = run_ranks(3, interrupt_worker, str(tmp_path / "rank1-done"), queued,
-                        env={"RINGREDUCE_TIMEOUT": "30"})
+@pytest.mark.parametrize("queued,api", [(False, "direct"), (True, "direct"), (False, "backend"),
+                                        (True, "backend")],
+                         ids=["inline", "queued_behind_async", "backend_inline",
+                              "backend_queued_behind_async"])
+def test_ctrl_c_interrupts_a_waiting_rank(tmp_path, queued, api):
+    """Inline: the native wait polls for signals. Queued: the sync call waits for the async one
+    ahead of it (running it itself), where Ctrl-C must land too. Backend: the same through
+    dist.all_reduce on a ringreduce group, whose calls the C++ half runs without Python."""
+    results = run_ranks(3, interrupt_worker, str(tmp_path / "rank1-done"), queued, api,
+                        env={"RINGREDUCE_TIMEOUT": "30"},
+                        **({"backend": "ringreduce"} if api == "backend" else {}))
     outcome, latency, broken = results[1]
     assert outcome == "KeyboardInterrupt", results[1]
     assert latency < 2, f"KeyboardInterrupt {latency:.2f} s after SIGINT (the wait checks every 50 ms)"
