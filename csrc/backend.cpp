@@ -228,9 +228,7 @@ class ForwardingBackend : public c10d::Backend {
     std::vector<at::Tensor> outputs = p.outputs;
     WorkPtr w = c.start(std::move(p), async_op, type, /*gil=*/false);
     if (w) return w;
-    auto done = c10::make_intrusive<RingWork>(type, std::move(outputs));
-    done->complete("");
-    return done;
+    return c10::make_intrusive<rr::DoneWork>(type, std::move(outputs));
   }
 
   void check_sizes(const char* fn, const char* big_name, const at::Tensor& big, const char* small_name,

@@ -33,10 +33,12 @@ py::object start(ShmComm& c, rr::Prepared p, bool async_op, const char* op) {
   return py::cast(w);
 }
 
-// The fast path as a plain CPython function (METH_FASTCALL): fast(tensor, op) -> bool. pybind11's
-// dispatch costs ~0.3 us a call and hashing a ReduceOp ~0.4 us, as much as an all-reduce of 4 KiB
-// between two ranks; this costs a C call. op must be one of the ReduceOp objects given when the
-// function was made (identity, in code order); anything else returns False (the caller's full path).
+// The fast path as a plain CPython function (METH_FASTCALL): fast(tensor, op) -> True when a
+// synchronous all-reduce ran, or fast(tensor, op, True) -> the queued call's Work; False when not
+// taken. pybind11's dispatch costs ~0.3 us a call and hashing a ReduceOp ~0.4 us, as much as an
+// all-reduce of 4 KiB between two ranks; this costs a C call. op must be one of the ReduceOp
+// objects given when the function was made (identity, in code order); anything else returns False
+// (the caller's full path).
 struct FastCall {
   ShmPtr comm;
   std::vector<py::object> ops;  // ops[code]
@@ -47,15 +49,22 @@ constexpr const char* kFastCapsule = "ringreduce.FastCall";
 PyObject* fast_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   auto* f = static_cast<FastCall*>(PyCapsule_GetPointer(self, kFastCapsule));
   if (f == nullptr) return nullptr;
-  if (nargs != 2) {
-    PyErr_Format(PyExc_TypeError, "fast all_reduce takes (tensor, op), got %zd arguments", nargs);
+  if (nargs != 2 && nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "fast all_reduce takes (tensor, op[, async_op]), got %zd arguments",
+                 nargs);
     return nullptr;
   }
   int code = -1;
   for (size_t i = 0; i < f->ops.size(); ++i)
     if (args[1] == f->ops[i].ptr()) code = static_cast<int>(i);
   try {
-    if (code >= 0 && f->comm->try_all_reduce(args[0], code)) Py_RETURN_TRUE;
+    if (code < 0) Py_RETURN_FALSE;
+    if (nargs == 3 && args[2] == Py_True) {
+      rr::WorkPtr w = f->comm->try_all_reduce_async(args[0], code);
+      if (!w) Py_RETURN_FALSE;
+      return py::cast(w).release().ptr();
+    }
+    if (f->comm->try_all_reduce(args[0], code)) Py_RETURN_TRUE;
     Py_RETURN_FALSE;
   } catch (py::error_already_set& e) {
     e.restore();

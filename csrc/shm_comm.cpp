@@ -90,6 +90,12 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
   return Work::wait(timeout);
 }
 
+c10::intrusive_ptr<c10::ivalue::Future> DoneWork::getFuture() {
+  auto f = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  f->markCompleted(c10::IValue(outputs_));
+  return f;
+}
+
 c10d::OpType op_type(const std::string& op) {
   if (op == "allreduce") return c10d::OpType::ALLREDUCE;
   if (op == "allreduce_coalesced") return c10d::OpType::ALLREDUCE_COALESCED;
@@ -282,11 +288,12 @@ WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
   return work;
 }
 
-bool ShmComm::try_all_reduce(PyObject* obj, int op) {
+namespace {
+// A plain (not a subclass), contiguous CPU tensor of a ring dtype: the fast paths' condition.
+bool fast_tensor(PyObject* obj, DType& dt) {
   if (!THPVariable_CheckExact(obj)) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous()) return false;
-  DType dt;
   switch (t.scalar_type()) {
     case at::kFloat: dt = DType::F32; break;
     case at::kDouble: dt = DType::F64; break;
@@ -298,6 +305,24 @@ bool ShmComm::try_all_reduce(PyObject* obj, int op) {
     case at::kLong: dt = DType::I64; break;
     default: return false;
   }
+  return true;
+}
+}  // namespace
+
+WorkPtr ShmComm::try_all_reduce_async(PyObject* obj, int op) {
+  DType dt;
+  if (!fast_tensor(obj, dt) || comm_->closed()) return WorkPtr();
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  Prepared p;
+  p.call = {Coll::AllReduce, dt, to_op(op), t.numel(), t.data_ptr(), t.data_ptr()};
+  p.outputs = {t};
+  return start(std::move(p), /*async_op=*/true, c10d::OpType::ALLREDUCE, /*gil=*/true);
+}
+
+bool ShmComm::try_all_reduce(PyObject* obj, int op) {
+  DType dt;
+  if (!fast_tensor(obj, dt)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
   if (comm_->closed() || !exec_->try_claim()) return false;
   struct Release {
     Executor* e;

@@ -51,6 +51,22 @@ class RingWork : public c10d::Work {
   Executor::JobPtr job_;
 };
 
+// A call that already finished (a synchronous call through the backend): its future is made only
+// if asked for.
+class DoneWork : public c10d::Work {
+ public:
+  DoneWork(c10d::OpType op, std::vector<at::Tensor> outputs) : Work(-1, op), outputs_(std::move(outputs)) {}
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+  void synchronize() override {}
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  std::vector<at::Tensor> outputs_;
+};
+
 c10d::OpType op_type(const std::string& name);
 
 // One ring call ready to run: the native call, the tensors it must keep alive, and what to copy
@@ -85,6 +101,9 @@ class ShmComm {
   // The direct API's fast path: a synchronous all-reduce when obj is a plain contiguous CPU tensor
   // of a supported dtype and the communicator is idle; false (nothing touched) otherwise.
   bool try_all_reduce(PyObject* obj, int op);
+  // Its async form: the queued call's Work, or null (nothing touched) under the same conditions
+  // but for idleness.
+  WorkPtr try_all_reduce_async(PyObject* obj, int op);
 
   void abort(const std::string& why);
   bool broken();

@@ -130,7 +130,7 @@ class Communicator(_lifecycle.Communicator):
         return self._wrap(self._native.all_gather(output, input, async_op))
 
     def _wrap(self, work):
-        return None if work is None else Work(work.get_future(), self._interrupted, work)
+        return None if work is None else Work(None, self._interrupted, work)
 
     @property
     def _inflight(self):

@@ -143,24 +143,34 @@ def wait_interruptibly(fut, on_interrupt=None, timeout=None):
 
 class Work:
     """Handle of an async call, shaped like torch.distributed's Work. Its future completes once the
-    call has finished (on the device, for CUDA tensors) and carries the call's error, if any."""
+    call has finished (on the device, for CUDA tensors) and carries the call's error, if any.
+    native: the shared-memory call's c10d Work (its future is made only when asked for)."""
 
     def __init__(self, fut, on_interrupt=None, native=None):
-        self._fut = fut
+        self._f = fut
         self._on_interrupt = on_interrupt
-        self._native = native  # the shm call's c10d Work: wait() may run it on this thread
+        self._native = native
+
+    @property
+    def _fut(self):
+        if self._f is None:
+            self._f = self._native.get_future()
+        return self._f
 
     def wait(self, timeout=None):
         """Blocks until the call finished and raises its error, if any. timeout (seconds or a
         datetime.timedelta, as torch's Work.wait takes) bounds the wait: RingReduceError if the call
         is still running then (the call itself goes on, bounded by the communicator's timeout).
         Ctrl-C ends the wait and aborts the group."""
+        if timeout is None and self._native is not None:
+            # runs the call here if it is still queued (no thread hand-off), else waits for it;
+            # raises its error (RingReduceError) or Ctrl-C's KeyboardInterrupt
+            self._native.wait()
+            return True
         seconds = None
         if timeout is not None:
             seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
             seconds = max(seconds, 0.0)
-        elif self._native is not None and not self._fut.done():
-            _C.ring_work_help(self._native)  # still queued: run it here (no thread hand-off)
         if not wait_interruptibly(self._fut, self._on_interrupt, seconds):
             raise RingReduceError(f"Work.wait: the collective did not finish within "
                                   f"timeout={seconds:g} s; it is still running")

@@ -89,10 +89,12 @@ def _overlap(a, b):
 # fast function)), filled by the first full call on the CPU, emptied of a communicator's entries
 # when it closes. A hit costs a dictionary lookup, a few attribute reads and one C function
 # (ShmComm.fast_all_reduce) that matches op by identity and checks the tensor itself: ~0.4 us at
-# world 1 (BENCHMARKS.md). Anything else (async, CUDA, views, subclasses, other op objects, tracing,
-# a call in flight, bad arguments) takes the full path, which checks everything and raises the
+# world 1 (BENCHMARKS.md). An async call takes it too (the C function queues the call and returns
+# its Work). Anything else (CUDA, views, subclasses, other op objects, tracing, a sync call with
+# calls in flight, bad arguments) takes the full path, which checks everything and raises the
 # API's errors. is_compiling() comes before the C call: torch.compile folds it and never sees the call.
 _fast = _lifecycle.FAST
+_Work = _lifecycle.Work
 _FAST_OPS = [known for known, _ in sorted(_OP_CODES, key=lambda kc: kc[1])]  # index = op code
 _is_compiling = torch.compiler.is_compiling
 _world = _c10d._world  # one object for the process's life; its default_pg changes
@@ -101,9 +103,15 @@ _world = _c10d._world  # one object for the process's life; its default_pg chang
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduces tensor across the group in place; every rank ends with the same result."""
     entry = _fast.get(group)
-    if entry is not None and not async_op and not _is_compiling() and \
-            (group is not None or entry[0] is _world.default_pg) and entry[2](tensor, op):
-        return None
+    if entry is not None and not _is_compiling() and \
+            (group is not None or entry[0] is _world.default_pg):
+        if not async_op:
+            if entry[2](tensor, op):
+                return None
+        else:
+            native = entry[2](tensor, op, True)
+            if native is not False:
+                return _Work(None, entry[1]._interrupted, native)
     fn = "all_reduce"
     _check_tensor(tensor, "tensor", fn)
     code = _op_code(op, fn)

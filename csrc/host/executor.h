@@ -3,9 +3,11 @@
 // A call runs on the calling thread when nothing is queued or running (a synchronous call: no
 // hand-off), else on the executor's worker. A thread that waits for a queued call runs the calls
 // ahead of it, and then the call itself, when the worker has not picked them up yet: an async call
-// followed at once by its wait() costs what a synchronous call does (no wake-up of another thread,
-// which on a busy machine costs tens of microseconds), while a call nobody waits for yet (DDP's
-// buckets during backward) runs on the worker, overlapping the caller.
+// followed at once by its wait() costs what a synchronous call does (no hand-off to another thread
+// and back, which on a busy machine costs tens of microseconds), while a call nobody waits for
+// (DDP's buckets during backward) runs on the worker, overlapping the caller. The worker leaves a
+// call queued for a short grace period after it was made (kGrace) so that the usual
+// `work = call(async_op=True); work.wait()` finds it still queued.
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -33,8 +35,18 @@ class Executor {
   struct Job {
     Body body;
     Done done;
+    std::chrono::steady_clock::time_point made;
     bool finished = false;  // guarded by the executor's mutex
   };
+  // How long the worker leaves a new call for a waiter to run. Python's return from the call and
+  // its wait() take ~5-20 us on a loaded 2-core machine; a DDP bucket's all-reduce takes ms.
+  static constexpr std::chrono::microseconds kGrace{100};
+  // After a call was made the worker polls the queue every kPoll for kDoze instead of sleeping
+  // until woken: a call made meanwhile needs no wake-up (a system call, and on a loaded machine a
+  // context switch onto a core the ranks use) when its waiter runs it; one nobody waits for starts
+  // within kPoll.
+  static constexpr std::chrono::microseconds kPoll{1000};
+  static constexpr std::chrono::milliseconds kDoze{100};
   using JobPtr = std::shared_ptr<Job>;
 
   Executor() = default;
@@ -54,6 +66,7 @@ class Executor {
     std::lock_guard<std::mutex> lk(mu_);
     running_ = false;
     cv_.notify_all();
+    if (!queue_.empty()) wcv_.notify_one();
   }
 
   // A synchronous call: runs body on this thread after every call made before it (running the
@@ -75,12 +88,14 @@ class Executor {
     auto job = std::make_shared<Job>();
     job->body = std::move(body);
     job->done = std::move(done);
+    job->made = std::chrono::steady_clock::now();
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (!stopped_) {
+        last_made_ = job->made;
         queue_.push_back(job);
         if (!worker_.joinable()) worker_ = std::thread([this] { work_loop(); });
-        cv_.notify_all();
+        if (worker_asleep_) wcv_.notify_one();
         return job;
       }
     }
@@ -133,6 +148,7 @@ class Executor {
       std::lock_guard<std::mutex> lk(mu_);
       stopped_ = true;
       cv_.notify_all();
+      wcv_.notify_all();
     }
     if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
     // Jobs a waiter left queued (interrupted) with no worker to run them: fail them.
@@ -199,6 +215,7 @@ class Executor {
     {
       std::lock_guard<std::mutex> lk(mu_);
       running_ = false;
+      if (!queue_.empty()) wcv_.notify_one();  // the next call, if this thread does not take it
     }
     finish(job, error);
   }
@@ -221,6 +238,11 @@ class Executor {
     std::unique_lock<std::mutex> lk(mu_);
     for (;;) {
       if (!running_ && !queue_.empty()) {
+        const auto due = queue_.front()->made + kGrace;
+        if (!stopped_ && std::chrono::steady_clock::now() < due) {
+          wcv_.wait_until(lk, due);  // a waiter may take it meanwhile
+          continue;
+        }
         JobPtr next = take_locked();
         lk.unlock();
         execute(next, nullptr);
@@ -228,12 +250,21 @@ class Executor {
         continue;
       }
       if (stopped_ && queue_.empty()) return;
-      cv_.wait(lk);
+      if (std::chrono::steady_clock::now() - last_made_ < kDoze) {
+        wcv_.wait_for(lk, kPoll);
+        continue;
+      }
+      worker_asleep_ = true;
+      wcv_.wait(lk);
+      worker_asleep_ = false;
     }
   }
 
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;   // waiters: a call finished, the executor was released
+  std::condition_variable wcv_;  // the worker: a call was queued
+  bool worker_asleep_ = false;   // waiting on wcv_ until woken
+  std::chrono::steady_clock::time_point last_made_{};
   std::deque<JobPtr> queue_;
   bool running_ = false;
   bool stopped_ = false;

@@ -63,6 +63,13 @@ void test_order_and_help() {
     here += ran == std::this_thread::get_id();
   }
   CHECK(here > 0, "the waiter never ran its own call in 200 tries");
+
+  // A call nobody waits for runs on the worker once its grace period has passed.
+  std::atomic<std::thread::id> ran{};
+  auto alone = ex.submit([&](const Executor::Interrupted*) { ran = std::this_thread::get_id(); }, nullptr);
+  for (int i = 0; i < 1000 && ex.inflight(); ++i) std::this_thread::sleep_for(1ms);
+  CHECK(ex.inflight() == 0 && ran.load() != std::thread::id() && ran.load() != std::this_thread::get_id(),
+        "an unwaited call did not run on the worker");
 }
 
 void test_sync_after_async_and_errors() {
