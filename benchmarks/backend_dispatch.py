@@ -10,7 +10,11 @@ the same calls in the same order):
   dist.all_reduce                    torch.distributed on a ringreduce group, async_op=False
   dist.all_reduce async + wait       async_op=True, then Work.wait() (DDP's buckets take this path)
   rr.all_reduce async + wait         the direct API's async path
-  dist.all_reduce (Gloo)             the same call on a Gloo group of the same ranks: the floor
+  dist.all_reduce (Gloo)             the same call on a Gloo group of the same ranks
+  dist.all_reduce, 1-rank group      on a ringreduce group of this rank alone: what torch's
+                                     dist.all_reduce (Python wrapper, dispatcher, Work) plus our
+                                     backend's entry cost with nothing to communicate
+  rr.all_reduce, 1-rank group        the direct API on that group (its dispatch alone)
 Targets (issue 27): at 4 KiB, dist sync <= 2x and both async + wait <= 3x rr.all_reduce; at
 256 KiB all within 1.2x.
 """
@@ -44,6 +48,7 @@ def rank_main(rank, world, store_path, args, q):
     store = dist.FileStore(store_path, world)
     dist.init_process_group("ringreduce", store=store, rank=rank, world_size=world)
     gloo = dist.new_group(backend="gloo")
+    solo = [dist.new_group([r], backend="ringreduce") for r in range(world)][rank]
     results = []
     for size in args.sizes:
         t = torch.ones(size // 4)
@@ -53,6 +58,8 @@ def rank_main(rank, world, store_path, args, q):
             ("dist.all_reduce async + wait", lambda: dist.all_reduce(t, async_op=True).wait()),
             ("rr.all_reduce async + wait", lambda: rr.all_reduce(t, async_op=True).wait()),
             ("dist.all_reduce (Gloo)", lambda: dist.all_reduce(t, group=gloo)),
+            ("dist.all_reduce, 1-rank group", lambda: dist.all_reduce(t, group=solo)),
+            ("rr.all_reduce, 1-rank group", lambda: rr.all_reduce(t, group=solo)),
         ]
         calls = max(20, int(args.calls * 4096 / max(size, 4096)))
         times = {name: [] for name, _ in rows}

@@ -279,6 +279,11 @@ def fast_path_worker(rank, world):
     rr.all_reduce(t)  # fast: the full path is not called
     out["fast_calls"] = len(full_path_calls)
     out["value"] = t[0].item()
+    a = torch.ones(16)
+    work = rr.all_reduce(a, async_op=True)  # async: the C function queues it, no full path either
+    work.wait()
+    out["async_fast"] = (len(full_path_calls), type(work).__name__, a[0].item(), work.is_completed(),
+                         work.get_future().value()[0] is a)
     view = torch.ones(8, 8).t()  # not contiguous: the full path, still right
     rr.all_reduce(view)
     out["view_ok"] = bool((view == world).all())
@@ -333,12 +338,13 @@ def fast_path_worker(rank, world):
 def test_fast_path_is_taken_and_falls_back():
     for out in run_ranks(2, fast_path_worker, timeout=120):
         assert out["fast_calls"] == 0 and out["value"] == 4.0, out
+        assert out["async_fast"] == (0, "Work", 2.0, True, True), out
         assert out["view_ok"] and out["param_ok"] and out["full_calls"] == 1, out
         assert out["ops"] == {"SUM": [3.0, 0.0], "AVG": [1.5, 0.0], "MIN": [1.0, -1.0],
                               "MAX": [2.0, 1.0], "PRODUCT": [2.0, -1.0]}, out
         assert out["ops_fast"] and out["op_object"] == ([2.0] * 4, 2), out
         assert out["fast_fn"] == (False, False), out
-        assert "takes (tensor, op), got 1 arguments" in out["fast_fn_args"], out
+        assert "takes (tensor, op[, async_op]), got 1 arguments" in out["fast_fn_args"], out
         assert len(out["errors"]) == 2, out
         assert "dtype torch.complex64" in out["errors"][0], out
         assert "op must be ReduceOp.SUM" in out["errors"][1], out
