@@ -136,6 +136,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ring_work_help", [](const rr::WorkPtr& work) {
     if (auto* w = dynamic_cast<rr::RingWork*>(work.get())) w->help();
   }, py::arg("work"));
+  // Direct API's Work.wait() with no timeout: help(), then the call's error (RingReduceError), if
+  // any. Cheaper than torch's Work.wait (no timedelta argument to convert).
+  m.def("ring_work_wait", [](const rr::WorkPtr& work) {
+    work->wait(std::chrono::milliseconds(0));  // kNoTimeout; after help() it is complete
+  }, py::arg("work"));
   m.def("shm_unlink", &rr::shm::Comm::unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
   register_backend(m);

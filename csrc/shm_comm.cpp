@@ -20,6 +20,12 @@ PyObject*& ring_error_type() {
 
 namespace {
 
+// The type of every Work's future value (a list of tensors); made once, not per call.
+const c10::TypePtr& tensor_list_type() {
+  static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
+  return type;
+}
+
 bool python_alive() {
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsInitialized() && !Py_IsFinalizing();
@@ -53,26 +59,46 @@ at::Tensor contiguous_out(const at::Tensor& t, bool& copy_back) {
 
 RingWork::RingWork(c10d::OpType op, std::vector<at::Tensor> outputs)
     : Work(-1, op), outputs_(std::move(outputs)) {
-  std::vector<c10::Device> devices;
   for (const at::Tensor& t : outputs_)
     if (!t.device().is_cpu()) {
-      devices.push_back(t.device());
+      future_ = c10::make_intrusive<c10::ivalue::Future>(tensor_list_type(),
+                                                         std::vector<c10::Device>{t.device()});
       break;
     }
-  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                     devices);
+}
+
+void RingWork::settle(const c10::intrusive_ptr<c10::ivalue::Future>& f) {
+  if (error_.empty())
+    f->markCompleted(c10::IValue(outputs_));
+  else
+    f->setError(std::make_exception_ptr(RingError(error_)));
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> RingWork::getFuture() {
+  std::lock_guard<std::mutex> lk(future_mu_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(tensor_list_type());
+    if (outcome_known_) settle(future_);
+  }
+  return future_;
 }
 
 void RingWork::complete(const std::string& error) {
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  {
+    std::lock_guard<std::mutex> lk(future_mu_);
+    outcome_known_ = true;
+    error_ = error;
+    f = future_;
+  }
+  // Work first: a waiter woken by the future (DDP's callbacks) may ask the Work.
   if (error.empty()) {
-    future_->markCompleted(c10::IValue(outputs_));
     finish();
   } else {
     // RingError: reaches Python (future.wait, Work.wait) as ringreduce.RingReduceError.
-    auto e = std::make_exception_ptr(RingError(error));
-    future_->setError(e);
-    finish(e);
+    finish(std::make_exception_ptr(RingError(error)));
   }
+  if (f) settle(f);
 }
 
 void RingWork::help() {
@@ -91,7 +117,7 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> DoneWork::getFuture() {
-  auto f = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  auto f = c10::make_intrusive<c10::ivalue::Future>(tensor_list_type());
   f->markCompleted(c10::IValue(outputs_));
   return f;
 }

@@ -41,12 +41,20 @@ class RingWork : public c10d::Work {
   void help();
   bool wait(std::chrono::milliseconds timeout) override;
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::function<void()> on_interrupt;  // aborts the group
 
  private:
+  // Marks f with the call's outcome (outcome_known_ and error_ are set).
+  void settle(const c10::intrusive_ptr<c10::ivalue::Future>& f);
+
   std::vector<at::Tensor> outputs_;
+  // CPU outputs: made on the first getFuture() (a call waited on at once never needs one);
+  // CUDA outputs: made here, so that completion records its events on the streams of the moment.
+  std::mutex future_mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool outcome_known_ = false;
+  std::string error_;
   std::weak_ptr<Executor> exec_;
   Executor::JobPtr job_;
 };

@@ -165,7 +165,7 @@ class Work:
         if timeout is None and self._native is not None:
             # runs the call here if it is still queued (no thread hand-off), else waits for it;
             # raises its error (RingReduceError) or Ctrl-C's KeyboardInterrupt
-            self._native.wait()
+            _C.ring_work_wait(self._native)
             return True
         seconds = None
         if timeout is not None:
