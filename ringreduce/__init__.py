@@ -22,7 +22,7 @@ from ._lifecycle import RingReduceError, Work
 from .collectives import (SUPPORTED_DTYPES, all_gather_into_tensor, all_reduce,
                           reduce_scatter_tensor)
 from . import backend as _backend
-from . import ddp, functional, ops
+from . import ddp, functional, nn, ops
 from .bucketing import GradientBucketer
 
 _backend.register()  # dist.init_process_group("ringreduce") from now on
@@ -33,5 +33,5 @@ __version__ = "0.1.0"
 __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "ReduceOp", "RingReduceError",
     "Communicator", "Work", "get_communicator", "destroy", "SUPPORTED_DTYPES",
-    "ddp", "GradientBucketer", "functional",
+    "ddp", "GradientBucketer", "functional", "nn",
 ]
