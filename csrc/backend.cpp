@@ -151,8 +151,23 @@ class ForwardingBackend : public c10d::Backend {
   WorkPtr reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override {
     return call("reduce", t, o);
   }
+  // The list form with one input: gathered into one buffer by the ring, then split.
   WorkPtr allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
                     const c10d::AllgatherOptions& o) override {
+    if (in.size() == 1 && out.size() == 1 && same_shapes(out[0], in[0]))
+      if (auto c = open_cpu()) {
+        std::vector<at::Tensor> outs = out[0];
+        const at::Tensor inp = in[0];
+        at::Tensor flat = at::empty({size_ * inp.numel()}, inp.options());
+        rr::Prepared p = c->all_gather(flat, inp.reshape(-1));
+        p.after = [outs, flat, n = inp.numel()]() mutable {
+          for (size_t r = 0; r < outs.size(); ++r)
+            outs[r].copy_(flat.narrow(0, static_cast<int64_t>(r) * n, n).view(outs[r].sizes()));
+        };
+        p.outputs = outs;
+        slot_->count("ring allgather");
+        return run(*c, std::move(p), async_of(o, 0), c10d::OpType::ALLGATHER);
+      }
     return call("allgather", out, in, o);
   }
   WorkPtr _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
@@ -180,8 +195,18 @@ class ForwardingBackend : public c10d::Backend {
                   const c10d::ScatterOptions& o) override {
     return call("scatter", out, in, o);
   }
+  // The list form with one output: the inputs concatenated, reduce-scattered by the ring.
   WorkPtr reduce_scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
                          const c10d::ReduceScatterOptions& o) override {
+    const int code = op_code(o.reduceOp);
+    if (code >= 0 && in.size() == 1 && out.size() == 1 && same_shapes(in[0], out[0]))
+      if (auto c = open_cpu()) {
+        std::vector<at::Tensor> parts;
+        for (const at::Tensor& t : in[0]) parts.push_back(t.reshape(-1));
+        rr::Prepared p = c->reduce_scatter(out[0], at::cat(parts), code);
+        slot_->count("ring reduce_scatter");
+        return run(*c, std::move(p), async_of(o, 0), c10d::OpType::REDUCE_SCATTER);
+      }
     return call("reduce_scatter", out, in, o);
   }
   WorkPtr _reduce_scatter_base(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
@@ -229,6 +254,17 @@ class ForwardingBackend : public c10d::Backend {
     WorkPtr w = c.start(std::move(p), async_op, type, /*gil=*/false);
     if (w) return w;
     return c10::make_intrusive<rr::DoneWork>(type, std::move(outputs));
+  }
+
+  // One tensor per rank, each of like's shape and dtype, all ring tensors.
+  bool same_shapes(const std::vector<at::Tensor>& ts, const at::Tensor& like) {
+    if (static_cast<int>(ts.size()) != size_) return false;
+    std::vector<at::Tensor> all = ts;
+    all.push_back(like);
+    if (!ring_can(all)) return false;
+    for (const at::Tensor& t : ts)
+      if (t.sizes() != like.sizes()) return false;
+    return true;
   }
 
   void check_sizes(const char* fn, const char* big_name, const at::Tensor& big, const char* small_name,

@@ -140,6 +140,14 @@ def cpp_path_worker(rank, world):
     work.wait()
     if big.tolist() != [r for r in range(world) for _ in range(3)]:
         failures.append(f"all_gather_into_tensor async: {big.tolist()}")
+    lst = [torch.empty(2, 2) for _ in range(world)]
+    dist.all_gather(lst, torch.full((2, 2), float(rank)))
+    if [x[0, 0].item() for x in lst] != [float(r) for r in range(world)]:
+        failures.append(f"all_gather (list): {[x.tolist() for x in lst]}")
+    mine = torch.empty(3)
+    dist.reduce_scatter(mine, [torch.full((3,), float(r + rank)) for r in range(world)])
+    if not torch.all(mine == world * rank + sum(range(world))):
+        failures.append(f"reduce_scatter (list): {mine.tolist()}")
     parts = [torch.full((2,), float(rank)), torch.full((2, 3), 1.0)]
     dist.all_reduce_coalesced(parts)
     if not (torch.all(parts[0] == sum(range(world))) and torch.all(parts[1] == world)):
@@ -158,7 +166,8 @@ def test_ring_calls_run_in_cpp():
         assert first == {"ring allreduce": 1}, first
         assert python == first, python  # nothing else went through Python
         assert cpp == {"ring allreduce": 8, "ring _reduce_scatter_base": 1,
-                       "ring _allgather_base": 1, "ring allreduce_coalesced": 1}, cpp
+                       "ring _allgather_base": 1, "ring allreduce_coalesced": 1,
+                       "ring allgather": 1, "ring reduce_scatter": 1}, cpp
 
 
 def delegated_worker(rank, world):
