@@ -183,8 +183,21 @@ class ForwardingBackend : public c10d::Backend {
                               const c10d::AllgatherOptions& o) override {
     return call("allgather_coalesced", out, in, o);
   }
+  // Several all_gather_into_tensor calls as one Work (functional collectives, FSDP2): one job.
   WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
                                           const c10d::AllgatherOptions& o) override {
+    if (!out.empty() && out.size() == in.size() && ring_can(out) && ring_can(in) &&
+        out[0].scalar_type() == in[0].scalar_type())
+      if (auto c = open_cpu()) {
+        rr::Prepared all;
+        for (size_t i = 0; i < out.size(); ++i) {
+          check_sizes("all_gather_into_tensor", "output_tensor", out[i], "input_tensor", in[i]);
+          rr::Prepared p = c->all_gather(out[i], in[i]);
+          if (i == 0) all = std::move(p); else all.append(std::move(p));
+        }
+        slot_->count("ring allgather_into_tensor_coalesced");
+        return run(*c, std::move(all), async_of(o, 0), c10d::OpType::_ALLGATHER_BASE);
+      }
     return call("allgather_into_tensor_coalesced", out, in, o);
   }
   WorkPtr gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
@@ -220,8 +233,22 @@ class ForwardingBackend : public c10d::Backend {
       }
     return call("_reduce_scatter_base", out, in, o);
   }
+  // Several reduce_scatter_tensor calls as one Work (functional collectives, FSDP2): one job.
   WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
                                           const c10d::ReduceScatterOptions& o) override {
+    const int code = op_code(o.reduceOp);
+    if (code >= 0 && !out.empty() && out.size() == in.size() && ring_can(out) && ring_can(in) &&
+        out[0].scalar_type() == in[0].scalar_type())
+      if (auto c = open_cpu()) {
+        rr::Prepared all;
+        for (size_t i = 0; i < out.size(); ++i) {
+          check_sizes("reduce_scatter_tensor", "input", in[i], "output", out[i]);
+          rr::Prepared p = c->reduce_scatter(out[i], in[i], code);
+          if (i == 0) all = std::move(p); else all.append(std::move(p));
+        }
+        slot_->count("ring reduce_scatter_tensor_coalesced");
+        return run(*c, std::move(all), async_of(o, 0), c10d::OpType::_REDUCE_SCATTER_BASE);
+      }
     return call("reduce_scatter_tensor_coalesced", out, in, o);
   }
   WorkPtr alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,

@@ -122,6 +122,23 @@ c10::intrusive_ptr<c10::ivalue::Future> DoneWork::getFuture() {
   return f;
 }
 
+void Prepared::append(Prepared q) {
+  more.push_back(q.call);
+  more.insert(more.end(), q.more.begin(), q.more.end());
+  keep.insert(keep.end(), q.keep.begin(), q.keep.end());
+  outputs.insert(outputs.end(), q.outputs.begin(), q.outputs.end());
+  if (q.after) {
+    if (after) {
+      after = [a = std::move(after), b = std::move(q.after)] {
+        a();
+        b();
+      };
+    } else {
+      after = std::move(q.after);
+    }
+  }
+}
+
 c10d::OpType op_type(const std::string& op) {
   if (op == "allreduce") return c10d::OpType::ALLREDUCE;
   if (op == "allreduce_coalesced") return c10d::OpType::ALLREDUCE_COALESCED;
@@ -290,6 +307,7 @@ WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
     with_interrupts([&](const Executor::Interrupted* i) {
       return exec_->run([&](const Executor::Interrupted* ii) {
         run_ring(p.call, ii);
+        for (const Call& c : p.more) run_ring(c, ii);
         if (p.after) p.after();
       }, i);
     }, abort_fn);
@@ -300,6 +318,7 @@ WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
   auto job = exec_->submit(
       [this, shared](const Executor::Interrupted* i) {
         run_ring(shared->call, i);
+        for (const Call& c : shared->more) run_ring(c, i);
         if (shared->after) shared->after();
       },
       [work, shared](const std::string& error) mutable {

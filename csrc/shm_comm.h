@@ -81,9 +81,13 @@ c10d::OpType op_type(const std::string& name);
 // out once it is done (non-contiguous outputs, coalesced and list forms).
 struct Prepared {
   Call call{};
+  std::vector<Call> more;  // run after call, in one job (the *_coalesced forms)
   std::vector<at::Tensor> keep;
   std::function<void()> after;
   std::vector<at::Tensor> outputs;  // the Work's result
+
+  // Appends q's calls, tensors, copy-out and outputs to this one's.
+  void append(Prepared q);
 };
 
 class ShmComm {

@@ -148,6 +148,21 @@ def cpp_path_worker(rank, world):
     dist.reduce_scatter(mine, [torch.full((3,), float(r + rank)) for r in range(world)])
     if not torch.all(mine == world * rank + sum(range(world))):
         failures.append(f"reduce_scatter (list): {mine.tolist()}")
+    gathered = [torch.empty(world * 2) for _ in range(2)]
+    scattered = [torch.empty(2) for _ in range(2)]
+    with dist._coalescing_manager(async_ops=True) as cm:  # *_tensor_coalesced: one Work
+        for i, o in enumerate(gathered):
+            dist.all_gather_into_tensor(o, torch.full((2,), float(rank + 10 * i)))
+    cm.wait()
+    with dist._coalescing_manager() as cm:
+        for i, o in enumerate(scattered):
+            dist.reduce_scatter_tensor(o, torch.full((2 * world,), float(rank + i)))
+    for i, o in enumerate(gathered):
+        if o.tolist() != [float(r + 10 * i) for r in range(world) for _ in range(2)]:
+            failures.append(f"allgather_into_tensor_coalesced #{i}: {o.tolist()}")
+    for i, o in enumerate(scattered):
+        if o.tolist() != [float(sum(range(world)) + world * i)] * 2:
+            failures.append(f"reduce_scatter_tensor_coalesced #{i}: {o.tolist()}")
     parts = [torch.full((2,), float(rank)), torch.full((2, 3), 1.0)]
     dist.all_reduce_coalesced(parts)
     if not (torch.all(parts[0] == sum(range(world))) and torch.all(parts[1] == world)):
@@ -167,7 +182,9 @@ def test_ring_calls_run_in_cpp():
         assert python == first, python  # nothing else went through Python
         assert cpp == {"ring allreduce": 8, "ring _reduce_scatter_base": 1,
                        "ring _allgather_base": 1, "ring allreduce_coalesced": 1,
-                       "ring allgather": 1, "ring reduce_scatter": 1}, cpp
+                       "ring allgather": 1, "ring reduce_scatter": 1,
+                       "ring allgather_into_tensor_coalesced": 1,
+                       "ring reduce_scatter_tensor_coalesced": 1}, cpp
 
 
 def delegated_worker(rank, world):
