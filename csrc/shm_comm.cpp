@@ -2,6 +2,7 @@
 
 #include <optional>
 
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "torch_types.h"
@@ -57,8 +58,10 @@ at::Tensor contiguous_out(const at::Tensor& t, bool& copy_back) {
 
 // -- RingWork ---------------------------------------------------------------------------------------
 
-RingWork::RingWork(c10d::OpType op, std::vector<at::Tensor> outputs)
-    : Work(-1, op), outputs_(std::move(outputs)) {
+RingWork::RingWork(c10d::OpType op, std::vector<at::Tensor> outputs, const char* profiling_title)
+    : Work(-1, op, profiling_title,
+           profiling_title ? std::optional<std::vector<at::Tensor>>(outputs) : std::nullopt),
+      outputs_(std::move(outputs)) {
   for (const at::Tensor& t : outputs_)
     if (!t.device().is_cpu()) {
       future_ = c10::make_intrusive<c10::ivalue::Future>(tensor_list_type(),
@@ -298,10 +301,25 @@ void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted) 
   comm_->ring().run(c, interrupted);
 }
 
+namespace {
+// The range a call shows as in torch.profiler traces.
+const char* profile_name(Coll c) {
+  switch (c) {
+    case Coll::AllReduce: return "ringreduce::all_reduce";
+    case Coll::ReduceScatter: return "ringreduce::reduce_scatter";
+    case Coll::AllGather: return "ringreduce::all_gather";
+  }
+  return "ringreduce::collective";
+}
+}  // namespace
+
 WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
   if (closed()) throw RingError("ringreduce: communicator is closed");
   auto abort_fn = [this] { abort("rank " + std::to_string(rank_) + ": interrupted by a signal"); };
   if (!async_op) {
+    // torch.profiler: one range around the call on this thread, with its tensors' shapes and
+    // dtypes (inputs are built only while a profiler listens).
+    RECORD_FUNCTION(profile_name(p.call.coll), std::vector<c10::IValue>(p.outputs.begin(), p.outputs.end()));
     std::optional<py::gil_scoped_release> nogil;
     if (gil) nogil.emplace();
     with_interrupts([&](const Executor::Interrupted* i) {
@@ -313,7 +331,10 @@ WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
     }, abort_fn);
     return WorkPtr();
   }
-  auto work = c10::make_intrusive<RingWork>(op, p.outputs);
+  // torch.profiler: c10d's Work records a range from here to the call's end, on whichever thread
+  // ends it (as Gloo's and NCCL's Work do); only while a profiler listens.
+  const char* title = at::hasCallbacks() ? profile_name(p.call.coll) : nullptr;
+  auto work = c10::make_intrusive<RingWork>(op, p.outputs, title);
   auto shared = std::make_shared<Prepared>(std::move(p));
   auto job = exec_->submit(
       [this, shared](const Executor::Interrupted* i) {
@@ -374,6 +395,7 @@ bool ShmComm::try_all_reduce(PyObject* obj, int op) {
     ~Release() { e->release(); }
   } release{exec_.get()};
   const Call c{Coll::AllReduce, dt, to_op(op), t.numel(), t.data_ptr(), t.data_ptr()};
+  RECORD_FUNCTION("ringreduce::all_reduce", std::vector<c10::IValue>({t}));
   py::gil_scoped_release nogil;
   with_interrupts([&](const Executor::Interrupted* i) {
     run_ring(c, i);

@@ -29,7 +29,8 @@ PyObject*& ring_error_type();
 // waiting thread when the executor has not started it (see Executor).
 class RingWork : public c10d::Work {
  public:
-  RingWork(c10d::OpType op, std::vector<at::Tensor> outputs);
+  // profiling_title: the torch.profiler range from now to complete() (null: none).
+  RingWork(c10d::OpType op, std::vector<at::Tensor> outputs, const char* profiling_title = nullptr);
   // error "": success. Called once.
   void complete(const std::string& error);
   void attach(std::weak_ptr<Executor> exec, Executor::JobPtr job) {

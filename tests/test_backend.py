@@ -437,3 +437,37 @@ def test_bad_input():
             out["dtype"], out
         assert "output_tensor has 5 elements" in out["sizes"], out
         assert out["after"] == 2.0
+
+
+def profiler_worker(rank, world):
+    """torch.profiler sees ringreduce's calls as named ranges with their shapes, whichever way
+    they are made (direct API sync, fast path, async; the backend's C++ path sync and async)."""
+    import ringreduce as rr
+    from torch.profiler import ProfilerActivity, profile
+    t = torch.ones(6, 2)
+    dist.all_reduce(t)  # the backend's communicator exists
+    rr.all_reduce(t)  # and the direct API's
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        rr.all_reduce(t)  # fast path
+        rr.all_reduce(t, async_op=True).wait()
+        rr.all_reduce(t[:, 0])  # full path (a view)
+        dist.all_reduce(t)
+        dist.all_reduce(t, async_op=True).wait()
+        out = torch.empty(world * 3)
+        dist.all_gather_into_tensor(out, torch.ones(3))
+        dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world))
+    names = {}
+    shapes = set()
+    for e in prof.events():
+        if e.name.startswith("ringreduce::"):
+            names[e.name] = names.get(e.name, 0) + 1
+            if e.name == "ringreduce::all_reduce":
+                shapes.add(str(e.input_shapes))
+    return names, sorted(shapes)
+
+
+def test_profiler_ranges():
+    for rank, (names, shapes) in enumerate(run_ranks(2, profiler_worker, backend=BACKEND)):
+        assert names == {"ringreduce::all_reduce": 5, "ringreduce::all_gather": 1,
+                         "ringreduce::reduce_scatter": 1}, (rank, names)
+        assert "[[6, 2]]" in shapes and "[[6]]" in shapes, (rank, shapes)
