@@ -15,6 +15,7 @@ saves a checkpoint at the end.
 import argparse
 import hashlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -116,8 +117,11 @@ def main(argv=None):
     # Every rank's parameters, as a digest: DDP keeps them identical, and a test compares them.
     digest = hashlib.sha1(b"".join(p.detach().cpu().double().numpy().tobytes()
                                    for p in model.module.parameters())).hexdigest()
-    print(f"rank {rank} host {os.environ.get('RINGREDUCE_HOST_ID', '-')} parameters sha1 {digest}",
-          flush=True)
+    # One write per line: with PYTHONUNBUFFERED, print() writes the text and its newline separately,
+    # and another process sharing the pipe can land between them.
+    sys.stdout.write(f"rank {rank} host {os.environ.get('RINGREDUCE_HOST_ID', '-')} "
+                     f"parameters sha1 {digest}\n")
+    sys.stdout.flush()
     if rank == 0:
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                     "epochs": args.epochs, "test_accuracy": accuracy}, args.checkpoint)

@@ -100,7 +100,7 @@ def test_torchrun_two_simulated_nodes(tmp_path):
     for p, out in zip(nodes, outs):
         assert p.returncode == 0, out[-4000:]
     text = "\n".join(outs)
-    digests = dict(re.findall(r"rank (\d) host node\d parameters sha1 ([0-9a-f]+)", text))
+    digests = dict(re.findall(r"rank (\d) host node\d parameters sha1 ([0-9a-f]{40})\b", text))
     assert sorted(digests) == ["0", "1", "2", "3"], text[-4000:]
     assert len(set(digests.values())) == 1, digests
     assert re.search(r"epoch 1/1 .* 4 ranks, backend gloo, hook allreduce", text), text[-4000:]
