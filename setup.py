@@ -51,7 +51,7 @@ from torch.utils import cpp_extension  # noqa: E402
 
 cpu_sources = ["csrc/bindings.cpp", "csrc/backend.cpp", "csrc/shm_comm.cpp", "csrc/ops.cpp",
                "csrc/cpu/reduce.cpp",
-               "csrc/shm/protocol.cpp", "csrc/shm/segment.cpp", "csrc/host/peers.cpp"]
+               "csrc/shm/protocol.cpp", "csrc/shm/segment.cpp", "csrc/host/peers.cpp", "csrc/host/recorder.cpp"]
 cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
 with_cuda = want_cuda(torch.version.cuda, cuda_home, cuda_sources)
 print("ringreduce: building %s (torch %s, CUDA toolkit %s)" % (

@@ -119,6 +119,7 @@ class ForwardingBackend : public c10d::Backend {
 
   template <class... Args>
   WorkPtr call(const char* name, Args&&... args) {
+    rr::host::SourceScope source(rr::host::Source::Backend);
     py::gil_scoped_acquire gil;
     return impl_.attr(name)(std::forward<Args>(args)...).template cast<WorkPtr>();
   }
@@ -278,6 +279,7 @@ class ForwardingBackend : public c10d::Backend {
   // queued (the executor's Work).
   WorkPtr run(rr::ShmComm& c, rr::Prepared p, bool async_op, c10d::OpType type) {
     std::vector<at::Tensor> outputs = p.outputs;
+    rr::host::SourceScope source(rr::host::Source::Backend);
     WorkPtr w = c.start(std::move(p), async_op, type, /*gil=*/false);
     if (w) return w;
     return c10::make_intrusive<rr::DoneWork>(type, std::move(outputs));

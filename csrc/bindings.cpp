@@ -26,6 +26,63 @@ namespace {
 using rr::ShmComm;
 using ShmPtr = std::shared_ptr<ShmComm>;
 
+// The flight recorder as the Python transports (hierarchical, CUDA) and dumps use it.
+void register_recorder(py::module_& m) {
+  namespace host = rr::host;
+  using Rec = host::Recorder;
+  py::class_<Rec, std::shared_ptr<Rec>>(m, "Recorder")
+      .def(py::init([](int64_t capacity) {
+             TORCH_CHECK_VALUE(capacity >= 0, "ringreduce: RINGREDUCE_TRACE_BUFFER must be >= 0, got ",
+                               capacity);
+             auto r = std::make_shared<Rec>(static_cast<size_t>(capacity));
+             Rec::add(r);
+             return r;
+           }),
+           py::arg("capacity"))
+      .def_property_readonly("on", &Rec::on)
+      .def_property_readonly("capacity", &Rec::capacity)
+      .def("begin", [](Rec& r, const std::string& coll, int64_t numel, const std::string& dtype,
+                       const std::string& op, const std::string& algo, int64_t nbytes, bool started) {
+        if (!r.on()) return uint64_t{0};
+        const int64_t t = host::now_ns();
+        return r.begin(r.intern(coll), r.intern(dtype), r.intern(op), r.intern(algo), numel,
+                       static_cast<uint64_t>(nbytes), host::current_source(), t, started ? t : 0);
+      }, py::arg("coll"), py::arg("numel"), py::arg("dtype"), py::arg("op"), py::arg("algo"),
+         py::arg("nbytes"), py::arg("started") = true,
+         "records a new call made now by this thread's source; returns its seq (0: off)")
+      .def("started", [](Rec& r, uint64_t seq) { r.started(seq); }, py::arg("seq"))
+      .def("finished", [](Rec& r, uint64_t seq) { r.finished(seq); }, py::arg("seq"))
+      .def("failed", [](Rec& r, uint64_t seq, const std::string& e) { r.failed(seq, e); },
+           py::arg("seq"), py::arg("error"))
+      .def("set_algo", [](Rec& r, uint64_t seq, const std::string& a) { r.set_algo(seq, r.intern(a)); },
+           py::arg("seq"), py::arg("algo"))
+      .def("configure", &Rec::configure, py::arg("dir"), py::arg("file"), py::arg("header"))
+      .def("json", &Rec::json, py::call_guard<py::gil_scoped_release>())
+      .def("dump", [](Rec& r, const std::string& path) {
+        std::string error, out;
+        {
+          py::gil_scoped_release nogil;
+          out = r.dump(path, &error);
+        }
+        if (out.empty()) throw std::runtime_error("ringreduce: trace dump failed: " + error);
+        return out;
+      }, py::arg("path") = "", "writes the dump (path '': the configured file); returns its path")
+      .def("dump_on_failure", &Rec::dump_on_failure, py::call_guard<py::gil_scoped_release>(),
+           "the first failure's dump (written once); '' when none could be written");
+  m.def("trace_source", [](const std::string& name) {
+    host::Source s;
+    TORCH_CHECK_VALUE(host::parse_source(name, s), "ringreduce: unknown call source '", name, "'");
+    const char* before = host::source_name(host::current_source());
+    host::current_source() = s;
+    return std::string(before);
+  }, py::arg("name"), "sets this thread's call source for the flight recorder; returns the old one");
+  m.def("install_trace_signal", [](int signo) {
+    std::string error;
+    if (!host::install_dump_signal(signo, &error))
+      throw std::runtime_error("ringreduce: RINGREDUCE_TRACE_SIGNAL: " + error);
+  }, py::arg("signo"), "a signal that dumps every flight recorder of the process (idempotent)");
+}
+
 // A call from Python: None when synchronous, else the call's Work (a c10d Work).
 py::object start(ShmComm& c, rr::Prepared p, bool async_op, const char* op) {
   rr::WorkPtr w = c.start(std::move(p), async_op, rr::op_type(op), /*gil=*/true);
@@ -100,10 +157,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // returns its Work. Non-contiguous tensors are run through contiguous copies.
   py::class_<ShmComm, ShmPtr>(m, "ShmComm")
       .def(py::init<const std::string&, bool, int, int, size_t, double, int64_t, int64_t,
-                    const std::string&, int64_t>(),
+                    const std::string&, int64_t, int64_t>(),
            py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("nranks"), py::arg("slice_bytes"),
            py::arg("timeout_s"), py::arg("spin_ns"), py::arg("yield_ns") = 0, py::arg("algo") = "auto",
-           py::arg("oneshot_max_bytes") = 0)
+           py::arg("oneshot_max_bytes") = 0, py::arg("trace_buffer") = 2000)
+      .def("recorder", &ShmComm::recorder, "this communicator's flight recorder")
+      .def("pids", &ShmComm::pids, "every rank's process id")
       .def("all_reduce", [](ShmComm& c, const at::Tensor& t, int op, bool async_op) {
         return start(c, c.all_reduce(t, op), async_op, "allreduce");
       }, py::arg("tensor"), py::arg("op"), py::arg("async_op") = false)
@@ -131,6 +190,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "waits until every call made so far has finished")
       .def("close", &ShmComm::close, py::call_guard<py::gil_scoped_release>())
       .def("closed", &ShmComm::closed);
+
+  register_recorder(m);
 
   // Direct API's Work.wait(): runs the call here if it is still queued (see Executor).
   m.def("ring_work_help", [](const rr::WorkPtr& work) {

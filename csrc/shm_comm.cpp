@@ -185,7 +185,7 @@ void with_interrupts(const std::function<bool(const Executor::Interrupted*)>& fn
 
 ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
                  double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
-                 int64_t oneshot_max_bytes) {
+                 int64_t oneshot_max_bytes, int64_t trace_buffer) {
   shm::Options opt;
   opt.rank = rank;
   opt.nranks = nranks;
@@ -199,8 +199,13 @@ ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, siz
   nranks_ = nranks;
   rank_ = rank;
   TORCH_CHECK_VALUE(slice_bytes >= 64, "ringreduce: slice_bytes must be >= 64, got ", slice_bytes);
+  TORCH_CHECK_VALUE(trace_buffer >= 0, "ringreduce: RINGREDUCE_TRACE_BUFFER must be >= 0, got ",
+                    trace_buffer);
   comm_ = std::make_unique<shm::Comm>(name, create, opt, slice_bytes);
   exec_ = std::make_shared<Executor>();
+  rec_ = std::make_shared<host::Recorder>(static_cast<size_t>(trace_buffer));
+  rec_->set_probe([this] { return comm_->closed() ? std::string() : comm_->ring().waiting(); });
+  host::Recorder::add(rec_);
 }
 
 ShmComm::~ShmComm() {
@@ -296,9 +301,33 @@ Prepared ShmComm::all_gather(const at::Tensor& out, const at::Tensor& in) {
   return p;
 }
 
-void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted) {
+void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, host::Source source,
+                       int64_t t_queued) {
   if (comm_->closed()) throw RingError("ringreduce: communicator is closed");
-  comm_->ring().run(c, interrupted);
+  shm::Ring& ring = comm_->ring();
+  uint64_t seq = 0;
+  if (rec_->on()) {
+    const int64_t t = host::now_ns();
+    seq = rec_->begin(coll_name(c.coll), dtype_name(c.dtype), op_name(c.op),
+                      shm::algo_name(ring.choose(c)), c.numel,
+                      static_cast<uint64_t>(c.numel) * dtype_size(c.dtype), source,
+                      t_queued ? t_queued : t, t);
+  }
+  try {
+    ring.run(c, interrupted);
+  } catch (const RingError& e) {
+    if (!seq) throw;
+    rec_->failed(seq, e.what());
+    const std::string path = rec_->dump_on_failure();
+    if (path.empty()) throw;
+    throw RingError(std::string(e.what()) + "\nflight recorder: " + path +
+                    " (every rank's: python -m ringreduce.trace " + path.substr(0, path.rfind('/')) +
+                    ")");
+  } catch (const std::exception& e) {
+    rec_->failed(seq, e.what());
+    throw;
+  }
+  rec_->finished(seq);
 }
 
 namespace {
@@ -320,12 +349,13 @@ WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
     // torch.profiler: one range around the call on this thread, with its tensors' shapes and
     // dtypes (inputs are built only while a profiler listens).
     RECORD_FUNCTION(profile_name(p.call.coll), std::vector<c10::IValue>(p.outputs.begin(), p.outputs.end()));
+    const host::Source source = host::current_source();
     std::optional<py::gil_scoped_release> nogil;
     if (gil) nogil.emplace();
     with_interrupts([&](const Executor::Interrupted* i) {
       return exec_->run([&](const Executor::Interrupted* ii) {
-        run_ring(p.call, ii);
-        for (const Call& c : p.more) run_ring(c, ii);
+        run_ring(p.call, ii, source, 0);
+        for (const Call& c : p.more) run_ring(c, ii, source, 0);
         if (p.after) p.after();
       }, i);
     }, abort_fn);
@@ -336,10 +366,12 @@ WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
   const char* title = at::hasCallbacks() ? profile_name(p.call.coll) : nullptr;
   auto work = c10::make_intrusive<RingWork>(op, p.outputs, title);
   auto shared = std::make_shared<Prepared>(std::move(p));
+  const host::Source source = host::current_source();
+  const int64_t queued = rec_->on() ? host::now_ns() : 0;
   auto job = exec_->submit(
-      [this, shared](const Executor::Interrupted* i) {
-        run_ring(shared->call, i);
-        for (const Call& c : shared->more) run_ring(c, i);
+      [this, shared, source, queued](const Executor::Interrupted* i) {
+        run_ring(shared->call, i, source, queued);
+        for (const Call& c : shared->more) run_ring(c, i, source, queued);
         if (shared->after) shared->after();
       },
       [work, shared](const std::string& error) mutable {
@@ -398,7 +430,7 @@ bool ShmComm::try_all_reduce(PyObject* obj, int op) {
   RECORD_FUNCTION("ringreduce::all_reduce", std::vector<c10::IValue>({t}));
   py::gil_scoped_release nogil;
   with_interrupts([&](const Executor::Interrupted* i) {
-    run_ring(c, i);
+    run_ring(c, i, host::current_source(), 0);
     return true;
   }, nullptr);
   return true;
@@ -426,6 +458,7 @@ void ShmComm::synchronize(bool gil) {
 
 void ShmComm::close() {
   std::lock_guard<std::mutex> lk(close_mu_);
+  if (rec_) rec_->set_probe(nullptr);  // waits for a dump reading the ring
   if (exec_) exec_->stop();
   // A fast-path call may still hold the executor (it never queues): wait for it to release.
   if (exec_) exec_->synchronize(nullptr);
@@ -433,5 +466,12 @@ void ShmComm::close() {
 }
 
 bool ShmComm::closed() { return comm_->closed(); }
+
+std::vector<int> ShmComm::pids() {
+  std::vector<int> out(nranks_, 0);
+  if (!comm_->closed())
+    for (int r = 0; r < nranks_; ++r) out[r] = comm_->ring().pid_of(r);
+  return out;
+}
 
 }  // namespace ringreduce

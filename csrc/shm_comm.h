@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "host/executor.h"
+#include "host/recorder.h"
 #include "shm/segment.h"
 
 namespace ringreduce {
@@ -95,7 +96,7 @@ class ShmComm {
  public:
   ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
           double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
-          int64_t oneshot_max_bytes);
+          int64_t oneshot_max_bytes, int64_t trace_buffer);
   ~ShmComm();
 
   int nranks() const { return nranks_; }
@@ -129,13 +130,18 @@ class ShmComm {
   // Stops the executor (queued calls run or fail first), then unmaps. Call without the GIL.
   void close();
   bool closed();
+  const std::shared_ptr<host::Recorder>& recorder() { return rec_; }
+  std::vector<int> pids();  // every rank's process id (0: not mapped yet)
 
  private:
-  // Runs one ring call on this thread (the executor claimed). Releases the GIL if held.
-  void run_ring(const Call& c, const Executor::Interrupted* interrupted);
+  // Runs one ring call on this thread (the executor claimed), recorded in the flight recorder as
+  // made at t_queued (0: now) from source; a failure dumps the recorder and names the file.
+  void run_ring(const Call& c, const Executor::Interrupted* interrupted, host::Source source,
+                int64_t t_queued);
 
   std::unique_ptr<shm::Comm> comm_;
   std::shared_ptr<Executor> exec_;
+  std::shared_ptr<host::Recorder> rec_;
   std::mutex close_mu_;
   int nranks_ = 0, rank_ = 0;
 };

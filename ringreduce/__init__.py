@@ -18,14 +18,16 @@ if "CUDA_DEVICE_MAX_CONNECTIONS" not in _os.environ and not torch.cuda.is_initia
 
 from . import _C
 from ._comm import Communicator, destroy, get_communicator
-from ._lifecycle import RingReduceError, Work
+from ._lifecycle import RingReduceError, Work, dump_trace
 from .collectives import (SUPPORTED_DTYPES, all_gather_into_tensor, all_reduce,
                           reduce_scatter_tensor)
+from . import _lifecycle
 from . import backend as _backend
 from . import ddp, functional, nn, ops
 from .bucketing import GradientBucketer
 
 _backend.register()  # dist.init_process_group("ringreduce") from now on
+_lifecycle.install_trace_signal()  # RINGREDUCE_TRACE_SIGNAL=1: SIGUSR1 dumps the flight recorders
 
 ReduceOp = _dist.ReduceOp
 __version__ = "0.1.0"
@@ -33,5 +35,5 @@ __version__ = "0.1.0"
 __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "ReduceOp", "RingReduceError",
     "Communicator", "Work", "get_communicator", "destroy", "SUPPORTED_DTYPES",
-    "ddp", "GradientBucketer", "functional", "nn",
+    "ddp", "GradientBucketer", "functional", "nn", "dump_trace",
 ]

@@ -12,7 +12,8 @@ import uuid
 import torch
 
 from . import _C, _lifecycle
-from ._lifecycle import REGISTRY, Bootstrap, RingReduceError, Work, default_timeout, env_int  # noqa: F401
+from ._lifecycle import (REGISTRY, Bootstrap, RingReduceError, Work, default_timeout,  # noqa: F401
+                         env_int)
 
 log = logging.getLogger("ringreduce")
 
@@ -70,6 +71,7 @@ class Communicator(_lifecycle.Communicator):
             "RINGREDUCE_ONESHOT_MAX_BYTES",
             ONESHOT_MAX_BYTES_WORLD2 if self.world_size == 2 else ONESHOT_MAX_BYTES)
         self._native = self._bootstrap()
+        self._setup_trace(self._trace_prefix, self._native.recorder())
         log.debug("rank %d/%d: shm ring ready (slice %d B, timeout %g s, spin %d ns, yield %d ns, "
                   "algo %s, one-shot up to %d B)", self.rank, self.world_size, self.slice_bytes,
                   self.timeout, self.spin_ns, self.yield_ns, self.algo, self.oneshot_max_bytes)
@@ -77,6 +79,7 @@ class Communicator(_lifecycle.Communicator):
     # -- setup -------------------------------------------------------------------------------
     def _bootstrap(self):
         setup = Bootstrap(self.member, "shm", self.timeout)
+        self._trace_prefix = setup.prefix
         deadline = time.monotonic() + self.timeout
         name = None
         try:
@@ -110,7 +113,10 @@ class Communicator(_lifecycle.Communicator):
 
     def _tuning(self):
         return dict(spin_ns=self.spin_ns, yield_ns=self.yield_ns, algo=self.algo,
-                    oneshot_max_bytes=self.oneshot_max_bytes)
+                    oneshot_max_bytes=self.oneshot_max_bytes, trace_buffer=self.trace_buffer)
+
+    def _pids(self):
+        return self._native.pids()
 
     def algo_for(self, numel, dtype):
         """The algorithm ("ring" or "oneshot") an all_reduce of numel elements of dtype runs."""

@@ -119,9 +119,16 @@ class HierCommunicator(_lifecycle.Communicator):
         except BaseException:
             self.intra.close()
             raise
+        self._setup_trace(setup.prefix)
         log.debug("rank %d/%d: hierarchical plan %s (host %d of %d, local rank %d of %d)",
                   self.rank, self.world_size, plan, self.host, self.nhosts, self.local_rank,
                   len(self.local_ranks))
+
+    def _pids(self):  # this host's ranks' (the others' are on other machines)
+        pids = [None] * self.world_size
+        for r, pid in zip(self.local_ranks, self.intra._native.pids()):
+            pids[r] = pid
+        return pids
 
     # -- steps --------------------------------------------------------------------------------
     def _begin(self, call):
@@ -225,7 +232,9 @@ class HierCommunicator(_lifecycle.Communicator):
                 flat.copy_(buf[:n])
             if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
                 tensor.copy_(flat.view(tensor.shape))
-        return self._run(run, [tensor], async_op)
+        return self._run(self._traced(run, "all_reduce", tensor.numel(), tensor.dtype, op_code,
+                                      tensor.numel() * tensor.element_size(), self.plan),
+                         [tensor], async_op)
 
     def _order(self):
         """Group ranks in (local rank, host) order: the two-level plan's layout of chunks."""
@@ -262,7 +271,9 @@ class HierCommunicator(_lifecycle.Communicator):
                             lambda: self.cross._reduce_scatter_base(out, mine, opts))
             self._finish_avg(out, op_code)
             output.copy_(out.view(output.shape))
-        return self._run(run, [output], async_op)
+        return self._run(self._traced(run, "reduce_scatter", input.numel(), input.dtype, op_code,
+                                      input.numel() * input.element_size(), self.plan),
+                         [output], async_op)
 
     def all_gather(self, output, input, async_op):
         def run():
@@ -299,7 +310,9 @@ class HierCommunicator(_lifecycle.Communicator):
                 torch.index_select(rows, 0, where, out=output.view(self.world_size, c))
             else:
                 output.copy_(rows[where].view(output.shape))
-        return self._run(run, [output], async_op)
+        return self._run(self._traced(run, "all_gather", output.numel(), output.dtype, 0,
+                                      output.numel() * output.element_size(), self.plan),
+                         [output], async_op)
 
     def _run(self, fn, result, async_op):
         fut = self._submit(fn, result, torch.futures.Future, inline=not async_op)

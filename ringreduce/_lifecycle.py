@@ -14,9 +14,13 @@
 """
 import atexit
 import datetime
+import json
 import logging
 import os
 import queue
+import re
+import socket
+import tempfile
 import threading
 import time
 
@@ -53,6 +57,45 @@ def env_int(name, default):
         return int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def trace_buffer():
+    """Calls each communicator's flight recorder keeps (RINGREDUCE_TRACE_BUFFER; 0: off)."""
+    n = env_int("RINGREDUCE_TRACE_BUFFER", 2000)
+    if n < 0:
+        raise ValueError(f"RINGREDUCE_TRACE_BUFFER must be >= 0 (0 turns the recorder off), got {n}")
+    return n
+
+
+def trace_root():
+    """Where flight recorder dumps go: RINGREDUCE_TRACE_DIR, else ringreduce-trace in the temp dir."""
+    return (os.environ.get("RINGREDUCE_TRACE_DIR", "").strip()
+            or os.path.join(tempfile.gettempdir(), "ringreduce-trace"))
+
+
+def host_id():
+    """This process's host: RINGREDUCE_HOST_ID if set (simulated hosts), else the host name."""
+    return os.environ.get("RINGREDUCE_HOST_ID", "").strip() or socket.gethostname()
+
+
+# The file SIGUSR1 writes this process's Python stacks to (RINGREDUCE_TRACE_SIGNAL=1), or None.
+STACK_FILE = None
+# Operation codes (ringreduce.collectives) by name, as the recorder writes them.
+OP_NAMES = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
+
+
+class traced_source:
+    """Calls made inside `with traced_source("ddp_hook"):` on this thread are recorded as coming
+    from there (the flight recorder's "source"; the direct API is "api")."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.prev = _C.trace_source(self.name)
+
+    def __exit__(self, *exc):
+        _C.trace_source(self.prev)
 
 
 def require_initialized():
@@ -216,6 +259,7 @@ class Communicator:
         self.rank = member.rank
         self.world_size = member.size
         self.timeout = float(timeout) if timeout is not None else default_timeout()
+        self.trace_buffer = trace_buffer()  # checked on every rank before any setup
         self._state = threading.Condition()
         if not isinstance(getattr(type(self), "_inflight", None), property):  # native count
             self._inflight = 0
@@ -226,6 +270,62 @@ class Communicator:
     @property
     def closed(self):
         return self._closed
+
+    # -- the flight recorder ---------------------------------------------------------------------
+    recorder = None
+    trace_dir = None
+
+    def _pids(self):
+        """Process ids of the communicator's ranks, None where unknown (the dump's "pids")."""
+        return None
+
+    def _setup_trace(self, prefix, recorder=None):
+        """Configures this communicator's flight recorder (a new one unless the transport's native
+        one is given): dumps go to trace_root()/<prefix>/rank<R>.json, the same folder on every rank
+        of the communicator, with this rank's identity at the top."""
+        install_trace_signal()  # if RINGREDUCE_TRACE_SIGNAL was set after import
+        self.recorder = recorder if recorder is not None else _C.Recorder(self.trace_buffer)
+        self.trace_dir = os.path.join(trace_root(), re.sub(r"[^A-Za-z0-9_.@-]+", "-", prefix).strip("-"))
+        members = None
+        if self.member.group is not None:
+            try:
+                members = dist.get_process_group_ranks(self.member.group)
+            except Exception:
+                members = None
+        header = {"rank": self.rank, "world_size": self.world_size,
+                  "global_rank": dist.get_rank() if dist.is_initialized() else None,
+                  "host": host_id(), "hostname": socket.gethostname(), "transport": self.transport,
+                  "communicator": prefix, "group": self.member.name, "members": members,
+                  "timeout_s": self.timeout, "pids": self._pids(), "stacks": STACK_FILE}
+        self.recorder.configure(self.trace_dir, f"rank{self.rank}.json", json.dumps(header)[1:-1])
+
+    def dump_trace(self, path=None):
+        """Writes the flight recorder (path: a file; None: the communicator's trace folder) and
+        returns the file's path."""
+        return self.recorder.dump(path or "")
+
+    def _traced(self, fn, coll, numel, dtype, op_code, nbytes, algo):
+        """fn wrapped to record its call (made now, started when fn runs, then finished or failed);
+        a RingReduceError is raised again naming the dump the first failure writes."""
+        rec = self.recorder
+        if rec is None or not rec.on:
+            return fn
+        seq = rec.begin(coll, numel, str(dtype).replace("torch.", ""), OP_NAMES[op_code], algo,
+                        nbytes, False)
+
+        def run():
+            rec.started(seq)
+            try:
+                fn()
+            except BaseException as e:
+                rec.failed(seq, str(e) or type(e).__name__)
+                path = rec.dump_on_failure()
+                if path and isinstance(e, RingReduceError) and "flight recorder:" not in str(e):
+                    raise RingReduceError(f"{e}\nflight recorder: {path} (every rank's: python -m "
+                                          f"ringreduce.trace {os.path.dirname(path)})") from e
+                raise
+            rec.finished(seq)
+        return run
 
     def _check_open(self):
         if self._closed:
@@ -400,3 +500,55 @@ class Registry:
 
 REGISTRY = Registry()
 atexit.register(REGISTRY.destroy_all)
+
+
+def dump_trace(path=None, group=None):
+    """Writes the flight recorder of every open communicator of group (None: the default group):
+    the direct API's and, when group's backend is ringreduce, the backend's. path: a folder to
+    write to instead of each communicator's own (RINGREDUCE_TRACE_DIR); each communicator writes
+    <folder>/<communicator>/rank<R>.json. Returns the files written (none before the group's first
+    collective has made a communicator). Local: the other ranks are not involved."""
+    require_initialized()
+    g = group if group is not None else dist.group.WORLD
+    with REGISTRY._lock:
+        comms = [c for k, (grp, c) in REGISTRY._comms.items() if grp is g]
+    from . import backend
+    name = getattr(g, "group_name", None)
+    for b in list(backend._backends):
+        if b.group_name == name:
+            comms.extend(b._comms.values())
+    out = []
+    for c in comms:
+        if c.closed or c.recorder is None:
+            continue
+        target = None
+        if path is not None:
+            target = os.path.join(os.fspath(path), os.path.basename(c.trace_dir), f"rank{c.rank}.json")
+        out.append(c.dump_trace(target))
+    return out
+
+
+def install_trace_signal():
+    """RINGREDUCE_TRACE_SIGNAL=1: SIGUSR1 writes every flight recorder of this process (from a
+    thread of ours, wherever the main thread is stuck) and this process's Python stacks (to
+    STACK_FILE, named in each dump). Called at import and when a communicator is made; main
+    thread only; once."""
+    global STACK_FILE
+    if STACK_FILE is not None or os.environ.get("RINGREDUCE_TRACE_SIGNAL", "").strip() not in (
+            "1", "true", "yes"):
+        return
+    import faulthandler
+    import signal
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _C.install_trace_signal(int(signal.SIGUSR1))
+    folder = os.path.join(trace_root(), "stacks")
+    os.makedirs(folder, exist_ok=True)
+    STACK_FILE = os.path.join(folder, f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', host_id())}-{os.getpid()}.txt")
+    global _stack_fh
+    _stack_fh = open(STACK_FILE, "w")
+    # Chained: faulthandler writes the stacks, then calls ours (installed above).
+    faulthandler.register(signal.SIGUSR1, file=_stack_fh, all_threads=True, chain=True)
+
+
+_stack_fh = None

@@ -40,6 +40,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ._lifecycle import traced_source
 from .collectives import SUPPORTED_DTYPES, all_reduce
 
 # DDP's first bucket size (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): small, so that the first
@@ -139,7 +140,8 @@ class GradientBucketer:
         shared = torch.tensor(order, dtype=torch.int64, device=device)
         if dist.get_rank(self.group if self.group is not None else dist.group.WORLD) != 0:
             shared.zero_()
-        all_reduce(shared, group=self.group)  # rank 0's order + zeros = rank 0's order
+        with traced_source("bucketer"):
+            all_reduce(shared, group=self.group)  # rank 0's order + zeros = rank 0's order
         order = shared.tolist()
         if order != [i for b in self.buckets for i in b.indices]:
             self._build(order)
@@ -191,7 +193,8 @@ class GradientBucketer:
                 view.copy_(g)
             flags.append(1.0 if (self._fired[i] or self._used[i]) else 0.0)
         buf[bucket.numel:].copy_(torch.tensor(flags, dtype=bucket.dtype))
-        bucket.work = all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        with traced_source("bucketer"):
+            bucket.work = all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
         self._next += 1
 
     # -- public ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ overlaps the rest of backward. The same hooks serve CPU and CUDA buckets.
 import torch
 import torch.distributed as dist
 
+from ._lifecycle import traced_source
 from .collectives import all_reduce
 
 
@@ -37,7 +38,8 @@ def allreduce_hook(process_group, bucket):
         # AVG: the ring divides each finished chunk while it is still in cache, which saves a pass
         # over the bucket (float32, float64 and bfloat16 have range enough for the sum).
         op = dist.ReduceOp.AVG
-    work = all_reduce(buffer, op=op, group=process_group, async_op=True)
+    with traced_source("ddp_hook"):
+        work = all_reduce(buffer, op=op, group=process_group, async_op=True)
     if work is None:  # this rank is not in process_group
         return _done_future(buffer)
     return work.get_future().then(lambda fut: fut.value()[0])
@@ -49,7 +51,8 @@ def _compress_hook(dtype, process_group, bucket):
     # one pass that divides in the bucket's precision and rounds once to the wire dtype.
     compressed = torch.empty(buffer.shape, dtype=dtype, device=buffer.device)
     torch.div(buffer, _group_size(process_group), out=compressed)
-    work = all_reduce(compressed, group=process_group, async_op=True)
+    with traced_source("ddp_hook"):
+        work = all_reduce(compressed, group=process_group, async_op=True)
     if work is None:
         return _done_future(buffer)
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ._lifecycle import traced_source
 from .collectives import all_reduce
 
 
@@ -42,7 +43,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         # (global M2 = S2 - N*mean^2) does not cancel away the variance.
         stats = torch.cat([mean.double() * n, (var.double() + mean.double() ** 2) * n,
                            torch.tensor([float(n)], dtype=torch.float64, device=x.device)])
-        all_reduce(stats, group=group)
+        with traced_source("nn"):
+            all_reduce(stats, group=group)
         total = stats[-1].item()
         if total <= 1:
             raise ValueError(f"ringreduce.nn.SyncBatchNorm: expected more than 1 value per channel "
@@ -82,7 +84,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if weight is not None else None
         grad_bias = sum_dy.to(weight.dtype) if ctx.has_bias else None
         both = torch.cat([sum_dy, sum_dy_xmu]).double()
-        all_reduce(both, group=ctx.group)  # the one fused all-reduce of backward
+        with traced_source("nn"):
+            all_reduce(both, group=ctx.group)  # the one fused all-reduce of backward
         n = ctx.total
         mean_dy = (both[:c] / n).to(xf.dtype).view(_shape(x))
         mean_dy_xmu = (both[c:] / n).to(xf.dtype).view(_shape(x))

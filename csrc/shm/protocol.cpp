@@ -151,6 +151,21 @@ void Ring::raise_aborted(const Ctx& ctx) {
                   " aborted the group: " + abort_reason());
 }
 
+std::string Ring::waiting() const {
+  const int peer = wait_peer_.load(std::memory_order_acquire);
+  if (peer < 0) return "";
+  const double waited = std::chrono::duration<double>(
+      Clock::now().time_since_epoch() - std::chrono::nanoseconds(wait_since_ns_.load())).count();
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "{\"seq\": %llu, \"peer\": %d, \"for\": \"%s\", \"phase\": \"%s\", "
+                "\"step\": %d, \"slice\": %lld, \"waited_s\": %.6f}",
+                static_cast<unsigned long long>(wait_seq_.load()), peer, wait_what_.load(),
+                wait_phase_.load(), wait_step_.load(), static_cast<long long>(wait_slice_.load()),
+                waited);
+  return buf;
+}
+
 bool Ring::peer_dead(int peer) const { return host::process_dead(areas_[peer].pid.load()); }
 
 void Ring::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const char* what) {
@@ -176,12 +191,24 @@ void Ring::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const 
   const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(
                                  std::chrono::duration<double>(opt_.timeout_s));
   auto next_peer_check = t0 + kPeerCheck;
+  // Published for the flight recorder: only waits that outlast their spin pay for it.
+  wait_what_.store(what, std::memory_order_relaxed);
+  wait_phase_.store(ctx.phase, std::memory_order_relaxed);
+  wait_step_.store(ctx.step, std::memory_order_relaxed);
+  wait_slice_.store(ctx.slice, std::memory_order_relaxed);
+  wait_seq_.store(op_seq_, std::memory_order_relaxed);
+  wait_since_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count(),
+                       std::memory_order_relaxed);
+  wait_peer_.store(peer, std::memory_order_release);
   for (;;) {
     c.waiters.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t v = c.value.load(std::memory_order_seq_cst);
     if (!reached(v, target) && !hdr_->abort.load()) futex_wait(&c.value, v);
     c.waiters.fetch_sub(1, std::memory_order_seq_cst);
-    if (reached(c.value.load(std::memory_order_acquire), target)) return;
+    if (reached(c.value.load(std::memory_order_acquire), target)) {
+      wait_peer_.store(-1, std::memory_order_relaxed);
+      return;
+    }
     if (hdr_->abort.load()) raise_aborted(ctx);
     const auto now = Clock::now();
     const std::string where = std::string(coll_name(ctx.call.coll)) + " #" + std::to_string(op_seq_) +

@@ -84,6 +84,10 @@ class Ring {
   // The algorithm run() uses for c (Auto resolved).
   Algo choose(const Call& c) const;
   size_t slice_bytes() const { return slice_bytes_; }
+  // What this rank waits for now, as a JSON object (the flight recorder's "waiting"), or "" when
+  // no wait has outlasted its spin. Kept after a failed wait. Safe from any thread.
+  std::string waiting() const;
+  int pid_of(int rank) const { return areas_[rank].pid.load(); }
 
  private:
   struct Ctx;
@@ -113,6 +117,12 @@ class Ring {
   Algo algo_ = Algo::Ring;   // of the current call
   bool broken_ = false;
   const std::function<bool()>* interrupted_ = nullptr;
+  // The slow wait in progress (wait_peer_ -1: none); written by the ring's thread only.
+  std::atomic<int> wait_peer_{-1};
+  std::atomic<const char*> wait_what_{""}, wait_phase_{""};
+  std::atomic<int> wait_step_{0};
+  std::atomic<int64_t> wait_slice_{0}, wait_since_ns_{0};
+  std::atomic<uint64_t> wait_seq_{0};
 };
 
 }  // namespace shm
