@@ -4,7 +4,8 @@ native code). Median of --reps batches of --calls calls, us per call.
 
     OMP_NUM_THREADS=1 python benchmarks/dispatch.py
 
-Rows: ringreduce.all_reduce (the fast path), the fast path's C function alone, the full path
+Rows: ringreduce.all_reduce (the fast path), the fast path's C function alone (each with the
+flight recorder on, the default, and off: RINGREDUCE_TRACE_BUFFER=0), the full path
 (a call the fast path does not take: every check, the communicator
 lookup, the pybind11 call), torch.distributed.all_reduce
 on Gloo, and mpi4py's Allreduce (singleton MPI, if mpi4py loads).
@@ -43,11 +44,25 @@ def main():
     t = torch.ones(1024)
     rr.all_reduce(t)  # the first call fills the fast path
     fast = collectives._fast[None][2]
+    # The same on a group whose communicator has the flight recorder off (its size is read when
+    # the communicator is made): the recorder's cost is the difference.
+    # Both on groups of their own, passed the same way.
+    on, off = dist.new_group([0]), dist.new_group([0])
+    rr.all_reduce(t, group=on)
+    os.environ["RINGREDUCE_TRACE_BUFFER"] = "0"
+    rr.all_reduce(t, group=off)
+    del os.environ["RINGREDUCE_TRACE_BUFFER"]
+    assert not rr.get_communicator(off).recorder.on and rr.get_communicator(on).recorder.on
+    fast_on, fast_off = collectives._fast[on][2], collectives._fast[off][2]
     op = dist.ReduceOp.SUM
     other_op = dist.ReduceOp(dist.ReduceOp.SUM)  # equal, not the same object: the full path
     rows = [
         ("ringreduce.all_reduce", lambda: rr.all_reduce(t)),
         ("  its C function alone", lambda: fast(t, op)),
+        ("  on a group, flight recorder on", lambda: rr.all_reduce(t, group=on)),
+        ("  on a group, flight recorder off", lambda: rr.all_reduce(t, group=off)),
+        ("  C function, flight recorder on", lambda: fast_on(t, op)),
+        ("  C function, flight recorder off", lambda: fast_off(t, op)),
         ("ringreduce full path (every check)", lambda: rr.all_reduce(t, other_op)),
         ("torch.distributed.all_reduce (Gloo)", lambda: dist.all_reduce(t)),
     ]

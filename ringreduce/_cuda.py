@@ -245,24 +245,35 @@ class Communicator(_lifecycle.Communicator):
                          _lifecycle.OP_NAMES[op_code], self.transport, t.numel() * t.element_size(),
                          True)
 
-    def _enqueue(self, seq, fn, *args):
+    def _enqueue(self, seq, coll, fn, *args):
+        """fn(*args) (the launch) inside an NVTX range and, while torch.profiler listens, a
+        profiler range, both named ringreduce::<coll>; a launch failure is recorded."""
+        name = f"ringreduce::{coll}"
+        torch.cuda.nvtx.range_push(name)
         try:
+            if torch._C._autograd._profiler_enabled():
+                with torch.autograd.profiler.record_function(name):
+                    return fn(*args)
             return fn(*args)
         except Exception as e:
             if seq:
                 self.recorder.failed(seq, str(e))
             raise
+        finally:
+            torch.cuda.nvtx.range_pop()
 
     def all_reduce(self, tensor, op_code, async_op):
         with self._lock:
             self._check_open()
             seq = self._record("all_reduce", tensor, op_code)
             if tensor.is_contiguous():
-                return self._finish(self._enqueue(seq, self._native.all_reduce, tensor, op_code,
-                                                  async_op), [tensor], seq)
+                native = self._enqueue(seq, "all_reduce", self._native.all_reduce, tensor,
+                                       op_code, async_op)
+                return self._finish(native, [tensor], seq)
             buf = tensor.contiguous()  # reduce a contiguous copy, then write back through the view
-            return self._copy_back(self._enqueue(seq, self._native.all_reduce, buf, op_code,
-                                                 async_op), buf, tensor, seq)
+            native = self._enqueue(seq, "all_reduce", self._native.all_reduce, buf, op_code,
+                                   async_op)
+            return self._copy_back(native, buf, tensor, seq)
 
     def reduce_scatter(self, output, input, op_code, async_op):
         with self._lock:
@@ -271,7 +282,8 @@ class Communicator(_lifecycle.Communicator):
             src = input.contiguous()
             dst = output if output.is_contiguous() else torch.empty_like(
                 output, memory_format=torch.contiguous_format)
-            native = self._enqueue(seq, self._native.reduce_scatter, dst, src, op_code, async_op)
+            native = self._enqueue(seq, "reduce_scatter", self._native.reduce_scatter, dst, src,
+                                   op_code, async_op)
             if dst is output:
                 return self._finish(native, [output], seq)
             return self._copy_back(native, dst, output, seq)
@@ -283,7 +295,7 @@ class Communicator(_lifecycle.Communicator):
             src = input.contiguous()
             dst = output if output.is_contiguous() else torch.empty_like(
                 output, memory_format=torch.contiguous_format)
-            native = self._enqueue(seq, self._native.all_gather, dst, src, async_op)
+            native = self._enqueue(seq, "all_gather", self._native.all_gather, dst, src, async_op)
             if dst is output:
                 return self._finish(native, [output], seq)
             return self._copy_back(native, dst, output, seq)

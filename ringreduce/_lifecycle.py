@@ -23,7 +23,9 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 
+import torch
 import torch.distributed as dist
 
 from . import _C
@@ -285,7 +287,21 @@ class Communicator:
         of the communicator, with this rank's identity at the top."""
         install_trace_signal()  # if RINGREDUCE_TRACE_SIGNAL was set after import
         self.recorder = recorder if recorder is not None else _C.Recorder(self.trace_buffer)
-        self.trace_dir = os.path.join(trace_root(), re.sub(r"[^A-Za-z0-9_.@-]+", "-", prefix).strip("-"))
+        # The store prefix names the communicator within its job; rank 0's time and a random
+        # suffix tell this job's dumps from an earlier job's with the same group.
+        key = f"{prefix}/trace-id"
+        if self.rank == 0:
+            job = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+            self.member.store.set(key, job)
+        else:
+            try:
+                self.member.store.wait([key], datetime.timedelta(seconds=self.timeout))
+            except Exception as e:  # the store's own timeout error
+                raise RingReduceError(f"ringreduce: rank {self.rank}: communicator setup timed out "
+                                      f"after {self.timeout:g} s waiting for rank 0 ({e})") from None
+            job = self.member.store.get(key).decode()
+        name = re.sub(r"[^A-Za-z0-9_.@-]+", "-", prefix).strip("-")
+        self.trace_dir = os.path.join(trace_root(), f"{name}.{job}")
         members = None
         if self.member.group is not None:
             try:
@@ -305,26 +321,41 @@ class Communicator:
         return self.recorder.dump(path or "")
 
     def _traced(self, fn, coll, numel, dtype, op_code, nbytes, algo):
-        """fn wrapped to record its call (made now, started when fn runs, then finished or failed);
-        a RingReduceError is raised again naming the dump the first failure writes."""
+        """fn wrapped to record its call (made now, started when fn runs, then finished or failed)
+        and to show as the range ringreduce::<coll> in torch.profiler traces; a RingReduceError is
+        raised again naming the dump the first failure writes."""
         rec = self.recorder
-        if rec is None or not rec.on:
-            return fn
-        seq = rec.begin(coll, numel, str(dtype).replace("torch.", ""), OP_NAMES[op_code], algo,
-                        nbytes, False)
+        dtype = str(dtype).replace("torch.", "")
+        seq = rec.begin(coll, numel, dtype, OP_NAMES[op_code], algo, nbytes, False) if (
+            rec is not None and rec.on) else 0
+        # Opened here, on the caller's thread (where the profiler listens), closed when the call
+        # ends on whichever thread runs it: as c10d's Work does for Gloo's and NCCL's calls.
+        span = None
+        if torch._C._autograd._profiler_enabled():
+            span = torch.ops.profiler._record_function_enter_new(
+                f"ringreduce::{coll}", f"numel={numel}, dtype={dtype}, bytes={nbytes}")
 
         def run():
-            rec.started(seq)
+            if seq:
+                rec.started(seq)
             try:
-                fn()
+                try:
+                    fn()
+                finally:
+                    if span is not None:
+                        torch.ops.profiler._record_function_exit._RecordFunction(span)
             except BaseException as e:
+                if not seq:
+                    raise
                 rec.failed(seq, str(e) or type(e).__name__)
                 path = rec.dump_on_failure()
-                if path and isinstance(e, RingReduceError) and "flight recorder:" not in str(e):
-                    raise RingReduceError(f"{e}\nflight recorder: {path} (every rank's: python -m "
+                if path and isinstance(e, RingReduceError):  # ours, not an inner ring's
+                    text = str(e).split("\nflight recorder: ")[0]
+                    raise RingReduceError(f"{text}\nflight recorder: {path} (every rank's: python -m "
                                           f"ringreduce.trace {os.path.dirname(path)})") from e
                 raise
-            rec.finished(seq)
+            if seq:
+                rec.finished(seq)
         return run
 
     def _check_open(self):

@@ -276,3 +276,48 @@ def test_analyzer_rejects_what_it_cannot_read(tmp_path):
     p = subprocess.run([sys.executable, "-m", "ringreduce.trace", str(tmp_path / "none")],
                        capture_output=True, text=True, cwd=REPO)
     assert p.returncode not in (0, 1) and "no such file" in p.stderr, p.stderr
+
+
+def straggler_worker(rank, world):
+    for _ in range(12):
+        if rank == 2:
+            time.sleep(0.02)  # arrives last at every call, ~20 ms late
+        rr.all_reduce(torch.ones(64))
+    rr.dump_trace()
+
+
+def test_straggler_attributed(tmp_path):
+    run_ranks(3, straggler_worker, env={"RINGREDUCE_TRACE_DIR": str(tmp_path)})
+    status, lines = analyze(tmp_path)
+    assert status == 0 and lines[0].startswith("OK: 3 of 3 ranks agree on 12 calls"), lines
+    line = next(ln for ln in lines if "stragglers:" in ln)
+    m = __import__("re").search(r"rank (\d) arrived last in (\d+) of 12 calls, ([0-9.]+) ms late", line)
+    assert m and m.group(1) == "2" and int(m.group(2)) >= 10, line
+    assert 10 <= float(m.group(3)) <= 200, line
+
+
+def profiled_ddp_worker(rank, world, hier):
+    _simulated_hosts(rank, hier)
+    from torch.profiler import ProfilerActivity, profile
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 4)),
+        bucket_cap_mb=0.25)
+    buckets = []
+
+    def hook(state, bucket):
+        buckets.append(bucket.index())
+        return rr.ddp.allreduce_hook(state, bucket)
+    model.register_comm_hook(None, hook)
+    x = torch.ones(8, 256)
+    model(x).sum().backward()  # the first step (DDP rebuilds its buckets after it)
+    buckets.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+    top = [e for e in prof.events() if e.name == "ringreduce::all_reduce"]
+    return len(buckets), len(top)
+
+
+@pytest.mark.parametrize("hier", [False, True], ids=["flat", "hier"])
+def test_profiled_ddp_step_one_range_per_bucket(hier):
+    for buckets, ranges in run_ranks(4 if hier else 2, profiled_ddp_worker, hier):
+        assert buckets >= 2 and ranges == buckets, (buckets, ranges)
