@@ -156,6 +156,7 @@ class Communicator(_lifecycle.Communicator):
         self._native = native
         self._stream = torch.cuda.ExternalStream(native.stream_ptr(), device=self.device)
         self._setup_trace(self._setup.prefix)
+        native.attach_recorder(self.recorder)  # the calls are recorded in C++, with device states
 
     def _bootstrap_p2p(self):
         channels = env_int("RINGREDUCE_CUDA_CHANNELS", DEFAULT_CHANNELS)
@@ -235,19 +236,9 @@ class Communicator(_lifecycle.Communicator):
         native.watch_peers(peers)
 
     # -- collectives (arguments already checked by ringreduce.collectives) --------------------
-    # Flight recorder: a call starts when it is enqueued; it ends when the host sees the device
-    # finish it (async calls, RINGREDUCE_BLOCKING_WAIT=1), else when the enqueue returns.
-    def _record(self, coll, t, op_code):
-        rec = self.recorder
-        if rec is None or not rec.on:
-            return 0
-        return rec.begin(coll, t.numel(), str(t.dtype).replace("torch.", ""),
-                         _lifecycle.OP_NAMES[op_code], self.transport, t.numel() * t.element_size(),
-                         True)
-
-    def _enqueue(self, seq, coll, fn, *args):
+    def _enqueue(self, coll, fn, *args):
         """fn(*args) (the launch) inside an NVTX range and, while torch.profiler listens, a
-        profiler range, both named ringreduce::<coll>; a launch failure is recorded."""
+        profiler range, both named ringreduce::<coll>."""
         name = f"ringreduce::{coll}"
         torch.cuda.nvtx.range_push(name)
         try:
@@ -255,89 +246,74 @@ class Communicator(_lifecycle.Communicator):
                 with torch.autograd.profiler.record_function(name):
                     return fn(*args)
             return fn(*args)
-        except Exception as e:
-            if seq:
-                self.recorder.failed(seq, str(e))
-            raise
         finally:
             torch.cuda.nvtx.range_pop()
 
     def all_reduce(self, tensor, op_code, async_op):
         with self._lock:
             self._check_open()
-            seq = self._record("all_reduce", tensor, op_code)
             if tensor.is_contiguous():
-                native = self._enqueue(seq, "all_reduce", self._native.all_reduce, tensor,
+                native = self._enqueue("all_reduce", self._native.all_reduce, tensor,
                                        op_code, async_op)
-                return self._finish(native, [tensor], seq)
+                return self._finish(native, [tensor])
             buf = tensor.contiguous()  # reduce a contiguous copy, then write back through the view
-            native = self._enqueue(seq, "all_reduce", self._native.all_reduce, buf, op_code,
+            native = self._enqueue("all_reduce", self._native.all_reduce, buf, op_code,
                                    async_op)
-            return self._copy_back(native, buf, tensor, seq)
+            return self._copy_back(native, buf, tensor)
 
     def reduce_scatter(self, output, input, op_code, async_op):
         with self._lock:
             self._check_open()
-            seq = self._record("reduce_scatter", input, op_code)
             src = input.contiguous()
             dst = output if output.is_contiguous() else torch.empty_like(
                 output, memory_format=torch.contiguous_format)
-            native = self._enqueue(seq, "reduce_scatter", self._native.reduce_scatter, dst, src,
+            native = self._enqueue("reduce_scatter", self._native.reduce_scatter, dst, src,
                                    op_code, async_op)
             if dst is output:
-                return self._finish(native, [output], seq)
-            return self._copy_back(native, dst, output, seq)
+                return self._finish(native, [output])
+            return self._copy_back(native, dst, output)
 
     def all_gather(self, output, input, async_op):
         with self._lock:
             self._check_open()
-            seq = self._record("all_gather", output, 0)
             src = input.contiguous()
             dst = output if output.is_contiguous() else torch.empty_like(
                 output, memory_format=torch.contiguous_format)
-            native = self._enqueue(seq, "all_gather", self._native.all_gather, dst, src, async_op)
+            native = self._enqueue("all_gather", self._native.all_gather, dst, src, async_op)
             if dst is output:
-                return self._finish(native, [output], seq)
-            return self._copy_back(native, dst, output, seq)
+                return self._finish(native, [output])
+            return self._copy_back(native, dst, output)
 
-    def _copy_back(self, native, buf, target, seq=0):
+    def _copy_back(self, native, buf, target):
         if native is None:  # sync: the current stream already waits for the collective
             target.copy_(buf)
-            return self._finish(None, [target], seq)
+            return self._finish(None, [target])
         # async: the copy runs on our stream after the collective; the Work follows the copy.
         with torch.cuda.stream(self._stream):
             target.copy_(buf)
         buf.record_stream(self._stream)
         target.record_stream(self._stream)
-        return self._finish(self._native.marker(), [target], seq)
+        return self._finish(self._native.marker(), [target])
 
-    def _finish(self, native_work, result, seq=0):
+    def _finish(self, native_work, result):
         """None for a sync call (after waiting for the device in blocking mode); else the Work of
-        native_work, completed by the worker once the device is done."""
-        rec = self.recorder
+        native_work, completed by the worker once the device is done. A failure seen here writes
+        the flight recorder's dump (the native side records the calls)."""
         if native_work is None:
             if self._blocking and not torch.cuda.is_current_stream_capturing():
                 try:
                     self._native.marker().synchronize()  # raises this call's failure
-                except Exception as e:
-                    if seq:
-                        rec.failed(seq, str(e))
-                        rec.dump_on_failure()
+                except Exception:
+                    self.recorder.dump_on_failure()
                     raise
-            if seq:
-                rec.finished(seq)
             return None
 
         def job():
             try:
                 native_work.synchronize()
-            except BaseException as e:
-                if seq:
-                    rec.failed(seq, str(e))
-                    rec.dump_on_failure()
+            except BaseException:
+                self.recorder.dump_on_failure()
                 raise
-            if seq:
-                rec.finished(seq)
         fut = self._submit(job, result, lambda: torch.futures.Future(devices=[self.device]),
                            inline=False)
         return Work(fut, self._interrupted)

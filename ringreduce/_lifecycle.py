@@ -311,7 +311,7 @@ class Communicator:
         header = {"rank": self.rank, "world_size": self.world_size,
                   "global_rank": dist.get_rank() if dist.is_initialized() else None,
                   "host": host_id(), "hostname": socket.gethostname(), "transport": self.transport,
-                  "communicator": prefix, "group": self.member.name, "members": members,
+                  "communicator": prefix, "job": job, "group": self.member.name, "members": members,
                   "timeout_s": self.timeout, "pids": self._pids(), "stacks": STACK_FILE}
         self.recorder.configure(self.trace_dir, f"rank{self.rank}.json", json.dumps(header)[1:-1])
 

@@ -1,6 +1,6 @@
 """Reads the flight recorder dumps of every rank and says what went wrong, first line first.
 
-    python -m ringreduce.trace DIR [--chrome out.json] [--plot out.png] [--json]
+    python -m ringreduce.trace DIR [--chrome out.json] [--plot out.png]
 
 DIR holds the dumps (rank<R>.json, one folder per communicator: the folder a failure names, or
 RINGREDUCE_TRACE_DIR with several). Exit status 1 when it finds a desync, a failure, a rank that
@@ -8,7 +8,8 @@ never entered a call or ranks still waiting; 0 when every rank agrees and every 
 2 when it cannot read what it was given.
 
 The dump (version 1) is a JSON object: the rank's identity (rank, world_size, global_rank, host,
-hostname, pid, transport, communicator, group, members, timeout_s, stacks: the file SIGUSR1 wrote
+hostname, pid, transport, communicator: its store prefix, job: rank 0's time and a random id when
+it was made, group, members, pids, timeout_s, stacks: the file SIGUSR1 wrote
 its Python stacks to, or null), time_us (wall clock of the dump, microseconds), capacity, calls
 (calls made, the newest seq), dropped (older calls no longer in the buffer), waiting (what the
 rank's ring waits for: seq, peer, for, phase, step, slice, waited_s; or null) and entries: one per
@@ -51,7 +52,9 @@ def load(path):
             raise _Usage(f"ringreduce.trace: {f}: dump version {d.get('version')!r}; this "
                              f"analyzer reads version {VERSION}")
         d["_file"] = f
-        comms[d.get("communicator", f)][d["rank"]] = d
+        # one communicator of one job (an earlier job's dumps may sit in the same folder tree)
+        key = f"{d.get('communicator', f)}" + (f" [{d['job']}]" if d.get("job") else "")
+        comms[key][d["rank"]] = d
     return comms
 
 
@@ -152,13 +155,15 @@ class Analysis:
                 if pid:
                     owner.setdefault(str(pid), r)
         died = {}
-        for d in self.dumps.values():
-            for e in d["entries"]:
-                m = _DIED.search(e.get("error", ""))
-                if m:
-                    who = owner.get(m.group(2), int(m.group(1)) if d.get("transport") == "shm" else None)
-                    if who is not None:
-                        died.setdefault(who, (d["rank"], e["seq"], m.group(2)))
+        # the rank that saw it die first: its own error, not the abort it passed on
+        for e, d in sorted(((e, d) for d in self.dumps.values() for e in d["entries"]),
+                           key=lambda x: bool(_CONSEQUENCE.search(x[0].get("error", "")))):
+            m = _DIED.search(e.get("error", ""))
+            if m:
+                flat = int(m.group(1)) if d.get("transport") == "shm" else None
+                who = owner.get(m.group(2), flat)
+                if who is not None:
+                    died.setdefault(who, (d["rank"], e["seq"], m.group(2)))
         for r in self.missing:
             if r in died:
                 seen_by, seq, pid = died[r]
@@ -244,7 +249,7 @@ class Analysis:
     def lines(self):
         out = [text for _, text in self.findings]
         s = self.stragglers()
-        if s and s[2] >= 2:
+        if s and s[2] >= 10:  # fewer calls say little
             out.append(f"stragglers: rank {s[0]} arrived last in {s[1]} of {s[2]} calls, "
                        f"{s[3]:.3f} ms late on median")
         return out
@@ -264,7 +269,7 @@ def diagnose(comms):
             top = max(a.calls.values()) if a.calls else 0
             head.insert(0, f"OK: {len(a.dumps)} of {a.world} ranks agree on {top} calls; none "
                         f"failed or waiting")
-        out += [head[0] if len(analyses) == 1 else f"{head[0]}  [{a.name}]"]
+        out += [head[0] if len(analyses) == 1 else f"{head[0]}  (communicator {a.name})"]
         rest = head[1:] + a.details
         d0 = next(iter(a.dumps.values()))
         rest.append(f"communicator {a.name} ({d0.get('transport')}, {a.world} ranks, dumps: "

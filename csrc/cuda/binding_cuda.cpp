@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/kernels.h"
+#include "host/recorder.h"
 #include "cuda/nccl_ring.h"
 #include "cuda/p2p.h"
 #include "torch_types.h"
@@ -137,6 +138,22 @@ class CudaComm {
   }
 
   std::string failure() { return shared_->failure(); }
+  // The flight recorder this communicator records its calls in; dumps ask the device (without
+  // blocking) which of them have finished.
+  void attach_recorder(std::shared_ptr<rr::host::Recorder> rec) {
+    std::weak_ptr<Shared<Ring>> weak = shared_;
+    rec->set_device_probe([weak](uint64_t dev_seq, int64_t* done_ns, std::string* error) {
+      auto s = weak.lock();
+      if (!s || !s->ring || s->ring->closed()) return 0;
+      const uint64_t failed = s->ring->failed_seq();
+      if (failed != 0 && dev_seq >= failed) {
+        *error = s->ring->failure();
+        return 3;
+      }
+      return static_cast<int>(s->ring->calls().state(dev_seq, done_ns));
+    });
+    rec_ = std::move(rec);
+  }
   void abort(const std::string& why) {
     if (shared_->ring && !shared_->ring->closed()) shared_->ring->abort(why);
   }
@@ -154,6 +171,7 @@ class CudaComm {
   // peers_done: every rank has stopped using this rank's memory (see p2p::Ring::close).
   void close(bool peers_done) {
     if (!stream_) return;
+    if (rec_) rec_->set_device_probe(nullptr);  // waits for a dump reading the ring
     c10::cuda::CUDAGuard guard(device_);
     {
       py::gil_scoped_release nogil;
@@ -206,10 +224,31 @@ class CudaComm {
     }
     C10_CUDA_CHECK(cudaEventRecord(ready_, cur));
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
-    {
+    uint64_t seq = 0;
+    if (rec_ && rec_->on()) {  // started = enqueued; the device says when it ended
+      const char* algo = "nccl";
+      if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) algo = rc::p2p::algo_name(ring.plan_of(c).algo);
+      const int64_t t = rr::host::now_ns();
+      seq = rec_->begin(rr::coll_name(c.coll), rr::dtype_name(c.dtype), rr::op_name(c.op), algo, c.numel,
+                        static_cast<uint64_t>(c.numel) * rr::dtype_size(c.dtype),
+                        rr::host::current_source(), t, t);
+    }
+    try {
       py::gil_scoped_release nogil;  // nccl: may poll NCCL until its calls are enqueued
       ring.run(c, stream_);
+    } catch (const rr::RingError& e) {  // broken by an earlier failure, or closed
+      if (!seq) throw;
+      rec_->failed(seq, e.what());
+      const std::string path = rec_->dump_on_failure();
+      if (path.empty()) throw;
+      throw rr::RingError(std::string(e.what()) + "\nflight recorder: " + path +
+                          " (every rank's: python -m ringreduce.trace " +
+                          path.substr(0, path.rfind('/')) + ")");
+    } catch (const std::exception& e) {
+      if (seq) rec_->failed(seq, e.what());
+      throw;
     }
+    if (seq) rec_->set_dev_seq(seq, ring.op_seq());
     // The caching allocator must not reuse these tensors' memory before our stream is done.
     const c10::Stream ours = c10::cuda::getStreamFromExternal(stream_, device_);
     for (const at::Tensor& t : tensors) t.record_stream(ours);
@@ -240,6 +279,7 @@ class CudaComm {
   std::shared_ptr<Shared<Ring>> shared_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
+  std::shared_ptr<rr::host::Recorder> rec_;
 };
 
 using P2pComm = CudaComm<rc::p2p::Ring>;
@@ -260,6 +300,7 @@ void bind_common(py::class_<C>& cls) {
       .def("failed_seq", &C::failed_seq)
       .def("stream_ptr", &C::stream_ptr)
       .def("marker", &C::marker)
+      .def("attach_recorder", &C::attach_recorder, py::arg("recorder"))
       .def("op_seq", &C::op_seq)
       .def("device", &C::device);
 }

@@ -364,6 +364,7 @@ void Ring::run(const Call& c, cudaStream_t stream) {
     throw RingError(earlier);
   }
   ++op_seq_;
+  LogOnReturn logged{calls_, op_seq_, stream};
   in_call_ = true;
   struct Done {
     std::atomic<bool>& flag;
@@ -613,6 +614,7 @@ void Ring::abort(const std::string& why) {
 void Ring::close() {
   if (closed_) return;
   closed_ = true;
+  calls_.close();
   {
     std::lock_guard<std::mutex> qlk(qmu_);
     stop_ = true;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "host/peers.h"
+#include "cuda/call_log.h"
 #include "ring/call.h"
 
 struct ncclComm;
@@ -102,6 +103,8 @@ class Ring {
   void close();
   bool closed() const { return closed_; }
   uint64_t op_seq() const { return op_seq_; }
+  // Which calls have finished on the device (the flight recorder reads it without blocking).
+  CallLog& calls() { return calls_; }
 
  private:
   struct Pending {
@@ -148,6 +151,7 @@ class Ring {
   char* staging_[2] = {nullptr, nullptr};  // one allocation: the direct algorithms use both as one
   std::vector<P2p> ops_;  // group()'s list, kept to avoid an allocation per group
   std::atomic<uint64_t> op_seq_{0};
+  CallLog calls_;
   std::atomic<bool> in_call_{false};  // run() is enqueueing call op_seq_
   bool closed_ = false;
 

@@ -264,6 +264,7 @@ void Ring::run(const Call& c, cudaStream_t stream) {
     throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
                                 std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
   ++op_seq_;
+  LogOnReturn logged{calls_, op_seq_, stream};
   const size_t es = dtype_size(c.dtype);
   if (n == 1) {  // AVG over one rank divides by 1: a copy at most
     if (c.in != c.out && c.numel > 0)
@@ -433,6 +434,7 @@ size_t Ring::kept_bytes() {
 
 void Ring::close(bool peers_done) {
   if (watcher_) watcher_->stop();  // it takes mu_
+  calls_.close();
   std::lock_guard<std::mutex> lk(mu_);  // failure() and abort() read ctl_ and area_
   DeviceScope scope(device_);
   const bool keep = area_ && opt_.nranks > 1 && !peers_done;

@@ -18,6 +18,7 @@
 #include "host/peers.h"
 
 #include "ring/schedule.h"
+#include "cuda/call_log.h"
 #include "ring/call.h"
 
 namespace ringreduce::cuda::p2p {
@@ -229,6 +230,8 @@ class Ring {
   static size_t kept_bytes();
   bool closed() const { return area_ == nullptr; }
   uint64_t op_seq() const { return op_seq_; }
+  // Which calls have finished on the device (the flight recorder reads it without blocking).
+  CallLog& calls() { return calls_; }
   int device() const { return device_; }
   size_t area_bytes() const;
 
@@ -249,6 +252,7 @@ class Ring {
   uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the areas
   cudaStream_t side_ = nullptr;  // for that copy, beside a kernel that may be spinning
   std::atomic<uint64_t> op_seq_{0};
+  CallLog calls_;
   uint64_t abort_seq_ = 0;  // op_seq_ + 1 at a host abort: the first call it can affect
   // reason_ and failure_: abort() and failure() are called from other threads (Work.wait(),
   // Communicator.abort() hold the GIL) while run() calls failure() with the GIL released.

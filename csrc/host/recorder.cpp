@@ -16,6 +16,7 @@ namespace ringreduce::host {
 namespace {
 const char* const kSources[] = {"api", "backend", "ddp_hook", "bucketer", "op", "nn"};
 const char* const kStates[] = {"queued", "started", "finished", "failed"};
+const char* const kDevice[] = {"unknown", "pending", "done", "failed"};
 
 void escape(std::string& out, const char* s) {
   out += '"';
@@ -134,6 +135,7 @@ uint64_t Recorder::begin(const char* coll, const char* dtype, const char* op, co
   e.t_ended = 0;
   e.source = source;
   e.state = t_started ? CallState::Started : CallState::Queued;
+  e.dev_seq = 0;
   s.ver.store(v + 2, std::memory_order_release);
   return seq;
 }
@@ -168,6 +170,15 @@ void Recorder::failed(uint64_t seq, const std::string& error, int64_t t) {
   while (!errors_.empty() && errors_.begin()->first + cap_ <= seq) errors_.erase(errors_.begin());
 }
 
+void Recorder::set_dev_seq(uint64_t seq, uint64_t dev_seq) {
+  update(seq, [dev_seq](Entry& e) { e.dev_seq = dev_seq; });
+}
+
+void Recorder::set_device_probe(DeviceProbe probe) {
+  std::lock_guard<std::mutex> lk(probe_mu_);
+  device_probe_ = std::move(probe);
+}
+
 void Recorder::set_algo(uint64_t seq, const char* algo) {
   update(seq, [algo](Entry& e) { e.algo = algo; });
 }
@@ -200,10 +211,8 @@ std::string Recorder::json() {
     header = header_;
     errors = errors_;
   }
-  {
-    std::lock_guard<std::mutex> lk(probe_mu_);
-    if (probe_) waiting = probe_();
-  }
+  std::unique_lock<std::mutex> probes(probe_mu_);  // held to the end: close() waits for us
+  if (probe_) waiting = probe_();
   const int64_t off = wall_us_offset_ns();
   const uint64_t last = next_.load(std::memory_order_acquire);
   const uint64_t first = last > cap_ ? last - cap_ + 1 : 1;
@@ -233,6 +242,21 @@ std::string Recorder::json() {
       ok = s.ver.load(std::memory_order_relaxed) == v1;
     }
     if (!ok || e.seq != seq) continue;  // being written, or not yet
+    int device = -1;
+    std::string device_error;
+    if (e.dev_seq && device_probe_ && e.state != CallState::Failed) {
+      int64_t done = 0;
+      device = device_probe_(e.dev_seq, &done, &device_error) & 3;
+      if (device == 2) {  // done on the device: that is when the call ended
+        e.state = CallState::Finished;
+        if (done) e.t_ended = done;
+      } else if (device == 3) {
+        e.state = CallState::Failed;
+      } else if (device == 1) {
+        e.state = CallState::Started;
+        e.t_ended = 0;
+      }
+    }
     auto us = [off](int64_t t) { return t ? (t + off) / 1e3 : 0.0; };
     out += any ? ",\n  " : "\n  ";
     any = true;
@@ -245,10 +269,15 @@ std::string Recorder::json() {
                   source_name(e.source), kStates[static_cast<int>(e.state) & 3], us(e.t_queued),
                   us(e.t_started), us(e.t_ended));
     out += buf;
+    if (e.dev_seq) {
+      std::snprintf(buf, sizeof buf, ", \"dev_seq\": %llu, \"device\": \"%s\"",
+                    static_cast<unsigned long long>(e.dev_seq), device < 0 ? "unknown" : kDevice[device]);
+      out += buf;
+    }
     auto err = errors.find(seq);
-    if (err != errors.end()) {
+    if (err != errors.end() || !device_error.empty()) {
       out += ", \"error\": ";
-      escape(out, err->second.c_str());
+      escape(out, err != errors.end() ? err->second.c_str() : device_error.c_str());
     }
     out += "}";
   }

@@ -45,7 +45,12 @@ class Recorder {
     int64_t t_queued = 0, t_started = 0, t_ended = 0;  // now_ns(); 0: not reached
     Source source = Source::Api;
     CallState state = CallState::Queued;
+    uint64_t dev_seq = 0;  // CUDA: the ring's call number, for the device probe (0: none)
   };
+
+  // Where a CUDA call stands on the device (read without blocking): 0 unknown, 1 pending,
+  // 2 done (*done_ns: when, steady clock; 0 if not known), 3 failed (*error: why).
+  using DeviceProbe = std::function<int(uint64_t dev_seq, int64_t* done_ns, std::string* error)>;
 
   // capacity 0: off (every call is a no-op, dumps hold no entries).
   explicit Recorder(size_t capacity);
@@ -64,10 +69,13 @@ class Recorder {
   void finished(uint64_t seq, int64_t t = 0);
   void failed(uint64_t seq, const std::string& error, int64_t t = 0);
   void set_algo(uint64_t seq, const char* algo);
+  void set_dev_seq(uint64_t seq, uint64_t dev_seq);
   const char* intern(const std::string& s);  // a stable copy
 
   // What the transport is doing now (e.g. which peer it waits for), as a JSON object or "".
   void set_probe(std::function<std::string()> probe);
+  // Resolves CUDA calls' states in dumps (null: none). Cleared before the ring closes.
+  void set_device_probe(DeviceProbe probe);
   // Where dumps go and what they say about their rank: header is a JSON object's members
   // ("\"rank\": 0, ...") written at the top of each dump.
   void configure(const std::string& dir, const std::string& file, const std::string& header);
@@ -100,6 +108,7 @@ class Recorder {
   std::deque<std::string> strings_;
   std::mutex probe_mu_;  // held while the probe runs: set_probe(nullptr) waits for it
   std::function<std::string()> probe_;
+  DeviceProbe device_probe_;
   std::string dir_, file_, header_;
   bool failure_dumped_ = false;
   std::string failure_path_;

@@ -18,6 +18,7 @@
 
 #include "cuda/p2p.h"
 #include "cuda_check.h"
+#include "host/recorder.h"
 #ifdef RINGREDUCE_EMU
 #include "emu.h"
 #endif
@@ -271,6 +272,62 @@ static void test_abort_between_calls() {
   EXPECT(g.rings[0]->failed_seq() == 2, "rank 0: first failed %llu", (unsigned long long)g.rings[0]->failed_seq());
 }
 
+// The flight recorder's view of the device: a call enqueued on ranks 0 and 1 is pending while
+// rank 2 has not called, done (with a time between enqueue and now) once it has; a dump resolves
+// the host's "started" record through the device; a call out of the window is done by stream
+// order; a timed-out call is failed through failed_seq.
+static void test_call_log() {
+  namespace host = rr::host;
+  DevBuf buf(256 * 4);
+  Group g(3, 2, 4096, 2.0);
+  host::Recorder rec(8);
+  rc::p2p::Ring& ring = *g.rings[0];
+  rec.set_device_probe([&ring](uint64_t dev_seq, int64_t* done, std::string* error) {
+    const uint64_t failed = ring.failed_seq();
+    if (failed && dev_seq >= failed) {
+      *error = ring.failure();
+      return 3;
+    }
+    return static_cast<int>(ring.calls().state(dev_seq, done));
+  });
+  const int64_t t0 = host::now_ns();
+  const uint64_t seq = rec.begin("all_reduce", "float32", "SUM", "p2p", 256, 1024, host::Source::Api, t0, t0);
+  for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(256, buf), g.ranks[r].stream);
+  rec.set_dev_seq(seq, ring.op_seq());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  int64_t done = -1;
+  EXPECT(ring.calls().state(1, &done) == rc::CallLog::State::Pending, "call 1 is not pending");
+  EXPECT(ring.calls().state(2, &done) == rc::CallLog::State::Unknown, "call 2 was never made");
+  std::string j = rec.json();
+  EXPECT(contains(j, "\"state\": \"started\"") && contains(j, "\"device\": \"pending\""), "dump: %s", j.c_str());
+  g.rings[2]->run(g.call(256, buf), g.ranks[2].stream);
+  sync_all(g);
+  const int64_t t1 = host::now_ns();
+  EXPECT(ring.calls().state(1, &done) == rc::CallLog::State::Done, "call 1 is not done");
+  EXPECT(done >= t0 && done <= t1 + 1000000, "done at %lld, outside [%lld, %lld]", (long long)done,
+         (long long)t0, (long long)t1);
+  j = rec.json();
+  EXPECT(contains(j, "\"state\": \"finished\"") && contains(j, "\"device\": \"done\""), "dump: %s", j.c_str());
+  // More calls than the window: the oldest are known done by stream order, their time forgotten.
+  for (int k = 0; k < rc::CallLog::kWindow + 3; ++k) {
+    for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(16, buf), g.ranks[r].stream);
+  }
+  sync_all(g);
+  EXPECT(ring.calls().state(2, &done) == rc::CallLog::State::Done && done == 0, "call 2: done %lld",
+         (long long)done);
+  EXPECT(ring.calls().state(ring.op_seq(), &done) == rc::CallLog::State::Done && done > 0, "last call");
+  // Rank 2 does not come: the call times out, and the dump says failed, with the device's reason.
+  const uint64_t seq2 = rec.begin("all_reduce", "float32", "SUM", "p2p", 256, 1024, host::Source::Api,
+                                  host::now_ns(), host::now_ns());
+  for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(256, buf), g.ranks[r].stream);
+  rec.set_dev_seq(seq2, ring.op_seq());
+  sync_all(g);
+  j = rec.json();
+  EXPECT(contains(j, "\"state\": \"failed\"") && contains(j, "\"device\": \"failed\"") &&
+         contains(j, "timed out"), "dump: %s", j.c_str());
+  rec.set_device_probe(nullptr);
+}
+
 // The process of rank 2 dies (SIGKILL) while ranks 0 and 1 wait for it: both stop within about a
 // second, naming it, instead of waiting out their 30 s timeout.
 static void test_dead_peer() {
@@ -405,6 +462,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_abort", [&] { test_abort(); });
     run_test(argc, argv, "test_abort_between_calls", [&] { test_abort_between_calls(); });
     run_test(argc, argv, "test_dead_peer", [&] { test_dead_peer(); });
+    run_test(argc, argv, "test_call_log", [&] { test_call_log(); });
     run_test(argc, argv, "test_replayed_launches_stay_in_step", [&] { test_replayed_launches_stay_in_step(); });
 #ifdef RINGREDUCE_EMU
     run_test(argc, argv, "test_close_keeps_memory_neighbours_read", [&] { test_close_keeps_memory_neighbours_read(); });

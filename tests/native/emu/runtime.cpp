@@ -330,6 +330,7 @@ struct EventState {
   std::mutex mu;
   std::condition_variable cv;
   uint64_t recorded = 0, completed = 0;
+  std::chrono::steady_clock::time_point completed_at;  // of the newest completed record
   int device = 0;
   bool done() const { return completed >= recorded; }
 };
@@ -689,6 +690,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   resolve(s)->push([st, seq] {
     std::lock_guard<std::mutex> lk(st->mu);
     st->completed = std::max(st->completed, seq);
+    st->completed_at = std::chrono::steady_clock::now();
     st->cv.notify_all();
   });
   return cudaSuccess;
@@ -699,6 +701,22 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
   if (cudaError_t s = sticky(st.device)) return fail(s);
   std::lock_guard<std::mutex> lk(st.mu);
   return st.done() ? cudaSuccess : cudaErrorNotReady;
+}
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  if (!ms || !start || !end) return fail(cudaErrorInvalidResourceHandle);
+  std::chrono::steady_clock::time_point a, b;
+  {
+    std::lock_guard<std::mutex> lk(start->st->mu);
+    if (!start->st->recorded || !start->st->done()) return fail(cudaErrorNotReady);
+    a = start->st->completed_at;
+  }
+  {
+    std::lock_guard<std::mutex> lk(end->st->mu);
+    if (!end->st->recorded || !end->st->done()) return fail(cudaErrorNotReady);
+    b = end->st->completed_at;
+  }
+  *ms = std::chrono::duration<float, std::milli>(b - a).count();
+  return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   if (!e) return fail(cudaErrorInvalidResourceHandle);
