@@ -375,6 +375,40 @@ def test_mismatched_calls(env):
         assert any("mismatched collective calls" in msg for _, msg, _ in results), results
 
 
+def trace_worker(rank, world, folder):
+    """The flight recorder on CUDA calls: device states resolved in dumps, a failure's dump."""
+    import json
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    t = torch.ones(4096, device=dev)
+    for _ in range(3):
+        rr.all_reduce(t)
+    rr.all_reduce(t, async_op=True).wait()
+    torch.cuda.synchronize()
+    with open(rr.dump_trace()[0]) as f:
+        good = json.load(f)
+    bad = torch.ones(4096 + (rank == 1), device=dev)
+    res = outcome(lambda: rr.all_reduce(bad, async_op=True).wait())
+    finish()
+    return good, res
+
+
+@TRANSPORTS
+def test_flight_recorder_device_states(env, tmp_path):
+    results = run_ranks(3, trace_worker, str(tmp_path), timeout=180,
+                        env={**env, "RINGREDUCE_TIMEOUT": "5", "RINGREDUCE_TRACE_DIR": str(tmp_path)})
+    for rank, (good, (name, msg, _)) in enumerate(results):
+        e = good["entries"]
+        assert good["transport"] == env["RINGREDUCE_TRANSPORT"] and len(e) == 4, good
+        assert all(x["state"] == "finished" and x["device"] == "done" and x["dev_seq"] == i + 1
+                   and x["ended_us"] >= x["started_us"] > 0 for i, x in enumerate(e)), e
+        assert name == "RingReduceError", (rank, msg)
+    import subprocess
+    p = subprocess.run([sys.executable, "-m", "ringreduce.trace", str(tmp_path)], capture_output=True,
+                       text=True)
+    assert p.returncode == 1 and "call #5" in p.stdout.splitlines()[0], p.stdout + p.stderr
+
+
 def abort_worker(rank, world):
     import ringreduce as rr
     from ringreduce import _lifecycle
