@@ -334,6 +334,8 @@ def test_example_trains(tmp_path, backend):
     assert accuracy > 0.3, f"accuracy {accuracy} after one epoch (chance is 0.1)"
     assert loss < 2.3  # below log(10), the loss of a uniform guess
     saved = torch.load(checkpoint)
-    assert set(saved["model"]) == {"1.weight", "1.bias", "3.weight", "3.bias", "5.weight",
-                                   "5.bias"}
+    assert set(saved["model"]) == {"1.weight", "1.bias", "2.weight", "2.bias", "2.running_mean",
+                                   "2.running_var", "2.num_batches_tracked", "5.weight", "5.bias",
+                                   "7.weight", "7.bias"}
+    assert (saved["epoch"], saved["samples_done"], saved["step"]) == (1, 0, 90)  # 1437 / 2 / 8
     assert saved["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
