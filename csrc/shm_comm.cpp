@@ -468,6 +468,7 @@ void ShmComm::close() {
 bool ShmComm::closed() { return comm_->closed(); }
 
 std::vector<int> ShmComm::pids() {
+  std::lock_guard<std::mutex> lk(close_mu_);
   std::vector<int> out(nranks_, 0);
   if (!comm_->closed())
     for (int r = 0; r < nranks_; ++r) out[r] = comm_->ring().pid_of(r);

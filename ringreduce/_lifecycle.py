@@ -46,8 +46,8 @@ def default_timeout():
         value = float(raw)
     except ValueError:
         raise ValueError(f"RINGREDUCE_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"RINGREDUCE_TIMEOUT must be > 0 seconds, got {raw!r}")
+    if not value > 0 or value == float("inf"):  # nan, inf: no deadline at all
+        raise ValueError(f"RINGREDUCE_TIMEOUT must be a finite number of seconds > 0, got {raw!r}")
     return value
 
 
@@ -312,7 +312,7 @@ class Communicator:
                   "global_rank": dist.get_rank() if dist.is_initialized() else None,
                   "host": host_id(), "hostname": socket.gethostname(), "transport": self.transport,
                   "communicator": prefix, "job": job, "group": self.member.name, "members": members,
-                  "timeout_s": self.timeout, "pids": self._pids(), "stacks": STACK_FILE}
+                  "timeout_s": self.timeout, "pids": self._pids(), "stacks": STACK_FILE or None}
         self.recorder.configure(self.trace_dir, f"rank{self.rank}.json", json.dumps(header)[1:-1])
 
     def dump_trace(self, path=None):
@@ -547,7 +547,8 @@ def dump_trace(path=None, group=None):
     name = getattr(g, "group_name", None)
     for b in list(backend._backends):
         if b.group_name == name:
-            comms.extend(b._comms.values())
+            with b._lock:
+                comms.extend(b._comms.values())
     out = []
     for c in comms:
         if c.closed or c.recorder is None:
@@ -562,22 +563,27 @@ def dump_trace(path=None, group=None):
 def install_trace_signal():
     """RINGREDUCE_TRACE_SIGNAL=1: SIGUSR1 writes every flight recorder of this process (from a
     thread of ours, wherever the main thread is stuck) and this process's Python stacks (to
-    STACK_FILE, named in each dump). Called at import and when a communicator is made; main
-    thread only; once."""
+    STACK_FILE, named in each dump). Called at import and when a communicator is made; once.
+    A child forked (not exec'd) after it has no dump thread: its SIGUSR1 makes the parent dump."""
     global STACK_FILE
     if STACK_FILE is not None or os.environ.get("RINGREDUCE_TRACE_SIGNAL", "").strip() not in (
             "1", "true", "yes"):
         return
     import faulthandler
     import signal
-    if threading.current_thread() is not threading.main_thread():
-        return
-    _C.install_trace_signal(int(signal.SIGUSR1))
-    folder = os.path.join(trace_root(), "stacks")
-    os.makedirs(folder, exist_ok=True)
-    STACK_FILE = os.path.join(folder, f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', host_id())}-{os.getpid()}.txt")
     global _stack_fh
-    _stack_fh = open(STACK_FILE, "w")
+    _C.install_trace_signal(int(signal.SIGUSR1))  # any thread may install it
+    folder = os.path.join(trace_root(), "stacks")
+    path = os.path.join(folder, f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', host_id())}-{os.getpid()}.txt")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _stack_fh = open(path, "w")
+    except OSError as e:  # the dumps still work; only the Python stacks are lost
+        log.warning("ringreduce: RINGREDUCE_TRACE_SIGNAL: cannot write Python stacks to %s (%s)",
+                    path, e)
+        STACK_FILE = ""
+        return
+    STACK_FILE = path
     # Chained: faulthandler writes the stacks, then calls ours (installed above).
     faulthandler.register(signal.SIGUSR1, file=_stack_fh, all_threads=True, chain=True)
 

@@ -28,7 +28,8 @@ from collections import Counter, defaultdict
 
 VERSION = 1
 # Errors that follow from another rank's failure rather than cause one.
-_CONSEQUENCE = re.compile(r"aborted the group|broken by an earlier failure|communicator is closed")
+_CONSEQUENCE = re.compile(r"aborted the group|broken by an earlier failure|communicator is closed|"
+                         r"stopped because|was aborted|aborted on this rank")
 _DIED = re.compile(r"peer rank (\d+) \(pid (\d+)\) died")
 
 
@@ -42,15 +43,21 @@ def load(path):
     files = [path] if os.path.isfile(path) else sorted(
         glob.glob(os.path.join(path, "**", "rank*.json"), recursive=True))
     comms = defaultdict(dict)
-    for f in files:
+    for f in files:  # one bad file is skipped (said on stderr), not the whole folder
         try:
-            with open(f) as fh:
+            with open(f, encoding="utf-8", errors="replace") as fh:
                 d = json.load(fh)
         except (OSError, ValueError) as e:
-            raise _Usage(f"ringreduce.trace: {f}: not a readable dump ({e})")
-        if d.get("version") != VERSION:
-            raise _Usage(f"ringreduce.trace: {f}: dump version {d.get('version')!r}; this "
-                             f"analyzer reads version {VERSION}")
+            print(f"ringreduce.trace: {f}: skipped, not a readable dump ({e})", file=sys.stderr)
+            continue
+        if not isinstance(d, dict) or d.get("version") != VERSION:
+            version = d.get("version") if isinstance(d, dict) else None
+            print(f"ringreduce.trace: {f}: skipped, dump version {version!r}; this analyzer "
+                  f"reads version {VERSION}", file=sys.stderr)
+            continue
+        if not all(k in d for k in ("rank", "world_size", "entries", "calls")):
+            print(f"ringreduce.trace: {f}: skipped, not a ringreduce dump", file=sys.stderr)
+            continue
         d["_file"] = f
         # one communicator of one job (an earlier job's dumps may sit in the same folder tree)
         key = f"{d.get('communicator', f)}" + (f" [{d['job']}]" if d.get("job") else "")
@@ -149,11 +156,11 @@ class Analysis:
         top = max(self.calls.values()) if self.calls else 0
         # A dead peer's error names its pid (and its rank in the ring that saw it: a local rank
         # under a hierarchical plan); the dumps' pids say whose it was.
-        owner = {}
+        owner = {}  # (host, pid) -> rank: pids repeat across hosts
         for d in self.dumps.values():
             for r, pid in enumerate(d.get("pids") or []):
                 if pid:
-                    owner.setdefault(str(pid), r)
+                    owner.setdefault((d.get("host"), str(pid)), r)
         died = {}
         # the rank that saw it die first: its own error, not the abort it passed on
         for e, d in sorted(((e, d) for d in self.dumps.values() for e in d["entries"]),
@@ -161,7 +168,7 @@ class Analysis:
             m = _DIED.search(e.get("error", ""))
             if m:
                 flat = int(m.group(1)) if d.get("transport") == "shm" else None
-                who = owner.get(m.group(2), flat)
+                who = owner.get((d.get("host"), m.group(2)), flat)
                 if who is not None:
                     died.setdefault(who, (d["rank"], e["seq"], m.group(2)))
         for r in self.missing:
@@ -180,6 +187,9 @@ class Analysis:
         for r in sorted(self.calls):
             if self.calls[r] >= top:
                 continue
+            newest = self.by_rank[r].get(self.calls[r])
+            if newest is not None and newest["state"] != "finished":
+                continue  # it stopped in (or failed) its own last call: not a call it skipped
             seq = self.calls[r] + 1
             ahead = sorted(q for q in self.calls if self.calls[q] >= seq)
             e = self._entry(seq)
@@ -201,12 +211,13 @@ class Analysis:
         if not failed:
             return
         causes = [f for f in failed if not _CONSEQUENCE.search(f[2].get("error", ""))] or failed
-        t, r, e = min(causes, key=lambda f: f[0])
+        t, r, e = min(causes, key=lambda f: (f[0] or float("inf"), f[1]))  # 0: time unknown
         self.findings.append(("failure", f"rank {r} failed first, in call #{e['seq']} "
                               f"{describe(e)}: {_first_line(e.get('error'))}"))
-        for t2, r2, e2 in sorted(failed, key=lambda f: (f[0], f[1])):
-            self.details.append(f"  rank {r2} call #{e2['seq']} failed "
-                                f"{(t2 - t) / 1e3:+.1f} ms: {_first_line(e2.get('error'))}")
+        for t2, r2, e2 in sorted(failed, key=lambda f: (f[0] or float("inf"), f[1])):
+            when = f"{(t2 - t) / 1e3:+.1f} ms" if t and t2 else "(time unknown)"
+            self.details.append(f"  rank {r2} call #{e2['seq']} failed {when}: "
+                                f"{_first_line(e2.get('error'))}")
 
     def _waiting(self):
         lines = []
@@ -218,7 +229,7 @@ class Analysis:
             e = min(open_, key=lambda x: x["seq"])
             w = d.get("waiting")
             at = ""
-            if w and w.get("seq") in (None, e["seq"]) and e["state"] == "started":
+            if w and e["state"] == "started" and len(open_) == 1:
                 at = (f" ({w['phase']} step {w['step']}, slice {w['slice']}: waiting {w['waited_s']:.1f} s "
                       f"for {w['for']} rank {w['peer']})")
             lines.append(f"rank {r} is in call #{e['seq']} {describe(e)}, {e['state']}{at}")
@@ -292,7 +303,8 @@ def chrome(comms):
                            "args": {"name": f"{d.get('transport')} {name}"}})
             for e in d["entries"]:
                 start = e["started_us"] or e["queued_us"]
-                end = e["ended_us"] or d["time_us"]
+                # in progress: to the dump; ended at an unknown time: a point
+                end = e["ended_us"] or (d["time_us"] if e["state"] in ("started", "queued") else start)
                 args = {k: e[k] for k in ("seq", "numel", "dtype", "op", "algo", "bytes", "source",
                                           "state")}
                 if e.get("error"):
@@ -322,7 +334,8 @@ def plot(comms, path):
         for r, d in sorted(dumps.items()):
             for e in d["entries"]:
                 s = (e["started_us"] or e["queued_us"]) - t0
-                end = (e["ended_us"] or d["time_us"]) - t0
+                end = (e["ended_us"] or (d["time_us"] if e["state"] in ("started", "queued")
+                                         else s + t0)) - t0
                 ax.broken_barh([(s / 1e3, max(end - s, 1.0) / 1e3)], (y - 0.4, 0.8),
                                color=colors.get(e["state"], "k"))
             labels.append(f"rank {r} {d.get('transport')}")
@@ -345,7 +358,7 @@ def main(argv=None):
         raise _Usage(f"ringreduce.trace: {args.dir}: no such file or folder")
     comms = load(args.dir)
     if not comms:
-        raise _Usage(f"ringreduce.trace: no dumps (rank*.json) under {args.dir}")
+        raise _Usage(f"ringreduce.trace: no readable dumps (rank*.json) under {args.dir}")
     status, lines = diagnose(comms)
     print("\n".join(lines))
     if args.chrome:

@@ -152,6 +152,7 @@ class CudaComm {
       }
       return static_cast<int>(s->ring->calls().state(dev_seq, done_ns));
     });
+    ring().calls().enable(rec->on());
     rec_ = std::move(rec);
   }
   void abort(const std::string& why) {
@@ -248,7 +249,12 @@ class CudaComm {
       if (seq) rec_->failed(seq, e.what());
       throw;
     }
-    if (seq) rec_->set_dev_seq(seq, ring.op_seq());
+    if (seq) {
+      if (capture != cudaStreamCaptureStatusNone)
+        rec_->finished(seq);  // captured into a graph, not run: the device has nothing to say
+      else
+        rec_->set_dev_seq(seq, ring.op_seq());
+    }
     // The caching allocator must not reuse these tensors' memory before our stream is done.
     const c10::Stream ours = c10::cuda::getStreamFromExternal(stream_, device_);
     for (const at::Tensor& t : tensors) t.record_stream(ours);

@@ -24,12 +24,34 @@ bool CallLog::start(cudaStream_t stream) {
   return ok;
 }
 
+namespace {
+// The device and capture mode of a query from any thread (the signal's dump thread, a worker): on
+// the events' device, so that no context is made on device 0, and relaxed, so that a query does not
+// invalidate a CUDA graph another thread is capturing. Restored on exit.
+struct QueryScope {
+  int prev = -1;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  explicit QueryScope(int device) {
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+    if (prev != device) cudaSetDevice(device);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+  }
+  ~QueryScope() {
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    if (prev >= 0) cudaSetDevice(prev);
+    cudaGetLastError();
+  }
+};
+}  // namespace
+
 void CallLog::record(uint64_t seq, cudaStream_t stream) {
+  if (!enabled_.load(std::memory_order_relaxed)) return;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone)
     return;
   std::lock_guard<std::mutex> lk(mu_);
   if (failed_) return;
+  if (!ref_ && cudaGetDevice(&device_) != cudaSuccess) device_ = 0;
   if (!start(stream)) {
     failed_ = true;
     cudaGetLastError();
@@ -55,6 +77,7 @@ CallLog::State CallLog::state(uint64_t seq, int64_t* done_ns) {
   std::lock_guard<std::mutex> lk(mu_);
   const Slot& s = slots_[seq % kWindow];
   if (seq == 0 || !s.ev || s.seq < seq) return State::Unknown;
+  QueryScope scope(device_);
   if (s.seq > seq) {  // out of the window: done if the newer call in its slot is (stream order)
     const cudaError_t q = cudaEventQuery(s.ev);
     if (q != cudaSuccess && q != cudaErrorNotReady) cudaGetLastError();

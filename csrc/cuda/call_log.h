@@ -5,6 +5,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <mutex>
@@ -17,6 +18,8 @@ class CallLog {
   enum class State { Unknown = 0, Pending, Done };
 
   CallLog() = default;
+  // Records only while enabled (a flight recorder is attached and on): events cost the GPU path.
+  void enable(bool on) { enabled_.store(on, std::memory_order_relaxed); }
   ~CallLog();
   CallLog(const CallLog&) = delete;
   CallLog& operator=(const CallLog&) = delete;
@@ -43,6 +46,8 @@ class CallLog {
   cudaEvent_t ref_ = nullptr;  // completed at ref_ns_ (host steady clock)
   int64_t ref_ns_ = 0;
   bool failed_ = false;  // an event call failed: record nothing more
+  int device_ = 0;       // of the events (queries come from threads with another device)
+  std::atomic<bool> enabled_{false};
 };
 
 // Records call seq in log when the scope it guards (a ring's run()) returns without throwing.

@@ -8,8 +8,10 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 namespace ringreduce::host {
 
@@ -18,6 +20,8 @@ const char* const kSources[] = {"api", "backend", "ddp_hook", "bucketer", "op", 
 const char* const kStates[] = {"queued", "started", "finished", "failed"};
 const char* const kDevice[] = {"unknown", "pending", "done", "failed"};
 
+// A JSON string. Bytes >= 0x80 are escaped one by one (as Latin-1): the text stays valid JSON
+// whatever encoding an error message came in.
 void escape(std::string& out, const char* s) {
   out += '"';
   for (; *s; ++s) {
@@ -25,7 +29,7 @@ void escape(std::string& out, const char* s) {
     if (c == '"' || c == '\\') {
       out += '\\';
       out += static_cast<char>(c);
-    } else if (c < 0x20) {
+    } else if (c < 0x20 || c >= 0x80) {
       char buf[8];
       std::snprintf(buf, sizeof buf, "\\u%04x", c);
       out += buf;
@@ -34,6 +38,26 @@ void escape(std::string& out, const char* s) {
     }
   }
   out += '"';
+}
+
+// Numbers without printf's %f, which follows the C locale (a "," decimal point is not JSON).
+void add_int(std::string& out, long long v) { out += std::to_string(v); }
+void add_us(std::string& out, int64_t ns) {  // ns as microseconds with 3 decimals
+  if (ns < 0) {
+    out += '-';
+    ns = -ns;
+  }
+  char frac[8];
+  std::snprintf(frac, sizeof frac, "%03d", static_cast<int>(ns % 1000));
+  out += std::to_string(ns / 1000);
+  out += '.';
+  out += frac;
+}
+void add_field(std::string& out, const char* key, const char* value) {
+  out += ", \"";
+  out += key;
+  out += "\": ";
+  escape(out, value);
 }
 
 int64_t wall_us_offset_ns() {  // wall clock minus steady clock, now
@@ -216,17 +240,19 @@ std::string Recorder::json() {
   const int64_t off = wall_us_offset_ns();
   const uint64_t last = next_.load(std::memory_order_acquire);
   const uint64_t first = last > cap_ ? last - cap_ + 1 : 1;
-  char buf[512];
   std::string out = "{\"version\": 1, ";
   if (!header.empty()) out += header + ", ";
-  std::snprintf(buf, sizeof buf,
-                "\"pid\": %d, \"time_us\": %.3f, \"capacity\": %zu, \"calls\": %llu, "
-                "\"dropped\": %llu, ",
-                static_cast<int>(getpid()), (now_ns() + off) / 1e3, cap_,
-                static_cast<unsigned long long>(last),
-                static_cast<unsigned long long>(last >= first ? first - 1 : 0));
-  out += buf;
-  out += "\"waiting\": ";
+  out += "\"pid\": ";
+  add_int(out, getpid());
+  out += ", \"time_us\": ";
+  add_us(out, now_ns() + off);
+  out += ", \"capacity\": ";
+  add_int(out, static_cast<long long>(cap_));
+  out += ", \"calls\": ";
+  add_int(out, static_cast<long long>(last));
+  out += ", \"dropped\": ";
+  add_int(out, static_cast<long long>(last >= first ? first - 1 : 0));
+  out += ", \"waiting\": ";
   out += waiting.empty() ? "null" : waiting;
   out += ", \"entries\": [";
   bool any = false;
@@ -247,38 +273,49 @@ std::string Recorder::json() {
     if (e.dev_seq && device_probe_ && e.state != CallState::Failed) {
       int64_t done = 0;
       device = device_probe_(e.dev_seq, &done, &device_error) & 3;
-      if (device == 2) {  // done on the device: that is when the call ended
+      if (device == 2) {  // done on the device: that is when the call ended (0: no longer known)
         e.state = CallState::Finished;
-        if (done) e.t_ended = done;
+        e.t_ended = done ? std::max(done, e.t_started) : 0;
       } else if (device == 3) {
         e.state = CallState::Failed;
+        e.t_ended = 0;  // when the device failed it is not known
       } else if (device == 1) {
         e.state = CallState::Started;
         e.t_ended = 0;
       }
     }
-    auto us = [off](int64_t t) { return t ? (t + off) / 1e3 : 0.0; };
-    out += any ? ",\n  " : "\n  ";
+    out += any ? ",\n  {\"seq\": " : "\n  {\"seq\": ";
     any = true;
-    std::snprintf(buf, sizeof buf,
-                  "{\"seq\": %llu, \"coll\": \"%s\", \"numel\": %lld, \"dtype\": \"%s\", "
-                  "\"op\": \"%s\", \"algo\": \"%s\", \"bytes\": %llu, \"source\": \"%s\", "
-                  "\"state\": \"%s\", \"queued_us\": %.3f, \"started_us\": %.3f, \"ended_us\": %.3f",
-                  static_cast<unsigned long long>(e.seq), e.coll, static_cast<long long>(e.numel),
-                  e.dtype, e.op, e.algo, static_cast<unsigned long long>(e.nbytes),
-                  source_name(e.source), kStates[static_cast<int>(e.state) & 3], us(e.t_queued),
-                  us(e.t_started), us(e.t_ended));
-    out += buf;
+    add_int(out, static_cast<long long>(e.seq));
+    add_field(out, "coll", e.coll);
+    out += ", \"numel\": ";
+    add_int(out, static_cast<long long>(e.numel));
+    add_field(out, "dtype", e.dtype);
+    add_field(out, "op", e.op);
+    add_field(out, "algo", e.algo);
+    out += ", \"bytes\": ";
+    add_int(out, static_cast<long long>(e.nbytes));
+    add_field(out, "source", source_name(e.source));
+    add_field(out, "state", kStates[static_cast<int>(e.state) & 3]);
+    const std::pair<const char*, int64_t> times[] = {
+        {"queued_us", e.t_queued}, {"started_us", e.t_started}, {"ended_us", e.t_ended}};
+    for (const auto& [key, t] : times) {
+      out += ", \"";
+      out += key;
+      out += "\": ";
+      if (t)
+        add_us(out, t + off);
+      else
+        out += "0";
+    }
     if (e.dev_seq) {
-      std::snprintf(buf, sizeof buf, ", \"dev_seq\": %llu, \"device\": \"%s\"",
-                    static_cast<unsigned long long>(e.dev_seq), device < 0 ? "unknown" : kDevice[device]);
-      out += buf;
+      out += ", \"dev_seq\": ";
+      add_int(out, static_cast<long long>(e.dev_seq));
+      add_field(out, "device", device < 0 ? "unknown" : kDevice[device]);
     }
     auto err = errors.find(seq);
-    if (err != errors.end() || !device_error.empty()) {
-      out += ", \"error\": ";
-      escape(out, err != errors.end() ? err->second.c_str() : device_error.c_str());
-    }
+    if (err != errors.end() || !device_error.empty())
+      add_field(out, "error", err != errors.end() ? err->second.c_str() : device_error.c_str());
     out += "}";
   }
   out += any ? "\n]}\n" : "]}\n";
@@ -286,6 +323,7 @@ std::string Recorder::json() {
 }
 
 std::string Recorder::dump(const std::string& path_in, std::string* error) {
+  std::lock_guard<std::mutex> one_at_a_time(dump_mu_);
   std::string path = path_in;
   if (path.empty()) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -301,7 +339,9 @@ std::string Recorder::dump(const std::string& path_in, std::string* error) {
     return "";
   }
   const std::string text = json();
-  const std::string tmp = path + ".tmp" + std::to_string(getpid());
+  static std::atomic<uint64_t> tmp_count{0};
+  const std::string tmp = path + ".tmp" + std::to_string(getpid()) + "-" +
+                          std::to_string(tmp_count.fetch_add(1));
   FILE* f = std::fopen(tmp.c_str(), "w");
   if (!f) {
     if (error) *error = "cannot write " + tmp + ": " + std::strerror(errno);
@@ -317,13 +357,14 @@ std::string Recorder::dump(const std::string& path_in, std::string* error) {
 }
 
 std::string Recorder::dump_on_failure() {
+  std::lock_guard<std::mutex> once(failure_mu_);  // a second caller waits for the first's path
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (failure_dumped_ || dir_.empty()) return failure_path_;
-    failure_dumped_ = true;
   }
   std::string path = dump();
   std::lock_guard<std::mutex> lk(mu_);
+  failure_dumped_ = true;
   failure_path_ = path;
   return path;
 }
@@ -390,7 +431,7 @@ bool install_dump_signal(int signo, std::string* error) {
   static bool installed = false;
   std::lock_guard<std::mutex> lk(mu);
   if (installed) return true;
-  if (pipe2(g_pipe, O_CLOEXEC) != 0) {
+  if (pipe2(g_pipe, O_CLOEXEC) != 0 || fcntl(g_pipe[1], F_SETFL, O_NONBLOCK) != 0) {
     if (error) *error = std::string("pipe: ") + std::strerror(errno);
     return false;
   }

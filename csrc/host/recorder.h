@@ -107,6 +107,8 @@ class Recorder {
   std::map<uint64_t, std::string> errors_;
   std::deque<std::string> strings_;
   std::mutex probe_mu_;  // held while the probe runs: set_probe(nullptr) waits for it
+  std::mutex dump_mu_;   // one dump() at a time (a failure, a signal, the user)
+  std::mutex failure_mu_;
   std::function<std::string()> probe_;
   DeviceProbe device_probe_;
   std::string dir_, file_, header_;

@@ -154,15 +154,18 @@ void Ring::raise_aborted(const Ctx& ctx) {
 std::string Ring::waiting() const {
   const int peer = wait_peer_.load(std::memory_order_acquire);
   if (peer < 0) return "";
-  const double waited = std::chrono::duration<double>(
-      Clock::now().time_since_epoch() - std::chrono::nanoseconds(wait_since_ns_.load())).count();
+  const long long us = std::chrono::duration_cast<std::chrono::microseconds>(
+                           Clock::now().time_since_epoch() -
+                           std::chrono::nanoseconds(wait_since_ns_.load()))
+                           .count();
+  // Integers only: printf's %f follows the C locale, and JSON wants a "." (what/phase are ours).
   char buf[320];
   std::snprintf(buf, sizeof buf,
                 "{\"seq\": %llu, \"peer\": %d, \"for\": \"%s\", \"phase\": \"%s\", "
-                "\"step\": %d, \"slice\": %lld, \"waited_s\": %.6f}",
+                "\"step\": %d, \"slice\": %lld, \"waited_s\": %lld.%06lld}",
                 static_cast<unsigned long long>(wait_seq_.load()), peer, wait_what_.load(),
                 wait_phase_.load(), wait_step_.load(), static_cast<long long>(wait_slice_.load()),
-                waited);
+                us / 1000000, us % 1000000);
   return buf;
 }
 

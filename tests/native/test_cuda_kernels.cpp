@@ -282,6 +282,7 @@ static void test_call_log() {
   Group g(3, 2, 4096, 2.0);
   host::Recorder rec(8);
   rc::p2p::Ring& ring = *g.rings[0];
+  ring.calls().enable(true);  // as attaching an enabled recorder does
   rec.set_device_probe([&ring](uint64_t dev_seq, int64_t* done, std::string* error) {
     const uint64_t failed = ring.failed_seq();
     if (failed && dev_seq >= failed) {

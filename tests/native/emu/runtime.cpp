@@ -658,6 +658,13 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* statu
   return cudaSuccess;
 }
 
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  thread_local cudaStreamCaptureMode current = cudaStreamCaptureModeGlobal;
+  if (!mode) return fail(cudaErrorInvalidValue);
+  std::swap(current, *mode);
+  return cudaSuccess;
+}
+
 cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* user_data) {
   EMU_ENTER();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);

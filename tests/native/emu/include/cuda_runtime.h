@@ -55,6 +55,11 @@ enum cudaStreamCaptureStatus {
   cudaStreamCaptureStatusActive = 1,
   cudaStreamCaptureStatusInvalidated = 2,
 };
+enum cudaStreamCaptureMode {
+  cudaStreamCaptureModeGlobal = 0,
+  cudaStreamCaptureModeThreadLocal = 1,
+  cudaStreamCaptureModeRelaxed = 2,
+};
 
 #define cudaStreamDefault 0x00
 #define cudaStreamNonBlocking 0x01
@@ -116,6 +121,8 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s);
 cudaError_t cudaStreamQuery(cudaStream_t s);
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags);
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status);
+// This thread's capture mode, swapped with *mode (the emulator keeps it and does nothing else).
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode);
 cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* user_data);
 
 cudaError_t cudaEventCreate(cudaEvent_t* e);
