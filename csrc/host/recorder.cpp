@@ -141,7 +141,10 @@ uint64_t Recorder::begin(const char* coll, const char* dtype, const char* op, co
                          int64_t numel, uint64_t nbytes, Source source, int64_t t_queued,
                          int64_t t_started) {
   if (!cap_) return 0;
-  const uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed) + 1;
+  // One writer at a time (a communicator's calls are serialised: its executor, the GIL): a plain
+  // increment, not a locked one.
+  const uint64_t seq = next_.load(std::memory_order_relaxed) + 1;
+  next_.store(seq, std::memory_order_release);
   Slot& s = slots_[(seq - 1) % cap_];
   const uint64_t v = s.ver.load(std::memory_order_relaxed);
   s.ver.store(v + 1, std::memory_order_relaxed);
