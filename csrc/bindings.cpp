@@ -202,6 +202,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ring_work_wait", [](const rr::WorkPtr& work) {
     work->wait(std::chrono::milliseconds(0));  // kNoTimeout; after help() it is complete
   }, py::arg("work"));
+  m.def("set_deterministic", &rr::set_deterministic, py::arg("on"));
+  m.def("deterministic", &rr::deterministic);
+  // out = the rank-order fold of rows' rows (accumulation type, one rounding; AVG divides by the
+  // row count): the hierarchical plan's deterministic mode, and the kernel's tests.
+  m.def("reduce_rows", [](at::Tensor& out, const at::Tensor& rows, int op) {
+    TORCH_CHECK_VALUE(rows.dim() == 2 && rows.is_contiguous() && !rows.is_cuda(),
+                      "ringreduce.reduce_rows: rows must be a contiguous 2-D CPU tensor, got ",
+                      rows.sizes(), rows.is_cuda() ? " on CUDA" : "");
+    TORCH_CHECK_VALUE(out.is_contiguous() && !out.is_cuda() && out.numel() == rows.size(1) &&
+                          out.scalar_type() == rows.scalar_type(),
+                      "ringreduce.reduce_rows: out must be a contiguous CPU tensor of ", rows.size(1),
+                      " elements of ", rows.scalar_type(), ", got ", out.numel(), " of ",
+                      out.scalar_type());
+    const rr::DType dt = rr::to_dtype(rows, "rows");
+    const int n = static_cast<int>(rows.size(0));
+    std::vector<const void*> srcs(n);
+    const auto* base = static_cast<const char*>(rows.data_ptr());
+    for (int q = 0; q < n; ++q) srcs[q] = base + q * rows.stride(0) * rows.element_size();
+    const rr::RedOp o = rr::to_op(op);
+    py::gil_scoped_release nogil;
+    rr::cpu::reduce_rows(dt, o, out.data_ptr(), srcs.data(), n, out.numel(),
+                         o == rr::RedOp::Avg ? n : 1);
+  }, py::arg("out"), py::arg("rows"), py::arg("op"));
   m.def("shm_unlink", &rr::shm::Comm::unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
   register_backend(m);

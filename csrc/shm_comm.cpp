@@ -36,9 +36,10 @@ bool python_alive() {
 }
 
 shm::Algo parse_algo(const std::string& name) {
-  for (auto a : {shm::Algo::Auto, shm::Algo::Ring, shm::Algo::OneShot})
+  for (auto a : {shm::Algo::Auto, shm::Algo::Ring, shm::Algo::OneShot, shm::Algo::TwoShot})
     if (name == shm::algo_name(a)) return a;
-  TORCH_CHECK_VALUE(false, "ringreduce: RINGREDUCE_ALGO must be auto, ring or oneshot, got '", name, "'");
+  TORCH_CHECK_VALUE(false, "ringreduce: RINGREDUCE_ALGO must be auto, ring, oneshot or twoshot, got '",
+                    name, "'");
 }
 
 void check_cpu(const at::Tensor& t, const char* arg) {

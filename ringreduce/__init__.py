@@ -19,8 +19,8 @@ if "CUDA_DEVICE_MAX_CONNECTIONS" not in _os.environ and not torch.cuda.is_initia
 from . import _C
 from ._comm import Communicator, destroy, get_communicator
 from ._lifecycle import RingReduceError, Work, dump_trace
-from .collectives import (SUPPORTED_DTYPES, all_gather_into_tensor, all_reduce,
-                          reduce_scatter_tensor)
+from .collectives import (SUPPORTED_DTYPES, all_gather_into_tensor, all_reduce, is_deterministic,
+                          reduce_scatter_tensor, set_deterministic)
 from . import _lifecycle
 from . import backend as _backend
 from . import ddp, functional, nn, ops
@@ -35,5 +35,6 @@ __version__ = "0.1.0"
 __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "ReduceOp", "RingReduceError",
     "Communicator", "Work", "get_communicator", "destroy", "SUPPORTED_DTYPES",
-    "ddp", "GradientBucketer", "functional", "nn", "dump_trace",
+    "ddp", "GradientBucketer", "functional", "nn", "dump_trace", "set_deterministic",
+    "is_deterministic",
 ]

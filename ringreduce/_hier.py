@@ -12,6 +12,12 @@ a HierCommunicator with one of two plans, logged at debug level with the reason:
   ranks over Gloo, broadcast from the first rank inside each host (Gloo on the host). Correct for any
   layout; the whole tensor crosses the network once per host, not 1/L of it.
 
+Deterministic mode (ringreduce.set_deterministic): neither plan reduces in rank order (each sums
+its host's partial first), so every all_reduce and reduce_scatter instead sends chunk k of every
+rank to rank k over a Gloo group of all the ranks (made at the first such call), rank k folds the N
+pieces in rank order with the native kernel, and an all_reduce all-gathers the results: 2(N-1)/N of
+the tensor per rank over Gloo, where the two-level plan sends 2(H-1)/H of 1/L of it.
+
 reduce_scatter_tensor and all_gather_into_tensor keep torch.distributed's rank order of chunks:
 their inputs are permuted into a (local rank, host) order first and the result back. AVG reduces as
 SUM and divides once, by the group's size, on the rank that owns the reduced element, so every rank
@@ -26,7 +32,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from . import _lifecycle
+from . import _C, _lifecycle
 from ._lifecycle import Bootstrap, RingReduceError
 
 log = logging.getLogger("ringreduce")
@@ -100,7 +106,8 @@ class HierCommunicator(_lifecycle.Communicator):
         # Simulated hosts share one machine: the host's ring waits as the machine's load requires.
         self.intra = _comm.Communicator(member=local, timeout=self.timeout,
                                         machine_ranks=machine_ranks)
-        self.cross = self.host_pg = None
+        self.cross = self.host_pg = self._all = None
+        self._prefix = setup.prefix
         try:
             if plan == "two-level":  # the ranks of local rank j on every host, in host order
                 self.cross = _gloo(member.store, f"{setup.prefix}/cross{self.local_rank}/",
@@ -201,6 +208,44 @@ class HierCommunicator(_lifecycle.Communicator):
             opts.rootRank = 0
             self._gloo_step("broadcast inside the host", lambda: self.host_pg.broadcast([buf], opts))
 
+    def _algo(self):  # for the flight recorder
+        return "ordered" if _C.deterministic() else self.plan
+
+    def _ordered(self, rows, code):
+        """rows: (N, c), row k this rank's piece for rank k. Returns this rank's (c,) piece of the
+        result: every rank's row for this rank, folded in rank order (deterministic mode)."""
+        n, c = rows.shape
+        if self._all is None:  # every rank reaches its first deterministic call together
+            try:
+                self._all = _gloo(self.member.store, f"{self._prefix}/all/", self.rank, n,
+                                  self.timeout)
+            except Exception as e:
+                reason = (f"{self._where()}: connecting every rank for deterministic mode failed "
+                          f"in group {self.member.name} (is RINGREDUCE_DETERMINISTIC the same on "
+                          f"every rank?): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                self.intra.abort(reason)
+                raise RingReduceError(f"ringreduce: {reason}") from e
+        got = self._buf("det_got", n * c, rows.dtype)
+        self._gloo_step("all_to_all of the chunks to their owners (deterministic mode)",
+                        lambda: self._all.alltoall_base(got.view(torch.uint8),
+                                                        rows.reshape(-1).view(torch.uint8), [], [],
+                                                        dist.AllToAllOptions()))
+        mine = self._buf("det_mine", c, rows.dtype)
+        _C.reduce_rows(mine, got.view(n, c), code)
+        return mine
+
+    def _all_reduce_ordered(self, flat, code):
+        n, numel = self.world_size, flat.numel()
+        c = -(-numel // n)
+        rows = self._buf("det_rows", n * c, flat.dtype)
+        rows[:numel].copy_(flat)
+        rows[numel:].zero_()
+        mine = self._ordered(rows.view(n, c), code)
+        self._gloo_step("all_gather of the reduced chunks (deterministic mode)",
+                        lambda: self._all._allgather_base(rows.view(torch.uint8),
+                                                          mine.view(torch.uint8)))
+        flat.copy_(rows[:numel])
+
     def _buf(self, slot, numel, dtype):
         """A reused scratch tensor of numel elements (contents undefined), grown as needed."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -222,6 +267,11 @@ class HierCommunicator(_lifecycle.Communicator):
             if n == 0:
                 return
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+            if _C.deterministic():
+                self._all_reduce_ordered(flat, op_code)
+                if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+                    tensor.copy_(flat.view(tensor.shape))
+                return
             m = self._padded(n)
             buf = flat if m == n else self._buf("pad", m, tensor.dtype)
             if buf is not flat:
@@ -233,7 +283,7 @@ class HierCommunicator(_lifecycle.Communicator):
             if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
                 tensor.copy_(flat.view(tensor.shape))
         return self._run(self._traced(run, "all_reduce", tensor.numel(), tensor.dtype, op_code,
-                                      tensor.numel() * tensor.element_size(), self.plan),
+                                      tensor.numel() * tensor.element_size(), self._algo()),
                          [tensor], async_op)
 
     def _order(self):
@@ -251,6 +301,9 @@ class HierCommunicator(_lifecycle.Communicator):
             if c == 0:
                 return
             src = input.contiguous().view(-1)
+            if _C.deterministic():
+                output.copy_(self._ordered(src.view(self.world_size, c), op_code).view(output.shape))
+                return
             if self.plan != "two-level":  # the whole reduction, then this rank's chunk
                 buf = self._buf("perm", src.numel(), src.dtype)
                 buf.copy_(src)
@@ -272,7 +325,7 @@ class HierCommunicator(_lifecycle.Communicator):
             self._finish_avg(out, op_code)
             output.copy_(out.view(output.shape))
         return self._run(self._traced(run, "reduce_scatter", input.numel(), input.dtype, op_code,
-                                      input.numel() * input.element_size(), self.plan),
+                                      input.numel() * input.element_size(), self._algo()),
                          [output], async_op)
 
     def all_gather(self, output, input, async_op):
@@ -331,7 +384,7 @@ class HierCommunicator(_lifecycle.Communicator):
 
     def abort(self, reason="aborted by the user"):
         self.intra.abort(reason)
-        for pg in (self.cross, self.host_pg):
+        for pg in (self.cross, self.host_pg, self._all):
             if pg is not None and hasattr(pg, "abort"):
                 try:
                     pg.abort()
@@ -345,4 +398,4 @@ class HierCommunicator(_lifecycle.Communicator):
     def _close_native(self):
         self._scratch = {}
         self.intra.close()
-        self.cross = self.host_pg = None
+        self.cross = self.host_pg = self._all = None

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _comm, _lifecycle
+from . import _C, _comm, _lifecycle
 from . import ops as _ops
 
 ReduceOp = dist.ReduceOp
@@ -21,6 +21,32 @@ _OP_CODES = (
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                     torch.uint8, torch.int32, torch.int64)
 TRANSPORTS = ("auto", "shm", "p2p", "nccl")
+
+
+def set_deterministic(on=True):
+    """Every later all_reduce and reduce_scatter (any entry point, transport, size or plan) gives each
+    element the bits of the rank-order fold ((x0 op x1) op x2) ... in the dtype's accumulation type
+    (fp16/bf16: fp32), rounded once: results that do not move with bucket_cap_mb, slicing or
+    algorithm. Process-wide, like torch.use_deterministic_algorithms; set it the same on every rank
+    (a rank that differs gets a mismatch error). RINGREDUCE_DETERMINISTIC=1 sets it at import."""
+    _C.set_deterministic(bool(on))
+
+
+def is_deterministic():
+    """Whether set_deterministic (or RINGREDUCE_DETERMINISTIC=1) is on."""
+    return _C.deterministic()
+
+
+def _deterministic_from_env():
+    raw = os.environ.get("RINGREDUCE_DETERMINISTIC", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"RINGREDUCE_DETERMINISTIC must be 0 or 1, got {raw!r}")
+
+
+set_deterministic(_deterministic_from_env())
 
 
 def _op_code(op, fn):

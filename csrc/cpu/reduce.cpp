@@ -167,6 +167,36 @@ void reduce_half(RedOp op, H* d, const H* a, const H* b, int64_t n, int divisor)
   }
 }
 
+// Rank-order fold over nsrc sources, a block at a time: the accumulator stays in L1, every source
+// is read once and dst written once (after the block's sources were read, so dst may alias one).
+template <class T>
+void rows_t(RedOp op, void* dst, const void* const* srcs, int nsrc, int64_t n, int divisor) {
+  constexpr int64_t kBlock = 1024;
+  using C = std::conditional_t<IsHalf<T>::value, float, T>;
+  alignas(64) C acc[kBlock];
+  [[maybe_unused]] alignas(64) float tmp[IsHalf<T>::value ? kBlock : 1];
+  auto src = [&](int q, int64_t i) { return static_cast<const T*>(srcs[q]) + i; };
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t m = std::min(kBlock, n - i);
+    if constexpr (IsHalf<T>::value) {
+      to_float(src(0, i), acc, m);
+      for (int q = 1; q < nsrc; ++q) {
+        to_float(src(q, i), tmp, m);
+        reduce_plain<float>(op, acc, acc, tmp, m, 1);
+      }
+      if (op == RedOp::Avg && divisor > 1)
+        for (int64_t k = 0; k < m; ++k) acc[k] = divide_by(acc[k], divisor);
+      from_float(acc, static_cast<T*>(dst) + i, m);
+    } else {
+      std::memcpy(acc, src(0, i), m * sizeof(T));
+      for (int q = 1; q < nsrc; ++q) reduce_plain<T>(op, acc, acc, src(q, i), m, 1);
+      if (op == RedOp::Avg && divisor > 1)
+        for (int64_t k = 0; k < m; ++k) acc[k] = divide_by(acc[k], divisor);
+      std::memcpy(static_cast<T*>(dst) + i, acc, m * sizeof(T));
+    }
+  }
+}
+
 template <class T>
 void reduce_t(RedOp op, void* d, const void* a, const void* b, int64_t n, int divisor) {
   if constexpr (IsHalf<T>::value)
@@ -195,6 +225,12 @@ void dispatch(DType t, F&& f) {
 void reduce(DType t, RedOp op, void* dst, const void* a, const void* b, int64_t n, int divisor) {
   if (n <= 0) return;
   dispatch(t, [&](auto tag) { reduce_t<decltype(tag)>(op, dst, a, b, n, divisor); });
+}
+
+void reduce_rows(DType t, RedOp op, void* dst, const void* const* srcs, int nsrc, int64_t n,
+                 int divisor) {
+  if (n <= 0 || nsrc <= 0) return;
+  dispatch(t, [&](auto tag) { rows_t<decltype(tag)>(op, dst, srcs, nsrc, n, divisor); });
 }
 
 void divide(DType t, void* dst, const void* src, int64_t n, int divisor) {

@@ -22,6 +22,13 @@ namespace cpu {
 // passes the world size): floats in their compute type, integers truncating toward zero (as NCCL).
 void reduce(DType t, RedOp op, void* dst, const void* a, const void* b, int64_t n, int divisor = 1);
 
+// dst[i] = ((src[0][i] op src[1][i]) op src[2][i]) ... for i < n: the sources in the order given,
+// accumulated in the dtype's accumulation type (fp16/bf16: fp32) and rounded once; AVG divides that
+// sum by divisor (when > 1) before the rounding. nsrc == 1 copies. dst may be one of the sources
+// (the same span, for an in-place call), never a partial overlap.
+void reduce_rows(DType t, RedOp op, void* dst, const void* const* srcs, int nsrc, int64_t n,
+                 int divisor = 1);
+
 // dst[i] = src[i] / divisor, same rules as above (AVG on a single rank).
 void divide(DType t, void* dst, const void* src, int64_t n, int divisor);
 

@@ -1,6 +1,7 @@
 // The vocabulary every transport shares: which collective a call is, the call itself, and the error
 // a failed call raises. Header-only; no memory, threads or torch.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 
@@ -33,6 +34,17 @@ struct Call {
   const void* in;
   void* out;
 };
+
+// RINGREDUCE_DETERMINISTIC=1 / rr.set_deterministic(True): every all_reduce and reduce_scatter of
+// every transport reduces each element in rank order, ((x0 op x1) op x2) ..., in the dtype's
+// accumulation type (fp16/bf16: fp32), rounded once: the same bits whatever the size, slicing or
+// algorithm. Process-wide; each transport reads it when it plans a call.
+inline std::atomic<bool>& deterministic_flag() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+inline bool deterministic() { return deterministic_flag().load(std::memory_order_relaxed); }
+inline void set_deterministic(bool on) { deterministic_flag().store(on, std::memory_order_relaxed); }
 
 namespace ring {
 // FIFO depth per rank of the flag protocol (shared memory and CUDA IPC). Any depth >= 3 cannot

@@ -52,6 +52,7 @@ const char* algo_name(Algo a) {
     case Algo::Auto: return "auto";
     case Algo::Ring: return "ring";
     case Algo::OneShot: return "oneshot";
+    case Algo::TwoShot: return "twoshot";
   }
   return "unknown";
 }
@@ -281,7 +282,8 @@ void Ring::check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t e
   if (h->algo != static_cast<uint8_t>(algo_))
     fail("ringreduce: rank " + std::to_string(from) + " ran " + describe(coll, dt, op, c.numel) +
          " with the " + algo_name(Algo(h->algo)) + " algorithm and rank " + std::to_string(opt_.rank) +
-         " with " + algo_name(algo_) + " (set RINGREDUCE_ALGO the same on every rank)");
+         " with " + algo_name(algo_) +
+         " (set RINGREDUCE_ALGO and RINGREDUCE_DETERMINISTIC the same on every rank)");
   if (h->nbytes != expect_bytes)
     fail("ringreduce: rank " + std::to_string(opt_.rank) + ": message of " + std::to_string(h->nbytes) +
          " bytes from rank " + std::to_string(from) + " where " + std::to_string(expect_bytes) +
@@ -289,10 +291,31 @@ void Ring::check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t e
 }
 
 Algo Ring::choose(const Call& c) const {
-  if (opt_.nranks == 1 || c.coll != Coll::AllReduce) return Algo::Ring;  // one-shot: all-reduce only
-  if (opt_.algo != Algo::Auto) return opt_.algo;
-  return static_cast<uint64_t>(c.numel) * dtype_size(c.dtype) <= opt_.oneshot_max_bytes ? Algo::OneShot
-                                                                                      : Algo::Ring;
+  if (opt_.nranks == 1 || c.coll == Coll::AllGather) return Algo::Ring;  // nothing to reduce
+  const bool ar = c.coll == Coll::AllReduce;
+  const bool small = ar && static_cast<uint64_t>(c.numel) * dtype_size(c.dtype) <= opt_.oneshot_max_bytes;
+  if (deterministic()) {  // rank order whatever RINGREDUCE_ALGO says
+    if (opt_.algo == Algo::OneShot && ar) return Algo::OneShot;
+    if (opt_.algo == Algo::TwoShot) return Algo::TwoShot;
+    return small ? Algo::OneShot : Algo::TwoShot;
+  }
+  switch (opt_.algo) {
+    case Algo::OneShot: return ar ? Algo::OneShot : Algo::Ring;  // one-shot: all-reduce only
+    case Algo::Auto: return small ? Algo::OneShot : Algo::Ring;
+    default: return opt_.algo;
+  }
+}
+
+const char* Ring::recv_wide(const Ctx& ctx, int from, uint32_t m, uint64_t expect_bytes) {
+  wait_ge(areas_[from].posted, m + 1, from, ctx, "a message from");
+  const char* s = slot(from, m);
+  check_header(ctx, from, reinterpret_cast<const MsgHeader*>(s), expect_bytes);
+  return s + sizeof(MsgHeader);
+}
+
+void Ring::release_wide(uint32_t m) {
+  received_ = m + 1;
+  post(areas_[opt_.rank].consumed, received_);
 }
 
 // Per slice: publish this rank's part in its own next slot; read every rank's slot of the same index
@@ -306,6 +329,7 @@ void Ring::run_oneshot(const Call& c, Ctx& ctx) {
   const int divisor = c.op == RedOp::Avg ? n : 1;
   const int64_t S = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es));
   const int64_t ns = ring::num_slices(c.numel, S);
+  srcs_.resize(n);
   ctx.phase = "one-shot";
   for (int64_t j = 0; j < ns; ++j) {
     ctx.slice = j;
@@ -314,26 +338,74 @@ void Ring::run_oneshot(const Call& c, Ctx& ctx) {
     const uint64_t bytes = sp.count * es;
     const uint32_t m = sent_;
     wait_all_consumed(m + 1 - kSlots, ctx);
-    char* mine = slot(r, m) + sizeof(MsgHeader);
-    std::memcpy(mine, in + sp.begin * es, bytes);
+    std::memcpy(slot(r, m) + sizeof(MsgHeader), in + sp.begin * es, bytes);
     wide_until_ = m + 1;  // before post: from here this slot is read by every rank
     post_send(ctx, bytes);
-    char* dst = out + sp.begin * es;
-    const char* first = nullptr;
     for (int k = 0; k < n; ++k) {
-      const char* src = mine;
-      if (k != r) {
-        ctx.step = k;
-        wait_ge(areas_[k].posted, m + 1, k, ctx, "a message from");
-        const char* s = slot(k, m);
-        check_header(ctx, k, reinterpret_cast<const MsgHeader*>(s), bytes);
-        src = s + sizeof(MsgHeader);
-      }
-      if (k == 0) first = src;
-      else cpu::reduce(c.dtype, c.op, dst, k == 1 ? first : dst, src, sp.count, k == n - 1 ? divisor : 1);
+      ctx.step = k;
+      srcs_[k] = k == r ? in + sp.begin * es : recv_wide(ctx, k, m, bytes);
     }
-    received_ = m + 1;
-    post(areas_[r].consumed, received_);
+    cpu::reduce_rows(c.dtype, c.op, out + sp.begin * es, srcs_.data(), n, sp.count, divisor);
+    release_wide(m);
+  }
+}
+
+// Per slice j: every rank publishes part j of every chunk but its own in one message (part k at
+// offset k x P); rank k reduces part j of chunk k from every rank's message (its own from its
+// input) in rank order into its output, and (all-reduce) publishes it in a second message that
+// every rank copies out. Both messages are wide: a slot is rewritten once every rank consumed it.
+// Reads and writes per rank: the ring's 2(N-1)/N of the tensor, plus the copy of the input.
+void Ring::run_twoshot(const Call& c, Ctx& ctx) {
+  const int n = opt_.nranks, r = opt_.rank;
+  const size_t es = dtype_size(c.dtype);
+  const char* in = static_cast<const char*>(c.in);
+  char* out = static_cast<char*>(c.out);
+  const int divisor = c.op == RedOp::Avg ? n : 1;
+  const bool ar = c.coll == Coll::AllReduce;
+  const int64_t m = c.numel / n;
+  auto chunk_of = [&](int k) { return ar ? ring::chunk(c.numel, n, k) : ring::Span{k * m, m}; };
+  const int64_t P = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es / n));
+  const int64_t ns = ring::num_slices(ar ? (c.numel + n - 1) / n : m, P);
+  const int64_t out_shift = ar ? 0 : r * m;  // reduce-scatter's output holds chunk r only
+  srcs_.resize(n);
+  for (int64_t j = 0; j < ns; ++j) {
+    ctx.slice = j;
+    ctx.phase = "two-shot reduce";
+    ctx.step = 0;
+    const uint32_t ma = sent_;
+    wait_all_consumed(ma + 1 - kSlots, ctx);
+    char* parts = slot(r, ma) + sizeof(MsgHeader);
+    uint64_t all_bytes = 0;  // the message's size, the same on every rank
+    for (int k = 0; k < n; ++k) {
+      const ring::Span sp = ring::slice(chunk_of(k), j, P);
+      if (k != r) std::memcpy(parts + k * P * es, in + sp.begin * es, sp.count * es);
+      all_bytes += sp.count * es;
+    }
+    wide_until_ = ma + 1;
+    post_send(ctx, all_bytes);
+    const ring::Span mine = ring::slice(chunk_of(r), j, P);
+    for (int k = 0; k < n; ++k) {
+      ctx.step = k;
+      srcs_[k] = k == r ? in + mine.begin * es : recv_wide(ctx, k, ma, all_bytes) + r * P * es;
+    }
+    char* dst = out + (mine.begin - out_shift) * es;
+    cpu::reduce_rows(c.dtype, c.op, dst, srcs_.data(), n, mine.count, divisor);
+    release_wide(ma);
+    if (!ar) continue;
+    ctx.phase = "two-shot gather";
+    ctx.step = 0;
+    const uint32_t mb = sent_;
+    wait_all_consumed(mb + 1 - kSlots, ctx);
+    std::memcpy(slot(r, mb) + sizeof(MsgHeader), dst, mine.count * es);
+    wide_until_ = mb + 1;
+    post_send(ctx, mine.count * es);
+    for (int k = 0; k < n; ++k) {
+      if (k == r) continue;
+      ctx.step = k;
+      const ring::Span sp = ring::slice(chunk_of(k), j, P);
+      std::memcpy(out + sp.begin * es, recv_wide(ctx, k, mb, sp.count * es), sp.count * es);
+    }
+    release_wide(mb);
   }
 }
 
@@ -362,6 +434,7 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted) {
   }
   Ctx ctx{c, "reduce-scatter", 0, 0};
   if (algo_ == Algo::OneShot) return run_oneshot(c, ctx);
+  if (algo_ == Algo::TwoShot) return run_twoshot(c, ctx);
   const bool ar = c.coll == Coll::AllReduce;
   const bool rs = c.coll != Coll::AllGather, ag = c.coll != Coll::ReduceScatter;
   const int64_t m = c.numel / n;

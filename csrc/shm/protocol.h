@@ -7,6 +7,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cpu/reduce.h"
 #include "ring/call.h"
@@ -41,8 +42,11 @@ struct alignas(64) GroupHeader {
 
 // How a call moves data. The ring (2(N-1) dependent steps, each rank moves 2(N-1)/N of the
 // tensor) wins on bandwidth; one-shot (every rank publishes its input, every rank reads and reduces
-// all N in rank order: one step, N x the reads) wins on latency for small tensors.
-enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2 };
+// all N in rank order: one step, N x the reads) wins on latency for small tensors; two-shot (every
+// rank publishes its input, rank k reduces chunk k from all N in rank order and publishes it, every
+// rank copies the N chunks out: two steps, the ring's bytes) reduces in rank order at any size.
+// One-shot and two-shot give every element the bits of ((x0 op x1) op x2) ... (deterministic mode).
+enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3 };
 const char* algo_name(Algo a);
 
 // Every message carries the call it belongs to, so a reader checks it before touching data.
@@ -81,7 +85,7 @@ class Ring {
   bool broken() const;
   std::string abort_reason() const;
   uint64_t op_seq() const { return op_seq_; }
-  // The algorithm run() uses for c (Auto resolved).
+  // The algorithm run() uses for c (Auto resolved; rank order when ringreduce::deterministic()).
   Algo choose(const Call& c) const;
   size_t slice_bytes() const { return slice_bytes_; }
   // What this rank waits for now, as a JSON object (the flight recorder's "waiting"), or "" when
@@ -100,6 +104,10 @@ class Ring {
   void check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t expect_bytes);
   void wait_all_consumed(uint32_t target, const Ctx& ctx);
   void run_oneshot(const Call& c, Ctx& ctx);
+  void run_twoshot(const Call& c, Ctx& ctx);
+  // Waits for message m of every other rank (a wide message) and checks its header.
+  const char* recv_wide(const Ctx& ctx, int from, uint32_t m, uint64_t expect_bytes);
+  void release_wide(uint32_t m);  // every rank's message m read
   [[noreturn]] void fail(const std::string& msg);
   [[noreturn]] void raise_aborted(const Ctx& ctx);
   bool peer_dead(int peer) const;
@@ -117,6 +125,7 @@ class Ring {
   Algo algo_ = Algo::Ring;   // of the current call
   bool broken_ = false;
   const std::function<bool()>* interrupted_ = nullptr;
+  std::vector<const void*> srcs_;  // one-shot/two-shot: the N sources of a slice, in rank order
   // The slow wait in progress (wait_peer_ -1: none); written by the ring's thread only.
   std::atomic<int> wait_peer_{-1};
   std::atomic<const char*> wait_what_{""}, wait_phase_{""};
