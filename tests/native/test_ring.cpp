@@ -231,6 +231,42 @@ static void alternating_algorithms() {
   for (int r = 1; r < n; ++r) CHECK(res[r] == res[0], "rank %d differs", r);
 }
 
+// Deterministic mode: auto picks one-shot (up to 4 KiB here) or two-shot, whatever Options::algo
+// says; calls alternate between them around the FIFO; exact results, the same on every rank.
+static void alternating_deterministic() {
+  const int n = 3;
+  std::vector<std::vector<float>> res(n);
+  set_deterministic(true);
+  with_ring(n, 512, 30.0, [&](int r, Ring& ring) {
+    const int64_t sizes[] = {5000, 1, 1024, 1025, 3, 70001, 2};
+    for (int rep = 0; rep < 10; ++rep) {
+      for (int64_t numel : sizes) {
+        std::vector<float> x(numel);
+        for (int64_t i = 0; i < numel; ++i) x[i] = static_cast<float>(value(r, i + rep));
+        const Call c{Coll::AllReduce, DType::F32, RedOp::Sum, numel, x.data(), x.data()};
+        const shm::Algo want = numel * 4 <= 4096 ? shm::Algo::OneShot : shm::Algo::TwoShot;
+        CHECK(ring.choose(c) == want, "deterministic chose %s for %lld floats",
+              shm::algo_name(ring.choose(c)), (long long)numel);
+        ring.run(c);
+        for (int64_t i = 0; i < numel; ++i) {
+          double want_v = 0;
+          for (int k = 0; k < n; ++k) want_v += value(k, i + rep);
+          if (x[i] != static_cast<float>(want_v)) {
+            CHECK(false, "rank %d rep %d numel %lld element %lld: %g, want %g", r, rep,
+                  (long long)numel, (long long)i, x[i], want_v);
+            return;
+          }
+        }
+        if (rep == 9 && numel == 70001) res[r] = x;
+      }
+    }
+    const Call rs{Coll::ReduceScatter, DType::F32, RedOp::Sum, 30, nullptr, nullptr};
+    CHECK(ring.choose(rs) == shm::Algo::TwoShot, "deterministic reduce_scatter runs two-shot");
+  });
+  set_deterministic(false);
+  for (int r = 1; r < n; ++r) CHECK(res[r] == res[0], "rank %d differs", r);
+}
+
 // Ranks that would run different algorithms for what they call (a different collective, or a
 // different RINGREDUCE_ALGO) raise on every rank, naming the mismatch, within the timeout.
 static void algorithm_mismatch(bool by_env) {
@@ -288,14 +324,20 @@ int main() {
       sweep(Coll::AllGather, n, slice);
       g_algo = shm::Algo::OneShot;  // forced at every size: many slices when slice is 64 B
       sweep(Coll::AllReduce, n, slice);
+      g_algo = shm::Algo::TwoShot;  // parts of one element when slice is 64 B
+      sweep(Coll::AllReduce, n, slice);
+      sweep(Coll::ReduceScatter, n, slice);
       g_algo = shm::Algo::Ring;
     }
   }
   bitwise_floats();
   g_algo = shm::Algo::OneShot;
   bitwise_floats();
+  g_algo = shm::Algo::TwoShot;
+  bitwise_floats();
   g_algo = shm::Algo::Ring;
   alternating_algorithms();
+  alternating_deterministic();
   algorithm_mismatch(false);
   algorithm_mismatch(true);
   mismatch();
