@@ -350,11 +350,12 @@ void Ring::run_oneshot(const Call& c, Ctx& ctx) {
   }
 }
 
-// Per slice j: every rank publishes part j of every chunk but its own in one message (part k at
-// offset k x P); rank k reduces part j of chunk k from every rank's message (its own from its
-// input) in rank order into its output, and (all-reduce) publishes it in a second message that
+// Per slice j: every rank publishes part j of every chunk but its own in one message (N-1 parts of
+// P elements, a full slot); rank k reduces part j of chunk k from every rank's message (its own from
+// its input) in rank order into its output, and (all-reduce) publishes it in a second message that
 // every rank copies out. Both messages are wide: a slot is rewritten once every rank consumed it.
-// Reads and writes per rank: the ring's 2(N-1)/N of the tensor, plus the copy of the input.
+// Slice j+1 is published before slice j's results are copied out, so ranks overlap instead of
+// meeting at every message. Reads and writes per rank: the ring's, plus the copy of the input.
 void Ring::run_twoshot(const Call& c, Ctx& ctx) {
   const int n = opt_.nranks, r = opt_.rank;
   const size_t es = dtype_size(c.dtype);
@@ -364,34 +365,49 @@ void Ring::run_twoshot(const Call& c, Ctx& ctx) {
   const bool ar = c.coll == Coll::AllReduce;
   const int64_t m = c.numel / n;
   auto chunk_of = [&](int k) { return ar ? ring::chunk(c.numel, n, k) : ring::Span{k * m, m}; };
-  const int64_t P = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es / n));
+  const int64_t P = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es / (n - 1)));
   const int64_t ns = ring::num_slices(ar ? (c.numel + n - 1) / n : m, P);
   const int64_t out_shift = ar ? 0 : r * m;  // reduce-scatter's output holds chunk r only
-  srcs_.resize(n);
-  for (int64_t j = 0; j < ns; ++j) {
+  // Where part k sits in rank q's message (q's own part is not in it).
+  auto at = [&](int q, int k) { return static_cast<int64_t>(k < q ? k : k - 1) * P * es; };
+  auto parts_bytes = [&](int64_t j) {  // the header's size: slice j of every chunk (every rank's)
+    uint64_t b = 0;
+    for (int k = 0; k < n; ++k) b += ring::slice(chunk_of(k), j, P).count * es;
+    return b;
+  };
+  auto publish = [&](int64_t j) {
     ctx.slice = j;
     ctx.phase = "two-shot reduce";
     ctx.step = 0;
     const uint32_t ma = sent_;
     wait_all_consumed(ma + 1 - kSlots, ctx);
     char* parts = slot(r, ma) + sizeof(MsgHeader);
-    uint64_t all_bytes = 0;  // the message's size, the same on every rank
     for (int k = 0; k < n; ++k) {
+      if (k == r) continue;
       const ring::Span sp = ring::slice(chunk_of(k), j, P);
-      if (k != r) std::memcpy(parts + k * P * es, in + sp.begin * es, sp.count * es);
-      all_bytes += sp.count * es;
+      std::memcpy(parts + at(r, k), in + sp.begin * es, sp.count * es);
     }
     wide_until_ = ma + 1;
-    post_send(ctx, all_bytes);
+    post_send(ctx, parts_bytes(j));
+  };
+  srcs_.resize(n);
+  publish(0);
+  for (int64_t j = 0; j < ns; ++j) {
+    const uint32_t ma = sent_ - 1;  // slice j's parts
+    ctx.slice = j;
+    ctx.phase = "two-shot reduce";
     const ring::Span mine = ring::slice(chunk_of(r), j, P);
-    for (int k = 0; k < n; ++k) {
-      ctx.step = k;
-      srcs_[k] = k == r ? in + mine.begin * es : recv_wide(ctx, k, ma, all_bytes) + r * P * es;
+    for (int q = 0; q < n; ++q) {
+      ctx.step = q;
+      srcs_[q] = q == r ? in + mine.begin * es : recv_wide(ctx, q, ma, parts_bytes(j)) + at(q, r);
     }
     char* dst = out + (mine.begin - out_shift) * es;
     cpu::reduce_rows(c.dtype, c.op, dst, srcs_.data(), n, mine.count, divisor);
     release_wide(ma);
-    if (!ar) continue;
+    if (!ar) {
+      if (j + 1 < ns) publish(j + 1);
+      continue;
+    }
     ctx.phase = "two-shot gather";
     ctx.step = 0;
     const uint32_t mb = sent_;
@@ -399,13 +415,19 @@ void Ring::run_twoshot(const Call& c, Ctx& ctx) {
     std::memcpy(slot(r, mb) + sizeof(MsgHeader), dst, mine.count * es);
     wide_until_ = mb + 1;
     post_send(ctx, mine.count * es);
-    for (int k = 0; k < n; ++k) {
-      if (k == r) continue;
-      ctx.step = k;
-      const ring::Span sp = ring::slice(chunk_of(k), j, P);
-      std::memcpy(out + sp.begin * es, recv_wide(ctx, k, mb, sp.count * es), sp.count * es);
+    // In place, slice j+1's parts are still unread input: publishing them before the copy-out
+    // below is safe (the copy-out writes slice j only).
+    if (j + 1 < ns) publish(j + 1);
+    ctx.slice = j;
+    ctx.phase = "two-shot gather";
+    for (int q = 0; q < n; ++q) {
+      if (q == r) continue;
+      ctx.step = q;
+      const ring::Span sp = ring::slice(chunk_of(q), j, P);
+      std::memcpy(out + sp.begin * es, recv_wide(ctx, q, mb, sp.count * es), sp.count * es);
     }
-    release_wide(mb);
+    received_ = mb + 1;  // B(j) read; A(j+1) from the others is not (release_wide(ma) next round)
+    post(areas_[r].consumed, received_);
   }
 }
 
