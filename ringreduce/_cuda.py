@@ -80,7 +80,8 @@ def decide_transport(hosts, verdicts):
 
 def choose_transport(member, requested, device, timeout=None):
     """p2p when every rank is on this host and every device can map its neighbours' memory (the
-    same GPU, or peers in cudaDeviceCanAccessPeer's sense), else nccl. RINGREDUCE_TRANSPORT
+    same GPU, or peers in cudaDeviceCanAccessPeer's sense; every other rank's in deterministic
+    mode), else nccl. RINGREDUCE_TRANSPORT
     overrides. Collective: every rank of the member's group calls it."""
     if requested == "shm":
         raise ValueError("RINGREDUCE_TRANSPORT=shm cannot move CUDA tensors; use auto, p2p or nccl")
@@ -93,7 +94,15 @@ def choose_transport(member, requested, device, timeout=None):
     where = [v.decode().split("|") for v in setup.all("where", world, "host and device")]
     verdict = "ok"
     if len({h for h, _ in where}) == 1:
-        for peer in {(rank - 1) % world, (rank + 1) % world} - {rank}:
+        # Deterministic mode runs p2p's direct algorithms only: every pair must map, not just
+        # neighbours; else nccl (which reduces in rank order over any layout).
+        peers = {(rank - 1) % world, (rank + 1) % world} - {rank}
+        if _C.deterministic():
+            peers = set(range(world)) - {rank}
+            if world > MAX_DIRECT_RANKS:
+                verdict = (f"deterministic mode needs p2p's direct algorithms, at most "
+                           f"{MAX_DIRECT_RANKS} ranks")
+        for peer in sorted(peers):
             ok, why = _C.cuda_can_map(device.index, where[peer][1])
             if not ok:
                 verdict = why

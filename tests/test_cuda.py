@@ -307,6 +307,105 @@ def test_stream_semantics(env):
         assert not errors, f"rank {rank}: {errors}"
 
 
+# -- deterministic mode ------------------------------------------------------------------------------
+# RINGREDUCE_DETERMINISTIC=1: every all_reduce and reduce_scatter element is, bit for bit, the
+# rank-order fold ((x0 + x1) + x2) ... in the accumulation type (fp32 for fp32 and bf16) rounded
+# once, whatever the transport, algorithm forced or size (the ring's size class included).
+DET_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+# (env, sizes): 1 element, odd, one that spans many slots or pieces, and at the defaults 18 MB of
+# fp32 (past the two-shot threshold, where the default mode runs the ring). The tiny slots and
+# staging stop at 100_003 elements: each round may wait a time slice on one GPU.
+DET_ENVS = {
+    "p2p": (P2P_ENV, lambda w: [1, w + 2, 100_003, 4_500_001]),
+    # a forced ring runs the direct algorithms; tiny slots: many rounds per call
+    "p2p_ring_forced": ({**P2P_ENV, "RINGREDUCE_CUDA_ALGO": "ring", "RINGREDUCE_CUDA_SLOT_BYTES": "256"},
+                        lambda w: [1, w + 2, 100_003]),
+    "nccl": (NCCL_ENV, lambda w: [1, w + 2, 100_003, 4_500_001]),
+    "nccl_tiny_staging": (NCCL_TINY, lambda w: [1, w + 2, 100_003]),  # two-shot in many pieces
+}
+
+
+def det_input(rank, numel, dtype, seed):
+    """Mixed magnitudes (2^-12 .. 2^4 times a normal value), so that rounding after each step or
+    another order of the additions gives other bits for many elements."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    x = torch.randn(numel, generator=g, dtype=torch.float64)
+    x = x * torch.pow(2.0, torch.randint(-12, 5, (numel,), generator=g).to(torch.float64))
+    return x.to(dtype)
+
+
+def det_fold(xs, op, order=None, per_step=False):
+    """The fold of xs (in order) in fp32, AVG divided there, rounded once to the dtype (the
+    contract); per_step: rounded to the dtype after every addition (what the test must tell apart)."""
+    dtype, n = xs[0].dtype, len(xs)
+    order = list(range(n)) if order is None else order
+    acc = xs[order[0]].to(torch.float32)
+    for q in order[1:]:
+        acc = acc + xs[q].to(torch.float32)
+        if per_step:
+            acc = acc.to(dtype).to(torch.float32)
+    if op == dist.ReduceOp.AVG:
+        acc = acc / torch.full_like(acc, n)  # a tensor divisor: no multiply-by-reciprocal shortcut
+    return acc.to(dtype)
+
+
+def det_ring_order(xs, op):
+    """What the ring computes: all_reduce chunk c folded from rank c + 1 on, rounded per step."""
+    n, numel = len(xs), xs[0].numel()
+    out, begin = [], 0
+    for c in range(n):
+        count = numel // n + (c < numel % n)
+        out.append(det_fold([x[begin:begin + count] for x in xs], op,
+                            [(c + 1 + q) % n for q in range(n)], per_step=True))
+        begin += count
+    return torch.cat(out)
+
+
+def deterministic_worker(rank, world, sizes):
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    failures, teeth = [], {"per_step": 0, "ring_order": 0}
+    for dtype in (torch.float32, torch.bfloat16):
+        as_bits = DET_BITS[dtype]
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            for numel in sizes:
+                tag = f"{dtype} {op} numel={numel} world={world}"
+                ins = [det_input(r, numel, dtype, numel) for r in range(world)]
+                want = det_fold(ins, op)
+                t = ins[rank].to(dev)
+                rr.all_reduce(t, op=op)
+                got = t.cpu()
+                if not torch.equal(got.view(as_bits), want.view(as_bits)):
+                    bad = int((got.view(as_bits) != want.view(as_bits)).sum())
+                    failures.append(f"all_reduce {tag}: {bad} elements differ from the rank-order fold")
+                teeth["per_step"] += int((det_fold(ins, op, per_step=True).view(as_bits)
+                                          != want.view(as_bits)).sum())
+                teeth["ring_order"] += int((det_ring_order(ins, op).view(as_bits)
+                                            != want.view(as_bits)).sum())
+                ins = [det_input(r, numel * world, dtype, numel + 1) for r in range(world)]
+                want = det_fold(ins, op)[rank * numel:(rank + 1) * numel]
+                out = torch.full((numel,), 7, dtype=dtype, device=dev)
+                rr.reduce_scatter_tensor(out, ins[rank].to(dev), op=op)
+                if not torch.equal(out.cpu().view(as_bits), want.view(as_bits)):
+                    failures.append(f"reduce_scatter {tag}: differs from the rank-order fold")
+    finish()
+    return failures, teeth
+
+
+@pytest.mark.parametrize("name", list(DET_ENVS))
+def test_deterministic_bits(name):
+    """Worlds 3 and 4 (at 2 every order and rounding agree), fp32 and bf16, SUM and AVG."""
+    env, sizes = DET_ENVS[name]
+    env = {**env, "RINGREDUCE_DETERMINISTIC": "1"}
+    for world in (3, 4):
+        results = run_ranks(world, deterministic_worker, sizes(world), timeout=600, env=env)
+        for rank, (failures, _) in enumerate(results):
+            assert not failures, f"{name} world {world} rank {rank}: " + "; ".join(failures[:10])
+        # The inputs must tell the contract from per-step rounding and from the ring's order.
+        teeth = results[0][1]
+        assert teeth["per_step"] > 0 and teeth["ring_order"] > 0, teeth
+
+
 # -- failures -------------------------------------------------------------------------------------
 def failure_worker(rank, world, silent):
     """Rank `silent` never makes the calls after the first. The others: a sync call returns once

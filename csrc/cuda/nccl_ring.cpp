@@ -136,18 +136,34 @@ Algo plan(const Call& c, const Options& o) {
   if (n < 2) return Algo::Ring;  // run() copies; nothing moves
   const size_t es = dtype_size(c.dtype), bytes = static_cast<size_t>(c.numel) * es;
   const size_t region = 2 * o.staging_bytes;
+  // Deterministic reductions: only the direct algorithms reduce in rank order (the ring starts
+  // each chunk at another rank), so a forced ring and the ring of large sizes give way to them.
+  const bool det = deterministic() && c.coll != Coll::AllGather;
   Algo a = o.algo;
+  if (det && a == Algo::Ring) a = Algo::Auto;
   if (a == Algo::Auto)
     a = c.coll == Coll::AllReduce && bytes <= oneshot_max_bytes(n) ? Algo::OneShot
-        : bytes <= kTwoShotMaxBytes                                ? Algo::TwoShot
+        : bytes <= kTwoShotMaxBytes || det                         ? Algo::TwoShot
                                                                    : Algo::Ring;
   if (a == Algo::OneShot &&
       (c.coll != Coll::AllReduce || (n - 1) * round_up(bytes, kSlotAlign) > region))
     a = Algo::TwoShot;
   // Two-shot's reduce-scatter receives pieces of region / (N-1) bytes: at least one element.
   if (a == Algo::TwoShot && c.coll != Coll::AllGather &&
-      region / (n - 1) / kSlotAlign * kSlotAlign < es)
+      region / (n - 1) / kSlotAlign * kSlotAlign < es) {
+    if (det) {
+      // 2 x staging cut into N-1 pieces of 16 bytes at least (the widest element, aligned).
+      const size_t need = kSlotAlign / 2 * (n - 1);
+      throw RingError("ringreduce: deterministic " + std::string(coll_name(c.coll)) +
+                      " (RINGREDUCE_DETERMINISTIC=1) on the nccl transport cannot run with " +
+                      std::to_string(n) + " ranks and " + std::to_string(o.staging_bytes) +
+                      " bytes of staging: its rank-order algorithms receive every rank's piece "
+                      "into the staging at once, which needs at least " + std::to_string(need) +
+                      " bytes; raise RINGREDUCE_NCCL_STAGING_BYTES on every rank, or turn "
+                      "deterministic mode off");
+    }
     a = Algo::Ring;
+  }
   return a;
 }
 
@@ -355,6 +371,9 @@ void Ring::run(const Call& c, cudaStream_t stream) {
   if (c.coll != Coll::AllReduce && c.numel % n != 0)
     throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
                                 std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
+  // Before the call is counted: a call deterministic mode cannot run throws on every rank alike
+  // (the plan depends only on the call and the options), and the ranks stay in step.
+  const Algo algo = plan(c, opt_);
   std::lock_guard<std::mutex> lk(mu_);
   // Earlier calls first: an NCCL error they left is theirs, and raises here before this call.
   const std::string earlier = retire_locked();
@@ -378,7 +397,6 @@ void Ring::run(const Call& c, cudaStream_t stream) {
       RR_CUDA_CHECK(cudaMemcpyAsync(out, in, c.numel * es, cudaMemcpyDeviceToDevice, stream));
     return;
   }
-  const Algo algo = plan(c, opt_);
   if (algo == Algo::Ring) {
     run_ring(c, stream);
   } else {
@@ -410,6 +428,7 @@ void Ring::direct_reduce(const Call& c, bool one_shot, cudaStream_t stream) {
   const size_t slot_bytes = one_shot ? round_up(c.numel * es, kSlotAlign)
                                      : 2 * opt_.staging_bytes / (n - 1) / kSlotAlign * kSlotAlign;
   const int64_t S = one_shot ? std::max<int64_t>(c.numel, 1) : static_cast<int64_t>(slot_bytes / es);
+  // (launch_reduce_ranks reads the slots in this layout.)
   auto slot = [&](int q) { return staging_[0] + (q < r ? q : q - 1) * slot_bytes; };
   auto part = [&](int k) { return one_shot ? ring::Span{0, c.numel} : coll_chunk(c, n, k); };
   const int64_t ns = ring::num_slices(part(0).count, S);  // chunk 0 is the largest
@@ -425,17 +444,13 @@ void Ring::direct_reduce(const Call& c, bool one_shot, cudaStream_t stream) {
       ops_.push_back({false, slot(from), mine.count * es, from});
     }
     group(ops_, stream);
-    // Rank order, ((x0 op x1) op x2) ...: bitwise the same on every rank. Partial results go to
-    // the slot just consumed (or the accumulator's own slot at this rank's turn), never to the
-    // input; only the last launch writes the output, which may be the input (in place).
-    auto src = [&](int q) -> const void* { return q == r ? in + mine.begin * es : slot(q); };
-    const void* acc = src(0);
-    for (int q = 1; q < n; ++q) {
-      const bool last = q == n - 1;
-      void* dst = last ? out + (mine.begin - out_shift) * es : q != r ? slot(q) : const_cast<void*>(acc);
-      launch_reduce(c.dtype, c.op, dst, acc, src(q), mine.count, last ? divisor : 1, stream);
-      acc = dst;
-    }
+    // One launch folds the n pieces in rank order, ((x0 op x1) op x2) ..., in the compute type,
+    // rounded once: bitwise the same on every rank and under every slicing (the contract of
+    // ringreduce::deterministic(), kept in every mode: it also reads each piece once, where a
+    // launch per rank re-read and re-wrote the running result n-1 times). The output may be the
+    // input (in place): each element is read before it is written.
+    launch_reduce_ranks(c.dtype, c.op, out + (mine.begin - out_shift) * es, in + mine.begin * es, r,
+                        staging_[0], slot_bytes, n, mine.count, divisor, stream);
   }
 }
 

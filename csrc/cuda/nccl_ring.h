@@ -1,14 +1,17 @@
 // The nccl transport: our schedules over NCCL send/recv (message passing, for ranks that cannot
 // map each other's memory), on the caller's stream. Each NCCL group costs a host round trip (a
 // non-blocking ncclGroupEnd must settle before the next call), so by size (plan()):
-// - one-shot (small all_reduce): one group sends the whole input to every peer, then N-1 reduce
-//   launches in rank order ((x0 op x1) op x2 ...): 1 group instead of the ring's 2(N-1);
-// - two-shot (middle sizes): reduce-scatter as one group (chunk q to rank q) + N-1 reduce launches
-//   in rank order, all-gather as one group: 2 groups, the ring's bytes;
+// - one-shot (small all_reduce): one group sends the whole input to every peer, then one launch
+//   folds the N inputs in rank order ((x0 op x1) op x2 ..., in the compute type, rounded once): 1
+//   group instead of the ring's 2(N-1);
+// - two-shot (middle sizes): reduce-scatter as one group (chunk q to rank q) + the same fold,
+//   all-gather as one group: 2 groups, the ring's bytes;
 // - ring (large): step s is ncclGroupStart; ncclSend; ncclRecv; ncclGroupEnd into a staging buffer,
 //   then our reduce kernel; one flow per rank, to its neighbour.
 // NCCL is the libnccl.so.2 the process already has (torch's), opened with dlopen: no second copy, no
 // link flags. Torch-free.
+// Deterministic mode (ringreduce::deterministic()): all_reduce and reduce_scatter run one-shot or
+// two-shot only, whose fold gives the bits of the rank-order reduction at every size and slicing.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -65,6 +68,7 @@ struct Options {
   // Test knob: force an algorithm (Auto: by size). Where impossible it falls back: one-shot of a
   // reduce-scatter or an all-gather, or one whose N-1 inputs do not fit the staging, to two-shot;
   // two-shot whose pieces would be under one element (tiny staging, many ranks) to the ring.
+  // Deterministic mode: a forced ring runs as Auto, and Auto never picks the ring.
   Algo algo = Algo::Auto;
 };
 
@@ -73,7 +77,10 @@ struct Options {
 // extra bytes, (N-1)(N-2)/N x size, take less than alpha at network speed (25 GB/s). Rounded down
 // to a power of two, at most 1 MiB (N = 2: no extra bytes). From this model, not from GPU timings.
 size_t oneshot_max_bytes(int nranks);
-// The algorithm of call c: the same on every rank for the same call (and the same options).
+// The algorithm of call c: the same on every rank for the same call (and the same options, and
+// deterministic mode). In deterministic mode an all_reduce or reduce_scatter gets one-shot or
+// two-shot, never the ring; where two-shot's pieces would be under one element (staging under
+// 8 x (N-1) bytes) it throws RingError saying so, where the default mode falls back to the ring.
 Algo plan(const Call& c, const Options& o);
 
 class Ring {

@@ -85,11 +85,28 @@ Plan plan(const Call& c, const Options& o, bool direct) {
   const int n = o.nranks;
   const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
   const size_t bytes = static_cast<size_t>(c.numel) * es;
+  // Deterministic reductions: only the direct algorithms reduce in rank order (the ring starts each
+  // chunk at another rank), so a forced ring and the ring of large sizes give way to them; where
+  // they cannot run, the call fails rather than run the ring with other bits. direct is the same
+  // on every rank, so every rank throws alike.
+  const bool det = deterministic() && c.coll != Coll::AllGather && n > 1;
+  if (det && !direct)
+    throw RingError(
+        std::string("ringreduce: deterministic ") + coll_name(c.coll) +
+        " (RINGREDUCE_DETERMINISTIC=1) cannot run on the p2p transport of this group: it needs the "
+        "one-shot or two-shot algorithm, which reads every rank's memory, and " +
+        (n > kMaxPeers ? "the group has " + std::to_string(n) + " ranks, more than the " +
+                             std::to_string(kMaxPeers) + " those algorithms address"
+                       : std::string("not every pair of its ranks can map each other's memory "
+                                     "through CUDA IPC (peer access)")) +
+        "; use RINGREDUCE_TRANSPORT=nccl, whose rank-order algorithms need no mapping, or turn "
+        "deterministic mode off");
   Algo algo = o.algo;
+  if (det && algo == Algo::Ring) algo = Algo::Auto;
   if (algo == Algo::Auto)
     algo = !direct ? Algo::Ring
            : c.coll == Coll::AllReduce && bytes <= oneshot_max_bytes(n) ? Algo::OneShot
-           : bytes <= kTwoShotMaxBytes ? Algo::TwoShot : Algo::Ring;
+           : bytes <= kTwoShotMaxBytes || det ? Algo::TwoShot : Algo::Ring;
   // One-shot of a reduce-scatter or an all-gather is two-shot's half of it.
   if (algo == Algo::OneShot && c.coll != Coll::AllReduce) algo = Algo::TwoShot;
   if (!direct) algo = Algo::Ring;
@@ -263,6 +280,9 @@ void Ring::run(const Call& c, cudaStream_t stream) {
   if (c.coll != Coll::AllReduce && c.numel % n != 0)
     throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
                                 std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
+  // Before the call is counted: a deterministic call the group cannot run throws here, on every
+  // rank alike, and the ranks stay in step.
+  if (n > 1) plan_of(c);
   ++op_seq_;
   LogOnReturn logged{calls_, op_seq_, stream};
   const size_t es = dtype_size(c.dtype);

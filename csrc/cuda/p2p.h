@@ -174,7 +174,10 @@ struct Plan {
 };
 // The same inputs give the same plan on every rank. direct: the direct algorithms are possible (every
 // rank maps every other, nranks <= kMaxPeers); a forced one-shot/two-shot falls back to the ring
-// where impossible (one-shot: all-reduce only).
+// where impossible (one-shot: all-reduce only). Deterministic mode (ringreduce::deterministic()):
+// an all_reduce or reduce_scatter gets one-shot or two-shot (the rank-order fold; a forced ring
+// runs as Auto, and Auto does not pick the ring at large sizes), and where they are impossible
+// (!direct) plan throws RingError saying why and what to use instead.
 Plan plan(const Call& c, const Options& o, bool direct);
 // Auto thresholds (bytes of the full tensor) from the alpha-beta model of benchmarks/gpu_cost.py
 // (not from GPU timings: none was lent): one-shot while its extra remote bytes, (n-1) x size
@@ -201,7 +204,8 @@ class Ring {
   // Native tests only: ranks as streams of one process, the others' areas used directly.
   void connect_local(const std::vector<const Ring*>& rings);
   // Enqueues one collective on stream (ordered after what is already there). Throws RingError when
-  // the ring is broken; a failure inside the kernel is seen later by failure(). Capture-safe (CUDA
+  // the ring is broken, or when deterministic mode needs the direct algorithms and the group cannot
+  // run them (see plan()); a failure inside the kernel is seen later by failure(). Capture-safe (CUDA
   // graphs): no host synchronisation, and the kernels take where each FIFO and round counter
   // stands from device memory, so a replayed launch continues where the group is.
   void run(const Call& c, cudaStream_t stream);

@@ -169,21 +169,23 @@ __device__ void span_op(T* d0, T* d1, const T* a, const T* b, int64_t n, int div
 }
 
 // Cooperative over the threads of one block, for the direct algorithms:
-//   v[i] = src[0][i] op src[1][i] op ... op src[ns-1][i], in that order, accumulated in the compute
+//   v[i] = src(0)[i] op src(1)[i] op ... op src(ns-1)[i], in that order, accumulated in the compute
 //   type and rounded once (divided by div when div > 1); ns == 1 copies. v[i] is stored to every
-//   dst[0..nd). Sources in rank order give every rank the same bits.
+//   dst[0..nd). Sources in rank order give every rank the same bits, whatever the slicing.
+// src: a callable, q -> const T* (so that any number of sources fits: the nccl transport computes
+// them from a slot layout, the p2p kernels pass an array). dst may be one of the sources (the same
+// address: each element is read before it is written, by the same thread), never a partial overlap.
 // Vectorized (16 bytes) where every pointer has the same alignment mod 16, else element by element.
-constexpr int kMaxSpanPtrs = 17;  // a rank's own output plus kMaxPeers destinations
-template <class T, RedOp Op>
-__device__ void span_multi(T* const* dst, int nd, const T* const* src, int ns, int64_t n, int div,
-                           int tid, int nthreads) {
+template <class T, RedOp Op, class Src>
+__device__ void span_fold(T* const* dst, int nd, Src src, int ns, int64_t n, int div, int tid,
+                          int nthreads) {
   if (n <= 0) return;
   using N = Num<T>;
   using C = typename N::C;
   constexpr int K = 16 / sizeof(T);
-  const uintptr_t m = reinterpret_cast<uintptr_t>(src[0]) & 15;
+  const uintptr_t m = reinterpret_cast<uintptr_t>(src(0)) & 15;
   bool same = m % sizeof(T) == 0;
-  for (int q = 1; q < ns; ++q) same = same && (reinterpret_cast<uintptr_t>(src[q]) & 15) == m;
+  for (int q = 1; q < ns; ++q) same = same && (reinterpret_cast<uintptr_t>(src(q)) & 15) == m;
   for (int d = 0; d < nd; ++d) same = same && (reinterpret_cast<uintptr_t>(dst[d]) & 15) == m;
   int64_t head = n;
   if (same) {
@@ -192,8 +194,8 @@ __device__ void span_multi(T* const* dst, int nd, const T* const* src, int ns, i
   }
   const int64_t nv = (n - head) / K;
   auto one = [&](int64_t i) {
-    C acc = N::up(load1(src[0] + i));
-    for (int q = 1; q < ns; ++q) acc = apply<Op>(acc, N::up(load1(src[q] + i)));
+    C acc = N::up(load1(src(0) + i));
+    for (int q = 1; q < ns; ++q) acc = apply<Op>(acc, N::up(load1(src(q) + i)));
     if (div > 1) {
       if constexpr (std::is_integral_v<C>) acc = static_cast<C>(static_cast<int64_t>(acc) / div);
       else acc = acc / static_cast<C>(div);
@@ -206,12 +208,12 @@ __device__ void span_multi(T* const* dst, int nd, const T* const* src, int ns, i
   for (int64_t i = tid; i < nv; i += nthreads) {
     T x[K];
     C acc[K];
-    uint4 v = __ldcg(reinterpret_cast<const uint4*>(src[0] + head) + i);
+    uint4 v = __ldcg(reinterpret_cast<const uint4*>(src(0) + head) + i);
     __builtin_memcpy(x, &v, 16);
 #pragma unroll
     for (int k = 0; k < K; ++k) acc[k] = N::up(x[k]);
     for (int q = 1; q < ns; ++q) {
-      v = __ldcg(reinterpret_cast<const uint4*>(src[q] + head) + i);
+      v = __ldcg(reinterpret_cast<const uint4*>(src(q) + head) + i);
       __builtin_memcpy(x, &v, 16);
 #pragma unroll
       for (int k = 0; k < K; ++k) acc[k] = apply<Op>(acc[k], N::up(x[k]));
@@ -228,6 +230,14 @@ __device__ void span_multi(T* const* dst, int nd, const T* const* src, int ns, i
     __builtin_memcpy(&v, x, 16);
     for (int d = 0; d < nd; ++d) __stcg(reinterpret_cast<uint4*>(dst[d] + head) + i, v);
   }
+}
+
+// span_fold over an array of at most kMaxSpanPtrs sources (the p2p direct kernels).
+constexpr int kMaxSpanPtrs = 17;  // a rank's own output plus kMaxPeers destinations
+template <class T, RedOp Op>
+__device__ void span_multi(T* const* dst, int nd, const T* const* src, int ns, int64_t n, int div,
+                           int tid, int nthreads) {
+  span_fold<T, Op>(dst, nd, [src](int q) { return src[q]; }, ns, n, div, tid, nthreads);
 }
 
 // Host-side dispatch: f(T{}) for the element type of t.

@@ -8,7 +8,10 @@
 //     slices (many pipeline steps) and the defaults, hundreds of calls in a row on one ring;
 // (3) failures and their messages: a silent rank (timeout), mismatched calls, a host abort, which
 //     call failed first, a peer process that dies, closing while a neighbour may still read;
-// (4) the transport choice: which devices can map each other's memory.
+// (4) the transport choice: which devices can map each other's memory;
+// (5) deterministic mode: the rank-order fold kernel for any number of ranks; the p2p transport
+//     under every forced algorithm giving the bits of the rank-order reference (never the ring), its
+//     plans, replays, and the error where the direct algorithms cannot run.
 // Exits 0 with a message when there is no CUDA device.
 #include <signal.h>
 #include <sys/wait.h>
@@ -18,6 +21,7 @@
 
 #include "cuda/p2p.h"
 #include "cuda_check.h"
+#include "deterministic_check.h"
 #include "host/recorder.h"
 #ifdef RINGREDUCE_EMU
 #include "emu.h"
@@ -109,9 +113,11 @@ static void test_avg_wide_divisor() {
 struct Group {
   std::vector<std::unique_ptr<rc::p2p::Ring>> rings;
   std::vector<Rank> ranks;
+  // neighbours_only: each rank maps only its ring neighbours (as when not every pair of devices
+  // can map each other's memory): the direct algorithms are off (emulator only).
   Group(int n, int channels, size_t slice_bytes, double timeout_s,
         rc::p2p::Algo algo = rc::p2p::Algo::Auto, bool exact = false,
-        size_t direct_slot_bytes = rc::p2p::kDefaultDirectSlotBytes) {
+        size_t direct_slot_bytes = rc::p2p::kDefaultDirectSlotBytes, bool neighbours_only = false) {
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
       rc::p2p::Options o;
@@ -141,7 +147,10 @@ struct Group {
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
 #ifdef RINGREDUCE_EMU
-      rings[r]->connect(handles);  // the path of real ranks: IPC mappings
+      std::vector<std::string> mine = handles;  // the path of real ranks: IPC mappings
+      for (int q = 0; q < n && neighbours_only; ++q)
+        if (q != (r + 1) % n && q != (r + n - 1) % n) mine[q].clear();
+      rings[r]->connect(mine);
 #else
       rings[r]->connect_local(all);
 #endif
@@ -395,6 +404,9 @@ static void replayed_launches_stay_in_step(rc::p2p::Algo algo) {
 
 static void test_replayed_launches_stay_in_step() {
   for (rc::p2p::Algo algo : kAlgos) replayed_launches_stay_in_step(algo);
+  // Deterministic mode: the forced ring runs the direct algorithms, replays included.
+  DeterministicScope det;
+  replayed_launches_stay_in_step(rc::p2p::Algo::Ring);
 }
 
 #ifdef RINGREDUCE_EMU
@@ -440,6 +452,198 @@ static void test_can_map() {
 #endif
 }
 
+// (5) deterministic mode.
+
+// launch_reduce_ranks against the host's rank-order fold: every dtype and op, up to 20 ranks (more
+// than span_multi's pointer array), the own piece at any rank and alignment, in place.
+static void test_reduce_ranks() {
+  const int64_t sizes[] = {0, 1, 17, 4099};
+  const int worlds[] = {1, 2, 3, 5, 20};
+  int cases = 0;
+  DetTeeth teeth;
+  for (rr::DType t : kDtypes) {
+    const size_t es = rr::dtype_size(t);
+    for (rr::RedOp op : kOps)
+      for (int64_t n : sizes)
+        for (int nr : worlds)
+          for (int own : {0, nr - 1})
+            for (int off : {0, 1, 3}) {  // element offset of the own piece; the output's too, or in place
+              const bool inplace = off == 3;
+              const size_t slot = (n * es + 15) / 16 * 16 + 16;  // a multiple of 16 (every es)
+              std::vector<std::vector<char>> x(nr, std::vector<char>(std::max<int64_t>(n, 1) * es));
+              for (int q = 0; q < nr; ++q)
+                for (int64_t i = 0; i < n; ++i) put(t, &x[q][i * es], det_value(t, op, i, q));
+              std::vector<char> slots_h((nr > 1 ? nr - 1 : 1) * slot, 0);
+              for (int q = 0, k = 0; q < nr; ++q)
+                if (q != own) std::memcpy(&slots_h[(k++) * slot], x[q].data(), n * es);
+              std::vector<char> own_h((n + 8) * es, 0x5a);
+              std::memcpy(&own_h[off * es], x[own].data(), n * es);
+              DevBuf own_d(own_h.size()), slots_d(slots_h.size()), out_d((n + 8) * es);
+              RR_CUDA_CHECK(cudaMemcpy(own_d.p, own_h.data(), own_h.size(), cudaMemcpyHostToDevice));
+              RR_CUDA_CHECK(cudaMemcpy(slots_d.p, slots_h.data(), slots_h.size(), cudaMemcpyHostToDevice));
+              RR_CUDA_CHECK(cudaMemset(out_d.p, 0x5a, (n + 8) * es));
+              char* dst = inplace ? own_d.p + off * es : out_d.p + (off + 1) * es;
+              rc::launch_reduce_ranks(t, op, dst, own_d.p + off * es, own, slots_d.p, slot, nr, n, nr,
+                                      nullptr);
+              RR_CUDA_CHECK(cudaDeviceSynchronize());
+              std::vector<char> got(n * es + 1);
+              RR_CUDA_CHECK(cudaMemcpy(got.data(), dst, n * es, cudaMemcpyDeviceToHost));
+              std::vector<const char*> xs(nr);
+              std::vector<char> want(es), step(es);
+              for (int64_t i = 0; i < n; ++i) {
+                for (int q = 0; q < nr; ++q) xs[q] = &x[q][i * es];
+                det_fold(t, op, xs, want.data());
+                if (nr >= 3 && (op == rr::RedOp::Sum || op == rr::RedOp::Avg) &&
+                    (t == rr::DType::F16 || t == rr::DType::BF16)) {
+                  det_fold(t, op, xs, step.data(), true);
+                  ++teeth.elements;
+                  teeth.per_step += want != step;
+                }
+                if (std::memcmp(&got[i * es], want.data(), es) != 0) {
+                  EXPECT(false, "reduce_ranks %s %s n=%lld ranks=%d own=%d off=%d%s i=%lld: got %.17g want %.17g",
+                         rr::dtype_name(t), rr::op_name(op), (long long)n, nr, own, off,
+                         inplace ? " in place" : "", (long long)i, det_get(t, &got[i * es]),
+                         det_get(t, want.data()));
+                  break;
+                }
+              }
+              if (!inplace) {  // nothing around the output is written
+                std::vector<char> around((n + 8) * es);
+                RR_CUDA_CHECK(cudaMemcpy(around.data(), out_d.p, around.size(), cudaMemcpyDeviceToHost));
+                for (int64_t i = 0; i < (off + 1) * static_cast<int64_t>(es); ++i)
+                  EXPECT(static_cast<unsigned char>(around[i]) == 0x5a, "reduce_ranks wrote before its output");
+                EXPECT(static_cast<unsigned char>(around[(off + 1 + n) * es]) == 0x5a,
+                       "reduce_ranks wrote past its output");
+              }
+              ++cases;
+            }
+  }
+  EXPECT(teeth.per_step > 0, "no fp16/bf16 element rounds differently per step: the test could not fail");
+  std::printf("reduce_ranks kernel: %d cases; per-step rounding differs on %lld of %lld fp16/bf16 "
+              "elements\n", cases, (long long)teeth.per_step, (long long)teeth.elements);
+}
+
+// Deterministic mode on the p2p transport, worlds 2-5: every forced algorithm (the ring runs as
+// auto) gives exactly the bits of the rank-order reference, with 64-byte direct slots (a call in
+// many rounds) and 3 blocks; auto with the same slots picks blocks by size. Then the same
+// communicator runs a default-mode call (the ring, when forced), in step with the direct rounds.
+static void test_deterministic() {
+  using rc::p2p::Algo;
+  const auto t0 = Clock::now();
+  int cases = 0;
+  DetTeeth t16, t32;
+  for (int n = 2; n <= 5; ++n)
+    for (Algo algo : {Algo::Ring, Algo::OneShot, Algo::TwoShot, Algo::Auto}) {
+      Group g(n, 3, 64, 20.0, algo, algo != Algo::Auto, 64);
+      char what[96];
+      std::snprintf(what, sizeof what, "deterministic p2p n=%d %s slot=64", n, rc::p2p::algo_name(algo));
+      {
+        DeterministicScope det;
+        for (int64_t numel : {int64_t{1}, int64_t{1000}, int64_t{1} << 20}) {
+          const rc::p2p::Plan p = g.rings[0]->plan_of({rr::Coll::AllReduce, rr::DType::F32,
+                                                       rr::RedOp::Sum, numel, nullptr, nullptr});
+          const bool small = static_cast<size_t>(numel) * 4 <= rc::p2p::oneshot_max_bytes(n);
+          const Algo want = algo == Algo::OneShot || (algo != Algo::TwoShot && small) ? Algo::OneShot
+                                                                                      : Algo::TwoShot;
+          EXPECT(p.algo == want, "%s: all_reduce of %lld floats planned %s", what, (long long)numel,
+                 rc::p2p::algo_name(p.algo));
+        }
+        cases += deterministic_sweep(g.ranks, {1, 7, 333}, what, n >= 3 ? &t16 : nullptr,
+                                     n >= 3 ? &t32 : nullptr);
+      }
+      check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F16, rr::RedOp::Sum, 1001, true, what);
+      check_collective(g.ranks, rr::Coll::ReduceScatter, rr::DType::F32, rr::RedOp::Avg, 77 * n, false, what);
+    }
+  expect_teeth(t16, t32, "deterministic p2p");
+  std::printf("deterministic p2p: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
+// The plan in deterministic mode: one-shot or two-shot for every all_reduce and reduce_scatter,
+// whatever the size and forced algorithm; all_gather as by default; a RingError naming the nccl
+// transport where the direct algorithms are impossible (not every pair mappable, > kMaxPeers ranks).
+static void test_deterministic_plan() {
+  using rc::p2p::Algo;
+  using rr::Coll;
+  rc::p2p::Options o;
+  o.nranks = 8;
+  auto algo_of = [&](Coll c, int64_t numel, bool direct) {
+    return rc::p2p::plan({c, rr::DType::F32, rr::RedOp::Sum, numel, nullptr, nullptr}, o, direct).algo;
+  };
+  const int64_t big = (rc::p2p::kTwoShotMaxBytes / 4) * 8;  // far past the two-shot threshold
+  EXPECT(algo_of(Coll::AllReduce, big, true) == Algo::Ring, "default: the ring for large tensors");
+  {
+    DeterministicScope det;
+    for (Algo forced : {Algo::Auto, Algo::Ring, Algo::OneShot, Algo::TwoShot}) {
+      o.algo = forced;
+      for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{4096}, big}) {
+        const Algo ar = algo_of(Coll::AllReduce, numel, true), rs = algo_of(Coll::ReduceScatter, numel, true);
+        const bool small = static_cast<size_t>(numel) * 4 <= rc::p2p::oneshot_max_bytes(8);
+        const Algo want = forced == Algo::OneShot || (forced != Algo::TwoShot && small) ? Algo::OneShot
+                                                                                        : Algo::TwoShot;
+        EXPECT(ar == want, "deterministic all_reduce of %lld floats, %s forced: %s, want %s",
+               (long long)numel, rc::p2p::algo_name(forced), rc::p2p::algo_name(ar), rc::p2p::algo_name(want));
+        EXPECT(rs == Algo::TwoShot, "deterministic reduce_scatter, %s forced: %s", rc::p2p::algo_name(forced),
+               rc::p2p::algo_name(rs));
+      }
+    }
+    o.algo = Algo::Ring;
+    EXPECT(algo_of(Coll::AllGather, 4096, true) == Algo::Ring, "all_gather is not deterministic's");
+    EXPECT(algo_of(Coll::AllGather, 4096, false) == Algo::Ring, "all_gather without direct access");
+    o.algo = Algo::Auto;
+    for (int n : {4, 17}) {
+      o.nranks = n;
+      std::string msg;
+      try {
+        algo_of(Coll::ReduceScatter, 64, false);
+      } catch (const rr::RingError& e) {
+        msg = e.what();
+      }
+      EXPECT(contains(msg, "deterministic reduce_scatter") && contains(msg, "RINGREDUCE_TRANSPORT=nccl") &&
+                 contains(msg, n > rc::p2p::kMaxPeers ? "more than the 16" : "peer access"),
+             "%d ranks without direct access: '%s'", n, msg.c_str());
+    }
+    o.nranks = 1;  // nothing to reduce (run() copies): no error
+    EXPECT(algo_of(Coll::AllReduce, 64, false) == Algo::Ring, "one rank");
+  }
+}
+
+#ifdef RINGREDUCE_EMU
+// A ring whose ranks map only their neighbours: a deterministic all_reduce or reduce_scatter raises
+// the clear error on every rank, before the call is counted; all_gather and default-mode calls
+// (the ring) still run, in step.
+static void test_deterministic_needs_direct() {
+  const int n = 4;
+  Group g(n, 2, 4096, 10.0, rc::p2p::Algo::Auto, false, rc::p2p::kDefaultDirectSlotBytes, true);
+  EXPECT(!g.rings[0]->direct(), "neighbours only, yet direct");
+  DevBuf buf(1024 * 4);
+  std::string first;
+  {
+    DeterministicScope det;
+    for (rr::Coll coll : {rr::Coll::AllReduce, rr::Coll::ReduceScatter})
+      for (int r = 0; r < n; ++r) {
+        const uint64_t seq = g.rings[r]->op_seq();
+        std::string msg;
+        try {
+          g.rings[r]->run({coll, rr::DType::BF16, rr::RedOp::Sum, 1024, buf.p, buf.p}, g.ranks[r].stream);
+        } catch (const rr::RingError& e) {
+          msg = e.what();
+        }
+        EXPECT(contains(msg, std::string("deterministic ") + rr::coll_name(coll)) &&
+                   contains(msg, "peer access") && contains(msg, "RINGREDUCE_TRANSPORT=nccl"),
+               "rank %d %s: '%s'", r, rr::coll_name(coll), msg.c_str());
+        EXPECT(g.rings[r]->op_seq() == seq, "rank %d: the refused call was counted", r);
+        EXPECT(g.rings[r]->failure().empty(), "rank %d: the refusal broke the ring", r);
+        if (first.empty()) first = msg;
+      }
+    check_collective(g.ranks, rr::Coll::AllGather, rr::DType::F32, rr::RedOp::Sum, 1000, false,
+                     "deterministic all_gather, neighbours only");
+  }
+  check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 1001, true,
+                   "default all_reduce after the refusal");
+  std::printf("deterministic without direct access: %s\n", first.c_str());
+}
+#endif
+
 int main(int argc, char** argv) {
   // The ranks' kernels spin until their neighbours' kernels run, so all must run at once. Streams
   // beyond CUDA_DEVICE_MAX_CONNECTIONS (default 8) share hardware queues and are serialized behind
@@ -469,6 +673,12 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_close_keeps_memory_neighbours_read", [&] { test_close_keeps_memory_neighbours_read(); });
 #endif
     run_test(argc, argv, "test_can_map", [&] { test_can_map(); });
+    run_test(argc, argv, "test_reduce_ranks", [&] { test_reduce_ranks(); });
+    run_test(argc, argv, "test_deterministic", [&] { test_deterministic(); });
+    run_test(argc, argv, "test_deterministic_plan", [&] { test_deterministic_plan(); });
+#ifdef RINGREDUCE_EMU
+    run_test(argc, argv, "test_deterministic_needs_direct", [&] { test_deterministic_needs_direct(); });
+#endif
   } catch (const std::exception& e) {
     std::printf("FAIL: exception: %s\n", e.what());
     return 1;

@@ -7,7 +7,10 @@
 // (2) failures and their messages, on every algorithm where they differ: a silent rank (the
 //     watchdog's timeout), mismatched sizes (NCCL's "message truncated"), an NCCL call failing inside a group (the group must still be ended), a
 //     CUDA fault on the stream (the watchdog must report it), two ranks on one GPU (NCCL refuses;
-//     the message says what to do), a peer process that dies, an abort, which call failed first.
+//     the message says what to do), a peer process that dies, an abort, which call failed first;
+// (3) deterministic mode: every forced algorithm gives the bits of the rank-order reference (one
+//     rounding in the accumulation type) at worlds 2-5, tiny staging and the default; its plans;
+//     the error where two-shot's pieces would be under one element.
 // Emulator only: real NCCL is exercised by tests/test_cuda.py on a GPU.
 #include <dlfcn.h>
 #include <nccl.h>
@@ -19,6 +22,7 @@
 
 #include "cuda/nccl_ring.h"
 #include "cuda_check.h"
+#include "deterministic_check.h"
 #include "emu.h"
 
 namespace rc = ringreduce::cuda;
@@ -185,11 +189,56 @@ static void test_plan() {
   EXPECT(plan(Coll::AllGather, DType::F64, 800) == Algo::TwoShot, "all_gather needs no staging");
   o.algo = Algo::Ring;
   EXPECT(plan(Coll::AllReduce, DType::F32, 1) == Algo::Ring, "forced ring");
+
+  // Deterministic mode: one-shot or two-shot for every all_reduce and reduce_scatter, whatever the
+  // size and forced algorithm (a forced one-shot that does not fit the staging: two-shot);
+  // all_gather as by default; an error where two-shot's pieces would be under one element.
+  DeterministicScope det;
+  o.staging_bytes = rc::nccl::kDefaultStagingBytes;
+  const int64_t big = (rc::nccl::kTwoShotMaxBytes / 4) * 8;
+  for (Algo forced : {Algo::Auto, Algo::Ring, Algo::OneShot, Algo::TwoShot}) {
+    o.algo = forced;
+    for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{8192}, int64_t{8193}, big}) {
+      const bool small = numel <= (forced == Algo::OneShot ? int64_t{1} << 20 : int64_t{8192});
+      const Algo want = forced != Algo::TwoShot && small ? Algo::OneShot : Algo::TwoShot;
+      const Algo ar = plan(Coll::AllReduce, DType::F32, numel), rs = plan(Coll::ReduceScatter, DType::F32, numel);
+      EXPECT(ar == want, "deterministic all_reduce of %lld floats, %s forced: %s, want %s", (long long)numel,
+             rc::nccl::algo_name(forced), rc::nccl::algo_name(ar), rc::nccl::algo_name(want));
+      EXPECT(rs == Algo::TwoShot, "deterministic reduce_scatter of %lld floats, %s forced: %s",
+             (long long)numel, rc::nccl::algo_name(forced), rc::nccl::algo_name(rs));
+    }
+  }
+  o.algo = Algo::Ring;
+  EXPECT(plan(Coll::AllGather, DType::F32, 1024) == Algo::Ring, "all_gather is not deterministic's");
+  o.algo = Algo::Auto;
+  EXPECT(plan(Coll::AllGather, DType::F32, big) == Algo::Ring, "all_gather by size");
+  auto refusal = [&](Coll c, DType t, int64_t numel) {
+    try {
+      plan(c, t, numel);
+    } catch (const rr::RingError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  o.staging_bytes = 16;  // 32 bytes in 7 pieces: under one element, for every dtype
+  for (Coll c : {Coll::AllReduce, Coll::ReduceScatter}) {
+    const std::string msg = refusal(c, DType::F64, 800);
+    EXPECT(contains(msg, std::string("deterministic ") + rr::coll_name(c)) &&
+               contains(msg, "at least 56 bytes") && contains(msg, "RINGREDUCE_NCCL_STAGING_BYTES"),
+           "tiny staging: '%s'", msg.c_str());
+  }
+  EXPECT(plan(Coll::AllGather, DType::F64, 800) == Algo::TwoShot, "all_gather needs no staging");
+  o.staging_bytes = 28;  // 56 bytes in 7 pieces of 8, rounded down to 16: none, even for int8
+  EXPECT(contains(refusal(Coll::AllReduce, DType::I8, 1), "at least 56 bytes"), "28 bytes of staging");
+  o.staging_bytes = 56;  // 112 bytes in 7 pieces of 16
+  EXPECT(refusal(Coll::ReduceScatter, DType::F64, 800).empty() &&
+             plan(Coll::ReduceScatter, DType::F64, 800) == Algo::TwoShot, "56 bytes of staging");
 }
 
 // NCCL groups and reduce launches per rank per call, world 8 (two ranks per emulated device), at
 // 4 KiB and 4 MiB float32 all_reduce: auto (one-shot: 1 group; two-shot: 2) against the ring
-// (2(N-1) = 14); N-1 = 7 reduce launches each.
+// (2(N-1) = 14); the ring's N-1 = 7 reduce launches against the direct algorithms' one (their
+// rank-order fold of all 8 pieces; one piece of the staging here).
 static void test_counts(const Hooks& hooks) {
   setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
   const int n = 8;
@@ -206,7 +255,8 @@ static void test_counts(const Hooks& hooks) {
       std::printf("world %d, %lld B float32 all_reduce, %s: %g NCCL groups, %g reduce launches per call\n",
                   n, (long long)numel * 4, rc::nccl::algo_name(got), groups, launches);
       EXPECT(groups == want_groups, "%s %lld: %g groups", rc::nccl::algo_name(got), (long long)numel, groups);
-      EXPECT(launches == n - 1, "%s %lld: %g launches", rc::nccl::algo_name(got), (long long)numel, launches);
+      EXPECT(launches == (got == Algo::Ring ? n - 1 : 1), "%s %lld: %g launches", rc::nccl::algo_name(got),
+             (long long)numel, launches);
     }
   }
   unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
@@ -403,6 +453,76 @@ static void test_capture_refused() {
   check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 64, true, "after capture");
 }
 
+// (3) deterministic mode.
+
+// Worlds 2-5 (5: two ranks on device 0), every forced algorithm (the ring runs as auto) with 64
+// bytes of staging (one-shot only for the smallest sizes, two-shot pieces of 16-64 bytes: a call in
+// many groups), and auto with the default staging: the bits of the rank-order reference. Then the
+// same communicator runs a default-mode call (the ring, when forced), in step.
+static void test_deterministic() {
+  setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+  const auto t0 = Clock::now();
+  int cases = 0;
+  DetTeeth t16, t32;
+  for (int n = 2; n <= 5; ++n) {
+    std::vector<int> devices;
+    for (int r = 0; r < n; ++r) devices.push_back(r % 4);
+    struct Config { Algo algo; size_t staging; };
+    for (const Config& k : {Config{Algo::Ring, 64}, Config{Algo::OneShot, 64}, Config{Algo::TwoShot, 64},
+                            Config{Algo::Auto, 64}, Config{Algo::Auto, rc::nccl::kDefaultStagingBytes}}) {
+      Group g(n, k.staging, 20.0, devices, k.algo);
+      char what[96];
+      std::snprintf(what, sizeof what, "deterministic nccl n=%d %s staging=%zu", n,
+                    rc::nccl::algo_name(k.algo), k.staging);
+      {
+        DeterministicScope det;
+        cases += deterministic_sweep(g.ranks, {1, 7, 333}, what, n >= 3 ? &t16 : nullptr,
+                                     n >= 3 ? &t32 : nullptr);
+      }
+      check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F16, rr::RedOp::Sum, 1001, true, what);
+      check_collective(g.ranks, rr::Coll::ReduceScatter, rr::DType::F32, rr::RedOp::Avg, 77 * n, false, what);
+    }
+  }
+  unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  expect_teeth(t16, t32, "deterministic nccl");
+  std::printf("deterministic nccl: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
+// Staging too small for two-shot's pieces (16 bytes for 4 ranks): a deterministic all_reduce or
+// reduce_scatter raises the error on every rank, before the call is counted; all_gather and
+// default-mode calls (the ring) still run, in step.
+static void test_deterministic_tiny_staging() {
+  const int n = 4;
+  Group g(n, 16, 10.0);
+  DevBuf buf(64 * 8);
+  std::string first;
+  {
+    DeterministicScope det;
+    for (rr::Coll coll : {rr::Coll::AllReduce, rr::Coll::ReduceScatter})
+      for (int r = 0; r < n; ++r) {
+        const uint64_t seq = g.rings[r]->op_seq();
+        std::string msg;
+        try {
+          cudaSetDevice(g.ranks[r].device);
+          g.rings[r]->run({coll, rr::DType::F64, rr::RedOp::Sum, 64, buf.p, buf.p}, g.ranks[r].stream);
+        } catch (const rr::RingError& e) {
+          msg = e.what();
+        }
+        EXPECT(contains(msg, std::string("deterministic ") + rr::coll_name(coll)) &&
+                   contains(msg, "at least 24 bytes") && contains(msg, "RINGREDUCE_NCCL_STAGING_BYTES"),
+               "rank %d %s: '%s'", r, rr::coll_name(coll), msg.c_str());
+        EXPECT(g.rings[r]->op_seq() == seq, "rank %d: the refused call was counted", r);
+        EXPECT(g.rings[r]->failure().empty(), "rank %d: the refusal broke the ring", r);
+        if (first.empty()) first = msg;
+      }
+    check_collective(g.ranks, rr::Coll::AllGather, rr::DType::F32, rr::RedOp::Sum, 400, false,
+                     "deterministic all_gather, tiny staging");
+  }
+  check_collective(g.ranks, rr::Coll::ReduceScatter, rr::DType::F32, rr::RedOp::Sum, 400, false,
+                   "default reduce_scatter after the refusal");
+  std::printf("deterministic with tiny staging: %s\n", first.c_str());
+}
+
 int main(int argc, char** argv) {
   emu_set_device_count(4);
   try {
@@ -420,6 +540,8 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_dead_peer", [&] { test_dead_peer(); });
     run_test(argc, argv, "test_abort", [&] { test_abort(); });
     run_test(argc, argv, "test_capture_refused", [&] { test_capture_refused(); });
+    run_test(argc, argv, "test_deterministic", [&] { test_deterministic(); });
+    run_test(argc, argv, "test_deterministic_tiny_staging", [&] { test_deterministic_tiny_staging(); });
   } catch (const std::exception& e) {
     std::printf("FAIL: exception: %s\n", e.what());
     return 1;

@@ -71,11 +71,12 @@ MUTATIONS = {
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];",
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[s & 1];",
         NCCL_TEST, "step s forwards the buffer being received into, not what step s-1 reduced"),
-    "nccl_rank_order_writes_input": (
-        "csrc/cuda/nccl_ring.cpp",
-        "      void* dst = last ? out + (mine.begin - out_shift) * es : q != r ? slot(q) : const_cast<void*>(acc);",
-        "      void* dst = last ? out + (mine.begin - out_shift) * es : q != r ? slot(q) : const_cast<void*>(src(q));",
-        NCCL_TEST, "the rank-order reduce writes its running result into this rank's input"),
+    "fold_rounds_every_step": (
+        "csrc/cuda/reduce.cuh",
+        "      for (int k = 0; k < K; ++k) acc[k] = apply<Op>(acc[k], N::up(x[k]));",
+        "      for (int k = 0; k < K; ++k) acc[k] = N::up(N::down(apply<Op>(acc[k], N::up(x[k]))));",
+        ("test_nccl_ring_emu", ["test_deterministic"]),
+        "the rank-order fold rounds fp16/bf16 after every rank instead of once"),
 }
 
 
