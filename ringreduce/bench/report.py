@@ -109,12 +109,14 @@ def print_summary(run):
 def print_vs_n(runs):
     """Time (us, in-place) at the largest size of each collective against the rank count."""
     ns = [r["nranks"] for r in runs]
+    rows = vs_n(runs)
+    w = max([len("backend")] + [len(b) for _, _, b, _ in rows]) + 2  # names never run together
     print("#\n# time (us) vs nranks at the largest size, in-place")
-    print("# " + f"{'collective':>16}{'size(B)':>12}{'backend':>18}" +
+    print("# " + f"{'collective':>16}{'size(B)':>12}{'backend':>{w}}" +
           "".join(f"{'N=' + str(n):>12}" for n in ns))
-    for c, size, b, t in vs_n(runs):
-        print("# " + f"{c:>16}{size:>12}{b:>18}" + "".join(f"{v:>12.1f}" if v else f"{'-':>12}"
-                                                            for v in t))
+    for c, size, b, t in rows:
+        print("# " + f"{c:>16}{size:>12}{b:>{w}}" + "".join(f"{v:>12.1f}" if v else f"{'-':>12}"
+                                                              for v in t))
 
 
 def vs_n(runs):
