@@ -6,6 +6,7 @@ import copy
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -235,10 +236,11 @@ def mismatch_worker(rank, world):
     return "no error"
 
 
-def test_mismatched_setting_is_an_error_on_every_rank():
+def test_mismatched_setting_is_an_error_on_every_rank(tmp_path):
     """One rank deterministic (two-shot), the other not (ring): both raise at once, naming the
     setting, instead of hanging or returning different bits."""
-    for msg in run_ranks(2, mismatch_worker, timeout=120, env={"RINGREDUCE_TIMEOUT": "30"}):
+    for msg in run_ranks(2, mismatch_worker, timeout=120,
+                         env={"RINGREDUCE_TIMEOUT": "30", "RINGREDUCE_TRACE_DIR": str(tmp_path)}):
         assert "RINGREDUCE_DETERMINISTIC" in msg or "aborted the group" in msg, msg
         assert "timed out" not in msg, msg
 
@@ -249,6 +251,31 @@ def test_environment_variable():
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=dict(os.environ, RINGREDUCE_DETERMINISTIC=value), timeout=120)
         assert p.stdout.strip() == want, (value, p.stderr)
+
+
+def hier_mismatch_worker(rank, world):
+    _simulated_hosts(rank, world, True)
+    rr.set_deterministic(rank != 3)
+    t = torch.ones(1 << 16)
+    t0 = time.monotonic()
+    try:
+        rr.all_reduce(t)
+    except rr.RingReduceError as e:
+        return time.monotonic() - t0, str(e)
+    return time.monotonic() - t0, "no error"
+
+
+def test_mismatched_setting_across_hosts_fails_within_the_timeout(tmp_path):
+    """Two simulated hosts, rank 3 not deterministic: every rank raises within the timeout (the
+    others wait for it to join the all-ranks group), none hangs; the deterministic ranks' errors
+    name the setting or the abort it caused."""
+    results = run_ranks(4, hier_mismatch_worker, timeout=180,
+                        env={"RINGREDUCE_TIMEOUT": "8", "OMP_NUM_THREADS": "1",
+                             "RINGREDUCE_TRACE_DIR": str(tmp_path)})
+    for rank, (secs, msg) in enumerate(results):
+        assert msg != "no error", rank
+        assert secs < 8 * 3, (rank, secs, msg)
+    assert any("RINGREDUCE_DETERMINISTIC" in msg for _, msg in results[:3]), results
 
 
 def test_bad_environment_value():
