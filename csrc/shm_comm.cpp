@@ -36,10 +36,11 @@ bool python_alive() {
 }
 
 shm::Algo parse_algo(const std::string& name) {
-  for (auto a : {shm::Algo::Auto, shm::Algo::Ring, shm::Algo::OneShot, shm::Algo::TwoShot})
+  for (auto a : {shm::Algo::Auto, shm::Algo::Ring, shm::Algo::OneShot, shm::Algo::TwoShot,
+                 shm::Algo::Cma})
     if (name == shm::algo_name(a)) return a;
-  TORCH_CHECK_VALUE(false, "ringreduce: RINGREDUCE_ALGO must be auto, ring, oneshot or twoshot, got '",
-                    name, "'");
+  TORCH_CHECK_VALUE(false, "ringreduce: RINGREDUCE_ALGO must be auto, ring, oneshot, twoshot or cma, "
+                    "got '", name, "'");
 }
 
 void check_cpu(const at::Tensor& t, const char* arg) {

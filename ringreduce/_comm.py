@@ -37,7 +37,7 @@ YIELD_NS_OVERSUBSCRIBED = 1_000_000
 # not measured with more ranks or on dedicated cores at world > 2.
 ONESHOT_MAX_BYTES = 32 << 10
 ONESHOT_MAX_BYTES_WORLD2 = 16 << 10
-ALGOS = ("auto", "ring", "oneshot", "twoshot")
+ALGOS = ("auto", "ring", "oneshot", "twoshot", "cma")
 
 
 def algo_from_env():
@@ -119,7 +119,7 @@ class Communicator(_lifecycle.Communicator):
         return self._native.pids()
 
     def algo_for(self, numel, dtype):
-        """The algorithm ("ring", "oneshot" or "twoshot") an all_reduce of numel elements of dtype runs."""
+        """The algorithm ("ring", "oneshot", "twoshot" or "cma") an all_reduce of numel elements of dtype runs."""
         return self._native.algo(numel, torch.empty(0, dtype=dtype))
 
     # -- collectives (arguments already checked by ringreduce.collectives) --------------------

@@ -234,7 +234,7 @@ def test_not_initialized():
     assert rr.ReduceOp is dist.ReduceOp
 
 
-@pytest.mark.parametrize("algo", ["ring", "oneshot", "twoshot"])
+@pytest.mark.parametrize("algo", ["ring", "oneshot", "twoshot", "cma"])
 def test_forced_algorithm(algo):
     """RINGREDUCE_ALGO forces one algorithm at every size (one-shot over several slices too);
     results exact within the dtype's tolerance and bitwise identical on every rank."""
@@ -264,7 +264,7 @@ def test_auto_algorithm_choice_and_bad_name():
     for out in run_ranks(2, algo_worker, timeout=120):
         assert out["small"] == "oneshot" and out["large"] == "ring", out
         assert out["default"] == "auto"
-        assert "algo must be one of auto, ring, oneshot, twoshot, got 'fastest'" in out["bad"], out
+        assert "algo must be one of auto, ring, oneshot, twoshot, cma, got 'fastest'" in out["bad"], out
 
 
 def fast_path_worker(rank, world):

@@ -91,7 +91,8 @@ RS_CASES = [(c, dt, op) for c in (1, 1000, 70001) for dt in (torch.float32, torc
 # Communicators on their own groups: another slice size, and every forced algorithm (deterministic
 # mode overrides the ring and keeps the rank-order ones).
 VARIANTS = [dict(slice_bytes=4096, algo="ring"), dict(slice_bytes=4096, algo="oneshot"),
-            dict(algo="twoshot"), dict(slice_bytes=1 << 20, algo="auto")]
+            dict(algo="twoshot"), dict(slice_bytes=1 << 20, algo="auto"),
+            dict(slice_bytes=4096, algo="cma")]
 
 
 def _simulated_hosts(rank, world, hier):
@@ -138,7 +139,8 @@ def test_rank_order_bits_flat(world):
     results = run_ranks(world, sweep_worker, False, variants, 4 * MiB, timeout=600)
     for failures, algos in results:
         assert failures == []
-        assert algos == ["oneshot", "twoshot"], algos
+        want = ["cma", "oneshot", "twoshot"] if world in (3, 4) else ["oneshot", "twoshot"]
+        assert algos == want, algos
 
 
 def test_rank_order_bits_two_simulated_hosts():

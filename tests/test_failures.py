@@ -64,12 +64,14 @@ def victim_worker(rank, world, victim, how, ready_dir):
     return first, again
 
 
-@pytest.mark.parametrize("how", ["sigkill_before_call", "sigkill_inside_collective",
-                                 "exit_inside_collective"])
-def test_dead_peer(how, tmp_path):
+@pytest.mark.parametrize("how,algo", [("sigkill_before_call", "auto"),
+                                      ("sigkill_inside_collective", "auto"),
+                                      ("exit_inside_collective", "auto"),
+                                      ("sigkill_inside_collective", "cma")])  # inside a peer read
+def test_dead_peer(how, algo, tmp_path):
     world, victim = 3, 1
     procs, q, _ = spawn(world, victim_worker, victim, how, str(tmp_path),
-                        env={"RINGREDUCE_TIMEOUT": "60"})
+                        env={"RINGREDUCE_TIMEOUT": "60", "RINGREDUCE_ALGO": algo})
     if how.startswith("sigkill"):
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists():

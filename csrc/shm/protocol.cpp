@@ -3,9 +3,12 @@
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <sched.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -53,6 +56,7 @@ const char* algo_name(Algo a) {
     case Algo::Ring: return "ring";
     case Algo::OneShot: return "oneshot";
     case Algo::TwoShot: return "twoshot";
+    case Algo::Cma: return "cma";
   }
   return "unknown";
 }
@@ -108,6 +112,8 @@ Ring::Ring(void* base, size_t bytes, const Options& opt) : opt_(opt) {
   up_ = ring::mod(opt.rank - 1, opt.nranks);
   down_ = ring::mod(opt.rank + 1, opt.nranks);
   areas_[opt.rank].pid.store(static_cast<int32_t>(getpid()));
+  // Where Yama restricts ptrace to descendants, let the peers read this process (cma only).
+  if (opt.algo == Algo::Cma) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
 }
 
 char* Ring::slot(int r, uint32_t m) const {
@@ -294,6 +300,7 @@ Algo Ring::choose(const Call& c) const {
   if (opt_.nranks == 1 || c.coll == Coll::AllGather) return Algo::Ring;  // nothing to reduce
   const bool ar = c.coll == Coll::AllReduce;
   const bool small = ar && static_cast<uint64_t>(c.numel) * dtype_size(c.dtype) <= opt_.oneshot_max_bytes;
+  if (opt_.algo == Algo::Cma) return Algo::Cma;  // rank order as well
   if (deterministic()) {  // rank order whatever RINGREDUCE_ALGO says
     if (opt_.algo == Algo::OneShot && ar) return Algo::OneShot;
     if (opt_.algo == Algo::TwoShot) return Algo::TwoShot;
@@ -431,6 +438,119 @@ void Ring::run_twoshot(const Call& c, Ctx& ctx) {
   }
 }
 
+void Ring::read_peer(int q, void* local, uint64_t addr, size_t bytes, const Ctx& ctx) {
+  const pid_t pid = areas_[q].pid.load();
+  char* dst = static_cast<char*>(local);
+  while (bytes > 0) {
+    iovec l{dst, bytes}, rem{reinterpret_cast<void*>(addr), bytes};
+    const ssize_t got = process_vm_readv(pid, &l, 1, &rem, 1, 0);
+    if (got <= 0) {
+      const int e = got < 0 ? errno : EIO;
+      if (e == EINTR) continue;
+      const std::string where = std::string(coll_name(ctx.call.coll)) + " #" + std::to_string(op_seq_) +
+                                " (" + ctx.phase + ")";
+      if (e == ESRCH || peer_dead(q))
+        fail("ringreduce: rank " + std::to_string(opt_.rank) + ": " + where + ": peer rank " +
+             std::to_string(q) + " (pid " + std::to_string(pid) + ") died");
+      fail("ringreduce: rank " + std::to_string(opt_.rank) + ": " + where + ": reading rank " +
+           std::to_string(q) + "'s memory (pid " + std::to_string(pid) + ") failed: " +
+           std::strerror(e) +
+           (e == EPERM ? " (cross-memory attach needs ptrace permission between the ranks: "
+                         "CAP_SYS_PTRACE or Yama's ptrace_scope <= 1; use another RINGREDUCE_ALGO)"
+                       : ""));
+    }
+    dst += got;
+    addr += static_cast<uint64_t>(got);
+    bytes -= static_cast<size_t>(got);
+  }
+}
+
+// Cross-memory attach: three (reduce_scatter two) wide messages per call, the data read straight
+// from the peers' memory. 1: every rank publishes its buffers' addresses. 2: rank r reads chunk r
+// of every peer's input a block at a time (the block stays in cache) and folds the N blocks in rank
+// order into its output, then says its chunk is final, which also says it has read the peers'
+// inputs. 3 (all_reduce): it reads each peer's final chunk from the peer's output into its own,
+// then says so; a rank returns only once every peer has read its buffers. In place is safe: a
+// rank overwrites chunk q of its buffer only after rank q, the only reader of it, said final.
+void Ring::run_cma(const Call& c, Ctx& ctx) {
+  const int n = opt_.nranks, r = opt_.rank;
+  const size_t es = dtype_size(c.dtype);
+  const char* in = static_cast<const char*>(c.in);
+  char* out = static_cast<char*>(c.out);
+  const int divisor = c.op == RedOp::Avg ? n : 1;
+  const bool ar = c.coll == Coll::AllReduce;
+  const int64_t m = c.numel / n;
+  auto chunk_of = [&](int k) { return ar ? ring::chunk(c.numel, n, k) : ring::Span{k * m, m}; };
+  const int64_t out_shift = ar ? 0 : r * m;
+  auto say = [&](const void* payload, uint64_t bytes) {  // a wide message; returns its index
+    const uint32_t mi = sent_;
+    wait_all_consumed(mi + 1 - kSlots, ctx);
+    if (bytes) std::memcpy(slot(r, mi) + sizeof(MsgHeader), payload, bytes);
+    wide_until_ = mi + 1;
+    post_send(ctx, bytes);
+    return mi;
+  };
+  ctx.phase = "cma addresses";
+  ctx.step = 0;
+  ctx.slice = 0;
+  uint64_t addrs[2] = {reinterpret_cast<uint64_t>(in), reinterpret_cast<uint64_t>(out)};
+  const uint32_t m0 = say(addrs, sizeof addrs);
+  peer_in_.assign(n, 0);
+  peer_out_.assign(n, 0);
+  for (int q = 0; q < n; ++q) {
+    if (q == r) continue;
+    ctx.step = q;
+    std::memcpy(addrs, recv_wide(ctx, q, m0, sizeof addrs), sizeof addrs);
+    peer_in_[q] = addrs[0];
+    peer_out_[q] = addrs[1];
+  }
+  release_wide(m0);
+
+  ctx.phase = "cma reduce";
+  const ring::Span mine = chunk_of(r);
+  const int64_t B = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es));
+  scratch_.resize(static_cast<size_t>(n - 1) * B * es);
+  srcs_.resize(n);
+  for (int64_t b = 0, j = 0; b < mine.count; b += B, ++j) {
+    ctx.slice = j;
+    const int64_t cnt = std::min(B, mine.count - b);
+    const int64_t at = mine.begin + b;
+    for (int q = 0; q < n; ++q) {
+      if (q == r) {
+        srcs_[q] = in + at * es;
+        continue;
+      }
+      ctx.step = q;
+      char* blk = scratch_.data() + static_cast<size_t>(q < r ? q : q - 1) * B * es;
+      read_peer(q, blk, peer_in_[q] + at * es, cnt * es, ctx);
+      srcs_[q] = blk;
+    }
+    cpu::reduce_rows(c.dtype, c.op, out + (at - out_shift) * es, srcs_.data(), n, cnt, divisor);
+  }
+  ctx.phase = "cma gather";
+  ctx.slice = 0;
+  const uint32_t m1 = say(nullptr, 0);
+  for (int q = 0; q < n; ++q) {
+    if (q == r) continue;
+    ctx.step = q;
+    recv_wide(ctx, q, m1, 0);
+    if (ar) {
+      const ring::Span sp = chunk_of(q);
+      read_peer(q, out + sp.begin * es, peer_out_[q] + sp.begin * es, sp.count * es, ctx);
+    }
+  }
+  release_wide(m1);
+  if (!ar) return;
+  ctx.phase = "cma done";
+  const uint32_t m2 = say(nullptr, 0);
+  for (int q = 0; q < n; ++q) {
+    if (q == r) continue;
+    ctx.step = q;
+    recv_wide(ctx, q, m2, 0);
+  }
+  release_wide(m2);
+}
+
 void Ring::release_recv() { post(areas_[opt_.rank].consumed, ++received_); }
 
 void Ring::run(const Call& c, const std::function<bool()>* interrupted) {
@@ -457,6 +577,7 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted) {
   Ctx ctx{c, "reduce-scatter", 0, 0};
   if (algo_ == Algo::OneShot) return run_oneshot(c, ctx);
   if (algo_ == Algo::TwoShot) return run_twoshot(c, ctx);
+  if (algo_ == Algo::Cma) return run_cma(c, ctx);
   const bool ar = c.coll == Coll::AllReduce;
   const bool rs = c.coll != Coll::AllGather, ag = c.coll != Coll::ReduceScatter;
   const int64_t m = c.numel / n;

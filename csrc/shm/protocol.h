@@ -46,7 +46,9 @@ struct alignas(64) GroupHeader {
 // rank publishes its input, rank k reduces chunk k from all N in rank order and publishes it, every
 // rank copies the N chunks out: two steps, the ring's bytes) reduces in rank order at any size.
 // One-shot and two-shot give every element the bits of ((x0 op x1) op x2) ... (deterministic mode).
-enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3 };
+// Cma (RINGREDUCE_ALGO=cma, opt-in): two-shot's schedule with the data read straight from the
+// peers' buffers by cross-memory attach (process_vm_readv), no slot copies; rank order too.
+enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3, Cma = 4 };
 const char* algo_name(Algo a);
 
 // Every message carries the call it belongs to, so a reader checks it before touching data.
@@ -105,6 +107,9 @@ class Ring {
   void wait_all_consumed(uint32_t target, const Ctx& ctx);
   void run_oneshot(const Call& c, Ctx& ctx);
   void run_twoshot(const Call& c, Ctx& ctx);
+  void run_cma(const Call& c, Ctx& ctx);
+  // Copies bytes at addr in rank q's memory to local (process_vm_readv); fails the ring on error.
+  void read_peer(int q, void* local, uint64_t addr, size_t bytes, const Ctx& ctx);
   // Waits for message m of every other rank (a wide message) and checks its header.
   const char* recv_wide(const Ctx& ctx, int from, uint32_t m, uint64_t expect_bytes);
   void release_wide(uint32_t m);  // every rank's message m read
@@ -126,6 +131,8 @@ class Ring {
   bool broken_ = false;
   const std::function<bool()>* interrupted_ = nullptr;
   std::vector<const void*> srcs_;  // one-shot/two-shot: the N sources of a slice, in rank order
+  std::vector<uint64_t> peer_in_, peer_out_;  // cma: the peers' buffers in the current call
+  std::vector<char> scratch_;                 // cma: a block of every peer's chunk
   // The slow wait in progress (wait_peer_ -1: none); written by the ring's thread only.
   std::atomic<int> wait_peer_{-1};
   std::atomic<const char*> wait_what_{""}, wait_phase_{""};

@@ -26,7 +26,7 @@ def _is_chunk_of(small, big, rank):
     return small.data_ptr() == big.data_ptr() + rank * small.numel() * small.element_size()
 
 
-ALGOS = ("ring", "oneshot", "twoshot")  # ringreduce/<algo>: the shm transport with RINGREDUCE_ALGO=<algo>
+ALGOS = ("ring", "oneshot", "twoshot", "cma")  # ringreduce/<algo>: the shm transport with RINGREDUCE_ALGO=<algo>
 HOSTS = 1  # --hosts: ringreduce/hier's group is split into this many simulated hosts
 
 
@@ -57,9 +57,9 @@ class RingReduce:
             _comm.get_communicator(self.group, **options)  # collective: every rank is here
 
     def supports(self, collective, dtype):
-        if self.algo == "twoshot" and collective == "all_gather":
+        if self.algo in ("twoshot", "cma") and collective == "all_gather":
             return "all_gather always runs the ring"
-        if self.algo and self.algo != "twoshot" and collective != "all_reduce":
+        if self.algo and self.algo not in ("twoshot", "cma") and collective != "all_reduce":
             return "reduce_scatter and all_gather always run the ring"
         return None  # every collective, dtype and op
 

@@ -327,6 +327,9 @@ int main() {
       g_algo = shm::Algo::TwoShot;  // parts of one element when slice is 64 B
       sweep(Coll::AllReduce, n, slice);
       sweep(Coll::ReduceScatter, n, slice);
+      g_algo = shm::Algo::Cma;  // threads share a pid: process_vm_readv reads this process
+      sweep(Coll::AllReduce, n, slice);
+      sweep(Coll::ReduceScatter, n, slice);
       g_algo = shm::Algo::Ring;
     }
   }
@@ -334,6 +337,8 @@ int main() {
   g_algo = shm::Algo::OneShot;
   bitwise_floats();
   g_algo = shm::Algo::TwoShot;
+  bitwise_floats();
+  g_algo = shm::Algo::Cma;
   bitwise_floats();
   g_algo = shm::Algo::Ring;
   alternating_algorithms();
