@@ -28,7 +28,7 @@ from ringreduce.backend import backend_of
 IN, HIDDEN, OUT = 16, 128, 4
 SAMPLES, BATCH, EPOCHS, LR = 192, 16, 2, 0.1  # 2 ranks: 6 steps an epoch, 12 in all
 # ~20 KB buckets: after DDP's first step the 75 KiB of parameters sit in 2 buckets, the 64 KiB
-# middle weight (over the ring's one-shot limit at 2 ranks, 16 KiB: the ring) and the other 11 KiB
+# middle weight (over the one-shot limit the test sets, 16 KiB: the ring) and the other 11 KiB
 # (one-shot), so both of ringreduce's all-reduce algorithms serve DDP.
 BUCKET_CAP_MB = 0.02
 

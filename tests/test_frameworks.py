@@ -71,8 +71,10 @@ def _launch(framework, variant, out):
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                SCRIPT, "accelerate", variant, str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               RINGREDUCE_TIMEOUT="60")  # a hung ring ends well inside RUN_TIMEOUT
+    # One-shot up to 16 KiB (the default at 2 ranks is 1 KiB) so that DDP's two buckets take the
+    # two all-reduce algorithms; a hung ring ends well inside RUN_TIMEOUT.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RINGREDUCE_TIMEOUT="60",
+               RINGREDUCE_ONESHOT_MAX_BYTES=str(16 << 10))
     log_path = out / "launch.log"
     start = time.monotonic()
     with open(log_path, "w") as log:
