@@ -163,6 +163,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("oneshot_max_bytes") = 0, py::arg("trace_buffer") = 2000)
       .def("recorder", &ShmComm::recorder, "this communicator's flight recorder")
       .def("pids", &ShmComm::pids, "every rank's process id")
+      .def("pool_create", &ShmComm::pool_create, py::arg("name"), py::arg("bytes"))
+      .def("pool_attach", &ShmComm::pool_attach, py::arg("names"))
+      .def("pool_drop", &ShmComm::pool_drop)
       .def("all_reduce", [](ShmComm& c, const at::Tensor& t, int op, bool async_op) {
         return start(c, c.all_reduce(t, op), async_op, "allreduce");
       }, py::arg("tensor"), py::arg("op"), py::arg("async_op") = false)

@@ -307,16 +307,24 @@ void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, 
                        int64_t t_queued) {
   if (comm_->closed()) throw RingError("ringreduce: communicator is closed");
   shm::Ring& ring = comm_->ring();
+  // A tensor in a pool buffer of this communicator: the buffer stays mapped for the call.
+  const uint64_t nbytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
+  std::shared_ptr<shm::PoolBuffer> buf;
+  shm::Pool pool;
+  if (c.coll == Coll::AllReduce && c.in == c.out && (buf = shm::pool_find(uid_, c.in, nbytes)))
+    pool = {&buf->bases, buf->bytes,
+            static_cast<uint64_t>(static_cast<const char*>(c.in) - buf->bases[buf->rank])};
+  const shm::Pool* pp = buf ? &pool : nullptr;
   uint64_t seq = 0;
   if (rec_->on()) {
     const int64_t t = host::now_ns();
     seq = rec_->begin(coll_name(c.coll), dtype_name(c.dtype), op_name(c.op),
-                      shm::algo_name(ring.choose(c)), c.numel,
+                      shm::algo_name(ring.choose(c, pp)), c.numel,
                       static_cast<uint64_t>(c.numel) * dtype_size(c.dtype), source,
                       t_queued ? t_queued : t, t);
   }
   try {
-    ring.run(c, interrupted);
+    ring.run(c, interrupted, pp);
   } catch (const RingError& e) {
     if (!seq) throw;
     rec_->failed(seq, e.what());
@@ -475,6 +483,35 @@ std::vector<int> ShmComm::pids() {
   if (!comm_->closed())
     for (int r = 0; r < nranks_; ++r) out[r] = comm_->ring().pid_of(r);
   return out;
+}
+
+void ShmComm::pool_create(const std::string& name, int64_t bytes) {
+  TORCH_CHECK_VALUE(bytes > 0, "ringreduce: a shared buffer needs at least 1 byte, got ", bytes);
+  auto b = std::make_shared<shm::PoolBuffer>();
+  b->owner = uid_;
+  b->rank = rank_;
+  b->bytes = static_cast<uint64_t>(bytes);
+  b->bases.assign(nranks_, nullptr);
+  b->bases[rank_] = shm::pool_create(name, b->bytes);
+  pending_pool_ = std::move(b);
+}
+
+at::Tensor ShmComm::pool_attach(const std::vector<std::string>& names) {
+  TORCH_CHECK(pending_pool_, "ringreduce: pool_attach without pool_create");
+  TORCH_CHECK_VALUE(static_cast<int>(names.size()) == nranks_, "ringreduce: ", names.size(),
+                    " buffer names for ", nranks_, " ranks");
+  std::shared_ptr<shm::PoolBuffer> b = std::move(pending_pool_);
+  for (int q = 0; q < nranks_; ++q)
+    if (q != rank_) b->bases[q] = shm::pool_map(names[q], b->bytes);
+  shm::pool_register(b);
+  // The tensor's deleter drops the registration; the mappings go with the last reference.
+  return at::from_blob(
+      b->bases[rank_], {static_cast<int64_t>(b->bytes)},
+      [b](void*) mutable {
+        shm::pool_unregister(b.get());
+        b.reset();
+      },
+      at::TensorOptions().dtype(at::kByte));
 }
 
 }  // namespace ringreduce

@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -133,6 +134,15 @@ class ShmComm {
   const std::shared_ptr<host::Recorder>& recorder() { return rec_; }
   std::vector<int> pids();  // every rank's process id (0: not mapped yet)
 
+  // ringreduce.shared_empty, in two steps around the exchange of names (Python, the store):
+  // pool_create makes this rank's copy (bytes) under name; pool_attach maps the peers' copies
+  // (every rank's name, in rank order) and returns this rank's copy as a uint8 tensor, whose
+  // all-reduces on this communicator then read the peers' copies in place. pool_drop forgets a
+  // created copy that will not be attached.
+  void pool_create(const std::string& name, int64_t bytes);
+  at::Tensor pool_attach(const std::vector<std::string>& names);
+  void pool_drop() { pending_pool_.reset(); }
+
  private:
   // Runs one ring call on this thread (the executor claimed), recorded in the flight recorder as
   // made at t_queued (0: now) from source; a failure dumps the recorder and names the file.
@@ -144,6 +154,12 @@ class ShmComm {
   std::shared_ptr<host::Recorder> rec_;
   std::mutex close_mu_;
   int nranks_ = 0, rank_ = 0;
+  std::shared_ptr<shm::PoolBuffer> pending_pool_;  // made by pool_create, not yet attached
+  const uint64_t uid_ = next_uid();                // names this communicator to its pool buffers
+  static uint64_t next_uid() {
+    static std::atomic<uint64_t> n{0};
+    return ++n;
+  }
 };
 
 // Runs fn with an interrupt check when on the main thread: Ctrl-C aborts the group (the ring's

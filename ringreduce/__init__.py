@@ -20,7 +20,7 @@ from . import _C
 from ._comm import Communicator, destroy, get_communicator
 from ._lifecycle import RingReduceError, Work, dump_trace
 from .collectives import (SUPPORTED_DTYPES, all_gather_into_tensor, all_reduce, is_deterministic,
-                          reduce_scatter_tensor, set_deterministic)
+                          reduce_scatter_tensor, set_deterministic, shared_empty)
 from . import _lifecycle
 from . import backend as _backend
 from . import ddp, functional, nn, ops
@@ -36,5 +36,5 @@ __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "ReduceOp", "RingReduceError",
     "Communicator", "Work", "get_communicator", "destroy", "SUPPORTED_DTYPES",
     "ddp", "GradientBucketer", "functional", "nn", "dump_trace", "set_deterministic",
-    "is_deterministic",
+    "is_deterministic", "shared_empty",
 ]

@@ -33,8 +33,9 @@ YIELD_NS_OVERSUBSCRIBED = 1_000_000
 # Auto algorithm: one-shot for all-reduces up to this many bytes, the ring above. Measured on the
 # 2-core dev machine: at world 4 (oversubscribed) one-shot wins at 4-16 KiB, wins or ties at
 # 32 KiB, and loses at 64 KiB (BENCHMARKS.md section 5, four runs). At world 2 one-shot wins up to
-# 1 KiB and the ring from 2 KiB (section 13: 4 runs, one-shot 3-18% slower at 2-32 KiB in 27 of
-# 28 cells); section 5's runs, before the ring's later changes, had them tied up to 16 KiB.
+# 1 KiB and the ring from 2 KiB (section 13: 4 runs, one-shot 3-31% slower at 2-32 KiB in all 24
+# cells, faster at 512 B-1 KiB in 7 of 8); section 5's runs, before the ring's later changes, had
+# them tied up to 16 KiB.
 # Noisy machine; not measured with more ranks or on dedicated cores at world > 2.
 ONESHOT_MAX_BYTES = 32 << 10
 ONESHOT_MAX_BYTES_WORLD2 = 1 << 10
@@ -122,6 +123,34 @@ class Communicator(_lifecycle.Communicator):
     def algo_for(self, numel, dtype):
         """The algorithm ("ring", "oneshot", "twoshot" or "cma") an all_reduce of numel elements of dtype runs."""
         return self._native.algo(numel, torch.empty(0, dtype=dtype))
+
+    def shared_empty(self, shape, dtype):
+        """A tensor in a new buffer that every rank maps (ringreduce.shared_empty). Collective."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        es = torch.empty(0, dtype=dtype).element_size()
+        nbytes = max(numel * es, 1)
+        setup = Bootstrap(self.member, "pool", self.timeout)
+        name = "/ringreduce-pool-%d-%s" % (os.getpid(), uuid.uuid4().hex[:12])
+        self._native.pool_create(name, nbytes)
+        try:  # the name goes as soon as every rank mapped it (or on any failure): no leftovers
+            setup.set(f"buf/{self.rank}", f"{name} {nbytes}")
+            entries = [v.decode().split() for v in
+                       setup.all("buf", self.world_size, "shared buffer (ringreduce.shared_empty)")]
+            sizes = [int(b) for _, b in entries]
+            if len(set(sizes)) != 1:
+                self._native.pool_drop()
+                raise ValueError(f"ringreduce.shared_empty: every rank must ask for the same size "
+                                 f"and dtype; bytes asked by rank: {sizes}")
+            raw = self._native.pool_attach([n for n, _ in entries])
+            if not setup.count("mapped", self.world_size, self.timeout):
+                raise RingReduceError(
+                    f"ringreduce: rank {self.rank}: shared_empty timed out after "
+                    f"{self.timeout:g} s waiting for every rank to map the buffers")
+        finally:
+            _C.shm_unlink(name)
+        return raw[:numel * es].view(dtype).view(shape)
 
     # -- collectives (arguments already checked by ringreduce.collectives) --------------------
     # The native communicator runs every call in order on its own executor (csrc/host/executor.h):

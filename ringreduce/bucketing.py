@@ -17,7 +17,9 @@ same order) the gradients are copied into the bucket's flat buffer and an async 
 (AVG) is launched. wait() launches the buckets that are still open, waits for all of them, and
 writes the averaged gradients back into each parameter's .grad. The buckets hold one extra copy of
 the gradients (DDP's gradient_as_bucket_view avoids that copy; this class leaves .grad as ordinary
-tensors).
+tensors). On the CPU with every rank on one host, the buffers are ringreduce.shared_empty tensors
+(allocated the first time each bucket launches, in bucket order on every rank), whose all-reduce
+reads the peers' buffers in place instead of copying through shared slots.
 
 Parameters without a gradient. Each bucket carries one extra element per parameter, set to 1 on the
 ranks where that parameter got a gradient in this step (or in a no_sync() step since the last
@@ -41,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from ._lifecycle import traced_source
-from .collectives import SUPPORTED_DTYPES, all_reduce
+from . import _comm
+from .collectives import SUPPORTED_DTYPES, all_reduce, shared_empty
 
 # DDP's first bucket size (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): small, so that the first
 # collective starts as soon as the last layer's gradients exist.
@@ -102,6 +105,7 @@ class GradientBucketer:
         self._used = [False] * n       # got a gradient in a no_sync() backward since the last sync
         self._order = []               # firing order in the first synchronised step
         self._rebuilt = False
+        self._shared = None            # CPU buffers from shared_empty (decided on first launch)
         self._build(list(reversed(range(n))))
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                          for i, p in enumerate(unique)]
@@ -177,8 +181,11 @@ class GradientBucketer:
 
     def _launch(self, bucket):
         if bucket.buffer is None:
-            bucket.buffer = torch.empty(bucket.numel + len(bucket.indices), dtype=bucket.dtype,
-                                        device=bucket.device)
+            numel = bucket.numel + len(bucket.indices)
+            if bucket.device.type == "cpu" and self._one_host():
+                bucket.buffer = shared_empty(numel, dtype=bucket.dtype, group=self.group)
+            else:
+                bucket.buffer = torch.empty(numel, dtype=bucket.dtype, device=bucket.device)
         buf = bucket.buffer
         flags = []
         for i, off in zip(bucket.indices, bucket.offsets):
@@ -196,6 +203,15 @@ class GradientBucketer:
         with traced_source("bucketer"):
             bucket.work = all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
         self._next += 1
+
+    def _one_host(self):
+        """Whether the group's CPU communicator is the shared-memory ring (the same on every rank:
+        the plan is decided collectively)."""
+        if self._shared is None:
+            g = self.group if self.group is not None else dist.group.WORLD
+            comm = _comm.get_communicator(g)
+            self._shared = isinstance(comm, _comm.Communicator) and comm.transport == "shm"
+        return self._shared
 
     # -- public ------------------------------------------------------------------------------
     def wait(self):

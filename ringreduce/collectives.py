@@ -126,6 +126,32 @@ _is_compiling = torch.compiler.is_compiling
 _world = _c10d._world  # one object for the process's life; its default_pg changes
 
 
+def shared_empty(*size, dtype=None, group=None):
+    """An uninitialised CPU tensor in memory that every rank of group maps (like torch.empty).
+
+    all_reduce of this tensor (or of a contiguous part of it) on the same group reads the peers'
+    copies in place (one pass, rank order), where an ordinary tensor is copied through shared
+    slots. Collective: every rank of the group calls it, in the same order, with the same size and
+    dtype. The memory is freed with the tensor; nothing is left in /dev/shm. One host only (the
+    shared-memory transport)."""
+    fn = "shared_empty"
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in size):
+        raise ValueError(f"ringreduce.{fn}: size must be non-negative ints, got {size}")
+    dtype = dtype if dtype is not None else torch.get_default_dtype()
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"ringreduce.{fn}: dtype {dtype} is not supported; supported: "
+                        f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    comm = _comm_for(group, torch.device("cpu"), fn)
+    if comm is None:
+        return None
+    if not isinstance(comm, _comm.Communicator) or getattr(comm, "transport", None) != "shm":
+        raise ValueError(f"ringreduce.{fn}: the group spans more than one host; shared buffers "
+                         f"need every rank on one host (the shared-memory transport)")
+    return comm.shared_empty(size, dtype)
+
+
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduces tensor across the group in place; every rank ends with the same result."""
     entry = _fast.get(group)

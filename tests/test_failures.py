@@ -35,11 +35,13 @@ def raised(fn):
     return None, None, time.monotonic() - t0
 
 
-def victim_worker(rank, world, victim, how, ready_dir):
-    t = torch.ones(1 << 20)
+def victim_worker(rank, world, victim, how, ready_dir, shared=False):
+    def ones(n):  # shared: tensors in ringreduce.shared_empty buffers (the pool algorithm)
+        return rr.shared_empty(n).fill_(1.0) if shared else torch.ones(n)
+    t = ones(1 << 20)
     rr.all_reduce(t)  # communicator set up, every rank alive
     if how == "sigkill_inside_collective":
-        t = torch.ones(16 << 20)  # 64 MiB: tens of ms a call, so the kill lands inside one
+        t = ones(16 << 20)  # 64 MiB: tens of ms a call, so the kill lands inside one
     if rank == victim:
         if how == "exit_inside_collective":
             threading.Timer(0.2, lambda: os._exit(3)).start()
@@ -67,11 +69,13 @@ def victim_worker(rank, world, victim, how, ready_dir):
 @pytest.mark.parametrize("how,algo", [("sigkill_before_call", "auto"),
                                       ("sigkill_inside_collective", "auto"),
                                       ("exit_inside_collective", "auto"),
-                                      ("sigkill_inside_collective", "cma")])  # inside a peer read
+                                      ("sigkill_inside_collective", "cma"),  # inside a peer read
+                                      ("sigkill_inside_collective", "pool")])  # rr.shared_empty
 def test_dead_peer(how, algo, tmp_path):
     world, victim = 3, 1
-    procs, q, _ = spawn(world, victim_worker, victim, how, str(tmp_path),
-                        env={"RINGREDUCE_TIMEOUT": "60", "RINGREDUCE_ALGO": algo})
+    procs, q, _ = spawn(world, victim_worker, victim, how, str(tmp_path), algo == "pool",
+                        env={"RINGREDUCE_TIMEOUT": "60",
+                             "RINGREDUCE_ALGO": "auto" if algo == "pool" else algo})
     if how.startswith("sigkill"):
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists():

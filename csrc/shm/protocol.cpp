@@ -57,6 +57,7 @@ const char* algo_name(Algo a) {
     case Algo::OneShot: return "oneshot";
     case Algo::TwoShot: return "twoshot";
     case Algo::Cma: return "cma";
+    case Algo::Pool: return "pool";
   }
   return "unknown";
 }
@@ -289,16 +290,20 @@ void Ring::check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t e
     fail("ringreduce: rank " + std::to_string(from) + " ran " + describe(coll, dt, op, c.numel) +
          " with the " + algo_name(Algo(h->algo)) + " algorithm and rank " + std::to_string(opt_.rank) +
          " with " + algo_name(algo_) +
-         " (set RINGREDUCE_ALGO and RINGREDUCE_DETERMINISTIC the same on every rank)");
+         " (set RINGREDUCE_ALGO and RINGREDUCE_DETERMINISTIC the same on every rank, and pass a "
+         "ringreduce.shared_empty tensor on every rank or on none)");
   if (h->nbytes != expect_bytes)
     fail("ringreduce: rank " + std::to_string(opt_.rank) + ": message of " + std::to_string(h->nbytes) +
          " bytes from rank " + std::to_string(from) + " where " + std::to_string(expect_bytes) +
          " were expected (inconsistent schedules)");
 }
 
-Algo Ring::choose(const Call& c) const {
+Algo Ring::choose(const Call& c, const Pool* pool) const {
   if (opt_.nranks == 1 || c.coll == Coll::AllGather) return Algo::Ring;  // nothing to reduce
   const bool ar = c.coll == Coll::AllReduce;
+  // A pool tensor's all-reduce reads the peers' copies in place (rank order, so deterministic
+  // too), unless an algorithm is forced.
+  if (pool && ar && c.in == c.out && opt_.algo == Algo::Auto) return Algo::Pool;
   const bool small = ar && static_cast<uint64_t>(c.numel) * dtype_size(c.dtype) <= opt_.oneshot_max_bytes;
   if (opt_.algo == Algo::Cma) return Algo::Cma;  // rank order as well
   if (deterministic()) {  // rank order whatever RINGREDUCE_ALGO says
@@ -452,6 +457,9 @@ void Ring::read_peer(int q, void* local, uint64_t addr, size_t bytes, const Ctx&
       if (e == ESRCH || peer_dead(q))
         fail("ringreduce: rank " + std::to_string(opt_.rank) + ": " + where + ": peer rank " +
              std::to_string(q) + " (pid " + std::to_string(pid) + ") died");
+      // A peer that failed (another rank died, say) aborts the group before its call returns and
+      // frees the buffer being read (EFAULT here): report the abort, its cause, not the read.
+      if (broken()) raise_aborted(ctx);
       fail("ringreduce: rank " + std::to_string(opt_.rank) + ": " + where + ": reading rank " +
            std::to_string(q) + "'s memory (pid " + std::to_string(pid) + ") failed: " +
            std::strerror(e) +
@@ -482,14 +490,7 @@ void Ring::run_cma(const Call& c, Ctx& ctx) {
   const int64_t m = c.numel / n;
   auto chunk_of = [&](int k) { return ar ? ring::chunk(c.numel, n, k) : ring::Span{k * m, m}; };
   const int64_t out_shift = ar ? 0 : r * m;
-  auto say = [&](const void* payload, uint64_t bytes) {  // a wide message; returns its index
-    const uint32_t mi = sent_;
-    wait_all_consumed(mi + 1 - kSlots, ctx);
-    if (bytes) std::memcpy(slot(r, mi) + sizeof(MsgHeader), payload, bytes);
-    wide_until_ = mi + 1;
-    post_send(ctx, bytes);
-    return mi;
-  };
+  auto say = [&](const void* payload, uint64_t bytes) { return say_wide(ctx, payload, bytes); };
   ctx.phase = "cma addresses";
   ctx.step = 0;
   ctx.slice = 0;
@@ -551,9 +552,75 @@ void Ring::run_cma(const Call& c, Ctx& ctx) {
   release_wide(m2);
 }
 
+// A wide message (read by every rank) with a small payload; returns its index.
+uint32_t Ring::say_wide(const Ctx& ctx, const void* payload, uint64_t bytes) {
+  const uint32_t mi = sent_;
+  wait_all_consumed(mi + 1 - kSlots, ctx);
+  if (bytes) std::memcpy(slot(opt_.rank, mi) + sizeof(MsgHeader), payload, bytes);
+  wide_until_ = mi + 1;
+  post_send(ctx, bytes);
+  return mi;
+}
+
+// Pool: the peers' copies of the buffer are mapped here, so one pass does it. 1: every rank says
+// where its tensor lies in its buffer (which also says its data is ready). 2: rank r folds chunk r
+// of the N tensors in rank order, a block at a time, and writes each finished block into every
+// rank's tensor; then it says so. It returns once every rank has: then no one reads or writes its
+// tensor any more. Each rank reads and writes 1/N of every tensor: the bytes of the
+// memory-bandwidth floor. Safe in place: chunk r of any tensor is read and written only by rank r,
+// each block's sources read before its results are written.
+void Ring::run_pool(const Call& c, Ctx& ctx, const Pool& pool) {
+  const int n = opt_.nranks, r = opt_.rank;
+  const size_t es = dtype_size(c.dtype);
+  const uint64_t bytes = static_cast<uint64_t>(c.numel) * es;
+  const std::vector<char*>& bases = *pool.bases;
+  ctx.phase = "pool offsets";
+  ctx.step = 0;
+  ctx.slice = 0;
+  const uint32_t m0 = say_wide(ctx, &pool.off, sizeof pool.off);
+  std::vector<char*>& at = pool_at_;
+  at.assign(n, nullptr);
+  for (int q = 0; q < n; ++q) {
+    uint64_t off = pool.off;
+    if (q != r) {
+      ctx.step = q;
+      std::memcpy(&off, recv_wide(ctx, q, m0, sizeof off), sizeof off);
+    }
+    if (off > pool.bytes || bytes > pool.bytes - off)
+      fail("ringreduce: rank " + std::to_string(r) + ": all_reduce #" + std::to_string(op_seq_) +
+           ": rank " + std::to_string(q) + "'s tensor (" + std::to_string(bytes) + " bytes at " +
+           std::to_string(off) + ") lies outside its shared buffer of " + std::to_string(pool.bytes) +
+           " bytes (ringreduce.shared_empty buffers of other sizes?)");
+    at[q] = bases[q] + off;
+  }
+  release_wide(m0);
+
+  ctx.phase = "pool reduce";
+  const ring::Span mine = ring::chunk(c.numel, n, r);
+  const int64_t B = std::max<int64_t>(1, static_cast<int64_t>((64 << 10) / es));  // stays in L2
+  srcs_.resize(n);
+  for (int64_t b = 0; b < mine.count; b += B) {
+    const int64_t cnt = std::min(B, mine.count - b);
+    const size_t from = static_cast<size_t>(mine.begin + b) * es;
+    for (int q = 0; q < n; ++q) srcs_[q] = at[q] + from;
+    char* own = at[r] + from;
+    cpu::reduce_rows(c.dtype, c.op, own, srcs_.data(), n, cnt, c.op == RedOp::Avg ? n : 1);
+    for (int q = 0; q < n; ++q)
+      if (q != r) std::memcpy(at[q] + from, own, cnt * es);
+  }
+  ctx.phase = "pool done";
+  const uint32_t m1 = say_wide(ctx, nullptr, 0);
+  for (int q = 0; q < n; ++q) {
+    if (q == r) continue;
+    ctx.step = q;
+    recv_wide(ctx, q, m1, 0);
+  }
+  release_wide(m1);
+}
+
 void Ring::release_recv() { post(areas_[opt_.rank].consumed, ++received_); }
 
-void Ring::run(const Call& c, const std::function<bool()>* interrupted) {
+void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Pool* pool) {
   interrupted_ = interrupted;
   if (broken()) {
     broken_ = true;
@@ -565,7 +632,7 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted) {
                                 std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
   ++op_seq_;
   msg_in_call_ = 0;
-  algo_ = choose(c);
+  algo_ = choose(c, pool);
   const size_t es = dtype_size(c.dtype);
   const char* in = static_cast<const char*>(c.in);
   char* out = static_cast<char*>(c.out);
@@ -578,6 +645,7 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted) {
   if (algo_ == Algo::OneShot) return run_oneshot(c, ctx);
   if (algo_ == Algo::TwoShot) return run_twoshot(c, ctx);
   if (algo_ == Algo::Cma) return run_cma(c, ctx);
+  if (algo_ == Algo::Pool) return run_pool(c, ctx, *pool);
   const bool ar = c.coll == Coll::AllReduce;
   const bool rs = c.coll != Coll::AllGather, ag = c.coll != Coll::ReduceScatter;
   const int64_t m = c.numel / n;

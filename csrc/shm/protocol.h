@@ -48,7 +48,9 @@ struct alignas(64) GroupHeader {
 // One-shot and two-shot give every element the bits of ((x0 op x1) op x2) ... (deterministic mode).
 // Cma (RINGREDUCE_ALGO=cma, opt-in): two-shot's schedule with the data read straight from the
 // peers' buffers by cross-memory attach (process_vm_readv), no slot copies; rank order too.
-enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3, Cma = 4 };
+// Pool: a tensor in a buffer every rank maps (ringreduce.shared_empty): rank r folds chunk r of
+// every rank's tensor in rank order and writes it into all of them, one pass, no slots.
+enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3, Cma = 4, Pool = 5 };
 const char* algo_name(Algo a);
 
 // Every message carries the call it belongs to, so a reader checks it before touching data.
@@ -63,6 +65,14 @@ struct alignas(64) MsgHeader {
 size_t segment_bytes(int nranks, size_t slice_bytes);
 // Called once by the creating rank on a zeroed mapping of segment_bytes().
 void init_segment(void* base, int nranks, size_t slice_bytes);
+
+// A call's tensor in a pool buffer: every rank's copy of the buffer mapped in this process (rank
+// order; all the same size), and the tensor's byte offset in this rank's copy.
+struct Pool {
+  const std::vector<char*>* bases = nullptr;
+  uint64_t bytes = 0;
+  uint64_t off = 0;
+};
 
 struct Options {
   int rank = 0;
@@ -81,14 +91,16 @@ class Ring {
   // Runs one collective. Throws RingError on timeout, dead peer, mismatch or abort; after that the
   // ring is broken and every later call throws at once. interrupted (optional) is polled while
   // waiting, every 50 ms: true aborts the group (the binding uses it for Ctrl-C).
-  void run(const Call& c, const std::function<bool()>* interrupted = nullptr);
+  // pool: the call's tensor lies in a pool buffer (all-reduce in place): Auto runs Algo::Pool.
+  void run(const Call& c, const std::function<bool()>* interrupted = nullptr,
+           const Pool* pool = nullptr);
   // Marks the whole group broken (all ranks raise); safe from any thread.
   void abort(const std::string& why);
   bool broken() const;
   std::string abort_reason() const;
   uint64_t op_seq() const { return op_seq_; }
   // The algorithm run() uses for c (Auto resolved; rank order when ringreduce::deterministic()).
-  Algo choose(const Call& c) const;
+  Algo choose(const Call& c, const Pool* pool = nullptr) const;
   size_t slice_bytes() const { return slice_bytes_; }
   // What this rank waits for now, as a JSON object (the flight recorder's "waiting"), or "" when
   // no wait has outlasted its spin. Kept after a failed wait. Safe from any thread.
@@ -108,6 +120,8 @@ class Ring {
   void run_oneshot(const Call& c, Ctx& ctx);
   void run_twoshot(const Call& c, Ctx& ctx);
   void run_cma(const Call& c, Ctx& ctx);
+  void run_pool(const Call& c, Ctx& ctx, const Pool& pool);
+  uint32_t say_wide(const Ctx& ctx, const void* payload, uint64_t bytes);  // returns its index
   // Copies bytes at addr in rank q's memory to local (process_vm_readv); fails the ring on error.
   void read_peer(int q, void* local, uint64_t addr, size_t bytes, const Ctx& ctx);
   // Waits for message m of every other rank (a wide message) and checks its header.
@@ -133,6 +147,7 @@ class Ring {
   std::vector<const void*> srcs_;  // one-shot/two-shot: the N sources of a slice, in rank order
   std::vector<uint64_t> peer_in_, peer_out_;  // cma: the peers' buffers in the current call
   std::vector<char> scratch_;                 // cma: a block of every peer's chunk
+  std::vector<char*> pool_at_;                // pool: every rank's tensor, mapped here
   // The slow wait in progress (wait_peer_ -1: none); written by the ring's thread only.
   std::atomic<int> wait_peer_{-1};
   std::atomic<const char*> wait_what_{""}, wait_phase_{""};

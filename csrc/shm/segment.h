@@ -2,6 +2,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "shm/protocol.h"
 
@@ -29,5 +30,28 @@ class Comm {
   size_t bytes_ = 0;
   std::unique_ptr<Ring> ring_;
 };
+
+// A pool buffer (ringreduce.shared_empty): this rank's copy, made here, and every peer's copy,
+// mapped here, so that an all-reduce of a tensor in it reads the peers' data by plain loads.
+// Unmapped when the last reference goes (the tensor's deleter and any call in flight hold one).
+struct PoolBuffer {
+  uint64_t owner = 0;           // the communicator it was made for (a process-unique id)
+  int rank = 0;                 // bases[rank] is this rank's copy
+  std::vector<char*> bases;     // every rank's copy, in rank order (null: not mapped)
+  uint64_t bytes = 0;           // of each copy
+  ~PoolBuffer();
+};
+
+// Creates (O_EXCL) and maps a segment of bytes; the caller unlinks the name once the peers mapped it.
+char* pool_create(const std::string& name, uint64_t bytes);
+// Maps another rank's segment, which must be bytes long.
+char* pool_map(const std::string& name, uint64_t bytes);
+void pool_unmap(char* base, uint64_t bytes);
+
+// Buffers in use, by their owner's copy. pool_find: the buffer made for owner whose copy holds
+// [p, p + bytes), or null (cheap when no buffer exists).
+void pool_register(const std::shared_ptr<PoolBuffer>& b);
+void pool_unregister(const PoolBuffer* b);
+std::shared_ptr<PoolBuffer> pool_find(uint64_t owner, const void* p, uint64_t bytes);
 
 }  // namespace ringreduce::shm

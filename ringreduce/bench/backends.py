@@ -46,10 +46,14 @@ class RingReduce:
         self.label = label
         variant = label.split("/", 1)[1]
         self.algo = variant if variant in ALGOS else None
-        self.transport = "shm" if self.algo or variant == "hier" else variant
+        self.pool = variant == "pool"  # all_reduce of a ringreduce.shared_empty tensor
+        self.transport = "shm" if self.algo or self.pool or variant == "hier" else variant
         self.op = REDUCE_OPS[op]
         self.group = None
-        if self.algo or variant == "hier":
+        self._pooled = None
+        if self.pool:
+            self.group = dist.new_group(backend="gloo")
+        elif self.algo or variant == "hier":
             from ringreduce import _comm
             self.group = dist.new_group(backend="gloo")
             options = {"algo": self.algo} if self.algo else \
@@ -57,11 +61,23 @@ class RingReduce:
             _comm.get_communicator(self.group, **options)  # collective: every rank is here
 
     def supports(self, collective, dtype):
+        if self.pool and collective != "all_reduce":
+            return "shared buffers serve all_reduce only"
         if self.algo in ("twoshot", "cma") and collective == "all_gather":
             return "all_gather always runs the ring"
         if self.algo and self.algo not in ("twoshot", "cma") and collective != "all_reduce":
             return "reduce_scatter and all_gather always run the ring"
         return None  # every collective, dtype and op
+
+    def own_tensor(self, like):
+        """ringreduce/pool: a shared_empty tensor shaped like `like` (collective; one kept)."""
+        if not self.pool:
+            return like
+        t = self._pooled
+        if t is None or t.shape != like.shape or t.dtype != like.dtype:
+            self._pooled = None  # the previous size's buffer goes first
+            t = self._pooled = rr.shared_empty(like.shape, dtype=like.dtype, group=self.group)
+        return t
 
     def _select(self):
         if RingReduce._transport != self.transport:

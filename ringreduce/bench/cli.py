@@ -27,7 +27,7 @@ DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "b
 OPS = ("sum", "prod", "min", "max", "avg")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot",
-            "ringreduce/twoshot", "ringreduce/cma", "ringreduce/hier",
+            "ringreduce/twoshot", "ringreduce/cma", "ringreduce/pool", "ringreduce/hier",
             "ringreduce/p2p", "ringreduce/nccl", "torch", "torch/ringreduce", "ps", "mpi",
             "mpi/openmpi", "mpi/mpich", "deepspeed")
 PEERS_HINT = "pip install '.[peers]'"
@@ -127,7 +127,7 @@ def build_parser():
                    default=list(COLLECTIVES), help="comma list (default all)")
     p.add_argument("--backends", type=_choice_list(BACKENDS, "backend"),
                    default=["ringreduce", "torch", "torch/ringreduce", "ps"],
-                   help="comma list of ringreduce[/shm|/ring|/oneshot|/twoshot|/cma|/p2p|/nccl] (ringreduce on "
+                   help="comma list of ringreduce[/shm|/ring|/oneshot|/twoshot|/cma|/pool|/p2p|/nccl] (ringreduce on "
                         "the CPU: auto, ring and one-shot algorithms), torch (Gloo or NCCL), "
                         "torch/ringreduce (torch.distributed calls on ringreduce's backend), ps, "
                         "mpi[/openmpi|/mpich] (mpi4py; every MPI installed, or one; the suite starts "
@@ -263,7 +263,7 @@ def expand_backends(names, device, parser, hosts=1):
             transport = name.split("/", 1)[1]
             if transport == "hier" and hosts < 2:
                 parser.error(f"--backends {name} needs --hosts H with H >= 2 simulated hosts")
-            if transport in ("ring", "oneshot", "twoshot", "cma", "hier"):
+            if transport in ("ring", "oneshot", "twoshot", "cma", "pool", "hier"):
                 transport = "shm"  # an algorithm of the shm transport
             if (transport == "shm") != (device == "cpu"):
                 parser.error(f"--backends {name}: transport {transport} does not move "

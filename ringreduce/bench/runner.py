@@ -49,16 +49,18 @@ class Buffers:
         """Resets the buffers (untimed); returns (timed call, tensor holding this rank's result)."""
         c, r = self.chunk, self.rank
         if self.collective == "all_reduce":
+            own = getattr(backend, "own_tensor", None)  # ringreduce/pool: its shared buffer
+            t = own(self.out) if own else self.out
             if inplace:
-                self.out.copy_(self.ref.input)
-                return (lambda: backend.all_reduce(self.out)), self.out
+                t.copy_(self.ref.input)
+                return (lambda: backend.all_reduce(t)), t
             self.inp.copy_(self.ref.input)
-            self.out.fill_(self.sentinel)
+            t.fill_(self.sentinel)
 
             def out_of_place():  # all_reduce is in place only: the copy is part of the call
-                self.out.copy_(self.inp)
-                backend.all_reduce(self.out)
-            return out_of_place, self.out
+                t.copy_(self.inp)
+                backend.all_reduce(t)
+            return out_of_place, t
         if self.collective == "reduce_scatter":
             self.inp.copy_(self.ref.input)
             if inplace:

@@ -298,6 +298,70 @@ static void algorithm_mismatch(bool by_env) {
   CHECK(secs < 5.0, "raised well within the timeout: %.2f s", secs);
 }
 
+// Pool: every rank's tensor in a buffer every rank sees (here: one process, so plain pointers), at
+// an offset of its own; the all-reduce reads the peers' tensors in place. Exact, the same bits on
+// every rank. A rank without the buffer fails every rank, naming the cause.
+static void pool_sweep(int n) {
+  const std::vector<int64_t> sizes = {0, 1, n - 1, n + 1, 1001, 12345};
+  const int64_t max_numel = 12345;
+  for (DType t : kTypes) {
+    const size_t es = dtype_size(t);
+    const uint64_t bytes = (max_numel + 8 * n) * es;
+    std::vector<std::vector<char>> bufs(n, std::vector<char>(bytes));
+    std::vector<char*> bases(n);
+    for (int r = 0; r < n; ++r) bases[r] = bufs[r].data();
+    for (int opi = 0; opi < static_cast<int>(RedOp::kCount); ++opi) {
+      const RedOp op = RedOp(opi);
+      for (int64_t numel : sizes) {
+        with_ring(n, 1024, 30.0, [&](int r, Ring& ring) {
+          const uint64_t off = static_cast<uint64_t>(r) * 3 * es;  // ranks at different offsets
+          char* x = bases[r] + off;
+          for (int64_t i = 0; i < numel; ++i) put(t, x, i, value(r, i));
+          const shm::Pool pool{&bases, bytes, off};
+          const Call c{Coll::AllReduce, t, op, numel, x, x};
+          CHECK(ring.choose(c, &pool) == (n == 1 ? shm::Algo::Ring : shm::Algo::Pool),
+                "a pool tensor's all_reduce runs pool (n=%d)", n);
+          ring.run(c, nullptr, &pool);
+        });
+        for (int r = 0; r < n; ++r) {
+          const char* x = bases[r] + static_cast<uint64_t>(r) * 3 * es;
+          for (int64_t i = 0; i < numel; ++i) {
+            char want[8] = {0};
+            expect_at(t, op, n, i, want);
+            if (std::memcmp(x + i * es, want, es) != 0) {
+              CHECK(false, "pool n=%d %s %s numel=%lld rank %d element %lld wrong", n,
+                    dtype_name(t), op_name(op), (long long)numel, r, (long long)i);
+              break;
+            }
+          }
+        }
+      }
+    }
+  }
+  if (n < 2) return;
+  // One rank's tensor is not in the buffer: every rank raises, within the timeout, naming it.
+  std::atomic<int> raised{0}, named{0};
+  std::vector<std::vector<float>> bufs(n, std::vector<float>(64, 1.0f));
+  std::vector<char*> bases(n);
+  for (int r = 0; r < n; ++r) bases[r] = reinterpret_cast<char*>(bufs[r].data());
+  with_ring(n, 1024, 10.0, [&](int r, Ring& ring) {
+    std::vector<float> own(64, 1.0f);
+    float* x = r == n - 1 ? own.data() : bufs[r].data();
+    const shm::Pool pool{&bases, 64 * sizeof(float), 0};
+    try {
+      ring.run({Coll::AllReduce, DType::F32, RedOp::Sum, 64, x, x}, nullptr,
+               r == n - 1 ? nullptr : &pool);
+    } catch (const RingError& e) {
+      ++raised;
+      const std::string w = e.what();
+      if (w.find("shared_empty") != std::string::npos || w.find("aborted the group") != std::string::npos)
+        ++named;
+    }
+  });
+  CHECK(raised == n && named == n, "pool mismatch: %d raised, %d named it (n=%d)", raised.load(),
+        named.load(), n);
+}
+
 static void timeout() {
   const int n = 3;
   std::atomic<int> raised{0};
@@ -333,6 +397,9 @@ int main() {
       g_algo = shm::Algo::Ring;
     }
   }
+  g_algo = shm::Algo::Auto;
+  for (int n = 1; n <= 5; ++n) pool_sweep(n);
+  g_algo = shm::Algo::Ring;
   bitwise_floats();
   g_algo = shm::Algo::OneShot;
   bitwise_floats();
