@@ -83,8 +83,10 @@ char* map_fd(int fd, const std::string& name, uint64_t bytes) {
   return static_cast<char*>(p);
 }
 
-std::mutex pool_mu;
-std::map<uintptr_t, std::shared_ptr<PoolBuffer>> pool_bufs;  // by the owner's copy
+// Never destroyed: a tensor freed during exit, after static destructors, still finds them.
+std::mutex& pool_mu = *new std::mutex;
+std::map<uintptr_t, std::shared_ptr<PoolBuffer>>& pool_bufs =  // by the owner's copy
+    *new std::map<uintptr_t, std::shared_ptr<PoolBuffer>>;
 std::atomic<int> pool_live{0};
 }  // namespace
 
