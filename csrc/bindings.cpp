@@ -157,10 +157,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // returns its Work. Non-contiguous tensors are run through contiguous copies.
   py::class_<ShmComm, ShmPtr>(m, "ShmComm")
       .def(py::init<const std::string&, bool, int, int, size_t, double, int64_t, int64_t,
-                    const std::string&, int64_t, int64_t>(),
+                    const std::string&, int64_t, int64_t, const std::string&>(),
            py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("nranks"), py::arg("slice_bytes"),
            py::arg("timeout_s"), py::arg("spin_ns"), py::arg("yield_ns") = 0, py::arg("algo") = "auto",
-           py::arg("oneshot_max_bytes") = 0, py::arg("trace_buffer") = 2000)
+           py::arg("oneshot_max_bytes") = 0, py::arg("trace_buffer") = 2000, py::arg("stream") = "auto")
       .def("recorder", &ShmComm::recorder, "this communicator's flight recorder")
       .def("pids", &ShmComm::pids, "every rank's process id")
       .def("pool_create", &ShmComm::pool_create, py::arg("name"), py::arg("bytes"))
@@ -188,6 +188,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("slice_bytes", &ShmComm::slice_bytes)
       .def("op_seq", &ShmComm::op_seq)
       .def("algo", &ShmComm::algo, py::arg("numel"), py::arg("like"))
+      .def("stream_switches", &ShmComm::stream_switches,
+           "how often RINGREDUCE_STREAM=auto switched to non-temporal stores after a slow copy")
       .def("inflight", &ShmComm::inflight, "calls queued or running")
       .def("synchronize", [](ShmComm& c) { c.synchronize(/*gil=*/true); },
            "waits until every call made so far has finished")

@@ -187,7 +187,7 @@ void with_interrupts(const std::function<bool(const Executor::Interrupted*)>& fn
 
 ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
                  double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
-                 int64_t oneshot_max_bytes, int64_t trace_buffer) {
+                 int64_t oneshot_max_bytes, int64_t trace_buffer, const std::string& stream) {
   shm::Options opt;
   opt.rank = rank;
   opt.nranks = nranks;
@@ -198,6 +198,10 @@ ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, siz
   TORCH_CHECK_VALUE(oneshot_max_bytes >= 0, "ringreduce: oneshot_max_bytes must be >= 0, got ",
                     oneshot_max_bytes);
   opt.oneshot_max_bytes = static_cast<size_t>(oneshot_max_bytes);
+  using Stream = shm::Options::Stream;
+  TORCH_CHECK_VALUE(stream == "auto" || stream == "0" || stream == "1",
+                    "ringreduce: RINGREDUCE_STREAM must be auto, 0 or 1, got '", stream, "'");
+  opt.stream = stream == "auto" ? Stream::Auto : stream == "1" ? Stream::Always : Stream::Never;
   nranks_ = nranks;
   rank_ = rank;
   TORCH_CHECK_VALUE(slice_bytes >= 64, "ringreduce: slice_bytes must be >= 64, got ", slice_bytes);

@@ -97,7 +97,7 @@ class ShmComm {
  public:
   ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
           double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
-          int64_t oneshot_max_bytes, int64_t trace_buffer);
+          int64_t oneshot_max_bytes, int64_t trace_buffer, const std::string& stream = "auto");
   ~ShmComm();
 
   int nranks() const { return nranks_; }
@@ -126,6 +126,7 @@ class ShmComm {
   int64_t slice_bytes();
   int64_t op_seq();
   std::string algo(int64_t numel, const at::Tensor& like);
+  uint64_t stream_switches() { return comm_->ring().stream_switches(); }
   int inflight() { return exec_->inflight(); }
   void synchronize(bool gil);
   // Stops the executor (queued calls run or fail first), then unmaps. Call without the GIL.

@@ -69,6 +69,9 @@ class Communicator(_lifecycle.Communicator):
         self.algo = algo if algo is not None else algo_from_env()
         if self.algo not in ALGOS:
             raise ValueError(f"ringreduce: algo must be one of {', '.join(ALGOS)}, got {self.algo!r}")
+        self.stream = (os.environ.get("RINGREDUCE_STREAM") or "auto").strip().lower()
+        if self.stream not in ("auto", "0", "1"):
+            raise ValueError(f"RINGREDUCE_STREAM must be auto, 0 or 1, got {self.stream!r}")
         self.oneshot_max_bytes = env_int(
             "RINGREDUCE_ONESHOT_MAX_BYTES",
             ONESHOT_MAX_BYTES_WORLD2 if self.world_size == 2 else ONESHOT_MAX_BYTES)
@@ -115,7 +118,8 @@ class Communicator(_lifecycle.Communicator):
 
     def _tuning(self):
         return dict(spin_ns=self.spin_ns, yield_ns=self.yield_ns, algo=self.algo,
-                    oneshot_max_bytes=self.oneshot_max_bytes, trace_buffer=self.trace_buffer)
+                    oneshot_max_bytes=self.oneshot_max_bytes, trace_buffer=self.trace_buffer,
+                    stream=self.stream)
 
     def _pids(self):
         return self._native.pids()

@@ -234,12 +234,19 @@ def test_not_initialized():
     assert rr.ReduceOp is dist.ReduceOp
 
 
-@pytest.mark.parametrize("algo", ["ring", "oneshot", "twoshot", "cma"])
-def test_forced_algorithm(algo):
-    """RINGREDUCE_ALGO forces one algorithm at every size (one-shot over several slices too);
-    results exact within the dtype's tolerance and bitwise identical on every rank."""
-    sizes = [0, 1, 5, 40000]
-    env = {"RINGREDUCE_ALGO": algo, "RINGREDUCE_SLICE_BYTES": "4096"}
+# RINGREDUCE_ALGO forces one algorithm at every size (one-shot over several slices too);
+# RINGREDUCE_STREAM=1 writes every slot of >= 32 KiB with non-temporal stores, 0 never (64 KiB
+# slices: the ring's, one-shot's and reduce-scatter's slots).
+FORCED = {f"algo={a}": ({"RINGREDUCE_ALGO": a, "RINGREDUCE_SLICE_BYTES": "4096"}, [0, 1, 5, 40000])
+          for a in ("ring", "oneshot", "twoshot", "cma")}
+FORCED.update({f"stream={s}": ({"RINGREDUCE_STREAM": s, "RINGREDUCE_SLICE_BYTES": "65536"},
+                               [1, 70000, 300000]) for s in ("1", "0")})
+
+
+@pytest.mark.parametrize("forced", sorted(FORCED))
+def test_forced_setting(forced):
+    """Results exact within the dtype's tolerance and bitwise identical on every rank."""
+    env, sizes = FORCED[forced]
     results = run_ranks(3, sweep_worker, sizes, [torch.float32, torch.float16, torch.int32],
                         OPS, timeout=300, env=env)
     for failures, _ in results:
@@ -258,6 +265,13 @@ def algo_worker(rank, world):
         _comm.Communicator(dist.new_group(), algo="fastest")
     except ValueError as e:
         out["bad"] = str(e)
+    os.environ["RINGREDUCE_STREAM"] = "sometimes"
+    try:
+        _comm.Communicator(dist.new_group())
+    except ValueError as e:
+        out["bad_stream"] = str(e)
+    del os.environ["RINGREDUCE_STREAM"]
+    out["stream_switches"] = comm._native.stream_switches()
     return out
 
 
@@ -266,6 +280,8 @@ def test_auto_algorithm_choice_and_bad_name():
         assert (out["small"], out["above"], out["large"]) == ("oneshot", "ring", "ring"), out
         assert out["default"] == "auto"
         assert "algo must be one of auto, ring, oneshot, twoshot, cma, got 'fastest'" in out["bad"], out
+        assert "RINGREDUCE_STREAM must be auto, 0 or 1, got 'sometimes'" in out["bad_stream"], out
+        assert out["stream_switches"] == 0, out  # 16 B: below the size where copies are timed
 
 
 def fast_path_worker(rank, world):

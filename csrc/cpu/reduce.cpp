@@ -233,6 +233,24 @@ void reduce_rows(DType t, RedOp op, void* dst, const void* const* srcs, int nsrc
   dispatch(t, [&](auto tag) { rows_t<decltype(tag)>(op, dst, srcs, nsrc, n, divisor); });
 }
 
+void copy_stream(void* dst, const void* src, size_t n) {
+#if defined(__x86_64__)
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(d) % 16) % 16);
+  std::memcpy(d, s, head);
+  d += head, s += head, n -= head;
+  for (; n >= 64; n -= 64, d += 64, s += 64)  // SSE2 is in every x86-64: no dispatch needed
+    for (int k = 0; k < 64; k += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + k),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k)));
+  std::memcpy(d, s, n);
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
 void divide(DType t, void* dst, const void* src, int64_t n, int divisor) {
   if (n <= 0) return;
   // MAX of x with itself is x; AVG with divisor applies the division only.

@@ -32,6 +32,11 @@ void reduce_rows(DType t, RedOp op, void* dst, const void* const* srcs, int nsrc
 // dst[i] = src[i] / divisor, same rules as above (AVG on a single rank).
 void divide(DType t, void* dst, const void* src, int64_t n, int divisor);
 
+// memcpy with non-temporal stores, then a store fence (so a later release store publishes the
+// data): the lines go to memory instead of staying in this core's cache. For data another core
+// reads next, where an ordinary store would first have to take the line from that core's cache.
+void copy_stream(void* dst, const void* src, size_t n);
+
 // fp16 <-> fp32 conversions (round to nearest even), exposed for tests.
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);

@@ -117,6 +117,30 @@ Ring::Ring(void* base, size_t bytes, const Options& opt) : opt_(opt) {
   if (opt.algo == Algo::Cma) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
 }
 
+// On this VM an ordinary store to a line another core has cached is sometimes ~20x slower than
+// usual for seconds at a time (BENCHMARKS.md section 14); non-temporal stores do not slow down
+// then, but cost 2-3x the fast state's time (the reader fetches the data from memory). So copy
+// with ordinary stores, time each copy, and stream for a while after a run of slow ones.
+void Ring::put(void* dst, const void* src, size_t bytes) {
+  using Opt = Options::Stream;
+  if (bytes < kStreamMinBytes || opt_.stream == Opt::Never) return (void)std::memcpy(dst, src, bytes);
+  if (opt_.stream == Opt::Always) return cpu::copy_stream(dst, src, bytes);
+  const auto ns = [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  };
+  const int64_t t0 = ns();
+  if (t0 < stream_until_ns_) return cpu::copy_stream(dst, src, bytes);
+  std::memcpy(dst, src, bytes);
+  const int64_t t1 = ns();
+  // One slow copy is an interrupt or a preemption; the slow state makes every copy slow.
+  slow_copies_ = static_cast<uint64_t>(t1 - t0) * kSlowBytesPerNs > bytes ? slow_copies_ + 1 : 0;
+  if (slow_copies_ >= kSlowCopiesToStream) {
+    slow_copies_ = 0;
+    stream_until_ns_ = t1 + kStreamHoldNs;
+    stream_switches_.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
 char* Ring::slot(int r, uint32_t m) const {
   return slots_ + (static_cast<size_t>(r) * kSlots + m % kSlots) * slot_stride_;
 }
@@ -350,7 +374,7 @@ void Ring::run_oneshot(const Call& c, Ctx& ctx) {
     const uint64_t bytes = sp.count * es;
     const uint32_t m = sent_;
     wait_all_consumed(m + 1 - kSlots, ctx);
-    std::memcpy(slot(r, m) + sizeof(MsgHeader), in + sp.begin * es, bytes);
+    put(slot(r, m) + sizeof(MsgHeader), in + sp.begin * es, bytes);
     wide_until_ = m + 1;  // before post: from here this slot is read by every rank
     post_send(ctx, bytes);
     for (int k = 0; k < n; ++k) {
@@ -397,7 +421,7 @@ void Ring::run_twoshot(const Call& c, Ctx& ctx) {
     for (int k = 0; k < n; ++k) {
       if (k == r) continue;
       const ring::Span sp = ring::slice(chunk_of(k), j, P);
-      std::memcpy(parts + at(r, k), in + sp.begin * es, sp.count * es);
+      put(parts + at(r, k), in + sp.begin * es, sp.count * es);
     }
     wide_until_ = ma + 1;
     post_send(ctx, parts_bytes(j));
@@ -424,7 +448,7 @@ void Ring::run_twoshot(const Call& c, Ctx& ctx) {
     ctx.step = 0;
     const uint32_t mb = sent_;
     wait_all_consumed(mb + 1 - kSlots, ctx);
-    std::memcpy(slot(r, mb) + sizeof(MsgHeader), dst, mine.count * es);
+    put(slot(r, mb) + sizeof(MsgHeader), dst, mine.count * es);
     wide_until_ = mb + 1;
     post_send(ctx, mine.count * es);
     // In place, slice j+1's parts are still unread input: publishing them before the copy-out
@@ -606,7 +630,7 @@ void Ring::run_pool(const Call& c, Ctx& ctx, const Pool& pool) {
     char* own = at[r] + from;
     cpu::reduce_rows(c.dtype, c.op, own, srcs_.data(), n, cnt, c.op == RedOp::Avg ? n : 1);
     for (int q = 0; q < n; ++q)
-      if (q != r) std::memcpy(at[q] + from, own, cnt * es);
+      if (q != r) put(at[q] + from, own, cnt * es);
   }
   ctx.phase = "pool done";
   const uint32_t m1 = say_wide(ctx, nullptr, 0);
@@ -663,7 +687,7 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Po
       ctx.step = 0;
       const ring::Span sp = ring::slice(chunk_of(ring::rs_send_chunk(r, 0, n)), j, S);
       char* d = acquire_send(ctx);
-      std::memcpy(d, in + sp.begin * es, sp.count * es);
+      put(d, in + sp.begin * es, sp.count * es);
       post_send(ctx, sp.count * es);
       for (int s = 0; s < n - 1; ++s) {
         ctx.step = s;
@@ -680,7 +704,7 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Po
           cpu::reduce(c.dtype, c.op, dst, src, own, rp.count, divisor);
           if (ag) {
             char* sd = acquire_send(ctx);
-            std::memcpy(sd, dst, bytes);
+            put(sd, dst, bytes);
             post_send(ctx, bytes);
           }
         }
@@ -695,7 +719,7 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Po
         const char* src = in + (sp.begin - in_shift) * es;
         if (src != out + sp.begin * es) std::memmove(out + sp.begin * es, src, sp.count * es);
         char* d = acquire_send(ctx);
-        std::memcpy(d, src, sp.count * es);
+        put(d, src, sp.count * es);
         post_send(ctx, sp.count * es);
       }
       for (int t = 0; t < n - 1; ++t) {
@@ -706,7 +730,7 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Po
         std::memcpy(out + rp.begin * es, src, bytes);
         if (t < n - 2) {  // recv, copy, send
           char* sd = acquire_send(ctx);
-          std::memcpy(sd, src, bytes);
+          put(sd, src, bytes);
           post_send(ctx, bytes);
         }
         release_recv();

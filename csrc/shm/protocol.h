@@ -83,7 +83,18 @@ struct Options {
                              // to the rank being waited for at once), then sleep on the futex
   Algo algo = Algo::Auto;    // RINGREDUCE_ALGO
   size_t oneshot_max_bytes = 0;  // Auto picks one-shot for all-reduces up to this size
+  // RINGREDUCE_STREAM: how data other ranks read is written (slots, pool tensors), from
+  // kStreamMinBytes up: Auto copies with ordinary stores and switches to non-temporal ones for a
+  // while when copies run slower than kSlowBytesPerNs (this VM's slow state, BENCHMARKS.md
+  // section 14); Never/Always force one way.
+  enum class Stream : uint8_t { Auto = 0, Never = 1, Always = 2 } stream = Stream::Auto;
 };
+
+constexpr size_t kStreamMinBytes = 32 << 10;  // smaller: ordinary stores (the reader's cache wins)
+constexpr size_t kSlowBytesPerNs = 4;  // below 4 GB/s: the slow state (2-3.5 GB/s; a copy from
+                                       // memory with both cores copying: 7-20 GB/s)
+constexpr int kSlowCopiesToStream = 8;         // that many slow copies in a row:
+constexpr int64_t kStreamHoldNs = 20'000'000;  // non-temporal stores for 20 ms, then re-check
 
 class Ring {
  public:
@@ -106,6 +117,8 @@ class Ring {
   // no wait has outlasted its spin. Kept after a failed wait. Safe from any thread.
   std::string waiting() const;
   int pid_of(int rank) const { return areas_[rank].pid.load(); }
+  // How often Stream::Auto found a slow copy and switched to non-temporal stores.
+  uint64_t stream_switches() const { return stream_switches_.load(std::memory_order_relaxed); }
 
  private:
   struct Ctx;
@@ -127,6 +140,7 @@ class Ring {
   // Waits for message m of every other rank (a wide message) and checks its header.
   const char* recv_wide(const Ctx& ctx, int from, uint32_t m, uint64_t expect_bytes);
   void release_wide(uint32_t m);  // every rank's message m read
+  void put(void* dst, const void* src, size_t bytes);  // data other ranks read next
   [[noreturn]] void fail(const std::string& msg);
   [[noreturn]] void raise_aborted(const Ctx& ctx);
   bool peer_dead(int peer) const;
@@ -142,6 +156,9 @@ class Ring {
   uint32_t msg_in_call_ = 0;
   uint32_t wide_until_ = 0;  // messages before this index may be read by every rank (one-shot)
   Algo algo_ = Algo::Ring;   // of the current call
+  int64_t stream_until_ns_ = 0;  // Stream::Auto: non-temporal copies until then (steady clock)
+  int slow_copies_ = 0;          // slow ordinary copies in a row
+  std::atomic<uint64_t> stream_switches_{0};  // read from other threads
   bool broken_ = false;
   const std::function<bool()>* interrupted_ = nullptr;
   std::vector<const void*> srcs_;  // one-shot/two-shot: the N sources of a slice, in rank order

@@ -362,6 +362,40 @@ static void pool_sweep(int n) {
         named.load(), n);
 }
 
+// cpu::copy_stream: memcpy's bytes for every head alignment and tail length.
+static void copy_stream_exact() {
+  std::vector<char> src(70000), dst(70000);
+  std::mt19937 g(7);
+  for (auto& c : src) c = static_cast<char>(g());
+  for (size_t off : {0, 1, 15, 16, 33, 63})
+    for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{64}, size_t{65}, size_t{4095}, size_t{65536 + 17}}) {
+      std::fill(dst.begin(), dst.end(), 0);
+      cpu::copy_stream(dst.data() + off, src.data() + 3, n);
+      CHECK(std::memcmp(dst.data() + off, src.data() + 3, n) == 0, "copy_stream off %zu n %zu", off, n);
+      CHECK(off == 0 || dst[off - 1] == 0, "copy_stream wrote before dst (off %zu n %zu)", off, n);
+      CHECK(dst[off + n] == 0, "copy_stream wrote past the end (off %zu n %zu)", off, n);
+    }
+}
+
+// RINGREDUCE_STREAM=1: every slot (and pool) write of >= kStreamMinBytes by non-temporal stores.
+// 32 KiB slices: the larger dtypes' chunks take full streamed slices and short memcpy'd ones.
+static void stream_sweeps() {
+  g_tweak = [](int, shm::Options& o) { o.stream = shm::Options::Stream::Always; };
+  for (int n : {2, 3}) {
+    for (shm::Algo a : {shm::Algo::Ring, shm::Algo::OneShot, shm::Algo::TwoShot}) {
+      g_algo = a;
+      sweep(Coll::AllReduce, n, shm::kStreamMinBytes);
+      if (a != shm::Algo::OneShot) sweep(Coll::ReduceScatter, n, shm::kStreamMinBytes);
+    }
+    g_algo = shm::Algo::Ring;
+    sweep(Coll::AllGather, n, shm::kStreamMinBytes);
+    g_algo = shm::Algo::Auto;
+    pool_sweep(n);
+  }
+  g_tweak = nullptr;
+  g_algo = shm::Algo::Ring;
+}
+
 static void timeout() {
   const int n = 3;
   std::atomic<int> raised{0};
@@ -408,6 +442,8 @@ int main() {
   g_algo = shm::Algo::Cma;
   bitwise_floats();
   g_algo = shm::Algo::Ring;
+  copy_stream_exact();
+  stream_sweeps();
   alternating_algorithms();
   alternating_deterministic();
   algorithm_mismatch(false);
