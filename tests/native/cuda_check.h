@@ -114,6 +114,18 @@ struct DevBuf {
   DevBuf& operator=(const DevBuf&) = delete;
 };
 
+// Inputs and outputs are filled on the stream of the rank that reads them: the ranks' streams are
+// non-blocking, so they do not wait for the legacy default stream, where cudaMemcpy (from pageable
+// memory) and cudaMemset may still be running when they return (on an H100 a sweep once read an
+// output the memset had not written yet). Stream order costs no device-wide synchronisation.
+// host must stay alive until the stream has run the copy.
+inline void fill_on(cudaStream_t s, char* dst, const std::vector<char>& host) {
+  RR_CUDA_CHECK(cudaMemcpyAsync(dst, host.data(), host.size(), cudaMemcpyHostToDevice, s));
+}
+inline void set_on(cudaStream_t s, char* dst, int byte, size_t bytes) {
+  RR_CUDA_CHECK(cudaMemsetAsync(dst, byte, bytes, s));
+}
+
 // One rank of a ring as the tests drive it (p2p::Ring or nccl::Ring behind the functions).
 struct Rank {
   int device = 0;
@@ -145,14 +157,14 @@ inline void check_collective(std::vector<Rank>& ranks, rr::Coll coll, rr::DType 
     for (int64_t i = 0; i < in_n; ++i)
       put(t, &host_in[r][((ag && inplace ? r * m : 0) + i) * es], value(t, i + (ag ? r * m : 0), r));
     ins.push_back(std::make_unique<DevBuf>((big + 1 + shift) * es, shift * es));
-    RR_CUDA_CHECK(cudaMemcpy(ins[r]->p, host_in[r].data(), (big + 1) * es, cudaMemcpyHostToDevice));
+    fill_on(ranks[r].stream, ins[r]->p, host_in[r]);
     if (coll == rr::Coll::AllReduce || inplace) {
       outs.push_back(nullptr);
       in_p[r] = ins[r]->p + (ag && inplace ? r * m * es : 0);
       out_p[r] = ins[r]->p + (rs && inplace ? r * m * es : 0);
     } else {
       outs.push_back(std::make_unique<DevBuf>((out_n + 1 + shift) * es, shift * es));
-      RR_CUDA_CHECK(cudaMemset(outs[r]->p, 0x5a, (out_n + 1) * es));
+      set_on(ranks[r].stream, outs[r]->p, 0x5a, (out_n + 1) * es);
       in_p[r] = ins[r]->p;
       out_p[r] = outs[r]->p;
     }

@@ -151,14 +151,14 @@ inline void check_deterministic(std::vector<Rank>& ranks, rr::Coll coll, rr::DTy
     host[r].assign((numel + 1) * es, 0x5a);  // one element more: it must stay as it was
     for (int64_t i = 0; i < numel; ++i) put(t, &host[r][i * es], det_value(t, op, i, r));
     ins.push_back(std::make_unique<DevBuf>((numel + 1) * es));
-    RR_CUDA_CHECK(cudaMemcpy(ins[r]->p, host[r].data(), (numel + 1) * es, cudaMemcpyHostToDevice));
+    fill_on(ranks[r].stream, ins[r]->p, host[r]);  // on the rank's stream (cuda_check.h)
     in_p[r] = ins[r]->p;
     if (inplace) {
       outs.push_back(nullptr);
       out_p[r] = ins[r]->p + (rs ? r * m * es : 0);
     } else {
       outs.push_back(std::make_unique<DevBuf>((out_n + 1) * es));
-      RR_CUDA_CHECK(cudaMemset(outs[r]->p, 0x5a, (out_n + 1) * es));
+      set_on(ranks[r].stream, outs[r]->p, 0x5a, (out_n + 1) * es);
       out_p[r] = outs[r]->p;
     }
   }

@@ -374,13 +374,15 @@ static void replayed_launches_stay_in_step(rc::p2p::Algo algo) {
   const int n = 3;
   const int64_t numel = 5000;
   std::vector<std::unique_ptr<DevBuf>> bufs;
+  std::vector<std::vector<char>> hs(n);
+  Group g(n, 2, 256, 10.0, algo, false, 256);  // several rounds/slices per call
   for (int r = 0; r < n; ++r) {
     RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
     bufs.push_back(std::make_unique<DevBuf>(numel * 4));
-    std::vector<float> h(numel, static_cast<float>(r + 1));
-    RR_CUDA_CHECK(cudaMemcpy(bufs[r]->p, h.data(), numel * 4, cudaMemcpyHostToDevice));
+    const std::vector<float> h(numel, static_cast<float>(r + 1));
+    hs[r].assign(reinterpret_cast<const char*>(h.data()), reinterpret_cast<const char*>(h.data() + numel));
+    fill_on(g.ranks[r].stream, bufs[r]->p, hs[r]);  // ordered before the call (cuda_check.h)
   }
-  Group g(n, 2, 256, 10.0, algo, false, 256);  // several rounds/slices per call
   const float S = n * (n + 1) / 2.0f;
   for (int round = 0; round < 2; ++round) {
     for (int r = 0; r < n; ++r) g.rings[r]->run(g.call(numel, *bufs[r]), g.ranks[r].stream);

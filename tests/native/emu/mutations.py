@@ -71,6 +71,15 @@ MUTATIONS = {
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];",
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[s & 1];",
         NCCL_TEST, "step s forwards the buffer being received into, not what step s-1 reduced"),
+    "harness_fills_on_legacy_stream": (
+        "tests/native/cuda_check.h",
+        [("  RR_CUDA_CHECK(cudaMemcpyAsync(dst, host.data(), host.size(), cudaMemcpyHostToDevice, s));",
+          "  (void)s;\n  RR_CUDA_CHECK(cudaMemcpy(dst, host.data(), host.size(), cudaMemcpyHostToDevice));"),
+         ("  RR_CUDA_CHECK(cudaMemsetAsync(dst, byte, bytes, s));",
+          "  (void)s;\n  RR_CUDA_CHECK(cudaMemset(dst, byte, bytes));")],
+        None, ("test_cuda_kernels_emu", ["test_deterministic", "test_replayed"]),
+        "the test's own race (issue 35): inputs and outputs filled on the legacy stream, which the "
+        "ranks' non-blocking streams do not wait for"),
     "fold_rounds_every_step": (
         "csrc/cuda/reduce.cuh",
         "      for (int k = 0; k < K; ++k) acc[k] = apply<Op>(acc[k], N::up(x[k]));",

@@ -49,6 +49,8 @@ constexpr uint8_t kFreshByte = 0xa5;  // new device/pinned memory: not zero, as 
 constexpr uint8_t kFreedByte = 0xff;  // freed while still mapped elsewhere
 constexpr size_t kFiberStack = 128 << 10;
 constexpr auto kPoll = std::chrono::milliseconds(5);  // re-check of sticky errors in host waits
+// The longest the legacy default stream holds work nobody waits for (see CUstream_st).
+constexpr auto kLegacyLag = std::chrono::milliseconds(50);
 
 int env_int(const char* name, int def, int lo, int hi) {
   const char* v = std::getenv(name);
@@ -270,17 +272,36 @@ using emu::sticky;
 using emu::tl_device;
 
 // ---- streams and events ----------------------------------------------------------------------------
+// How many ops a stream has run, in a block of its own that outlives the stream (a legacy-stream op
+// may still wait on a blocking stream that has been destroyed meanwhile).
+struct Progress {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t done = 0;
+};
+
+// Three kinds, as in CUDA: the legacy default stream (one per device), blocking streams (the
+// default flags), which wait for the legacy stream's earlier work and make it wait for theirs,
+// and non-blocking streams, which do neither. The legacy stream runs its work late: an op waits
+// there until someone waits for the stream (a synchronize, a dependent op) or kLegacyLag passes,
+// so that host-asynchronous calls (cudaMemset, cudaMemcpy from pageable memory) land late, as they
+// may on a GPU, and code that forgets to order them shows it.
 struct CUstream_st {
+  enum Kind { kLegacy, kBlocking, kNonBlocking };
   int device = 0;
+  Kind kind;
   uint64_t clock = 0;  // the cost model's clock: where the last kernel on this stream ended
   std::atomic<bool> capturing{false};  // emu_set_capturing
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::function<void()>> q;
   bool busy = false, stop = false;
+  uint64_t pushed = 0;  // ops enqueued (mu)
+  int waiters = 0;      // threads waiting for this stream's work (mu): the legacy stream hurries
+  std::shared_ptr<Progress> prog = std::make_shared<Progress>();
   std::thread th;
 
-  explicit CUstream_st(int dev) : device(dev) {
+  CUstream_st(int dev, Kind k) : device(dev), kind(k) {
     th = std::thread([this] { loop(); });
   }
   ~CUstream_st() {
@@ -297,30 +318,60 @@ struct CUstream_st {
     for (;;) {
       cv.wait(lk, [&] { return stop || !q.empty(); });
       if (q.empty()) return;  // stopped and drained
+      if (kind == kLegacy) cv.wait_for(lk, emu::kLegacyLag, [&] { return stop || waiters > 0; });
       std::function<void()> op = std::move(q.front());
       q.pop_front();
       busy = true;
       lk.unlock();
       if (!sticky(device)) op();  // a broken context runs nothing more
+      {
+        std::lock_guard<std::mutex> plk(prog->mu);
+        ++prog->done;
+      }
+      prog->cv.notify_all();
       lk.lock();
       busy = false;
       cv.notify_all();
     }
   }
-  void push(std::function<void()> op) {
+  uint64_t push(std::function<void()> op) {
+    uint64_t n;
     {
       std::lock_guard<std::mutex> lk(mu);
       q.push_back(std::move(op));
+      n = ++pushed;
     }
     cv.notify_all();
+    return n;
   }
   void drain() {
     std::unique_lock<std::mutex> lk(mu);
+    ++waiters;
+    cv.notify_all();
     cv.wait(lk, [&] { return q.empty() && !busy; });
+    --waiters;
   }
   bool idle() {
     std::lock_guard<std::mutex> lk(mu);
     return q.empty() && !busy;
+  }
+  uint64_t enqueued() {
+    std::lock_guard<std::mutex> lk(mu);
+    return pushed;
+  }
+  // Waits until this stream has run its first n ops (hurrying a legacy stream meanwhile).
+  void wait_done(uint64_t n) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      ++waiters;
+    }
+    cv.notify_all();
+    {
+      std::unique_lock<std::mutex> plk(prog->mu);
+      while (prog->done < n && !sticky(device)) prog->cv.wait_for(plk, emu::kPoll);
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    --waiters;
   }
 };
 
@@ -338,13 +389,14 @@ struct EventState {
 std::mutex g_streams_mu;
 std::set<CUstream_st*> g_streams;
 CUstream_st* g_null[emu::kMaxDevices];
+std::mutex g_order_mu;  // a push and the dependencies it takes are one step (no cycles)
 
 CUstream_st* resolve(cudaStream_t s) {
   if (s) return s;
   std::lock_guard<std::mutex> lk(g_streams_mu);
   CUstream_st*& n = g_null[tl_device];
   if (!n) {
-    n = new CUstream_st(tl_device);  // lives as long as the process
+    n = new CUstream_st(tl_device, CUstream_st::kLegacy);  // lives as long as the process
     g_streams.insert(n);
   }
   return n;
@@ -354,6 +406,43 @@ bool valid_stream(cudaStream_t s) {
   if (!s) return true;
   std::lock_guard<std::mutex> lk(g_streams_mu);
   return g_streams.count(s) != 0;
+}
+
+// Enqueues op on s with the legacy stream's implicit synchronisation: an op on the legacy stream
+// first waits for the work enqueued before it on the device's blocking streams; an op on a blocking
+// stream first waits for the legacy stream's earlier work. Non-blocking streams wait for nothing.
+void enqueue(cudaStream_t s, std::function<void()> op) {
+  CUstream_st* st = resolve(s);
+  if (st->kind == CUstream_st::kNonBlocking) {
+    st->push(std::move(op));
+    return;
+  }
+  std::lock_guard<std::mutex> order(g_order_mu);
+  std::vector<std::pair<CUstream_st*, uint64_t>> legacy;  // (stream, ops to wait for)
+  std::vector<std::pair<std::shared_ptr<Progress>, uint64_t>> blocking;
+  {
+    std::lock_guard<std::mutex> lk(g_streams_mu);
+    if (st->kind == CUstream_st::kBlocking) {
+      if (CUstream_st* n = g_null[st->device]) legacy.push_back({n, n->enqueued()});
+    } else {
+      for (CUstream_st* b : g_streams)
+        if (b->kind == CUstream_st::kBlocking && b->device == st->device)
+          blocking.push_back({b->prog, b->enqueued()});
+    }
+  }
+  if (legacy.empty() && blocking.empty()) {
+    st->push(std::move(op));
+    return;
+  }
+  const int dev = st->device;
+  st->push([legacy, blocking, dev, op = std::move(op)] {
+    for (auto& [n, k] : legacy) n->wait_done(k);
+    for (auto& [p, k] : blocking) {
+      std::unique_lock<std::mutex> plk(p->mu);
+      while (p->done < k && !sticky(dev)) p->cv.wait_for(plk, emu::kPoll);
+    }
+    op();
+  });
 }
 
 // Waits on the host for pred (under st.mu), giving up with the device's sticky error.
@@ -389,7 +478,7 @@ std::mutex g_mem_mu;
 std::map<uintptr_t, Alloc> g_dev;            // device allocations by base
 std::map<uint64_t, uintptr_t> g_dev_by_id;
 std::map<uintptr_t, uint64_t> g_alias;       // IPC mapping -> allocation id
-std::set<uintptr_t> g_host;                  // pinned host allocations
+std::map<uintptr_t, size_t> g_host;          // pinned host allocations: base -> bytes
 uint64_t g_next_id = 1;
 constexpr char kIpcMagic[8] = {'R', 'R', 'E', 'M', 'U', 'I', 'P', 'C'};
 
@@ -405,6 +494,25 @@ Alloc* alloc_containing(const void* p) {  // g_mem_mu held
   --it;
   Alloc& al = it->second;
   return !al.freed && a < it->first + al.mapped ? &al : nullptr;
+}
+
+bool device_memory(const void* p) {  // an allocation of any device, or an IPC mapping of one
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  if (alloc_containing(p)) return true;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = g_alias.upper_bound(a);
+  if (it == g_alias.begin()) return false;
+  --it;
+  auto id = g_dev_by_id.find(it->second);
+  return id != g_dev_by_id.end() && a < it->first + g_dev[id->second].mapped;
+}
+bool pinned_memory(const void* p) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = g_host.upper_bound(a);
+  if (it == g_host.begin()) return false;
+  --it;
+  return a < it->first + std::max<size_t>(it->second, 1);
 }
 
 }  // namespace
@@ -530,6 +638,15 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 
 cudaError_t cudaFree(void* p) {
   if (!p) return cudaSuccess;
+  // CUDA synchronises here; the legacy stream's late work (a memset, a copy) must not land on unmapped
+  // memory. Other streams are not waited for: a freed buffer a kernel still uses faults, as it should.
+  std::vector<CUstream_st*> legacy;
+  {
+    std::lock_guard<std::mutex> lk(g_streams_mu);
+    for (CUstream_st* n : g_null)
+      if (n) legacy.push_back(n);
+  }
+  for (CUstream_st* n : legacy) n->drain();
   std::lock_guard<std::mutex> lk(g_mem_mu);
   auto it = g_dev.find(reinterpret_cast<uintptr_t>(p));
   if (it == g_dev.end() || it->second.freed) return fail(cudaErrorInvalidValue);
@@ -553,7 +670,7 @@ cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) {
   if (posix_memalign(&m, 4096, bytes ? bytes : 1) != 0) return fail(cudaErrorMemoryAllocation);
   std::memset(m, emu::kFreshByte, bytes);
   std::lock_guard<std::mutex> lk(g_mem_mu);
-  g_host.insert(reinterpret_cast<uintptr_t>(m));
+  g_host[reinterpret_cast<uintptr_t>(m)] = bytes;
   *p = m;
   return cudaSuccess;
 }
@@ -579,7 +696,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   if (bytes) {
     const int dev = resolve(s)->device;
-    resolve(s)->push([=] {
+    enqueue(s, [=] {
       emu::cost_copy(dev, dst, src, bytes);
       std::memmove(dst, src, bytes);
     });
@@ -589,22 +706,41 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
   EMU_ENTER();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
-  if (bytes) resolve(s)->push([=] { std::memset(p, value, bytes); });
+  if (bytes) enqueue(s, [=] { std::memset(p, value, bytes); });
   return cudaSuccess;
 }
+// What the synchronous forms do (CUDA's "API synchronization behavior"): a copy from pageable host
+// memory to the device returns once the source is staged, before the copy lands; a device-to-device
+// copy and a memset of device memory return at once; the others return when done. All run on the
+// legacy stream, late (CUstream_st).
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  const bool to_dev = device_memory(dst), from_dev = device_memory(src);
+  if (to_dev && !from_dev && !pinned_memory(src) && bytes) {
+    EMU_ENTER();
+    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
+                                                      static_cast<const char*>(src) + bytes);
+    const int dev = tl_device;
+    enqueue(nullptr, [=] {
+      emu::cost_copy(dev, dst, staged->data(), bytes);
+      std::memcpy(dst, staged->data(), bytes);
+    });
+    return cudaSuccess;
+  }
   if (cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, nullptr)) return e;
+  if (to_dev && from_dev) return cudaSuccess;
   return cudaStreamSynchronize(nullptr);
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
   if (cudaError_t e = cudaMemsetAsync(p, value, bytes, nullptr)) return e;
+  if (!pinned_memory(p)) return cudaSuccess;
   return cudaStreamSynchronize(nullptr);
 }
 
 // ---- streams ---------------------------------------------------------------------------------------------
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
   EMU_ENTER();
-  auto* st = new CUstream_st(tl_device);
+  auto* st = new CUstream_st(tl_device, flags & cudaStreamNonBlocking ? CUstream_st::kNonBlocking
+                                                                      : CUstream_st::kBlocking);
   std::lock_guard<std::mutex> lk(g_streams_mu);
   g_streams.insert(st);
   *s = st;
@@ -627,6 +763,15 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   CUstream_st* st = resolve(s);
   st->drain();
+  if (!s) {  // the legacy stream: and the blocking streams it synchronises with
+    std::vector<CUstream_st*> blocking;
+    {
+      std::lock_guard<std::mutex> lk(g_streams_mu);
+      for (CUstream_st* b : g_streams)
+        if (b->kind == CUstream_st::kBlocking && b->device == st->device) blocking.push_back(b);
+    }
+    for (CUstream_st* b : blocking) b->drain();
+  }
   if (cudaError_t e = sticky(st->device)) return fail(e);
   return cudaSuccess;
 }
@@ -648,7 +793,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
     target = st->recorded;  // the most recent record at the time of the call
   }
   if (target == 0) return cudaSuccess;
-  resolve(s)->push([st, target] { host_wait(*st, [&] { return st->completed >= target; }); });
+  enqueue(s, [st, target] { host_wait(*st, [&] { return st->completed >= target; }); });
   return cudaSuccess;
 }
 
@@ -668,7 +813,7 @@ cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
 cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* user_data) {
   EMU_ENTER();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
-  resolve(s)->push([fn, user_data] { fn(user_data); });
+  enqueue(s, [fn, user_data] { fn(user_data); });
   return cudaSuccess;
 }
 
@@ -694,7 +839,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     std::lock_guard<std::mutex> lk(st->mu);
     seq = ++st->recorded;
   }
-  resolve(s)->push([st, seq] {
+  enqueue(s, [st, seq] {
     std::lock_guard<std::mutex> lk(st->mu);
     st->completed = std::max(st->completed, seq);
     st->completed_at = std::chrono::steady_clock::now();
@@ -799,7 +944,7 @@ cudaError_t emu_inject_fault(cudaStream_t s, cudaError_t e) {
   EMU_ENTER();
   CUstream_st* st = resolve(s);
   const int dev = st->device;
-  st->push([dev, e] { emu::g_sticky[dev] = e; });
+  enqueue(s, [dev, e] { emu::g_sticky[dev] = e; });
   return cudaSuccess;
 }
 void emu_clear_fault(int device) { emu::g_sticky[device] = cudaSuccess; }
@@ -829,7 +974,7 @@ void emu::launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void(
   if (block.y == 1 && block.z == 1) run.x = std::min<unsigned>(block.x, g_block_threads);
   const uint64_t seed = ++g_launches * 0x9e3779b97f4a7c15ull;
   CUstream_st* st = resolve(stream);
-  resolve(stream)->push([st, grid, run, blocks, seed, body = std::move(body)] {
+  enqueue(stream, [st, grid, run, blocks, seed, body = std::move(body)] {
     std::vector<std::thread> ths;
     std::vector<uint64_t> ends(blocks, 0);
     ths.reserve(blocks);
