@@ -2,7 +2,9 @@
 
 The group is used only to bootstrap (rank 0 creates the segment and publishes its name through the
 group's store); then data moves through the native ring. Caching, the worker thread that runs async
-calls in order, and close() are the lifecycle every transport shares (_lifecycle.py).
+calls in order, and close() are the lifecycle every transport shares (_lifecycle.py). Which CPU
+communicator a group gets (this ring on one host, _hier.py's across hosts) is chosen a layer up
+(collectives.cpu_communicator).
 """
 import logging
 import os
@@ -12,8 +14,7 @@ import uuid
 import torch
 
 from . import _C, _lifecycle
-from ._lifecycle import (REGISTRY, Bootstrap, RingReduceError, Work, default_timeout,  # noqa: F401
-                         env_int)
+from ._lifecycle import Bootstrap, RingReduceError, Work, env_int
 
 log = logging.getLogger("ringreduce")
 
@@ -107,7 +108,8 @@ class Communicator(_lifecycle.Communicator):
                     native.close()
                     raise RingReduceError(
                         f"ringreduce: rank {self.rank}: communicator setup timed out after "
-                        f"{self.timeout:g} s: only {joined} of {self.world_size} ranks joined")
+                        f"{self.timeout:g} s: only {joined} of {self.world_size} ranks joined "
+                        f"({_lifecycle.SETUP_HINT})")
                 time.sleep(0.001)
                 joined = setup.add("mapped", 0)
             return native
@@ -151,7 +153,8 @@ class Communicator(_lifecycle.Communicator):
             if not setup.count("mapped", self.world_size, self.timeout):
                 raise RingReduceError(
                     f"ringreduce: rank {self.rank}: shared_empty timed out after "
-                    f"{self.timeout:g} s waiting for every rank to map the buffers")
+                    f"{self.timeout:g} s waiting for every rank to map the buffers "
+                    f"({_lifecycle.SETUP_HINT})")
         finally:
             _C.shm_unlink(name)
         return raw[:numel * es].view(dtype).view(shape)
@@ -195,43 +198,3 @@ class Communicator(_lifecycle.Communicator):
 
     def _close_native(self):
         self._native.close()  # lets queued calls end (aborted first if busy), joins the worker
-
-
-def make(member, timeout=None, hosts=None, **options):
-    """A new communicator for member's CPU ranks: the shared-memory ring when they are on one host,
-    else the hierarchical one (_hier.py). Collective: every rank of member must reach it. hosts:
-    every rank's host id, in rank order, instead of discovering them (the benchmark's simulated
-    hosts)."""
-    from . import _hier
-    timeout = float(timeout) if timeout is not None else default_timeout()
-    if hosts is None:
-        hosts, machines = _hier.discover_hosts(member, timeout)
-    elif len(hosts) != member.size:
-        raise ValueError(f"ringreduce: hosts has {len(hosts)} entries; expected one per rank "
-                         f"({member.size})")
-    else:  # simulated hosts on this machine
-        machines = [_hier.machine_id()] * member.size
-    plan, by_host, reason = _hier.plan_for(list(hosts))
-    log.debug("rank %d/%d of %s: CPU plan %s (%s)", member.rank, member.size, member.name, plan,
-              reason)
-    if plan == "flat":
-        return Communicator(member=member, timeout=timeout, **options)
-    return _hier.HierCommunicator(member, timeout, plan, by_host,
-                                  machine_ranks=machines.count(machines[member.rank]))
-
-
-def get_communicator(group=None, **options):
-    """The cached communicator of group (None: the default group), created on first use.
-
-    Creation is collective: every rank of the group must reach it. options (timeout, slice_bytes,
-    algo) apply only when this call creates it (slice_bytes and algo to a one-host group only).
-    """
-    def create(g):
-        _lifecycle.require_initialized()
-        return make(_lifecycle.Member.of_group(g), **options)
-    return REGISTRY.get(group, ("shm",), create)
-
-
-def destroy(group=None):
-    """Closes the communicators of group (None: the default group), CPU and CUDA; idempotent."""
-    REGISTRY.destroy(group)

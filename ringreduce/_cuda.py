@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _lifecycle
-from ._hier import host_id  # RINGREDUCE_HOST_ID, else host name and boot id
+from ._lifecycle import host_id  # RINGREDUCE_HOST_ID, else host name and boot id
 from ._lifecycle import REGISTRY, Bootstrap, Work, default_timeout, env_int
 
 log = logging.getLogger("ringreduce")

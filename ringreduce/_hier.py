@@ -2,7 +2,9 @@
 
 Host discovery: at setup every rank publishes its host identity (RINGREDUCE_HOST_ID, else host name
 and boot id) through the group's store; one host -> the flat shared-memory ring (_comm.py), more ->
-a HierCommunicator with one of two plans, logged at debug level with the reason:
+a HierCommunicator with one of two plans, logged at debug level with the reason (the choice:
+collectives.cpu_communicator, which also hands it the host's ring; transports do not import
+each other):
 
 - "two-level" (every host has the same number L of the group's ranks): reduce-scatter inside the
   host over shared memory (local rank j then holds the host's partial sum of chunk j), all-reduce of
@@ -26,36 +28,18 @@ timeout; a Gloo error is raised as a RingReduceError naming the call, the phase 
 """
 import datetime
 import logging
-import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from . import _C, _lifecycle
-from ._lifecycle import Bootstrap, RingReduceError
+from ._lifecycle import Bootstrap, RingReduceError, host_id, machine_id
 
 log = logging.getLogger("ringreduce")
 
 SUM, AVG, MIN, MAX, PROD = 0, 1, 2, 3, 4  # the native op codes (csrc/cpu/reduce.h)
 _GLOO_OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,
              PROD: dist.ReduceOp.PRODUCT}
-
-
-def machine_id():
-    """The real machine: host name and boot id (two containers on one machine share a boot id but
-    not always a host name)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def host_id():
-    """This process's host: RINGREDUCE_HOST_ID if set (tests, simulated hosts), else the machine."""
-    return os.environ.get("RINGREDUCE_HOST_ID", "").strip() or machine_id()
 
 
 def discover_hosts(member, timeout):
@@ -90,8 +74,10 @@ class HierCommunicator(_lifecycle.Communicator):
 
     transport = "hier"
 
-    def __init__(self, member, timeout, plan, by_host, machine_ranks=None):
-        from . import _comm
+    def __init__(self, member, timeout, plan, by_host, host_ring, machine_ranks=None):
+        """host_ring(member=, timeout=, machine_ranks=): the communicator of this host's ranks
+        (the shared-memory ring; passed in by the layer above, as transports do not import each
+        other)."""
         super().__init__(member, timeout)
         self.plan, self.by_host = plan, by_host
         self.host = next(h for h, rs in enumerate(by_host) if member.rank in rs)
@@ -104,8 +90,7 @@ class HierCommunicator(_lifecycle.Communicator):
         local = _lifecycle.Member(member.store, self.local_rank, len(self.local_ranks),
                                   f"{member.name}@{setup.prefix}/host{self.host}")
         # Simulated hosts share one machine: the host's ring waits as the machine's load requires.
-        self.intra = _comm.Communicator(member=local, timeout=self.timeout,
-                                        machine_ranks=machine_ranks)
+        self.intra = host_ring(member=local, timeout=self.timeout, machine_ranks=machine_ranks)
         self.cross = self.host_pg = self._all = None
         self._prefix = setup.prefix
         try:
@@ -122,7 +107,8 @@ class HierCommunicator(_lifecycle.Communicator):
             # Nobody leaves setup (and may close its Gloo pairs) before every rank is connected.
             if not setup.count("ready", self.world_size, self.timeout):
                 raise RingReduceError(f"ringreduce: rank {self.rank}: hierarchical setup timed out "
-                                      f"after {self.timeout:g} s waiting for the other ranks")
+                                      f"after {self.timeout:g} s waiting for the other ranks "
+                                      f"({_lifecycle.SETUP_HINT})")
         except BaseException:
             self.intra.close()
             raise

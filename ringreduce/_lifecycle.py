@@ -11,6 +11,9 @@
 - close(): idempotent; stops the worker, then the transport frees what it holds; destroy(group) and,
   at exit, destroy_all() close every communicator, CPU and CUDA alike. A CPU communicator whose
   process group torch.distributed destroyed is closed at the next creation.
+
+The bottom layer of the package (README "Architecture", tests/test_layers.py): it imports no
+transport, API or backend module; the backend registers its own rings here (Registry.add_owner).
 """
 import atexit
 import datetime
@@ -38,6 +41,12 @@ if os.environ.get("RINGREDUCE_DEBUG") == "1" and not log.handlers:
     _h.setFormatter(logging.Formatter("ringreduce[%(process)d] %(message)s"))
     log.addHandler(_h)
     log.setLevel(logging.DEBUG)
+
+
+# What a timeout in setup usually means: a rank never made the call (it failed before its first
+# collective, or called something else). The same words as the native rings' call timeouts.
+SETUP_HINT = ("RINGREDUCE_TIMEOUT; did every rank make the same call? A rank that failed before "
+              "its first collective never joins")
 
 
 def default_timeout():
@@ -75,9 +84,21 @@ def trace_root():
             or os.path.join(tempfile.gettempdir(), "ringreduce-trace"))
 
 
+def machine_id():
+    """The real machine: host name and boot id (two containers on one machine share a boot id but
+    not always a host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 def host_id():
-    """This process's host: RINGREDUCE_HOST_ID if set (simulated hosts), else the host name."""
-    return os.environ.get("RINGREDUCE_HOST_ID", "").strip() or socket.gethostname()
+    """This process's host: RINGREDUCE_HOST_ID if set (tests, simulated hosts), else the machine.
+    Ranks with the same host id may map each other's memory (every transport plans by it)."""
+    return os.environ.get("RINGREDUCE_HOST_ID", "").strip() or machine_id()
 
 
 # The file SIGUSR1 writes this process's Python stacks to (RINGREDUCE_TRACE_SIGNAL=1), or None.
@@ -151,7 +172,7 @@ class Bootstrap:
         except Exception as e:  # the store's own timeout error
             raise RingReduceError(
                 f"ringreduce: rank {self.rank}: communicator setup timed out after "
-                f"{self.timeout:g} s waiting for {waiting_for} ({e})") from None
+                f"{self.timeout:g} s waiting for {waiting_for} ({SETUP_HINT}) ({e})") from None
         return self.store.get(key)
 
     def all(self, name, world, what):
@@ -298,7 +319,8 @@ class Communicator:
                 self.member.store.wait([key], datetime.timedelta(seconds=self.timeout))
             except Exception as e:  # the store's own timeout error
                 raise RingReduceError(f"ringreduce: rank {self.rank}: communicator setup timed out "
-                                      f"after {self.timeout:g} s waiting for rank 0 ({e})") from None
+                                      f"after {self.timeout:g} s waiting for rank 0 ({SETUP_HINT}) "
+                                      f"({e})") from None
             job = self.member.store.get(key).decode()
         name = re.sub(r"[^A-Za-z0-9_.@-]+", "-", prefix).strip("-")
         self.trace_dir = os.path.join(trace_root(), f"{name}.{job}")
@@ -463,6 +485,9 @@ class Registry:
         self._lock = threading.Lock()  # the dicts, briefly
         self._creating = {}  # key -> lock held across that key's (collective) creation
         self._comms = {}  # key -> (group, communicator)
+        # Communicators that a layer above keeps itself (the torch.distributed backend's), which
+        # the registry reaches only through what that layer registered: add_owner.
+        self._owners = []
 
     def _cached(self, key, group):
         entry = self._comms.get(key)  # a dict read is atomic
@@ -514,7 +539,26 @@ class Registry:
         for _, comm in entries:
             comm.close()
 
+    def add_owner(self, communicators_of, close_all):
+        """Registers a keeper of communicators outside this registry (ringreduce/backend.py):
+        communicators_of(group) lists its open ones of a group (for dump_trace); close_all() closes
+        them all, run at exit before the registry closes its own."""
+        self._owners.append((communicators_of, close_all))
+
+    def of_group(self, group):
+        """Every communicator of group: the registry's and its owners'."""
+        with self._lock:
+            comms = [c for grp, c in self._comms.values() if grp is group]
+        for communicators_of, _ in list(self._owners):
+            comms.extend(communicators_of(group))
+        return comms
+
     def destroy_all(self):
+        for _, close_all in list(self._owners):
+            try:
+                close_all()
+            except Exception:  # noqa: BLE001  (at exit: the registry's own still get closed)
+                log.debug("ringreduce: closing an owner's communicators at exit failed", exc_info=True)
         with self._lock:
             entries = list(self._comms.values())
             self._comms.clear()
@@ -541,16 +585,8 @@ def dump_trace(path=None, group=None):
     collective has made a communicator). Local: the other ranks are not involved."""
     require_initialized()
     g = group if group is not None else dist.group.WORLD
-    with REGISTRY._lock:
-        comms = [c for k, (grp, c) in REGISTRY._comms.items() if grp is g]
-    from . import backend
-    name = getattr(g, "group_name", None)
-    for b in list(backend._backends):
-        if b.group_name == name:
-            with b._lock:
-                comms.extend(b._comms.values())
     out = []
-    for c in comms:
+    for c in REGISTRY.of_group(g):
         if c.closed or c.recorder is None:
             continue
         target = None

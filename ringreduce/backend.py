@@ -19,7 +19,6 @@ whose Work completes from C++ (a failure surfaces from Work.wait() as a RuntimeE
 ring's message). Everything else is forwarded here: the first call, CUDA tensors, multi-host
 (hierarchical) plans, and what is delegated.
 """
-import atexit
 import collections
 import datetime
 import logging
@@ -30,8 +29,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _C, _comm, _lifecycle
-from .collectives import SUPPORTED_DTYPES
+from . import _C, _lifecycle
+from .collectives import SUPPORTED_DTYPES, cpu_communicator
 
 log = logging.getLogger("ringreduce")
 ReduceOp = dist.ReduceOp
@@ -100,7 +99,7 @@ class RingBackend:
                     transport = _cuda.choose_transport(member, requested, dev, self.timeout)
                     comm = _cuda.Communicator(member, dev, transport, self.timeout)
                 else:
-                    comm = _comm.make(member, timeout=self.timeout)
+                    comm = cpu_communicator(member, timeout=self.timeout)
                     if comm.transport == "shm" and self.slot is not None:
                         self.slot.set_cpu(comm._native)  # from now on the C++ half runs it
                 self._comms[key] = comm
@@ -392,8 +391,19 @@ def backend_of(group=None):
     return None
 
 
+def _comms_of(group):
+    """The open ring communicators of the backend serving group (for dump_trace)."""
+    name = getattr(group, "group_name", None)
+    comms = []
+    for impl in list(_backends):
+        if impl.group_name == name:
+            with impl._lock:
+                comms.extend(c for c in impl._comms.values() if not c.closed)
+    return comms
+
+
 def _close_all():
-    """At exit: close every backend's rings (their communicators' own atexit would too)."""
+    """At exit (the registry's destroy_all): close every backend's rings."""
     for impl in list(_backends):
         try:
             impl.close()
@@ -406,4 +416,5 @@ def register():
     devices = ["cpu", "cuda"] if getattr(_C, "cuda_compiled", False) else ["cpu"]
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=devices)
-        atexit.register(_close_all)
+        # The registry (the bottom layer) reaches this backend's rings only through these.
+        _lifecycle.REGISTRY.add_owner(_comms_of, _close_all)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ._lifecycle import traced_source
 from . import _comm
-from .collectives import SUPPORTED_DTYPES, all_reduce, shared_empty
+from .collectives import SUPPORTED_DTYPES, all_reduce, get_communicator, shared_empty
 
 # DDP's first bucket size (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): small, so that the first
 # collective starts as soon as the last layer's gradients exist.
@@ -209,7 +209,7 @@ class GradientBucketer:
         the plan is decided collectively)."""
         if self._shared is None:
             g = self.group if self.group is not None else dist.group.WORLD
-            comm = _comm.get_communicator(g)
+            comm = get_communicator(g)
             self._shared = isinstance(comm, _comm.Communicator) and comm.transport == "shm"
         return self._shared
 

@@ -1,12 +1,17 @@
-"""The torch.distributed-shaped API: all_reduce, reduce_scatter_tensor, all_gather_into_tensor."""
+"""The torch.distributed-shaped API: all_reduce, reduce_scatter_tensor, all_gather_into_tensor; and
+which transport's communicator serves a group (the bottom of the API layer: ops, functional, ddp,
+bucketing, nn and the backend build on it)."""
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _C, _comm, _lifecycle
-from . import ops as _ops
+from . import _C, _comm, _hier, _lifecycle
+from ._lifecycle import REGISTRY, default_timeout
+
+log = logging.getLogger("ringreduce")
 
 ReduceOp = dist.ReduceOp
 
@@ -98,7 +103,65 @@ def _comm_for(group, device, fn):
     if device.type == "cuda":
         from . import _cuda  # the CUDA transports (p2p, nccl); raises if this build has no CUDA
         return _cuda.get_communicator(g, device, choice)
-    return _comm.get_communicator(g)
+    return get_communicator(g)
+
+
+def group_name(group):
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def traced(*tensors):
+    """Whether a call is being traced (then it must go through the operators): compiling, or a
+    tensor subclass (fake, functional, ...) that only the dispatcher knows how to handle.
+    Costs ~0.5 us; going through the dispatcher in eager mode would cost ~12 us per call."""
+    if torch.compiler.is_compiling():
+        return True
+    for t in tensors:
+        if type(t) not in _PLAIN:
+            return True
+    return False
+
+
+def cpu_communicator(member, timeout=None, hosts=None, **options):
+    """A new communicator for member's CPU ranks: the shared-memory ring when they are on one host,
+    else the hierarchical one (_hier.py). Collective: every rank of member must reach it. hosts:
+    every rank's host id, in rank order, instead of discovering them (the benchmark's simulated
+    hosts)."""
+    timeout = float(timeout) if timeout is not None else default_timeout()
+    if hosts is None:
+        hosts, machines = _hier.discover_hosts(member, timeout)
+    elif len(hosts) != member.size:
+        raise ValueError(f"ringreduce: hosts has {len(hosts)} entries; expected one per rank "
+                         f"({member.size})")
+    else:  # simulated hosts on this machine
+        machines = [_lifecycle.machine_id()] * member.size
+    plan, by_host, reason = _hier.plan_for(list(hosts))
+    log.debug("rank %d/%d of %s: CPU plan %s (%s)", member.rank, member.size, member.name, plan,
+              reason)
+    if plan == "flat":
+        return _comm.Communicator(member=member, timeout=timeout, **options)
+    return _hier.HierCommunicator(member, timeout, plan, by_host, _comm.Communicator,
+                                  machine_ranks=machines.count(machines[member.rank]))
+
+
+def get_communicator(group=None, **options):
+    """The cached CPU communicator of group (None: the default group), created on first use.
+
+    Creation is collective: every rank of the group must reach it. options (timeout, slice_bytes,
+    algo) apply only when this call creates it (slice_bytes and algo to a one-host group only).
+    """
+    def create(g):
+        _lifecycle.require_initialized()
+        return cpu_communicator(_lifecycle.Member.of_group(g), **options)
+    return REGISTRY.get(group, ("shm",), create)
+
+
+def destroy(group=None):
+    """Closes the communicators of group (None: the default group), CPU and CUDA; idempotent."""
+    REGISTRY.destroy(group)
 
 
 def _span(t):
@@ -167,8 +230,8 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     fn = "all_reduce"
     _check_tensor(tensor, "tensor", fn)
     code = _op_code(op, fn)
-    if not async_op and _ops.traced(tensor):  # torch.compile / export: the registered operator
-        torch.ops.ringreduce.all_reduce_(tensor, code, _ops.group_name(group))
+    if not async_op and traced(tensor):  # torch.compile / export: the registered operator
+        torch.ops.ringreduce.all_reduce_(tensor, code, group_name(group))
         return None
     comm = _comm_for(group, tensor.device, fn)
     if comm is None:
@@ -188,8 +251,8 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     if output.dtype != input.dtype:
         raise TypeError(f"ringreduce.{fn}: output dtype {output.dtype} differs from input dtype "
                         f"{input.dtype}")
-    if not async_op and _ops.traced(output, input):
-        torch.ops.ringreduce.reduce_scatter_tensor_(output, input, code, _ops.group_name(group))
+    if not async_op and traced(output, input):
+        torch.ops.ringreduce.reduce_scatter_tensor_(output, input, code, group_name(group))
         return None
     comm = _comm_for(group, input.device, fn)
     if comm is None:
@@ -217,9 +280,9 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     if output_tensor.dtype != input_tensor.dtype:
         raise TypeError(f"ringreduce.{fn}: output_tensor dtype {output_tensor.dtype} differs from "
                         f"input_tensor dtype {input_tensor.dtype}")
-    if not async_op and _ops.traced(output_tensor, input_tensor):
+    if not async_op and traced(output_tensor, input_tensor):
         torch.ops.ringreduce.all_gather_into_tensor_(output_tensor, input_tensor,
-                                                     _ops.group_name(group))
+                                                     group_name(group))
         return None
     comm = _comm_for(group, input_tensor.device, fn)
     if comm is None:

@@ -257,7 +257,7 @@ def test_forced_setting(forced):
 def algo_worker(rank, world):
     from ringreduce import _comm
     rr.all_reduce(torch.ones(4))
-    comm = _comm.get_communicator()
+    comm = rr.get_communicator()
     # world 2: one-shot up to 1 KiB, the ring above (BENCHMARKS.md section 13)
     out = {"small": comm.algo_for(256, torch.float32), "above": comm.algo_for(257, torch.float32),
            "large": comm.algo_for(1 << 20, torch.float32), "default": comm.algo}

@@ -54,11 +54,10 @@ class RingReduce:
         if self.pool:
             self.group = dist.new_group(backend="gloo")
         elif self.algo or variant == "hier":
-            from ringreduce import _comm
             self.group = dist.new_group(backend="gloo")
             options = {"algo": self.algo} if self.algo else \
                 {"hosts": simulated_hosts(world, HOSTS)}
-            _comm.get_communicator(self.group, **options)  # collective: every rank is here
+            rr.get_communicator(self.group, **options)  # collective: every rank is here
 
     def supports(self, collective, dtype):
         if self.pool and collective != "all_reduce":
