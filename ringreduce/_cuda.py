@@ -18,6 +18,12 @@ Semantics, as torch.distributed with NCCL where it has them:
   collective is done and raises its failure.
 - A dead peer process is noticed within about a second (a native thread watches the pids of the
   ranks on this host) instead of at the timeout.
+- World 1 moves nothing: all_reduce returns at once, reduce_scatter/all_gather out of place copy on
+  the caller's stream; async_op=True returns a completed Work (nothing on our stream, no worker).
+
+Lifetime (csrc/cuda/binding_cuda.cpp says how): the communicator's stream is never destroyed, since
+torch may refer to it after close() (self._stream, a Future's events); a call's tensors are held
+until the device is done with them instead of record_stream.
 """
 import logging
 import os
@@ -298,18 +304,25 @@ class Communicator(_lifecycle.Communicator):
             target.copy_(buf)
             return self._finish(None, [target])
         # async: the copy runs on our stream after the collective; the Work follows the copy.
+        if self.world_size == 1:  # nothing ran on our stream: copy where the caller is
+            target.copy_(buf)
+            return self._finish(native, [target])
         with torch.cuda.stream(self._stream):
             target.copy_(buf)
-        buf.record_stream(self._stream)
-        target.record_stream(self._stream)
-        return self._finish(self._native.marker(), [target])
+        # buf and target stay referenced (by the job) until the device has finished the copy.
+        return self._finish(self._native.marker(), [target], keep=(buf,))
 
-    def _finish(self, native_work, result):
+    def _finish(self, native_work, result, keep=()):
         """None for a sync call (after waiting for the device in blocking mode); else the Work of
         native_work, completed by the worker once the device is done. A failure seen here writes
         the flight recorder's dump (the native side records the calls)."""
+        if native_work is not None and self.world_size == 1:
+            fut = torch.futures.Future(devices=[self.device])
+            with torch.cuda.device(self.device):
+                fut.set_result(result)  # the result is ready on the caller's stream
+            return Work(fut, self._interrupted)
         if native_work is None:
-            if self._blocking and not torch.cuda.is_current_stream_capturing():
+            if self._blocking and self.world_size > 1 and not torch.cuda.is_current_stream_capturing():
                 try:
                     self._native.marker().synchronize()  # raises this call's failure
                 except Exception:
@@ -320,9 +333,11 @@ class Communicator(_lifecycle.Communicator):
         def job():
             try:
                 native_work.synchronize()
+                del keep[:]  # the device is done with them
             except BaseException:
                 self.recorder.dump_on_failure()
                 raise
+        keep = list(keep)
         fut = self._submit(job, result, lambda: torch.futures.Future(devices=[self.device]),
                            inline=False)
         return Work(fut, self._interrupted)

@@ -1,14 +1,33 @@
-"""Runs a function on N real processes joined by a Gloo process group (file store, no ports)."""
+"""Runs a function on N real processes joined by a Gloo process group (file store, no ports).
+
+Each rank's stderr goes to a file in the run's folder (its tail is part of every failure the
+harness reports); SIGUSR2 makes a rank print every thread's Python stack there (the harness sends
+it to the ranks still running at a timeout). run_ranks requires every rank to exit with status 0:
+a rank killed by a signal at exit (as every CUDA process was, once) is a failure, by name.
+"""
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
 
+# How long a rank that reported its result may take to exit (destroy, interpreter shutdown).
+EXIT_GRACE_S = 60.0
+
+
+def _stderr_path(tmp, rank):
+    return os.path.join(tmp, f"rank{rank}.stderr")
+
 
 def _entry(rank, world, store_path, fn, args, q, env, backend):
     os.environ.update(env or {})
+    err = open(_stderr_path(os.path.dirname(store_path), rank), "w", buffering=1)
+    os.dup2(err.fileno(), 2)
+    faulthandler.enable(file=err)
+    faulthandler.register(signal.SIGUSR2, file=err, all_threads=True)
     import torch.distributed as dist
     import ringreduce
     try:
@@ -24,6 +43,8 @@ def _entry(rank, world, store_path, fn, args, q, env, backend):
             dist.destroy_process_group()
         except Exception:
             pass
+        q.close()
+        q.join_thread()  # the result reaches the harness before the interpreter shuts down
 
 
 def spawn(world, fn, *args, env=None, backend="gloo"):
@@ -37,7 +58,34 @@ def spawn(world, fn, *args, env=None, backend="gloo"):
              for r in range(world)]
     for p in procs:
         p.start()
+    for p in procs:
+        p.tmp = tmp  # where its stderr goes (collect reads it)
     return procs, q, tmp
+
+
+def signal_name(code):
+    """'SIGSEGV' for a multiprocessing exit code of -11; 'status 3' for 3."""
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"status {code}"
+
+
+def stderr_tail(procs, rank, lines=25):
+    tmp = getattr(procs[rank], "tmp", None)
+    try:
+        with open(_stderr_path(tmp, rank), errors="replace") as f:
+            text = f.read().splitlines()[-lines:]
+    except (OSError, TypeError):
+        return ""
+    return "\n".join(text)
+
+
+def _with_tail(procs, rank, text):
+    tail = stderr_tail(procs, rank)
+    return f"{text}\n[rank {rank} stderr, last lines]\n{tail}" if tail.strip() else text
 
 
 def _note_dead(procs, waiting, dead_since, errors):
@@ -49,11 +97,38 @@ def _note_dead(procs, waiting, dead_since, errors):
         if code is None:
             continue
         if now - dead_since.setdefault(r, now) > 2.0:
-            errors[r] = f"rank {r} exited with code {code} without reporting a result"
+            errors[r] = _with_tail(procs, r, f"rank {r} exited with {signal_name(code)} without "
+                                             f"reporting a result")
 
 
-def collect(procs, q, timeout, expect=None):
-    """Results by rank of the ranks in expect (default all); kills everything left at the end."""
+def _dump_stacks(procs, ranks):
+    """Asks the ranks still running to print their threads' stacks into their stderr files."""
+    for r in ranks:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR2)
+            except OSError:
+                pass
+    time.sleep(1.0)
+
+
+def _check_exits(procs, ranks, errors):
+    """Every rank in ranks must exit with status 0 within EXIT_GRACE_S."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    for r in sorted(ranks):
+        procs[r].join(timeout=max(0.0, deadline - time.monotonic()))
+        if procs[r].is_alive():
+            _dump_stacks(procs, [r])
+            errors[r] = _with_tail(procs, r, f"rank {r} reported its result but did not exit "
+                                             f"within {EXIT_GRACE_S:.0f} s")
+        elif procs[r].exitcode != 0:
+            errors[r] = _with_tail(procs, r, f"rank {r} reported its result, then exited with "
+                                             f"{signal_name(procs[r].exitcode)}")
+
+
+def collect(procs, q, timeout, expect=None, check_exit=False):
+    """Results by rank of the ranks in expect (default all); kills everything left at the end.
+    check_exit: the ranks in expect must also exit with status 0 (a failure otherwise, in errors)."""
     expect = set(range(len(procs)) if expect is None else expect)
     results, errors = {}, {}
     deadline = time.monotonic() + timeout
@@ -63,20 +138,26 @@ def collect(procs, q, timeout, expect=None):
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(expect - set(results) - set(errors))
+                _dump_stacks(procs, missing)
+                tails = "".join(f"\n--- rank {r} (still running; its stacks and stderr) ---\n"
+                                f"{stderr_tail(procs, r, 60)}" for r in missing)
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout} s; "
-                                   f"errors so far: {errors}")
+                                   f"errors so far: {errors}{tails}")
             try:
                 rank, status, value = q.get(timeout=min(left, 0.5))
             except queue.Empty:
                 _note_dead(procs, expect - set(results) - set(errors), dead_since, errors)
                 continue
             (results if status == "ok" else errors)[rank] = value
+        if check_exit:
+            _check_exits(procs, expect - set(errors), errors)
     finally:
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-                p.join()
+                # A process inside a driver call may not die at once: never block the suite on it.
+                p.join(timeout=10)
     return results, errors
 
 
@@ -84,7 +165,7 @@ def run_ranks(world, fn, *args, timeout=180, env=None, backend="gloo"):
     """Runs fn(rank, world, *args) on every rank; returns the results in rank order or raises
     with every failing rank's traceback."""
     procs, q, _ = spawn(world, fn, *args, env=env, backend=backend)
-    results, errors = collect(procs, q, timeout)
+    results, errors = collect(procs, q, timeout, check_exit=True)
     if errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world)]

@@ -436,9 +436,21 @@ def failure_worker(rank, world, silent):
     return res
 
 
+def nccl_over_sockets():
+    """True where the nccl tests' ranks pose as hosts on one GPU (NCCL < 2.30, see setup_rank)."""
+    from ringreduce import _C, _cuda
+    return torch.cuda.device_count() == 1 and _C.nccl_version(_cuda._nccl_lib()) < 23000
+
+
 @pytest.mark.parametrize("blocking", [False, True], ids=["stream", "blocking_wait"])
 @TRANSPORTS
 def test_failure_semantics(env, blocking):
+    if env is NCCL_ENV and nccl_over_sockets():
+        pytest.skip("NCCL < 2.30 with one GPU: the ranks pose as hosts (NCCL_HOSTID) on NCCL's "
+                    "socket transport, where a rank that never calls leaves the others' "
+                    "send/recv to our abort; on the first H100 run (NCCL 2.28.9) this test did not "
+                    "finish in the suite's budget. Runs with NCCL >= 2.30 or two GPUs; the nccl "
+                    "failure paths run in CI against the emulated stand-in")
     timeout = 5.0
     extra = {"RINGREDUCE_TIMEOUT": str(timeout), "RINGREDUCE_BLOCKING_WAIT": "1" if blocking else "0"}
     results = run_ranks(3, failure_worker, 2, timeout=180, env={**env, **extra})
@@ -558,7 +570,7 @@ def dead_peer_worker(rank, world):
 @TRANSPORTS
 def test_dead_peer(env):
     procs, q, _ = spawn(3, dead_peer_worker, env={**env, "RINGREDUCE_TIMEOUT": "60"})
-    results, errors = collect(procs, q, timeout=120, expect=[0, 2])
+    results, errors = collect(procs, q, timeout=120, expect=[0, 2], check_exit=True)
     assert not errors, errors
     for rank, ((name, msg, secs), close_s) in results.items():
         assert name == "RingReduceError" and secs < 10, (rank, name, msg, secs)
@@ -782,6 +794,57 @@ def test_backend_refuses_a_device_it_does_not_serve():
                                             backend="cpu:ringreduce"):
         assert name != "ok" and "cuda" in msg.lower(), (name, msg)
         assert value == 2.0
+
+
+# -- world 1: no data moves ------------------------------------------------------------------------
+def world1_worker(rank, world):
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    t = torch.arange(10, dtype=torch.float32, device=dev)
+    before = t.clone()
+    for op in (rr.ReduceOp.SUM, rr.ReduceOp.AVG, rr.ReduceOp.MAX, rr.ReduceOp.PRODUCT):
+        rr.all_reduce(t, op=op)
+    w = rr.all_reduce(t, async_op=True)
+    completed = w.is_completed()  # nothing to wait for
+    w.wait()
+    out = torch.empty(10, device=dev)
+    rr.reduce_scatter_tensor(out, t)
+    g = torch.empty(10, device=dev)
+    w2 = rr.all_gather_into_tensor(g, t * 2, async_op=True)
+    fut_value = w2.get_future().wait()[0]
+    ok = (torch.equal(t, before) and torch.equal(out, before) and torch.equal(g, before * 2)
+          and fut_value.data_ptr() == g.data_ptr())
+    finish()
+    return ok, completed
+
+
+@smoke
+@TRANSPORTS
+def test_world_one_moves_nothing(env):
+    """World 1: all_reduce is the identity, reduce_scatter/all_gather a copy on the caller's stream,
+    an async call returns a completed Work."""
+    [(ok, completed)] = run_ranks(1, world1_worker, timeout=120, env=env)
+    assert ok and completed
+
+
+# -- processes exit with status 0 however they end ------------------------------------------------
+EXIT_SCRIPT = os.path.join(os.path.dirname(__file__), "cuda_exit_script.py")
+
+
+@pytest.mark.parametrize("mode", ["free_after_destroy", "no_destroy", "ddp_hook",
+                                  "graph_after_destroy", "streams_reused"])
+def test_processes_exit_cleanly_under_torchrun(mode, tmp_path):
+    """torchrun, 2 ranks: each prints its ok line and exits 0 (torchrun's own status is 0 only if
+    every worker's is); a worker killed by a signal at exit fails here with its stderr."""
+    import subprocess
+    env = {**os.environ, "RINGREDUCE_TRANSPORT": "p2p", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--redirects=3", "--log-dir", str(tmp_path), EXIT_SCRIPT, mode]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    logs = "\n".join(f"--- {p} ---\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.rglob("*.log")))
+    assert r.returncode == 0, f"torchrun exited {r.returncode}\n{r.stderr[-3000:]}\n{logs}"
+    for rank in range(2):
+        assert f"rank {rank} ok: {mode}" in logs + r.stdout, logs
 
 
 if __name__ == "__main__":

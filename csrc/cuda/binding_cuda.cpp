@@ -2,12 +2,26 @@
 // torch.distributed with NCCL. Every collective runs on the communicator's own stream, ordered
 // after the caller's current stream (an event), and the caller's stream waits for it (sync) or the
 // returned Work does so in wait() (async). The only file of csrc/cuda that includes torch.
+//
+// Ownership of what torch sees (the first GPU run crashed every process at exit for this):
+// - communicator streams are never destroyed (take_stream/give_back_stream): torch may hold one
+//   after close (the ExternalStream of _cuda.py, a Future's events, a user's record_stream);
+// - a call's tensors are held until its event completes (held_), not given to record_stream, so
+//   the caching allocator never records an event on our stream when they are freed;
+// - a graph that captured a p2p launch pins the ring's memory (p2p::Ring::graph_pin, a
+//   cudaUserObject): close() keeps it while the graph lives;
+// - destructors that run while the interpreter finalizes make no CUDA call and do not touch the
+//   GIL: what they would free is the process's to free at exit.
+#include <Python.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <deque>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -23,6 +37,49 @@ namespace rr = ringreduce;
 namespace rc = ringreduce::cuda;
 
 namespace {
+
+bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// Streams of closed communicators, per device, for the next ones. Never freed (see the top).
+std::mutex g_streams_mu;
+std::map<int, std::vector<cudaStream_t>>& free_streams() {
+  static auto* m = new std::map<int, std::vector<cudaStream_t>>();
+  return *m;
+}
+
+// A non-blocking stream of our own (not torch's pool: our kernels spin on other ranks and must not
+// queue behind user work) on the current device, reused if a closed communicator left one.
+cudaStream_t take_stream(int device) {
+  {
+    std::lock_guard<std::mutex> lk(g_streams_mu);
+    auto& v = free_streams()[device];
+    if (!v.empty()) {
+      cudaStream_t s = v.back();
+      v.pop_back();
+      return s;
+    }
+  }
+  cudaStream_t s = nullptr;
+  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  return s;
+}
+
+void give_back_stream(int device, cudaStream_t s) {
+  std::lock_guard<std::mutex> lk(g_streams_mu);
+  free_streams()[device].push_back(s);
+}
+
+size_t free_stream_count(int device) {
+  std::lock_guard<std::mutex> lk(g_streams_mu);
+  auto it = free_streams().find(device);
+  return it == free_streams().end() ? 0 : it->second.size();
+}
 
 // What a Work needs of its communicator: its failure and which call failed first.
 struct Failure {
@@ -54,9 +111,10 @@ class CudaWork {
   CudaWork(cudaEvent_t done, int device, std::shared_ptr<Failure> comm, uint64_t seq)
       : done_(done), device_(device), comm_(std::move(comm)), seq_(seq) {}
   ~CudaWork() {
-    if (done_) cudaEventDestroy(done_);
+    if (done_ && !finalizing()) cudaEventDestroy(done_);
   }
   bool is_completed() {
+    if (!done_) return true;
     c10::cuda::CUDAGuard guard(device_);
     const cudaError_t e = cudaEventQuery(done_);
     if (e == cudaErrorNotReady) return false;
@@ -66,6 +124,7 @@ class CudaWork {
   // Blocks the host until the calls are done on the device (each ends by its deadline at the
   // latest); raises if one of them failed. A failure of a later call does not count.
   void synchronize() {
+    if (!done_) return;  // a world-1 call: nothing ran on our stream
     c10::cuda::CUDAGuard guard(device_);
     {
       py::gil_scoped_release nogil;
@@ -97,11 +156,17 @@ class CudaComm {
     C10_CUDA_CHECK(cudaGetDevice(&device_));
     shared_ = std::make_shared<Shared<Ring>>();
     shared_->ring = std::move(ring);
-    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    stream_ = take_stream(device_);
   }
-  ~CudaComm() { close(false); }  // not closed by Python: a neighbour may still read our memory
+  ~CudaComm() {
+    if (finalizing()) {  // no CUDA call, no GIL: the process frees it all at exit
+      (void)shared_->ring.release();
+      for (Held& h : held_) (void)h.tensors.release();
+      return;
+    }
+    close(false);  // not closed by Python: a neighbour may still read our memory
+  }
 
   Ring& ring() {
     if (!shared_->ring || shared_->ring->closed()) throw rr::RingError("ringreduce: communicator is closed");
@@ -162,9 +227,12 @@ class CudaComm {
   void synchronize() {
     if (stream_) {
       c10::cuda::CUDAGuard guard(device_);
-      py::gil_scoped_release nogil;
-      C10_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      shared_->poll();
+      {
+        py::gil_scoped_release nogil;
+        C10_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        shared_->poll();
+      }
+      release_held(false);
     }
     raise_if(*shared_);
   }
@@ -175,16 +243,20 @@ class CudaComm {
     if (rec_) rec_->set_device_probe(nullptr);  // waits for a dump reading the ring
     c10::cuda::CUDAGuard guard(device_);
     {
-      py::gil_scoped_release nogil;
+      // A destructor called by the garbage collector holds the GIL; one called elsewhere may not.
+      std::unique_ptr<py::gil_scoped_release> nogil;
+      if (PyGILState_Check()) nogil = std::make_unique<py::gil_scoped_release>();
       cudaStreamSynchronize(stream_);
       if (shared_->ring) {
         if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) shared_->ring->close(peers_done);
         else shared_->ring->close();
       }
     }
+    release_held(true);  // the stream is idle (or the device lost): nothing uses them now
+    for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
+    spare_events_.clear();
     cudaEventDestroy(ready_);
-    cudaEventDestroy(done_);
-    cudaStreamDestroy(stream_);
+    give_back_stream(device_, stream_);  // idle; torch may still refer to it: never destroyed
     stream_ = nullptr;
     cudaGetLastError();
   }
@@ -198,8 +270,73 @@ class CudaComm {
   uintptr_t stream_ptr() const { return reinterpret_cast<uintptr_t>(stream_); }
   int64_t op_seq() { return static_cast<int64_t>(ring().op_seq()); }
   int device() const { return device_; }
+  size_t held_calls() const { return held_.size(); }
 
  private:
+  // The tensors of one call, held until its event on our stream completes.
+  struct Held {
+    cudaEvent_t done;
+    std::unique_ptr<std::vector<at::Tensor>> tensors;
+  };
+
+  cudaEvent_t spare_event() {
+    if (!spare_events_.empty()) {
+      cudaEvent_t e = spare_events_.back();
+      spare_events_.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+
+  // Drops the tensors of calls that finished on the device (all of them if all: the stream is
+  // idle). Calls finish in order on our stream: stop at the first that has not.
+  void release_held(bool all) {
+    while (!held_.empty()) {
+      Held& h = held_.front();
+      if (!all) {
+        const cudaError_t e = cudaEventQuery(h.done);
+        if (e != cudaSuccess) {
+          if (e != cudaErrorNotReady) cudaGetLastError();  // a failed device: keep them
+          return;
+        }
+      }
+      spare_events_.push_back(h.done);
+      held_.pop_front();
+    }
+  }
+
+  // Holds `tensors` until the work enqueued on our stream so far is done; the event of that.
+  cudaEvent_t hold(const std::vector<at::Tensor>& tensors) {
+    release_held(false);
+    cudaEvent_t e = spare_event();
+    const cudaError_t err = cudaEventRecord(e, stream_);
+    if (err != cudaSuccess) spare_events_.push_back(e);
+    C10_CUDA_CHECK(err);
+    held_.push_back({e, std::make_unique<std::vector<at::Tensor>>(tensors)});
+    return e;
+  }
+
+  // World 1: all_reduce is the identity (every op, AVG divides by 1); reduce_scatter and
+  // all_gather copy input to output on the caller's stream. No event, no stream of ours.
+  py::object run_alone(const rr::Call& c, bool async_op) {
+    c10::cuda::CUDAGuard guard(device_);
+    const size_t bytes = static_cast<size_t>(c.numel) * rr::dtype_size(c.dtype);
+    if (c.coll != rr::Coll::AllReduce && c.in != c.out && bytes > 0) {
+      const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_).stream();
+      C10_CUDA_CHECK(cudaMemcpyAsync(c.out, c.in, bytes, cudaMemcpyDeviceToDevice, cur));
+    }
+    if (rec_ && rec_->on()) {
+      const int64_t t = rr::host::now_ns();
+      const uint64_t seq = rec_->begin(rr::coll_name(c.coll), rr::dtype_name(c.dtype), rr::op_name(c.op),
+                                       "local", c.numel, bytes, rr::host::current_source(), t, t);
+      rec_->finished(seq);
+    }
+    if (!async_op) return py::none();
+    return py::cast(std::make_unique<CudaWork>(nullptr, device_, shared_, 0));
+  }
+
   void check(const at::Tensor& t, const char* arg) {
     TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device_, "ringreduce: ", arg, " is on ",
                       t.device(), "; this communicator moves tensors on cuda:", device_);
@@ -208,6 +345,7 @@ class CudaComm {
 
   py::object run(const rr::Call& c, const std::vector<at::Tensor>& tensors, bool async_op) {
     Ring& ring = this->ring();
+    if (nranks_ == 1) return run_alone(c, async_op);
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_).stream();
     // Inside a CUDA graph capture: refused before our stream joins the capture, so that the
@@ -222,6 +360,8 @@ class CudaComm {
       if constexpr (std::is_same_v<Ring, rc::nccl::Ring>)
         throw rr::RingError("ringreduce: the nccl transport cannot run inside a CUDA graph "
                             "capture; use RINGREDUCE_TRANSPORT=p2p (capture-safe)");
+      else
+        pin_for_graph(ring, cur);
     }
     C10_CUDA_CHECK(cudaEventRecord(ready_, cur));
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
@@ -255,15 +395,41 @@ class CudaComm {
       else
         rec_->set_dev_seq(seq, ring.op_seq());
     }
-    // The caching allocator must not reuse these tensors' memory before our stream is done.
-    const c10::Stream ours = c10::cuda::getStreamFromExternal(stream_, device_);
-    for (const at::Tensor& t : tensors) t.record_stream(ours);
+    if (capture != cudaStreamCaptureStatusNone) {
+      // Captured, not run: the graph's replays own the ordering; torch's graph pool keeps the
+      // memory of tensors made in the capture. Our stream rejoins the capture here.
+      C10_CUDA_CHECK(cudaEventRecord(ready_, stream_));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(cur, ready_, 0));
+      return py::none();
+    }
+    // The caching allocator must not reuse these tensors' memory before our stream is done:
+    // held until this event, not record_stream (which would tie our stream to their frees).
+    const cudaEvent_t done = hold(tensors);
     if (!async_op) {
-      C10_CUDA_CHECK(cudaEventRecord(done_, stream_));
-      C10_CUDA_CHECK(cudaStreamWaitEvent(cur, done_, 0));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(cur, done, 0));
       return py::none();
     }
     return marker();
+  }
+
+  // The graph being captured on `cur` keeps the ring's memory until CUDA destroys the graph.
+  static void pin_for_graph(Ring& ring, cudaStream_t cur) {
+    if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
+      cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+      cudaGraph_t graph = nullptr;
+      C10_CUDA_CHECK(cudaStreamGetCaptureInfo(cur, &st, nullptr, &graph));
+      void* pin = ring.graph_pin();
+      cudaUserObject_t obj = nullptr;
+      cudaError_t e = cudaUserObjectCreate(&obj, pin, &rc::p2p::Ring::release_graph_pin, 1,
+                                           cudaUserObjectNoDestructorSync);
+      if (e != cudaSuccess) {
+        rc::p2p::Ring::release_graph_pin(pin);
+        C10_CUDA_CHECK(e);
+      }
+      e = cudaGraphRetainUserObject(graph, obj, 1, cudaGraphUserObjectMove);
+      if (e != cudaSuccess) cudaUserObjectRelease(obj, 1);  // runs the release
+      C10_CUDA_CHECK(e);
+    }
   }
 
  public:
@@ -284,7 +450,9 @@ class CudaComm {
   int device_ = 0;
   std::shared_ptr<Shared<Ring>> shared_;
   cudaStream_t stream_ = nullptr;
-  cudaEvent_t ready_ = nullptr, done_ = nullptr;
+  cudaEvent_t ready_ = nullptr;
+  std::deque<Held> held_;
+  std::vector<cudaEvent_t> spare_events_;
   std::shared_ptr<rr::host::Recorder> rec_;
 };
 
@@ -308,6 +476,7 @@ void bind_common(py::class_<C>& cls) {
       .def("marker", &C::marker)
       .def("attach_recorder", &C::attach_recorder, py::arg("recorder"))
       .def("op_seq", &C::op_seq)
+      .def("held_calls", &C::held_calls)
       .def("device", &C::device);
 }
 
@@ -393,6 +562,7 @@ void register_cuda(py::module_& m) {
     const bool ok = rc::p2p::can_map(bus_id, &why);
     return py::make_tuple(ok, why);
   }, py::arg("device"), py::arg("bus_id"));
+  m.def("cuda_free_streams", &free_stream_count, py::arg("device"));
   m.def("cuda_device_count", [] {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;

@@ -452,28 +452,45 @@ size_t Ring::kept_bytes() {
   return g_kept_bytes;
 }
 
+using Pins = std::shared_ptr<std::atomic<int>>;
+
+void* Ring::graph_pin() {
+  pins_->fetch_add(1);
+  return new Pins(pins_);
+}
+
+void Ring::release_graph_pin(void* pin) {
+  Pins* p = static_cast<Pins*>(pin);
+  (*p)->fetch_sub(1);
+  delete p;
+}
+
 void Ring::close(bool peers_done) {
   if (watcher_) watcher_->stop();  // it takes mu_
   calls_.close();
   std::lock_guard<std::mutex> lk(mu_);  // failure() and abort() read ctl_ and area_
   DeviceScope scope(device_);
-  const bool keep = area_ && opt_.nranks > 1 && !peers_done;
+  // A graph may still replay our kernels: keep everything they touch; stop them at their first
+  // wait (this rank's flag only: the peers' areas may be gone).
+  const bool replayable = area_ && pins_->load() > 0;
+  if (replayable) reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = 1;
+  const bool keep = area_ && opt_.nranks > 1 && !peers_done && !replayable;
   if (keep) abort_locked("closed while a neighbour may still use this rank's memory");
   if (side_) cudaStreamSynchronize(side_);
-  if (ipc_)
+  if (ipc_ && !replayable)
     for (size_t q = 0; q < peers_.size(); ++q)
       if (peers_[q] && peers_[q] != area_) cudaIpcCloseMemHandle(peers_[q]);
   peers_.clear();
-  if (keep) {
+  if (keep || replayable) {
     std::lock_guard<std::mutex> klk(g_kept_mu);
     g_kept_bytes += area_bytes();  // freed by the process's exit
   } else if (area_) {
     cudaFree(area_);
   }
   area_ = nullptr;
-  if (ctl_) cudaFreeHost(ctl_);
+  if (ctl_ && !replayable) cudaFreeHost(ctl_);
   ctl_ = ctl_dev_ = nullptr;
-  if (abort_src_) cudaFreeHost(abort_src_);
+  if (abort_src_ && !replayable) cudaFreeHost(abort_src_);
   abort_src_ = nullptr;
   if (side_) cudaStreamDestroy(side_);
   side_ = nullptr;

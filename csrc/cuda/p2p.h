@@ -232,6 +232,15 @@ class Ring {
   void close(bool peers_done = true);
   // Areas kept by close(false) in this process (bytes), for tests and logs.
   static size_t kept_bytes();
+  // A CUDA graph that captured a launch of this ring replays it with this ring's addresses. While
+  // a graph holds a pin (taken at capture, released when CUDA destroys the graph), close() frees
+  // and unmaps nothing a kernel touches (kept until exit) and raises only this rank's host abort
+  // flag, so that a replay after close stops at its first wait: never a use of freed memory.
+  // graph_pin() returns the argument for release_graph_pin, a cudaUserObject destructor (it makes
+  // no CUDA call, as those must not).
+  void* graph_pin();
+  static void release_graph_pin(void* pin);
+  int graph_pins() const { return pins_->load(); }
   bool closed() const { return area_ == nullptr; }
   uint64_t op_seq() const { return op_seq_; }
   // Which calls have finished on the device (the flight recorder reads it without blocking).
@@ -263,6 +272,7 @@ class Ring {
   std::mutex mu_;
   std::string reason_;  // why this rank aborted (host side)
   std::string failure_;
+  std::shared_ptr<std::atomic<int>> pins_ = std::make_shared<std::atomic<int>>(0);  // graphs
   std::unique_ptr<host::Ticker> watcher_;  // declared last: stopped first
 };
 

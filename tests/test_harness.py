@@ -1,0 +1,84 @@
+"""The multi-process harness (dist_utils) and the CUDA binding's ownership rules, on the CPU.
+
+The first GPU run showed two blind spots: ranks that crashed at exit were reported as "exited
+with code -11 without reporting a result" (or not at all), and nothing on a CPU machine could see
+that the binding destroyed a stream torch still held. The harness now checks every rank's exit
+status and names signals; the rules below are what the binding follows so that cannot recur (a
+GPU proves them: tests/test_cuda.py's exit tests).
+"""
+import os
+import pathlib
+import re
+import time
+
+import pytest
+
+from dist_utils import run_ranks
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def abort_at_exit_worker(rank, world):
+    import atexit
+    import signal
+    if rank == 1:  # after the result is reported, as the CUDA crash at interpreter shutdown was
+        atexit.register(lambda: os.kill(os.getpid(), signal.SIGABRT))
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_at_exit_fails_by_name():
+    with pytest.raises(AssertionError) as info:
+        run_ranks(2, abort_at_exit_worker, timeout=60)
+    msg = str(info.value)
+    assert "rank 1 reported its result, then exited with SIGABRT" in msg, msg
+    assert "Fatal Python error: Aborted" in msg, msg  # its stderr tail (faulthandler's report)
+    assert "--- rank 0 ---" not in msg, msg
+
+
+def stuck_worker(rank, world):
+    if rank == 0:
+        return "fine"
+    def stuck_in_a_named_frame():
+        time.sleep(600)
+    stuck_in_a_named_frame()
+
+
+def test_a_timeout_shows_the_stuck_ranks_stack():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        run_ranks(2, stuck_worker, timeout=45)  # long enough to start on a loaded machine
+    msg = str(info.value)
+    assert "ranks [1] did not finish within 45 s" in msg, msg
+    assert "stuck_in_a_named_frame" in msg, msg  # the Python stack the harness asked for
+    assert time.monotonic() - t0 < 90
+
+
+def code_lines(path, comment):
+    """The lines of a source file without their comments (comment: the comment marker)."""
+    return [line.split(comment, 1)[0] for line in path.read_text().splitlines()]
+
+
+def test_binding_never_destroys_a_stream_torch_may_hold():
+    """Streams of communicators go back to a free list (csrc/cuda/binding_cuda.cpp)."""
+    binding = ROOT / "csrc" / "cuda" / "binding_cuda.cpp"
+    code = "\n".join(code_lines(binding, "//"))
+    assert "cudaStreamDestroy" not in code
+    assert "give_back_stream(device_, stream_)" in code and "take_stream(device_)" in code
+
+
+def test_no_record_stream_on_our_streams():
+    """Tensors are held until the call's event instead (as TORCH_NCCL_AVOID_RECORD_STREAMS)."""
+    offenders = []
+    for path in [ROOT / "csrc" / "cuda" / "binding_cuda.cpp", *sorted((ROOT / "ringreduce").rglob("*.py"))]:
+        comment = "//" if path.suffix == ".cpp" else "#"
+        for n, line in enumerate(code_lines(path, comment), 1):
+            if re.search(r"\brecord_stream\s*\(", line):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_destructors_make_no_cuda_call_while_python_finalizes():
+    binding = (ROOT / "csrc" / "cuda" / "binding_cuda.cpp").read_text()
+    for cls in ("~CudaWork()", "~CudaComm()"):
+        body = binding.split(cls, 1)[1].split("\n  }\n", 1)[0]
+        assert "finalizing()" in body, f"{cls} must check finalizing() first:\n{body}"
