@@ -1,0 +1,215 @@
+"""How far the CUDA path is from the hardware's limit, in one run on one GPU (issue 36 item 5).
+
+    python benchmarks/gpu_roofline.py [--worlds 2,4] [--sizes 4K,64K,1M,16M,256M] [--mps both]
+
+Prints, and writes as markdown to --out (default gpu_roofline.md) to paste into BENCHMARKS.md:
+1. the device-to-device copy bandwidth (read + write counted), the limit of everything below;
+2. world 1: rr.all_reduce against NCCL's world-1 all_reduce and a bare t.add_(0), us per call;
+3. worlds 2 and 4 as processes sharing the GPU, with MPS and without, per p2p algorithm (auto,
+   ring, oneshot, twoshot: RINGREDUCE_CUDA_ALGO), float32 all_reduce in place: the median us per
+   call from `python -m ringreduce.bench`, the fraction of the HBM limit (an all_reduce of S bytes
+   per rank on one GPU reads N inputs and writes N outputs: 2NS bytes at the copy bandwidth), and
+   the time without MPS as a multiple of the time with it.
+MPS is started with `nvidia-cuda-mps-control -d` and stopped with `quit` (needs root); --mps off
+or on runs one of the two. Nothing here runs without a GPU except the table arithmetic, which
+tests/test_bench.py checks.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ALGOS = ("auto", "ring", "oneshot", "twoshot")
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text):
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    if text and text[-1] in UNITS:
+        return int(float(text[:-1]) * UNITS[text[-1]])
+    return int(text)
+
+
+def human(n):
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def hbm_limit_us(world, size_bytes, copy_GBps):
+    """The least time of an all_reduce of size_bytes per rank, world ranks on one GPU: 2 x world x
+    size bytes (every input read, every output written) at the copy bandwidth."""
+    return 2 * world * size_bytes / (copy_GBps * 1e9) * 1e6
+
+
+def bench_times(doc):
+    """{size_bytes: median us} of the in-place all_reduce rows of a ringreduce.bench --json file,
+    and its peak copy bandwidth (GB/s)."""
+    times = {}
+    run = doc["runs"][0]
+    for row in run["rows"]:
+        if row["collective"] == "all_reduce" and row["inplace"] and not row.get("wrong"):
+            times[row["size_bytes"]] = row["time_us"]
+    return times, run.get("peak_membw_GBps")
+
+
+def table(results, copy_GBps, sizes):
+    """Markdown rows from results[(mps, world, algo)] = {size: us}: per world, size and algorithm,
+    the time with MPS, its fraction of the HBM limit, the time without MPS and its ratio."""
+    lines = ["| world | size | algorithm | us, MPS | fraction of HBM limit | us, no MPS | no MPS / MPS |",
+             "|---:|---:|---|---:|---:|---:|---:|"]
+    worlds = sorted({w for _, w, _ in results})
+    for w in worlds:
+        for s in sizes:
+            for algo in ALGOS:
+                on = results.get(("on", w, algo), {}).get(s)
+                off = results.get(("off", w, algo), {}).get(s)
+                if on is None and off is None:
+                    continue
+                best = on if on is not None else off
+                frac = hbm_limit_us(w, s, copy_GBps) / best
+                cell = lambda v: f"{v:,.1f}" if v is not None else "-"  # noqa: E731
+                ratio = f"{off / on:.1f}x" if on and off else "-"
+                lines.append(f"| {w} | {human(s)} | {algo} | {cell(on)} | {frac:.2f} | {cell(off)} | {ratio} |")
+    return "\n".join(lines)
+
+
+# -- on the GPU --------------------------------------------------------------------------------
+def cuda_time_us(fn, calls, repeats=15):
+    """Median us per call of `calls` back-to-back fn() between two CUDA events."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(out)
+
+
+def copy_bandwidth_GBps(nbytes=256 << 20):
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = cuda_time_us(lambda: dst.copy_(src), 10)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def world_one(sizes):
+    """{size: (rr us, nccl us, add_ us)} in this process, a world-1 group."""
+    import torch
+    import torch.distributed as dist
+    import ringreduce as rr
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    nccl = dist.new_group(backend="nccl")
+    out = {}
+    for s in sizes:
+        t = torch.zeros(max(1, s // 4), device="cuda")
+        calls = 200 if s <= (1 << 20) else 20
+        out[s] = (cuda_time_us(lambda: rr.all_reduce(t), calls),
+                  cuda_time_us(lambda: dist.all_reduce(t, group=nccl), calls),
+                  cuda_time_us(lambda: t.add_(0), calls))
+    rr.destroy()
+    dist.destroy_process_group()
+    return out
+
+
+def set_mps(on):
+    ctl = shutil.which("nvidia-cuda-mps-control")
+    if not ctl:
+        raise SystemExit("nvidia-cuda-mps-control not found: run with --mps off")
+    if on:
+        subprocess.run([ctl, "-d"], check=True)
+        time.sleep(1.0)
+    else:
+        subprocess.run([ctl], input="quit\n", text=True, check=False)
+        time.sleep(2.0)
+
+
+def run_bench(world, algo, sizes, timeout):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        cmd = [sys.executable, "-m", "ringreduce.bench", "--nranks", str(world), "--backends",
+               "ringreduce/p2p", "--collectives", "all_reduce", "-b", str(min(sizes)), "-e",
+               str(max(sizes)), "-f", "4", "--json", path]
+        env = {**os.environ, "RINGREDUCE_CUDA_ALGO": algo}
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0:
+            print(f"# world {world} {algo}: bench exited {r.returncode}\n{r.stderr[-2000:]}", flush=True)
+            return {}, None
+        with open(path) as f:
+            times, bw = bench_times(json.load(f))
+    return {s: v for s, v in times.items() if s in sizes}, bw
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--sizes", default="4K,64K,1M,16M,256M")
+    p.add_argument("--algos", default=",".join(ALGOS))
+    p.add_argument("--mps", choices=("both", "on", "off"), default="both")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per bench run")
+    p.add_argument("--out", default="gpu_roofline.md")
+    p.add_argument("--phase1", metavar="JSON", help=argparse.SUPPRESS)  # internal
+    a = p.parse_args(argv)
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    worlds = [int(w) for w in a.worlds.split(",")]
+    algos = [x for x in a.algos.split(",") if x]
+    for x in algos:
+        if x not in ALGOS:
+            p.error(f"--algos: {x!r} is not one of {', '.join(ALGOS)}")
+    if a.phase1:  # in a process of its own: no CUDA context of ours stays while MPS starts
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu_roofline.py needs a CUDA device")
+        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "copy_GBps": copy_bandwidth_GBps(), "world1": world_one(sizes)}
+        with open(a.phase1, "w") as f:
+            json.dump(doc, f)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "phase1.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--sizes", a.sizes,
+                        "--phase1", path], check=True, timeout=a.timeout)
+        with open(path) as f:
+            doc = json.load(f)
+    copy = doc["copy_GBps"]
+    w1 = {int(s): v for s, v in doc["world1"].items()}
+    report = [f"# {doc['device']}, torch {doc['torch']}, device-to-device copy {copy:,.0f} GB/s "
+              f"(read + write counted)", ""]
+    report += ["| size | rr.all_reduce world 1 (us) | NCCL world 1 (us) | t.add_(0) (us) |",
+               "|---:|---:|---:|---:|"]
+    report += [f"| {human(s)} | {r:.1f} | {n:.1f} | {z:.1f} |" for s, (r, n, z) in w1.items()]
+    print("\n".join(report), flush=True)
+    results = {}
+    for mode in (("off", "on") if a.mps == "both" else (a.mps,)):
+        if a.mps == "both":
+            set_mps(mode == "on")
+        for w in worlds:
+            for algo in algos:
+                t0 = time.monotonic()
+                results[(mode, w, algo)], _ = run_bench(w, algo, sizes, a.timeout)
+                print(f"# MPS {mode}, world {w}, {algo}: {time.monotonic() - t0:.0f} s", flush=True)
+    if a.mps == "both":
+        set_mps(False)
+    report += ["", table(results, copy, sizes)]
+    text = "\n".join(report)
+    print(text)
+    with open(a.out, "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
