@@ -75,6 +75,18 @@ def _signature(e):
     return (e["coll"], e["numel"], e["dtype"], "" if e["coll"] == "all_gather" else e["op"])
 
 
+def _difference(entries):
+    """How calls of one seq differ: "different collectives", or "the same collective (all_reduce)
+    with different numel / dtype / op" naming the fields that differ (all_gather has no op)."""
+    colls = {e["coll"] for e in entries}
+    if len(colls) > 1:
+        return "different collectives"
+    coll = colls.pop()
+    fields = [f for f in ("numel", "dtype", "op")
+              if not (f == "op" and coll == "all_gather") and len({e[f] for e in entries}) > 1]
+    return f"the same collective ({coll}) with different {' / '.join(fields)}"
+
+
 def _ranks(rs):
     rs = sorted(rs)
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
@@ -144,7 +156,8 @@ class Analysis:
                         f"{' / '.join(by[r] for r in odd)} where {_ranks(major)} called "
                         f"{by[major[0]]}")
             else:
-                text = (f"DESYNC in call #{seq}: the ranks called different collectives: "
+                how = _difference([self.by_rank[r][seq] for r in sigs])
+                text = (f"DESYNC in call #{seq}: the ranks called {how}: "
                         + "; ".join(f"rank {r} {by[r]}" for r in sorted(by)))
             self.findings.append(("desync", text))
             self.details.append(f"call #{seq}, side by side:")

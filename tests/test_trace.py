@@ -321,3 +321,39 @@ def profiled_ddp_worker(rank, world, hier):
 def test_profiled_ddp_step_one_range_per_bucket(hier):
     for buckets, ranges in run_ranks(4 if hier else 2, profiled_ddp_worker, hier):
         assert buckets >= 2 and ranges == buckets, (buckets, ranges)
+
+
+# -- the analyzer on written dumps (no processes): what a two-rank desync is called --------------
+
+def _entry(seq, coll="all_reduce", numel=16, dtype="float32", op="SUM", state="finished"):
+    return {"seq": seq, "coll": coll, "numel": numel, "dtype": dtype, "op": op, "algo": "ring",
+            "bytes": numel * 4, "source": "api", "state": state, "queued_us": 1000 * seq,
+            "started_us": 1000 * seq + 1, "ended_us": 1000 * seq + 2 if state == "finished" else 0}
+
+
+def _write_dumps(folder, calls):
+    """One dump per rank: two matching calls, then call #3 as calls[rank] (kwargs of _entry)."""
+    for rank, third in enumerate(calls):
+        d = {"version": 1, "rank": rank, "world_size": len(calls), "communicator": "c", "job": "j",
+             "transport": "shm", "host": "h", "pid": 100 + rank, "pids": [100, 101],
+             "time_us": 10_000, "calls": 3, "dropped": 0, "waiting": None,
+             "entries": [_entry(1), _entry(2), _entry(3, state="started", **third)]}
+        (folder / f"rank{rank}.json").write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("calls, want", [
+    ([{}, {"numel": 32}], "the same collective (all_reduce) with different numel: "
+                          "rank 0 all_reduce(numel=16, float32, SUM); rank 1 all_reduce(numel=32"),
+    ([{}, {"dtype": "float64", "op": "MAX"}], "the same collective (all_reduce) with different "
+                                               "dtype / op: "),
+    ([{"coll": "all_gather"}, {"coll": "all_gather", "numel": 8, "op": "MAX"}],
+     "the same collective (all_gather) with different numel: "),  # all_gather has no op
+    ([{}, {"coll": "reduce_scatter"}], "different collectives: rank 0 all_reduce(numel=16"),
+])
+def test_two_rank_desync_says_what_differs(tmp_path, calls, want):
+    """No majority (two ranks): a numel, dtype or op mismatch of one collective is not called
+    "different collectives" (issue 37)."""
+    _write_dumps(tmp_path, calls)
+    status, lines = analyze(tmp_path)
+    assert status == 1
+    assert lines[0].startswith(f"DESYNC in call #3: the ranks called {want}"), lines
