@@ -74,6 +74,7 @@ else:
 
 setup(
     packages=find_packages(include=["ringreduce", "ringreduce.*"]),
+    package_data={"ringreduce": ["gpu_tuning.json"]},  # auto's measured thresholds (_cuda.py)
     ext_modules=[ext],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

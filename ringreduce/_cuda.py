@@ -25,6 +25,7 @@ Lifetime (csrc/cuda/binding_cuda.cpp says how): the communicator's stream is nev
 torch may refer to it after close() (self._stream, a Future's events); a call's tensors are held
 until the device is done with them instead of record_stream.
 """
+import json
 import logging
 import os
 import sysconfig
@@ -70,6 +71,25 @@ def _nccl_lib():
     """Path of the libnccl.so.2 shipped with torch (nvidia-nccl-cu13), tried if none is loaded."""
     path = os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "nccl", "lib", "libnccl.so.2")
     return path if os.path.exists(path) else ""
+
+
+TUNING_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_tuning.json")
+
+
+def tuned_thresholds(device_name, world, ranks_per_device, path=TUNING_PATH):
+    """((oneshot_max, twoshot_max) or None, where from) for p2p's auto choice: the entry of the
+    measured table for this device name, world size and ranks per device; None: the model's."""
+    try:
+        with open(path) as f:
+            entries = json.load(f)["entries"]
+    except (OSError, ValueError, KeyError) as e:
+        return None, f"the model's thresholds (no table: {e})"
+    for e in entries:
+        if (e["device"], e["world"], e["ranks_per_device"]) == (device_name, world, ranks_per_device):
+            return ((int(e["oneshot_max"]), int(e["twoshot_max"])),
+                    f"measured on {e['device']} ({e.get('date', '?')}, {e.get('command', '?')})")
+    return None, (f"the model's thresholds (no measurement for {device_name}, world {world}, "
+                  f"{ranks_per_device} ranks per device in {os.path.basename(path)})")
 
 
 def decide_transport(hosts, verdicts):
@@ -199,6 +219,7 @@ class Communicator(_lifecycle.Communicator):
             # Every rank's handle when every rank can map every other (the direct algorithms),
             # else the neighbours' only: the same choice on every rank.
             direct = self._direct_possible()
+            self._tune(native, algo)
             up, down = (r - 1) % n, (r + 1) % n
             native.connect([b"" if q == r or not (direct or q in (up, down)) else
                             setup.get(f"handle/{q}", f"rank {q}'s IPC handle") for q in range(n)])
@@ -211,6 +232,23 @@ class Communicator(_lifecycle.Communicator):
                   slice_bytes, slot_bytes, self.timeout)
         return native
 
+    def _tune(self, native, algo):
+        """Auto's thresholds, rank 0's choice for every rank (a plan must be the same on all)."""
+        if algo != "auto":
+            return
+        if self.rank == 0:
+            mine = self._bus_ids[0]
+            per_device = sum(1 for b in self._bus_ids if b == mine)
+            tuned, source = tuned_thresholds(torch.cuda.get_device_name(self.device),
+                                             self.world_size, per_device)
+            one, two = tuned or (-1, -1)
+            self._setup.set("tuning", f"{one}|{two}|{source}")
+        one, two, source = self._setup.get("tuning", "rank 0's algorithm thresholds").decode().split("|", 2)
+        if int(one) >= 0:
+            native.set_thresholds(int(one), int(two))
+        log.debug("rank %d: p2p auto thresholds: %s", self.rank,
+                  (f"one-shot <= {one} B, two-shot <= {two} B, " if int(one) >= 0 else "") + source)
+
     def _direct_possible(self):
         """Whether every rank can map every other rank's memory (the one-shot and two-shot
         algorithms write into all of them); the same answer on every rank."""
@@ -218,6 +256,7 @@ class Communicator(_lifecycle.Communicator):
         me = f"{host_id()}|{_C.cuda_bus_id(self.device.index)}"
         self._setup.set(f"bus/{r}", me)
         where = [v.decode().split("|") for v in self._setup.all("bus", n, "host and device")]
+        self._bus_ids = [f"{h}|{b}" for h, b in where]  # ranks per device (_tune)
         ok = n <= MAX_DIRECT_RANKS and len({h for h, _ in where}) == 1
         for q in range(n):
             if ok and q != r:

@@ -39,3 +39,52 @@ def test_table_fraction_and_ratio():
 @pytest.mark.parametrize("text,value", [("4K", 4096), ("256M", 256 << 20), ("1MiB", 1 << 20), ("100", 100)])
 def test_sizes(text, value):
     assert roof.parse_size(text) == value
+
+
+# -- benchmarks/gpu_tune.py and the table auto reads (ringreduce._cuda.tuned_thresholds) --------
+spec_t = importlib.util.spec_from_file_location(
+    "gpu_tune", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_tune.py")
+tune = importlib.util.module_from_spec(spec_t)
+spec_t.loader.exec_module(tune)
+
+K, M = 1 << 10, 1 << 20
+
+
+def test_thresholds_follow_the_fastest_algorithm():
+    sizes = [4 * K, 64 * K, 1 * M, 16 * M, 256 * M]
+    times = {"oneshot": {4 * K: 10, 64 * K: 14, 1 * M: 60, 16 * M: 900, 256 * M: 17000},
+             "twoshot": {4 * K: 15, 64 * K: 18, 1 * M: 40, 16 * M: 200, 256 * M: 4800},
+             "ring": {4 * K: 30, 64 * K: 35, 1 * M: 70, 16 * M: 130, 256 * M: 1100}}
+    assert tune.thresholds(times, sizes) == (64 * K, 1 * M)
+
+
+def test_thresholds_when_a_direct_algorithm_never_wins():
+    sizes = [4 * K, 1 * M]
+    ring_first = {"oneshot": {4 * K: 50, 1 * M: 90}, "twoshot": {4 * K: 40, 1 * M: 80},
+                  "ring": {4 * K: 30, 1 * M: 70}}
+    assert tune.thresholds(ring_first, sizes) == (0, 0)
+    no_oneshot = {"twoshot": {4 * K: 20, 1 * M: 80}, "ring": {4 * K: 30, 1 * M: 70}}
+    assert tune.thresholds(no_oneshot, sizes) == (0, 4 * K)  # a missing time loses
+
+
+def test_table_written_and_read_back(tmp_path):
+    from ringreduce._cuda import tuned_thresholds
+    table = tmp_path / "gpu_tuning.json"
+    table.write_text('{"about": "", "entries": []}')
+    assert tuned_thresholds("NVIDIA H100 80GB HBM3", 2, 2, str(table))[0] is None
+    entry = {"device": "NVIDIA H100 80GB HBM3", "world": 2, "ranks_per_device": 2,
+             "oneshot_max": 65536, "twoshot_max": 0, "date": "2026-11-25", "command": "x"}
+    tune.update_table(str(table), entry)
+    tune.update_table(str(table), {**entry, "oneshot_max": 4096})  # replaced, not added
+    assert tuned_thresholds("NVIDIA H100 80GB HBM3", 2, 2, str(table))[0] == (4096, 0)
+    limits, why = tuned_thresholds("NVIDIA H100 80GB HBM3", 4, 4, str(table))
+    assert limits is None and "no measurement for NVIDIA H100 80GB HBM3, world 4" in why
+
+
+def test_the_checked_in_table_parses():
+    import json
+    from ringreduce._cuda import TUNING_PATH
+    doc = json.loads(pathlib.Path(TUNING_PATH).read_text())
+    for e in doc["entries"]:
+        assert {"device", "world", "ranks_per_device", "oneshot_max", "twoshot_max", "date",
+                "command"} <= set(e), e

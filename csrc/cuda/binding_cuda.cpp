@@ -518,6 +518,9 @@ void register_cuda(py::module_& m) {
         c.ring().connect(h);
       }, py::arg("handles"))
       .def("direct", [](P2pComm& c) { return c.ring().direct(); })
+      .def("set_thresholds", [](P2pComm& c, size_t oneshot_max, size_t twoshot_max) {
+        c.ring().set_thresholds(oneshot_max, twoshot_max);
+      }, py::arg("oneshot_max"), py::arg("twoshot_max"))
       .def("algorithm", [](P2pComm& c, const std::string& coll, int64_t numel, int dtype_bytes) {
         // The plan of a float-like call of this size (for logs and tests of the choice).
         const rr::Coll k = coll == "all_reduce" ? rr::Coll::AllReduce

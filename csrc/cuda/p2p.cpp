@@ -103,10 +103,12 @@ Plan plan(const Call& c, const Options& o, bool direct) {
         "deterministic mode off");
   Algo algo = o.algo;
   if (det && algo == Algo::Ring) algo = Algo::Auto;
+  const size_t oneshot_max = o.tuned ? o.oneshot_max : oneshot_max_bytes(n);
+  const size_t twoshot_max = o.tuned ? o.twoshot_max : kTwoShotMaxBytes;
   if (algo == Algo::Auto)
     algo = !direct ? Algo::Ring
-           : c.coll == Coll::AllReduce && bytes <= oneshot_max_bytes(n) ? Algo::OneShot
-           : bytes <= kTwoShotMaxBytes || det ? Algo::TwoShot : Algo::Ring;
+           : c.coll == Coll::AllReduce && bytes <= oneshot_max ? Algo::OneShot
+           : bytes <= twoshot_max || det ? Algo::TwoShot : Algo::Ring;
   // One-shot of a reduce-scatter or an all-gather is two-shot's half of it.
   if (algo == Algo::OneShot && c.coll != Coll::AllReduce) algo = Algo::TwoShot;
   if (!direct) algo = Algo::Ring;

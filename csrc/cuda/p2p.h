@@ -162,6 +162,13 @@ struct Options {
   // tiny slices force many pipeline steps at every size.
   bool exact = false;
   Algo algo = Algo::Auto;  // RINGREDUCE_CUDA_ALGO
+  // Auto's thresholds (bytes of the full tensor): one-shot up to oneshot_max (all_reduce), two-shot
+  // up to twoshot_max, the ring above; used when `tuned` (0 then means never), else the model's
+  // (oneshot_max_bytes(), kTwoShotMaxBytes). Set from a table measured on a GPU
+  // (benchmarks/gpu_tune.py, ringreduce/gpu_tuning.json).
+  bool tuned = false;
+  size_t oneshot_max = 0;
+  size_t twoshot_max = 0;
   double timeout_s = 300.0;  // RINGREDUCE_TIMEOUT: per wait
 };
 
@@ -213,6 +220,12 @@ class Ring {
   // graph replays exactly these; the native tests launch them again to play a replay.
   Args args(const Call& c) const;
   Plan plan_of(const Call& c) const { return plan(c, opt_, direct_); }
+  // Auto's thresholds (see Options); the same on every rank, before the first call.
+  void set_thresholds(size_t oneshot_max, size_t twoshot_max) {
+    opt_.tuned = true;
+    opt_.oneshot_max = oneshot_max;
+    opt_.twoshot_max = twoshot_max;
+  }
   bool direct() const { return direct_; }
   // The first failure the device recorded, formatted, or "" while there is none.
   std::string failure();

@@ -1,0 +1,98 @@
+"""Measures the p2p algorithms on the GPU at hand and writes the thresholds `auto` uses (issue 36
+item 4) into ringreduce/gpu_tuning.json, one entry per (device name, world, ranks per device).
+
+    python benchmarks/gpu_tune.py [--worlds 2,4] [--sizes 4K..256M] [--table ringreduce/gpu_tuning.json]
+
+For each world (ranks as processes; on one GPU they share it: run under MPS, as users should),
+each of one-shot, two-shot and the ring runs a float32 all_reduce in place at every size
+(`python -m ringreduce.bench`, RINGREDUCE_CUDA_ALGO forced); one-shot's range is the sizes from
+the smallest up to the last where it is fastest, two-shot's the following ones up to the last where
+one of the two direct algorithms beats the ring. Check the table in with the machine it came from
+(the entry records device, date, command, MPS and every median). Without a GPU nothing here runs
+but the threshold arithmetic, which tests/test_gpu_roofline.py checks.
+"""
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_roofline as roof  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TABLE = os.path.join(ROOT, "ringreduce", "gpu_tuning.json")
+MEASURED = ("oneshot", "twoshot", "ring")
+
+
+def thresholds(times, sizes):
+    """(oneshot_max, twoshot_max) in bytes from times[algo][size] (us): one-shot up to the last
+    size of the leading run where it is fastest; two-shot from there up to the last size of the run
+    where a direct algorithm beats the ring. 0 where an algorithm never wins (auto then never picks
+    it below the next threshold). A size missing for an algorithm counts as a loss for it."""
+    inf = float("inf")
+    t = lambda algo, s: times.get(algo, {}).get(s, inf)  # noqa: E731
+    oneshot_max = twoshot_max = 0
+    i = 0
+    sizes = sorted(sizes)
+    while i < len(sizes) and t("oneshot", sizes[i]) <= min(t("twoshot", sizes[i]), t("ring", sizes[i])):
+        oneshot_max = twoshot_max = sizes[i]
+        i += 1
+    while i < len(sizes) and min(t("oneshot", sizes[i]), t("twoshot", sizes[i])) < t("ring", sizes[i]):
+        twoshot_max = sizes[i]
+        i += 1
+    return oneshot_max, twoshot_max
+
+
+def update_table(path, entry):
+    """Replaces the entry of the same (device, world, ranks_per_device), or adds it."""
+    with open(path) as f:
+        doc = json.load(f)
+    key = lambda e: (e["device"], e["world"], e["ranks_per_device"])  # noqa: E731
+    doc["entries"] = [e for e in doc["entries"] if key(e) != key(entry)] + [entry]
+    doc["entries"].sort(key=key)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def mps_running():
+    ctl = shutil.which("nvidia-cuda-mps-control")
+    if not ctl:
+        return False
+    r = subprocess.run([ctl], input="get_server_list\n", text=True, capture_output=True)
+    return r.returncode == 0 and bool(r.stdout.strip())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--sizes", default="4K,16K,64K,256K,1M,4M,16M,64M,256M")
+    p.add_argument("--table", default=TABLE)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per bench run")
+    a = p.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_tune.py needs a CUDA device")
+    sizes = [roof.parse_size(s) for s in a.sizes.split(",")]
+    device = torch.cuda.get_device_name()
+    for world in (int(w) for w in a.worlds.split(",")):
+        per_device = -(-world // torch.cuda.device_count())  # the bench's round-robin placement
+        times = {algo: roof.run_bench(world, algo, sizes, a.timeout)[0] for algo in MEASURED}
+        one, two = thresholds(times, sizes)
+        entry = {"device": device, "world": world, "ranks_per_device": per_device,
+                 "oneshot_max": one, "twoshot_max": two,
+                 "date": datetime.date.today().isoformat(), "mps": mps_running(),
+                 "torch": torch.__version__,
+                 "command": "python benchmarks/gpu_tune.py " + " ".join(argv or sys.argv[1:]),
+                 "median_us": {algo: {str(s): round(v, 2) for s, v in sorted(ts.items())}
+                               for algo, ts in times.items()}}
+        update_table(a.table, entry)
+        print(f"{device}, world {world}, {per_device} ranks per device: one-shot <= {one} B, "
+              f"two-shot <= {two} B", flush=True)
+
+
+if __name__ == "__main__":
+    main()
