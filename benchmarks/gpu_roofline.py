@@ -12,7 +12,7 @@ Prints, and writes as markdown to --out (default gpu_roofline.md) to paste into 
    the time without MPS as a multiple of the time with it.
 MPS is started with `nvidia-cuda-mps-control -d` and stopped with `quit` (needs root); --mps off
 or on runs one of the two. Nothing here runs without a GPU except the table arithmetic, which
-tests/test_bench.py checks.
+tests/test_gpu_tools.py checks.
 """
 import argparse
 import json

@@ -9,7 +9,7 @@ each of one-shot, two-shot and the ring runs a float32 all_reduce in place at ev
 the smallest up to the last where it is fastest, two-shot's the following ones up to the last where
 one of the two direct algorithms beats the ring. Check the table in with the machine it came from
 (the entry records device, date, command, MPS and every median). Without a GPU nothing here runs
-but the threshold arithmetic, which tests/test_gpu_roofline.py checks.
+but the threshold arithmetic, which tests/test_gpu_tools.py checks.
 """
 import argparse
 import datetime

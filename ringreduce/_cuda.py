@@ -160,6 +160,28 @@ def connections_warning(value, comms_on_device):
 _warned_connections = set()
 
 
+def mps_pipe_present():
+    """Whether an MPS control daemon's pipe is where CUDA clients look for it (a daemon is
+    running; CUDA offers no query of whether this process is an MPS client)."""
+    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe_dir, "control"))
+
+
+def sharing_warning(ranks_per_device, device, mps):
+    """The warning for ranks_per_device ranks sharing one GPU, or None. Without MPS their kernels
+    take turns in time slices and every handshake between them waits for one (measured on an H100,
+    world 2: 2.3 ms for a 4 KiB all_reduce, 38 us under MPS; 72 ms against 136 us at 16 MiB)."""
+    if ranks_per_device < 2 or mps:
+        return None
+    return (f"ringreduce: {ranks_per_device} ranks share {device} and no MPS daemon was found: "
+            f"their kernels take turns in time slices, so every collective waits for slices "
+            f"(milliseconds per call where MPS takes tens of microseconds). Start MPS before the "
+            f"job (nvidia-cuda-mps-control -d) or use one GPU per rank.")
+
+
+_warned_sharing = set()
+
+
 def _check_connections(device):
     n = len([c for c in REGISTRY.live(("cuda", device.index))])
     msg = connections_warning(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), n + 1)
@@ -220,6 +242,7 @@ class Communicator(_lifecycle.Communicator):
             # else the neighbours' only: the same choice on every rank.
             direct = self._direct_possible()
             self._tune(native, algo)
+            self._warn_if_sharing()
             up, down = (r - 1) % n, (r + 1) % n
             native.connect([b"" if q == r or not (direct or q in (up, down)) else
                             setup.get(f"handle/{q}", f"rank {q}'s IPC handle") for q in range(n)])
@@ -232,13 +255,19 @@ class Communicator(_lifecycle.Communicator):
                   slice_bytes, slot_bytes, self.timeout)
         return native
 
+    def _warn_if_sharing(self):
+        per_device = sum(1 for b in self._bus_ids if b == self._bus_ids[self.rank])
+        msg = sharing_warning(per_device, self.device, mps_pipe_present())
+        if msg and self.device.index not in _warned_sharing:
+            _warned_sharing.add(self.device.index)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
     def _tune(self, native, algo):
         """Auto's thresholds, rank 0's choice for every rank (a plan must be the same on all)."""
         if algo != "auto":
             return
         if self.rank == 0:
-            mine = self._bus_ids[0]
-            per_device = sum(1 for b in self._bus_ids if b == mine)
+            per_device = sum(1 for b in self._bus_ids if b == self._bus_ids[0])
             tuned, source = tuned_thresholds(torch.cuda.get_device_name(self.device),
                                              self.world_size, per_device)
             one, two = tuned or (-1, -1)

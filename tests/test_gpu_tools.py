@@ -1,4 +1,4 @@
-"""benchmarks/gpu_roofline.py's arithmetic on the CPU (the measuring needs a GPU)."""
+"""The GPU tools that need no GPU to check: benchmarks/gpu_roofline.py and gpu_tune.py arithmetic, the table auto reads, the warning for ranks sharing a GPU without MPS."""
 import importlib.util
 import pathlib
 
@@ -88,3 +88,19 @@ def test_the_checked_in_table_parses():
     for e in doc["entries"]:
         assert {"device", "world", "ranks_per_device", "oneshot_max", "twoshot_max", "date",
                 "command"} <= set(e), e
+
+
+def test_ranks_sharing_a_gpu_without_mps_are_warned():
+    from ringreduce._cuda import sharing_warning
+    assert sharing_warning(1, "cuda:0", mps=False) is None
+    assert sharing_warning(2, "cuda:0", mps=True) is None
+    msg = sharing_warning(2, "cuda:0", mps=False)
+    assert "2 ranks share cuda:0" in msg and "nvidia-cuda-mps-control -d" in msg
+
+
+def test_mps_pipe_found_where_cuda_looks(tmp_path, monkeypatch):
+    from ringreduce._cuda import mps_pipe_present
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_pipe_present()
+    (tmp_path / "control").touch()
+    assert mps_pipe_present()
