@@ -18,15 +18,7 @@ from reference import DTYPES, OPS, check_close, digest, make_input, reduce_refer
 BACKEND = "ringreduce"
 
 
-def shm_entries():
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("ringreduce-"))
-
-
-@pytest.fixture(autouse=True)
-def no_shm_leak():
-    before = shm_entries()
-    yield
-    assert shm_entries() == before, "shared-memory segments left in /dev/shm"
+pytestmark = pytest.mark.usefixtures("no_shm_leak")  # tests/conftest.py
 
 
 def calls(group=None):

@@ -2,7 +2,6 @@
 copies in place (the shm ring's "pool" algorithm). Real processes, real process groups."""
 import gc
 import json
-import os
 import time
 
 import pytest
@@ -10,18 +9,11 @@ import torch
 import torch.distributed as dist
 
 import ringreduce as rr
+from conftest import shm_entries
 from dist_utils import run_ranks
 
 
-def shm_entries():
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("ringreduce-"))
-
-
-@pytest.fixture(autouse=True)
-def no_shm_leak():
-    before = shm_entries()
-    yield
-    assert shm_entries() == before, "shared-memory segments left in /dev/shm"
+pytestmark = pytest.mark.usefixtures("no_shm_leak")  # tests/conftest.py
 
 
 def values(rank, numel, dtype):
