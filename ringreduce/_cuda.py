@@ -402,6 +402,9 @@ class Communicator(_lifecycle.Communicator):
             try:
                 native_work.synchronize()
                 del keep[:]  # the device is done with them
+                native = self._native
+                if native is not None and not native.closed():
+                    native.release_finished()  # and with the tensors the native side held
             except BaseException:
                 self.recorder.dump_on_failure()
                 raise

@@ -22,13 +22,16 @@ import torch.distributed as dist
 
 import ringreduce as rr
 
+# What must outlive main(): freed by the interpreter's shutdown, after the exit-time close.
+KEEP = []
+
 
 def main(mode):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     torch.cuda.set_device(dev)
-    keep = []
+    keep = KEEP if mode in ("no_destroy", "graph_after_destroy") else []
     if mode in ("free_after_destroy", "no_destroy"):
         t = torch.full((1 << 20,), float(rank + 1), device=dev)
         rr.all_reduce(t)
@@ -40,12 +43,13 @@ def main(mode):
         assert t[0].item() == world * (world + 1) / 2
         w.wait()
         w2.wait()
-        keep = [t, w, nc, w2, out, w.get_future()]
+        keep += [t, w, nc, w2, out, w.get_future()]
+        del t, w, nc, w2, out  # only keep refers to them now
         if mode == "free_after_destroy":
             torch.cuda.synchronize()
             rr.destroy()
             dist.destroy_process_group()
-            del keep[:]  # every tensor and Work freed after the communicators closed
+            del keep[:]  # every tensor and Work freed here, after the communicators closed
             torch.cuda.synchronize()
     elif mode == "ddp_hook":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -64,7 +68,7 @@ def main(mode):
         gathered = [torch.empty_like(grad) for _ in range(world)]
         dist.all_gather(gathered, grad)  # the averaged gradients are the same bits everywhere
         assert all(torch.equal(g, grad) for g in gathered)
-        keep = [model, opt]
+        keep += [model, opt]
     elif mode == "graph_after_destroy":
         os.environ.setdefault("RINGREDUCE_TRANSPORT", "p2p")
         t = torch.ones(1 << 16, device=dev)
@@ -84,7 +88,8 @@ def main(mode):
         rr.destroy()
         g.replay()  # the ring is closed; its memory is pinned by the graph: stops, no fault
         torch.cuda.synchronize()
-        keep = [g, t]
+        dist.barrier()  # no rank exits while another's replay may still run
+        keep += [g, t]  # the graph is freed at exit
     elif mode == "streams_reused":
         from ringreduce import _C
         t = torch.ones(1000, device=dev)
@@ -96,7 +101,7 @@ def main(mode):
         rr.all_reduce(t)  # a new communicator: takes the stream back
         assert _C.cuda_free_streams(dev.index) == before, _C.cuda_free_streams(dev.index)
         assert t[0].item() == world * world, t[0].item()
-        keep = [t]
+        keep += [t]
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     torch.cuda.synchronize()

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 LOG_DIR=${LOG_DIR:-gpu-suite-logs}
 mkdir -p "$LOG_DIR"
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 summary=()
 failed=0
 
@@ -34,14 +34,14 @@ stage() {
   summary+=("stage $name: $line in $(( $(date +%s) - start )) s")
 }
 
-native() {
-  cmake -S . -B cbuild-gpu -DCMAKE_BUILD_TYPE=Release > "$LOG_DIR/cmake.log" 2>&1 &&
-    cmake --build cbuild-gpu -j"$(nproc)" --target test_cuda_kernels >> "$LOG_DIR/cmake.log" 2>&1 ||
-    { tail -50 "$LOG_DIR/cmake.log"; return 1; }
-  ./cbuild-gpu/test_cuda_kernels
-}
+# (a command for `timeout`, which cannot run a shell function)
+NATIVE='cmake -S . -B cbuild-gpu -DCMAKE_BUILD_TYPE=Release > "$LOG_DIR/cmake.log" 2>&1 &&
+  cmake --build cbuild-gpu -j"$(nproc)" --target test_cuda_kernels >> "$LOG_DIR/cmake.log" 2>&1 ||
+  { tail -50 "$LOG_DIR/cmake.log"; exit 1; }
+./cbuild-gpu/test_cuda_kernels'
+export LOG_DIR
 
-stage native 900 native
+stage native 900 bash -c "$NATIVE"
 stage smoke 300 "$PY" -m pytest -q -p no:cacheprovider -m "gpu and smoke" tests/test_cuda.py --durations=0
 stage rest 1200 "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" tests/test_cuda.py --durations=0
 

@@ -840,7 +840,14 @@ def test_processes_exit_cleanly_under_torchrun(mode, tmp_path):
     env = {**os.environ, "RINGREDUCE_TRANSPORT": "p2p", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--redirects=3", "--log-dir", str(tmp_path), EXIT_SCRIPT, mode]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: nothing keeps the GPU
+        out, err = proc.communicate()
+    r = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     logs = "\n".join(f"--- {p} ---\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.rglob("*.log")))
     assert r.returncode == 0, f"torchrun exited {r.returncode}\n{r.stderr[-3000:]}\n{logs}"
     for rank in range(2):

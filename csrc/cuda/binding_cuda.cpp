@@ -161,6 +161,7 @@ class CudaComm {
   }
   ~CudaComm() {
     if (finalizing()) {  // no CUDA call, no GIL: the process frees it all at exit
+      if (shared_->ring) shared_->ring->stop_threads();  // host threads only
       (void)shared_->ring.release();
       for (Held& h : held_) (void)h.tensors.release();
       return;
@@ -253,8 +254,11 @@ class CudaComm {
       }
     }
     release_held(true);  // the stream is idle (or the device lost): nothing uses them now
-    for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
-    spare_events_.clear();
+    {
+      std::lock_guard<std::mutex> lk(held_mu_);
+      for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
+      spare_events_.clear();
+    }
     cudaEventDestroy(ready_);
     give_back_stream(device_, stream_);  // idle; torch may still refer to it: never destroyed
     stream_ = nullptr;
@@ -270,7 +274,16 @@ class CudaComm {
   uintptr_t stream_ptr() const { return reinterpret_cast<uintptr_t>(stream_); }
   int64_t op_seq() { return static_cast<int64_t>(ring().op_seq()); }
   int device() const { return device_; }
-  size_t held_calls() const { return held_.size(); }
+  size_t held_calls() {
+    std::lock_guard<std::mutex> lk(held_mu_);
+    return held_.size();
+  }
+  // Drops the tensors of calls the device has finished (the worker, after a Work's wait).
+  void release_finished() {
+    if (!stream_) return;
+    c10::cuda::CUDAGuard guard(device_);
+    release_held(false);
+  }
 
  private:
   // The tensors of one call, held until its event on our stream completes.
@@ -291,25 +304,37 @@ class CudaComm {
   }
 
   // Drops the tensors of calls that finished on the device (all of them if all: the stream is
-  // idle). Calls finish in order on our stream: stop at the first that has not.
+  // idle). Calls finish in order on our stream: stop at the first that has not. Called from the
+  // caller's thread and the worker's: held_ under held_mu_, and the tensors are destroyed after
+  // it is released (their destructors may run Python code).
   void release_held(bool all) {
-    while (!held_.empty()) {
-      Held& h = held_.front();
-      if (!all) {
-        const cudaError_t e = cudaEventQuery(h.done);
-        if (e != cudaSuccess) {
-          if (e != cudaErrorNotReady) cudaGetLastError();  // a failed device: keep them
-          return;
+    std::vector<std::unique_ptr<std::vector<at::Tensor>>> done;
+    {
+      std::lock_guard<std::mutex> lk(held_mu_);
+      // Relaxed: a query must not invalidate a CUDA graph another thread is capturing.
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      while (!held_.empty()) {
+        Held& h = held_.front();
+        if (!all) {
+          const cudaError_t e = cudaEventQuery(h.done);
+          if (e != cudaSuccess) {
+            if (e != cudaErrorNotReady) cudaGetLastError();  // a failed device: keep them
+            break;
+          }
         }
+        spare_events_.push_back(h.done);
+        done.push_back(std::move(h.tensors));
+        held_.pop_front();
       }
-      spare_events_.push_back(h.done);
-      held_.pop_front();
+      cudaThreadExchangeStreamCaptureMode(&mode);
     }
   }
 
   // Holds `tensors` until the work enqueued on our stream so far is done; the event of that.
   cudaEvent_t hold(const std::vector<at::Tensor>& tensors) {
     release_held(false);
+    std::lock_guard<std::mutex> lk(held_mu_);
     cudaEvent_t e = spare_event();
     const cudaError_t err = cudaEventRecord(e, stream_);
     if (err != cudaSuccess) spare_events_.push_back(e);
@@ -322,6 +347,9 @@ class CudaComm {
   // all_gather copy input to output on the caller's stream. No event, no stream of ours.
   py::object run_alone(const rr::Call& c, bool async_op) {
     c10::cuda::CUDAGuard guard(device_);
+    const std::string failed = shared_->failure();  // aborted: refused, as at any world size
+    if (!failed.empty())
+      throw rr::RingError("ringreduce: communicator is broken by an earlier failure: " + failed);
     const size_t bytes = static_cast<size_t>(c.numel) * rr::dtype_size(c.dtype);
     if (c.coll != rr::Coll::AllReduce && c.in != c.out && bytes > 0) {
       const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_).stream();
@@ -345,7 +373,6 @@ class CudaComm {
 
   py::object run(const rr::Call& c, const std::vector<at::Tensor>& tensors, bool async_op) {
     Ring& ring = this->ring();
-    if (nranks_ == 1) return run_alone(c, async_op);
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_).stream();
     // Inside a CUDA graph capture: refused before our stream joins the capture, so that the
@@ -360,9 +387,10 @@ class CudaComm {
       if constexpr (std::is_same_v<Ring, rc::nccl::Ring>)
         throw rr::RingError("ringreduce: the nccl transport cannot run inside a CUDA graph "
                             "capture; use RINGREDUCE_TRANSPORT=p2p (capture-safe)");
-      else
+      else if (nranks_ > 1)
         pin_for_graph(ring, cur);
     }
+    if (nranks_ == 1) return run_alone(c, async_op);
     C10_CUDA_CHECK(cudaEventRecord(ready_, cur));
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
     uint64_t seq = 0;
@@ -451,6 +479,7 @@ class CudaComm {
   std::shared_ptr<Shared<Ring>> shared_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ready_ = nullptr;
+  std::mutex held_mu_;  // held_ and spare_events_
   std::deque<Held> held_;
   std::vector<cudaEvent_t> spare_events_;
   std::shared_ptr<rr::host::Recorder> rec_;
@@ -477,6 +506,7 @@ void bind_common(py::class_<C>& cls) {
       .def("attach_recorder", &C::attach_recorder, py::arg("recorder"))
       .def("op_seq", &C::op_seq)
       .def("held_calls", &C::held_calls)
+      .def("release_finished", &C::release_finished)
       .def("device", &C::device);
 }
 

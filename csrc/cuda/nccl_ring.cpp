@@ -626,16 +626,20 @@ void Ring::abort(const std::string& why) {
     abort_requested_ = true;
 }
 
-void Ring::close() {
-  if (closed_) return;
-  closed_ = true;
-  calls_.close();
+void Ring::stop_threads() {
   {
     std::lock_guard<std::mutex> qlk(qmu_);
     stop_ = true;
   }
   qcv_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
+}
+
+void Ring::close() {
+  if (closed_) return;
+  closed_ = true;
+  calls_.close();
+  stop_threads();
   DeviceScope scope(device_);
   std::lock_guard<std::mutex> lk(mu_);
   if (comm_) {

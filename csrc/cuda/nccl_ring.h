@@ -105,6 +105,9 @@ class Ring {
   void abort(const std::string& why);
   // The watchdog also checks these peers' processes; a dead one fails and aborts the communicator.
   void watch_peers(std::vector<host::Peer> peers);
+  // Stops the watchdog thread, nothing else (no NCCL or CUDA call): for a ring left to the
+  // process's exit while the interpreter finalizes.
+  void stop_threads();
   // Finalizes (or aborts, when broken) the NCCL communicator; frees the staging. Idempotent. The
   // caller's stream must be idle.
   void close();

@@ -418,7 +418,7 @@ void Ring::abort_locked(const std::string& why) {
   if (reason_.empty()) reason_ = why;
   if (abort_seq_ == 0) abort_seq_ = op_seq_ + 1;
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = 1;
+  reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = kCtlAbort;
   // Also stop the peers, which poll only their own memory: copy the abort word into every area this
   // rank maps (its own included) on a side stream, beside a kernel that may be spinning. Not awaited
   // here (close() synchronizes).
@@ -475,9 +475,12 @@ void Ring::close(bool peers_done) {
   // A graph may still replay our kernels: keep everything they touch; stop them at their first
   // wait (this rank's flag only: the peers' areas may be gone).
   const bool replayable = area_ && pins_->load() > 0;
-  if (replayable) reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = 1;
-  const bool keep = area_ && opt_.nranks > 1 && !peers_done && !replayable;
+  const bool keep = area_ && opt_.nranks > 1 && !peers_done;
   if (keep) abort_locked("closed while a neighbour may still use this rank's memory");
+  if (replayable) {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = kCtlClosed;
+  }
   if (side_) cudaStreamSynchronize(side_);
   if (ipc_ && !replayable)
     for (size_t q = 0; q < peers_.size(); ++q)

@@ -111,8 +111,13 @@ struct ErrorRecord {
   MsgHeader mine;  // this rank's call
   MsgHeader got;   // the peer's header (mismatch, bad size)
 };
+// HostCtl::abort values: a host abort (stop, and tell every peer), or closed while a CUDA graph
+// may replay our kernels (stop at once, write nothing into any peer: they may have freed their
+// memory).
+constexpr uint32_t kCtlAbort = 1;
+constexpr uint32_t kCtlClosed = 2;
 struct HostCtl {
-  uint32_t abort;  // set by the host: stop every wait of this rank's kernels
+  uint32_t abort;  // set by the host: stop every wait of this rank's kernels (kCtlAbort, kCtlClosed)
   alignas(kLine) ErrorRecord err[kMaxChannels];
 };
 
@@ -238,6 +243,11 @@ class Ring {
   // Watches the processes of these peers (every 50 ms): a dead one aborts the ring with
   // "peer rank R (pid P) died", so no rank waits out its timeout for a killed one.
   void watch_peers(std::vector<host::Peer> peers);
+  // Stops the peer watcher thread, nothing else (no CUDA call): for a ring left to the process's
+  // exit while the interpreter finalizes.
+  void stop_threads() {
+    if (watcher_) watcher_->stop();
+  }
   // Unmaps the peers and frees. Idempotent; no kernel of this ring may be running.
   // peers_done=false: a peer may still read or write this rank's area (the close barrier failed,
   // or the ring broke): the area is marked aborted, so their waits stop, and kept until the
