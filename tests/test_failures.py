@@ -14,15 +14,7 @@ import ringreduce as rr
 from dist_utils import collect, run_ranks, spawn
 
 
-def shm_entries():
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("ringreduce-"))
-
-
-@pytest.fixture(autouse=True)
-def no_shm_leak():
-    before = shm_entries()
-    yield
-    assert shm_entries() == before, "shared-memory segments left in /dev/shm"
+pytestmark = pytest.mark.usefixtures("no_shm_leak")  # tests/conftest.py
 
 
 def raised(fn):
@@ -147,6 +139,28 @@ def test_rank_that_never_calls(skip_setup):
         name, msg, secs = res
         assert name == "RingReduceError", msg
         assert "timed out" in msg or "aborted" in msg, msg
+        assert 1.0 <= secs < 6, secs
+        if skip_setup:  # the setup's timeout carries the later calls' hint
+            assert "did every rank make the same call?" in msg, msg
+
+
+def early_failure_worker(rank, world):
+    if rank == 1:  # a bad dtype: fails in the argument check, before any communicator exists
+        return raised(lambda: rr.all_reduce(torch.ones(8, dtype=torch.complex64)))
+    return raised(lambda: rr.all_reduce(torch.ones(8)))
+
+
+def test_rank_failing_before_first_call_gets_the_hint():
+    """The others time out in setup (waiting for rank 1's host id) and say what usually causes it,
+    as later calls' timeouts do (issue 37)."""
+    results = run_ranks(3, early_failure_worker, env={"RINGREDUCE_TIMEOUT": "1.5"})
+    name, msg, _ = results[1]
+    assert name == "TypeError" and "complex64" in msg, msg
+    for rank in (0, 2):
+        name, msg, secs = results[rank]
+        assert name == "RingReduceError", msg
+        assert "setup timed out" in msg and "rank 1's host id" in msg, msg
+        assert "did every rank make the same call?" in msg and "before its first collective" in msg, msg
         assert 1.0 <= secs < 6, secs
 
 
