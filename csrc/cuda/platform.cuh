@@ -57,14 +57,23 @@ __device__ __forceinline__ void spin_hint() {}
 
 #else
 
-inline uint64_t ld_acquire_sys(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+// The weak memory mode (tests/native/emu/weak.cpp) hears of every acquire and release.
+inline uint64_t ld_acquire_sys(const uint64_t* p) {
+  const uint64_t v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+  if (::emu::weak()) ::emu::weak_acquire();
+  return v;
+}
 inline void st_release_sys(uint64_t* p, uint64_t v) {
+  if (::emu::weak()) ::emu::weak_release();
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
   ::emu::cost_flag_store(p);
 }
 inline uint32_t ld_relaxed_sys(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline uint64_t ld_relaxed_sys(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-inline void fence_acquire_sys() { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
+inline void fence_acquire_sys() {  // fence.acq_rel.sys
+  ::emu::weak_fence();
+  __atomic_thread_fence(__ATOMIC_ACQ_REL);
+}
 // A wait on flag p has ended: the emulator's cost model advances this block's clock.
 inline void note_wait(const void* p) { ::emu::cost_wait(p); }
 inline uint64_t globaltimer_ns() {

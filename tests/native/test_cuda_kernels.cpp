@@ -429,6 +429,40 @@ static void test_close_keeps_memory_neighbours_read() {
 }
 #endif
 
+#ifdef RINGREDUCE_EMU
+// The weak memory mode (tests/native/emu/weak.cpp): stores land late and in random order unless
+// released, loads may be stale until acquired. Each algorithm forced, on worlds 2 and 3 with tiny
+// slices/slots (many steps and slot reuses per call), three seeds. Run by name only (ctest's
+// test_cuda_kernels_emu_weak): the other tests run with the strong model.
+struct WeakScope {
+  explicit WeakScope(uint64_t seed) { emu_set_weak(seed); }
+  ~WeakScope() { emu_set_weak(0); }
+};
+static void weak_sweep(rc::p2p::Algo algo) {
+  const auto t0 = Clock::now();
+  int cases = 0;
+  for (uint64_t seed : {1, 2, 3}) {
+    WeakScope weak(seed);
+    for (int n = 2; n <= 3; ++n) {
+      Group g(n, 2, 64, 20.0, algo, true, 64);
+      char what[96];
+      std::snprintf(what, sizeof what, "weak seed=%llu p2p n=%d %s", (unsigned long long)seed, n,
+                    rc::p2p::algo_name(algo));
+      for (rr::Coll coll : {rr::Coll::AllReduce, rr::Coll::ReduceScatter, rr::Coll::AllGather})
+        for (rr::DType t : {rr::DType::F32, rr::DType::BF16, rr::DType::I64})
+          for (int64_t numel : {int64_t{n + 1}, int64_t{200 * n}})
+            for (bool inplace : {true, false}) {
+              if (coll == rr::Coll::AllReduce && !inplace) continue;
+              const int64_t total = coll == rr::Coll::AllReduce ? numel : (numel / n) * n;
+              check_collective(g.ranks, coll, t, rr::RedOp::Sum, total, inplace, what);
+              ++cases;
+            }
+    }
+  }
+  std::printf("weak %s: %d cases (%.1f s)\n", rc::p2p::algo_name(algo), cases, seconds_since(t0));
+}
+#endif
+
 // (4) the transport choice: p2p only where every device can map its neighbours' memory.
 static void test_can_map() {
   std::string why;
@@ -651,6 +685,7 @@ int main(int argc, char** argv) {
   // beyond CUDA_DEVICE_MAX_CONNECTIONS (default 8) share hardware queues and are serialized behind
   // each other; a Group of 4 rings makes 8 streams (rank + side streams). Before CUDA starts.
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // failures reach a pipe even if the exit crashes
 #ifdef RINGREDUCE_EMU
   emu_set_device_count(4);  // rank r on device r: IPC mappings across devices
   std::printf("emulated device: %d threads per block\n", emu_block_threads());
@@ -680,6 +715,9 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_deterministic_plan", [&] { test_deterministic_plan(); });
 #ifdef RINGREDUCE_EMU
     run_test(argc, argv, "test_deterministic_needs_direct", [&] { test_deterministic_needs_direct(); });
+    run_test(argc, argv, "weak_ring", [&] { weak_sweep(rc::p2p::Algo::Ring); });
+    run_test(argc, argv, "weak_oneshot", [&] { weak_sweep(rc::p2p::Algo::OneShot); });
+    run_test(argc, argv, "weak_twoshot", [&] { weak_sweep(rc::p2p::Algo::TwoShot); });
 #endif
   } catch (const std::exception& e) {
     std::printf("FAIL: exception: %s\n", e.what());

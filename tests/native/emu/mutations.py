@@ -1,6 +1,6 @@
 """Proof that the emulated CUDA tests can fail: breaks the CUDA code on purpose, one change at a
 time, rebuilds, runs the native test that should catch it, and restores the file. Not part of CI
-(each mutation costs a rebuild and a run: about 15 minutes for all). Run from the repository root
+(each mutation costs a rebuild and a run: about 30 minutes for all). Run from the repository root
 after `cmake -S . -B cbuild && cmake --build cbuild -j2`:
 
     python3 tests/native/emu/mutations.py [name ...]
@@ -19,6 +19,9 @@ KERNEL = "csrc/cuda/p2p_kernel.cu"
 STANDIN = "tests/native/emu/nccl_standin.cpp"
 P2P_TEST = ("test_cuda_kernels_emu", ["test_ring", "test_timeout", "test_mismatch"])
 NCCL_TEST = ("test_nccl_ring_emu", ["test_sweep"])
+# The weak memory mode (tests/native/emu/weak.cpp): a few seconds per algorithm.
+WEAK_RING = ("test_cuda_kernels_emu", ["weak_ring"])
+WEAK_DIRECT = ("test_cuda_kernels_emu", ["weak_oneshot", "weak_twoshot"])
 
 # name: (file, text, replacement, test, why it must be caught); text may be a list of
 # (text, replacement) pairs, then replacement is None.
@@ -56,9 +59,51 @@ MUTATIONS = {
         P2P_TEST, "one-shot leaves the last rank's input out of the sum"),
     "flag_without_system_fence": (
         KERNEL,
-        "                   my_header(a, bytes_for(p), static_cast<uint32_t>(i)));\n    __threadfence_system();",
-        "                   my_header(a, bytes_for(p), static_cast<uint32_t>(i)));",
-        P2P_TEST, "NOT expected on the emulator: x86 keeps stores in order; only a GPU shows it"),
+        "                   my_header(a, bytes_for(p), static_cast<uint32_t>(i)));\n    __threadfence_system();\n"
+        "    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
+        "                   my_header(a, bytes_for(p), static_cast<uint32_t>(i)));\n"
+        "    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank) __atomic_store_n(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq, __ATOMIC_RELAXED);",
+        WEAK_DIRECT, "one-/two-shot flags raised with a relaxed store and no fence: data and headers land after them"),
+    "ring_post_without_fence": (
+        KERNEL,
+        "      __threadfence_system();\n      st_release_sys(&a.down->ring[k].posted.value, c.sent + 1);",
+        "      __atomic_store_n(&a.down->ring[k].posted.value, c.sent + 1, __ATOMIC_RELAXED);",
+        WEAK_RING, "the ring's posted count raised with a relaxed store and no fence: the slot lands after it"),
+    "ring_wait_without_acquire": (
+        KERNEL,
+        "  fence_acquire_sys();\n  note_wait(ctr);",
+        "  if (a.algo != static_cast<uint8_t>(Algo::Ring)) fence_acquire_sys();\n  note_wait(ctr);",
+        WEAK_RING, "NOT expected: the weak mode's stale loads are cleared by the fence every step_end makes, so "
+        "a missing acquire after the poll does not show (a limit of the model, README)"),
+    "oneshot_post_relaxed": (
+        KERNEL,
+        "    __threadfence_system();\n    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
+        "    const bool one = a.algo == static_cast<uint8_t>(Algo::OneShot);\n"
+        "    if (!one) __threadfence_system();\n    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank && !one) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);\n"
+        "      else if (p != a.rank) __atomic_store_n(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq, __ATOMIC_RELAXED);",
+        ("test_cuda_kernels_emu", ["weak_oneshot"]),
+        "one-shot's flags raised relaxed, without the fence: the inputs written into the peers land after them"),
+    "twoshot_gather_post_relaxed": (
+        KERNEL,
+        "    __threadfence_system();\n    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
+        "    if (ph == 0) __threadfence_system();\n    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank && ph == 0) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);\n"
+        "      else if (p != a.rank) __atomic_store_n(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq, __ATOMIC_RELAXED);",
+        ("test_cuda_kernels_emu", ["weak_twoshot"]),
+        "two-shot's gather flags (phase 1) raised relaxed, without the fence: the reduced chunks land after them"),
+    "nccl_reduce_on_default_stream": (
+        "csrc/cuda/nccl_ring.cpp",
+        "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"
+        "                      stream);",
+        "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"
+        "                      nullptr);",
+        NCCL_TEST, "the ring's reduce of a staged slice on the legacy stream, which the rank's non-blocking "
+        "stream does not wait for: the next step sends the staging before it is reduced"),
     "nccl_recv_before_send": (
         STANDIN,
         [("    s.posted = true;\n  }\n  cl.cv.notify_all();", "  }"),

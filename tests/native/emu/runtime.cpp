@@ -33,6 +33,12 @@ namespace emu {
 
 thread_local dim3 block_idx, block_dim, grid_dim;
 
+// weak.cpp
+void weak_block_begin(size_t threads, uint64_t seed);
+void weak_block_end();
+void weak_barrier_arrive();
+void weak_barrier_release();
+
 // cost.cpp
 void cost_map(const void* base, size_t bytes, int device, uint64_t id);
 void cost_unmap(const void* base);
@@ -214,6 +220,7 @@ void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdi
     make_fiber(f);
   }
   tl_block = &b;
+  weak_block_begin(n, seed);
   size_t done = 0;
   uint64_t rng = seed | 1;
   while (done < n) {
@@ -232,11 +239,14 @@ void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdi
       running |= f.state == Fiber::kRun;
       waiting |= f.state == Fiber::kBarrier;
     }
-    if (!running && waiting)  // every live thread is at __syncthreads(): release them
+    if (!running && waiting) {  // every live thread is at __syncthreads(): release them
+      weak_barrier_release();
       for (Fiber& f : b.fibers)
         if (f.state == Fiber::kBarrier) f.state = Fiber::kRun;
+    }
     if (b.yielded) sched_yield();
   }
+  weak_block_end();  // kernel end: every store lands
   tl_block = nullptr;
   *end_clock = cost_block_end();
   std::lock_guard<std::mutex> lk(g_stacks_mu);
@@ -246,10 +256,12 @@ void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdi
 }  // namespace
 
 const dim3& thread_idx() { return tl_block ? tl_block->cur->tid : kHostThread; }
+int current_fiber() { return tl_block ? static_cast<int>(tl_block->cur - tl_block->fibers.data()) : -1; }
 
 void syncthreads() {
   Block* b = tl_block;
   if (!b) return;
+  weak_barrier_arrive();
   Fiber* f = b->cur;
   f->state = Fiber::kBarrier;
   switch_to(f->ctx, b->sched);

@@ -161,6 +161,19 @@ extern std::atomic<bool> cost_enabled;
 void cost_access(const void* p, size_t bytes, bool store);
 void cost_flag_store(const void* p);
 void cost_wait(const void* p);
+// The weak memory mode (weak.cpp; emu_set_weak in emu.h): data accesses through per-thread store
+// buffers and caches; releases flush them, acquires clear them. No-ops outside kernels.
+extern std::atomic<bool> weak_on;
+void weak_store(void* p, const void* v, size_t n);
+void weak_load(const void* p, void* out, size_t n);
+void weak_release();
+void weak_acquire();
+inline bool weak() { return weak_on.load(std::memory_order_relaxed); }
+inline void weak_fence() {  // acq_rel: what came before lands, what comes after reads fresh
+  if (!weak()) return;
+  weak_release();
+  weak_acquire();
+}
 }  // namespace emu
 
 #define threadIdx (::emu::thread_idx())
@@ -169,9 +182,16 @@ void cost_wait(const void* p);
 #define gridDim (::emu::grid_dim)
 
 inline void __syncthreads() { ::emu::syncthreads(); }
-inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence() {
+  ::emu::weak_fence();
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+inline void __threadfence_system() {
+  ::emu::weak_fence();
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
 inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned value) {
+  ::emu::weak_fence();
   __atomic_compare_exchange_n(p, &compare, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
   return compare;
 }
@@ -182,9 +202,15 @@ inline unsigned atomicCAS_system(unsigned* p, unsigned compare, unsigned value) 
 // move all their data through these, so the cost model counts it here.
 template <class T> inline T __ldcg(const T* p) {
   if (::emu::cost_enabled.load(std::memory_order_relaxed)) ::emu::cost_access(p, sizeof(T), false);
+  if (::emu::weak()) {
+    T v;
+    ::emu::weak_load(p, &v, sizeof(T));
+    return v;
+  }
   return *p;
 }
 template <class T> inline void __stcg(T* p, T v) {
   if (::emu::cost_enabled.load(std::memory_order_relaxed)) ::emu::cost_access(p, sizeof(T), true);
+  if (::emu::weak()) return ::emu::weak_store(p, &v, sizeof(T));
   *p = v;
 }

@@ -21,6 +21,10 @@ void emu_clear_fault(int device);
 // Threads per block that a launch actually runs (EMU_BLOCK_THREADS, default 8; the kernels stride
 // by blockDim.x, so fewer threads than requested only lengthens their loops).
 int emu_block_threads();
+// The weak memory mode (tests/native/emu/weak.cpp): seed != 0 turns it on for kernels launched
+// from now on, with that seed (each seed, another random order of stores landing); 0 turns it off.
+// EMU_WEAK=seed in the environment turns it on at start.
+void emu_set_weak(uint64_t seed);
 // Kernel launches executed so far.
 uint64_t emu_launches();
 
