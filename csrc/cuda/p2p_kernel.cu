@@ -98,10 +98,14 @@ __device__ void record_stop(const Args& a, uint32_t word, bool local, int peer, 
                             bool slot, const MsgHeader& mine, const MsgHeader* got) {
   // System scope: the peers poll these words from other GPUs.
   atomicCAS_system(&a.self->abort, 0u, word);
-  notify(a.up, word);
-  notify(a.down, word);
-  for (int q = 0; q < a.nranks && q < kMaxPeers; ++q)
-    if (q != a.rank) notify(a.peer[q], word);
+  // A graph replaying this launch after the ring closed (kCtlClosed): the peers may have freed
+  // their memory, so nothing is written into it.
+  if (ld_relaxed_sys(&a.ctl->abort) != kCtlClosed) {
+    notify(a.up, word);
+    notify(a.down, word);
+    for (int q = 0; q < a.nranks && q < kMaxPeers; ++q)
+      if (q != a.rank) notify(a.peer[q], word);
+  }
   volatile ErrorRecord* e = &a.ctl->err[blockIdx.x];
   if (e->word) return;
   e->local = local;

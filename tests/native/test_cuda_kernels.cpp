@@ -598,6 +598,68 @@ static void test_deterministic() {
 // The plan in deterministic mode: one-shot or two-shot for every all_reduce and reduce_scatter,
 // whatever the size and forced algorithm; all_gather as by default; a RingError naming the nccl
 // transport where the direct algorithms are impossible (not every pair mappable, > kMaxPeers ranks).
+// Auto's thresholds from a measured table (Options.tuned, set by Ring::set_thresholds from
+// ringreduce/gpu_tuning.json): used as given, 0 meaning never; the model's without them.
+static void test_tuned_thresholds() {
+  using rc::p2p::Algo;
+  rc::p2p::Options o;
+  o.nranks = 2;
+  auto algo_of = [&](int64_t bytes) {
+    return rc::p2p::plan({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, bytes / 4, nullptr,
+                          nullptr}, o, true).algo;
+  };
+  EXPECT(algo_of(4096) == Algo::OneShot, "model, world 2: one-shot at 4 KiB");
+  o.tuned = true;
+  o.oneshot_max = 0;
+  o.twoshot_max = 64 << 10;
+  EXPECT(algo_of(4096) == Algo::TwoShot, "tuned: one-shot never (0)");
+  EXPECT(algo_of(64 << 10) == Algo::TwoShot, "tuned: two-shot up to its threshold, inclusive");
+  EXPECT(algo_of((64 << 10) + 4) == Algo::Ring, "tuned: the ring above it");
+  o.oneshot_max = 8192;
+  EXPECT(algo_of(8192) == Algo::OneShot && algo_of(8196) == Algo::TwoShot, "tuned one-shot limit");
+}
+
+// A CUDA graph that captured launches of a ring pins it (Ring::graph_pin): close() keeps what the
+// kernels touch, and a replay after close stops at once and writes nothing into the peers (they
+// may have freed their memory; the emulator faults on freed memory). Rank 0 alone replays.
+static void test_replay_after_close_of_a_pinned_ring() {
+  const int n = 3;
+  const int64_t numel = 4096;
+  Group g(n, 2, 4096, 10.0);
+  std::vector<std::unique_ptr<DevBuf>> bufs;
+  for (int r = 0; r < n; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+    bufs.push_back(std::make_unique<DevBuf>(numel * 4));
+    fill_on(g.ranks[r].stream, bufs[r]->p, std::vector<char>(numel * 4, 0));
+  }
+  for (int r = 0; r < n; ++r) g.rings[r]->run(g.call(numel, *bufs[r]), g.ranks[r].stream);
+  sync_all(g);
+  std::vector<rc::p2p::Args> args;
+  std::vector<void*> pins;
+  for (int r = 0; r < n; ++r) {
+    args.push_back(g.rings[r]->args(g.call(numel, *bufs[r])));
+    pins.push_back(g.rings[r]->graph_pin());
+  }
+  const size_t kept = rc::p2p::Ring::kept_bytes();
+  for (int r = 0; r < n; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+    g.rings[r]->close(/*peers_done=*/true);
+  }
+  EXPECT(rc::p2p::Ring::kept_bytes() > kept, "close() freed a pinned ring's memory");
+  RR_CUDA_CHECK(cudaSetDevice(device_of(0)));
+  const auto t0 = Clock::now();
+  rc::p2p::launch(args[0], g.ranks[0].stream);
+  RR_CUDA_CHECK(cudaStreamSynchronize(g.ranks[0].stream));
+  EXPECT(seconds_since(t0) < 5.0, "the replay after close waited %.1f s (timeout 10 s)", seconds_since(t0));
+  for (int q = 1; q < n; ++q) {
+    uint32_t word = 1;
+    RR_CUDA_CHECK(cudaMemcpy(&word, &args[q].self->abort, sizeof word, cudaMemcpyDeviceToHost));
+    EXPECT(word == 0, "the replay after close wrote abort word %#x into rank %d's memory", word, q);
+  }
+  for (void* pin : pins) rc::p2p::Ring::release_graph_pin(pin);
+  EXPECT(g.rings[0]->graph_pins() == 0, "pins left: %d", g.rings[0]->graph_pins());
+}
+
 static void test_deterministic_plan() {
   using rc::p2p::Algo;
   using rr::Coll;
@@ -714,6 +776,8 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_reduce_ranks", [&] { test_reduce_ranks(); });
     run_test(argc, argv, "test_deterministic", [&] { test_deterministic(); });
     run_test(argc, argv, "test_deterministic_plan", [&] { test_deterministic_plan(); });
+    run_test(argc, argv, "test_tuned_thresholds", [&] { test_tuned_thresholds(); });
+    run_test(argc, argv, "test_replay_after_close_of_a_pinned_ring", [&] { test_replay_after_close_of_a_pinned_ring(); });
 #ifdef RINGREDUCE_EMU
     run_test(argc, argv, "test_deterministic_needs_direct", [&] { test_deterministic_needs_direct(); });
     run_test(argc, argv, "weak_ring", [&] { weak_sweep(rc::p2p::Algo::Ring); });

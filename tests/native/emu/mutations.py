@@ -27,6 +27,18 @@ WEAK_DIRECT = ("test_cuda_kernels_emu", ["weak_oneshot", "weak_twoshot"])
 # name: (file, text, replacement, test, why it must be caught); text may be a list of
 # (text, replacement) pairs, then replacement is None.
 MUTATIONS = {
+    "replay_after_close_notifies_peers": (
+        KERNEL,
+        "  if (ld_relaxed_sys(&a.ctl->abort) != kCtlClosed) {",
+        "  if (true) {",
+        ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
+        "a graph replayed after close writes its abort word into peers that may have freed it"),
+    "close_frees_a_pinned_ring": (
+        "csrc/cuda/p2p.cpp",
+        "  const bool replayable = area_ && pins_->load() > 0;",
+        "  const bool replayable = false;",
+        ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
+        "close() frees memory a captured graph still replays (a use after free)"),
     "no_barrier_before_post": (
         KERNEL,
         "__device__ void step_end(const Args& a, Chan& c, bool recv, bool send, uint64_t send_bytes) {\n  __syncthreads();",
