@@ -58,7 +58,8 @@ int main(int argc, char** argv) {
         const size_t out_b = (coll == rr::Coll::ReduceScatter ? numel / n : numel) * 4;
         RR_CUDA_CHECK(cudaMalloc(&in[r], in_b ? in_b : 4));
         RR_CUDA_CHECK(cudaMalloc(&out[r], out_b ? out_b : 4));
-        RR_CUDA_CHECK(cudaMemset(in[r], 0, in_b ? in_b : 4));
+        // On the rank's stream: a legacy-stream memset is not ordered before it (non-blocking).
+        RR_CUDA_CHECK(cudaMemsetAsync(in[r], 0, in_b ? in_b : 4, streams[r]));
       }
       const rr::Call base{coll, rr::DType::F32, rr::RedOp::Sum, numel, nullptr, nullptr};
       for (int pass = 0; pass < 2; ++pass) {  // a warm-up, then the counted call
