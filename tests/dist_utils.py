@@ -1,16 +1,27 @@
 """Runs a function on N real processes joined by a Gloo process group (file store, no ports).
 
-Each rank's stderr goes to a file in the run's folder (its tail is part of every failure the
-harness reports); SIGUSR2 makes a rank print every thread's Python stack there (the harness sends
-it to the ranks still running at a timeout). run_ranks requires every rank to exit with status 0:
-a rank killed by a signal at exit (as every CUDA process was, once) is a failure, by name.
+The ranks are forked by a server that has imported torch and ringreduce once (tests/prefork.py):
+importing torch in a fresh process takes seconds on the CI machine, and every rank of every test
+paid it. Each rank still ends with a whole interpreter exit (atexit, finalization); its
+environment, working directory and sys.path are the caller's at the call. RR_TEST_SPAWN=1 starts
+fresh processes (multiprocessing's "spawn") instead.
+
+Each rank's stderr and stdout go to a file in the run's folder (its tail is part of every failure
+the harness reports); SIGUSR2 makes a rank print every thread's Python stack there (the harness
+sends it to the ranks still running at a timeout). run_ranks requires every rank to exit with
+status 0: a rank killed by a signal at exit (as every CUDA process was, once) is a failure, by name.
 """
+import atexit
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -22,10 +33,16 @@ def _stderr_path(tmp, rank):
     return os.path.join(tmp, f"rank{rank}.stderr")
 
 
+def _result_path(tmp, rank):
+    return os.path.join(tmp, f"rank{rank}.result")
+
+
 def _entry(rank, world, store_path, fn, args, q, env, backend):
     os.environ.update(env or {})
-    err = open(_stderr_path(os.path.dirname(store_path), rank), "w", buffering=1)
+    tmp = os.path.dirname(store_path)
+    err = open(_stderr_path(tmp, rank), "a", buffering=1)
     os.dup2(err.fileno(), 2)
+    os.dup2(err.fileno(), 1)
     faulthandler.enable(file=err)
     faulthandler.register(signal.SIGUSR2, file=err, all_threads=True)
     import torch.distributed as dist
@@ -33,31 +50,152 @@ def _entry(rank, world, store_path, fn, args, q, env, backend):
     try:
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-        result = fn(rank, world, *args)
-        q.put((rank, "ok", result))
+        _report(tmp, q, (rank, "ok", fn(rank, world, *args)))
     except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
+        _report(tmp, q, (rank, "error", traceback.format_exc()))
     finally:
         try:
             ringreduce.destroy()
             dist.destroy_process_group()
         except Exception:
             pass
-        q.close()
-        q.join_thread()  # the result reaches the harness before the interpreter shuts down
+        if q is not None:
+            q.close()
+            q.join_thread()  # the result reaches the harness before the interpreter shuts down
+
+
+def _report(tmp, q, out):
+    """Before the rank's destroy and exit (a hang there is the harness's to name, not a lost result)."""
+    if q is not None:
+        q.put(out)
+        return
+    part = _result_path(tmp, out[0]) + ".part"
+    with open(part, "wb") as f:
+        pickle.dump(out, f)
+    os.rename(part, _result_path(tmp, out[0]))
+
+
+class _Server:
+    """The prefork server of this process (started at the first spawn) and the reader of its
+    answers: pids by job id, exit codes by pid."""
+    _instance = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls):
+        with cls._lock:
+            if cls._instance is None or cls._instance.proc.poll() is not None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self):
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefork.py")
+        self.proc = subprocess.Popen([sys.executable, path], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+        self.cond, self.write_lock = threading.Condition(), threading.Lock()
+        self.pids, self.exits, self.next_id, self.dead = {}, {}, 0, False
+        from prefork import read_msg, write_msg
+        self._write_msg = write_msg
+        first = read_msg(self.proc.stdout.fileno())
+        if not first or first[0] != "ready":
+            raise RuntimeError("tests/prefork.py did not start (its stderr is above)")
+        threading.Thread(target=self._read, args=(read_msg,), daemon=True).start()
+        atexit.register(self.proc.stdin.close)
+
+    def _read(self, read_msg):
+        while True:
+            msg = read_msg(self.proc.stdout.fileno())
+            with self.cond:
+                if msg is None:
+                    self.dead = True
+                elif msg[0] == "started":
+                    self.pids[msg[1]] = msg[2]
+                else:
+                    self.exits[msg[1]] = msg[2]
+                self.cond.notify_all()
+            if msg is None:
+                return
+
+    def start(self, target, args, output):
+        job = {"payload": pickle.dumps((target, args)), "environ": dict(os.environ),
+               "cwd": os.getcwd(), "sys_path": list(sys.path), "output": output}
+        with self.write_lock:  # the answers are read by _read meanwhile: no deadlock on the pipes
+            job["id"], self.next_id = self.next_id, self.next_id + 1
+            self._write_msg(self.proc.stdin.fileno(), job)
+        with self.cond:
+            if not self.cond.wait_for(lambda: job["id"] in self.pids or self.dead, timeout=60):
+                raise RuntimeError("tests/prefork.py did not fork within 60 s")
+            if job["id"] not in self.pids:
+                raise RuntimeError("tests/prefork.py exited")
+            return self.pids[job["id"]]
+
+
+class _Forked:
+    """A rank forked by the server, with the part of multiprocessing.Process's interface the tests
+    use: pid, exitcode, is_alive(), join(timeout), kill()."""
+
+    def __init__(self, server, target, args, output):
+        self.server = server
+        self.pid = server.start(target, args, output)
+
+    @property
+    def exitcode(self):
+        with self.server.cond:
+            return self.server.exits.get(self.pid)
+
+    def is_alive(self):
+        return self.exitcode is None
+
+    def join(self, timeout=None):
+        with self.server.cond:
+            self.server.cond.wait_for(lambda: self.pid in self.server.exits or self.server.dead,
+                                      timeout=timeout)
+
+    def kill(self):
+        if self.is_alive():  # never a reaped (perhaps reused) pid
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class _Results:
+    """The results the forked ranks left in their folder, one get() each, as a queue would give."""
+
+    def __init__(self, tmp, world):
+        self.tmp, self.world, self.seen = tmp, world, set()
+
+    def get(self, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            for r in range(self.world):
+                if r not in self.seen and os.path.exists(_result_path(self.tmp, r)):
+                    self.seen.add(r)
+                    with open(_result_path(self.tmp, r), "rb") as f:
+                        return pickle.load(f)
+            if time.monotonic() >= deadline:
+                raise queue.Empty
+            time.sleep(0.02)
 
 
 def spawn(world, fn, *args, env=None, backend="gloo"):
     """Starts the ranks; returns (processes, result queue, store dir) for tests that kill ranks.
     backend: the default group's (ringreduce registers its own on import)."""
-    ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="rr-test-")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(r, world, os.path.join(tmp, "store"), fn, args, q, env, backend))
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    store = os.path.join(tmp, "store")
+    if os.environ.get("RR_TEST_SPAWN") == "1":
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_entry, daemon=True,
+                             args=(r, world, store, fn, args, q, env, backend))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+    else:
+        server = _Server.get()
+        q = _Results(tmp, world)
+        procs = [_Forked(server, _entry, (r, world, store, fn, args, None, env, backend),
+                         _stderr_path(tmp, r)) for r in range(world)]
     for p in procs:
         p.tmp = tmp  # where its stderr goes (collect reads it)
     return procs, q, tmp

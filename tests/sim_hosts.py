@@ -4,8 +4,9 @@ private /dev/shm (a fresh tmpfs), so no collective can pass through shared memor
     results = run(["a", "a", "b", "b"], "module:function", args)
 
 starts one `unshare -m --propagation private` process per host id (root needed, as in CI); it
-mounts the tmpfs and starts that host's ranks, each with RINGREDUCE_HOST_ID=<host id>, joined by a
-Gloo default group on a FileStore (in the shared /tmp, not /dev/shm). Every rank calls
+mounts the tmpfs, imports torch once and forks that host's ranks, each with
+RINGREDUCE_HOST_ID=<host id>, joined by a Gloo default group on a FileStore (in the shared /tmp,
+not /dev/shm). Every rank calls
 function(rank, world, *args) from the tests directory and its result, or traceback, comes back. The
 host process also reports what its ranks left in its /dev/shm.
 """
@@ -67,15 +68,24 @@ def run(hosts, fn, *args, timeout=180, env=None, expect_dead=()):
 
 
 def _host(tmp, host):
-    """In the host's namespace: start its ranks, wait, list what they left in /dev/shm."""
+    """In the host's namespace: import torch once, fork its ranks, wait, list what they left in
+    /dev/shm. A rank leaves through sys.exit, unwinding to the top: a whole interpreter exit."""
     with open(os.path.join(tmp, "job.pkl"), "rb") as f:
         job = pickle.load(f)
     mine = [r for r, h in enumerate(job["hosts"]) if h == host]
-    env = dict(os.environ, RINGREDUCE_HOST_ID=host, **job["env"])
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), tmp, "rank", str(r)],
-                              env=env) for r in mine]
-    for p in procs:
-        p.wait()
+    os.environ.update(RINGREDUCE_HOST_ID=host, **job["env"])
+    sys.path.insert(0, HERE)
+    import torch.distributed  # noqa: F401  (before the forks: seconds once, not once per rank)
+    import ringreduce  # noqa: F401
+    pids = []
+    for r in mine:
+        pid = os.fork()
+        if pid == 0:
+            _rank(tmp, r)
+            sys.exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
     with open(os.path.join(tmp, f"shm-{host}.json"), "w") as f:
         json.dump(sorted(os.listdir("/dev/shm")), f)
 

@@ -82,3 +82,19 @@ def test_destructors_make_no_cuda_call_while_python_finalizes():
     for cls in ("~CudaWork()", "~CudaComm()"):
         body = binding.split(cls, 1)[1].split("\n  }\n", 1)[0]
         assert "finalizing()" in body, f"{cls} must check finalizing() first:\n{body}"
+
+
+def env_worker(rank, world, name):
+    return os.environ.get(name), os.getcwd(), os.getpid()
+
+
+def test_ranks_get_the_callers_environment_and_fresh_processes(monkeypatch, tmp_path):
+    """The prefork server (tests/prefork.py) forks ranks from a process started earlier: each rank
+    must still see the environment and working directory of the call, and be a process of its own."""
+    run_ranks(1, env_worker, "RR_HARNESS_PROBE")  # the server exists before the variable does
+    monkeypatch.setenv("RR_HARNESS_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    results = run_ranks(2, env_worker, "RR_HARNESS_PROBE")
+    assert [v for v, _, _ in results] == ["set after the server started"] * 2, results
+    assert all(cwd == str(tmp_path) for _, cwd, _ in results), results
+    assert len({pid for _, _, pid in results} | {os.getpid()}) == 3, results
