@@ -8,8 +8,11 @@ For each algorithm and size it runs one counted call on WORLD emulated GPUs (cbu
 built by `cmake -S . -B cbuild && cmake --build cbuild --target gpu_cost_emu`) and prints, for the
 busiest rank: bytes written to and read from other GPUs' memory, bytes written and read in its own
 memory, waits on remote flags (polls that cross the link), and the critical path in dependent remote
-round trips (tests/native/emu/cost.cpp says how it is counted). Then a projected time from an
-alpha-beta model with the H100 figures below: a model, not a measurement.
+round trips (tests/native/emu/cost.cpp says how it is counted), and what the kernels keep in
+flight: blocks resident per rank (one per SM) and bytes of loads in flight per SM. Then a projected
+time from an alpha-beta model with the H100 figures below, the loads capped by Little's law: a
+model, not a measurement. --direct-loads-in-flight N models N loads per thread in the one-shot and
+two-shot kernels instead of their own (1: as in the kernels of the first GPU run).
 
 --check exits 1 unless issue 25's targets hold at world 8: 4 KiB all-reduce (auto) within 3 round
 trips; 256 MiB: remote bytes per rank <= 1.05 x 2(N-1)/N x size and local writes no more than the
@@ -28,6 +31,11 @@ RTT_US = 1.0            # one remote round trip over NVLink 4 through NVSwitch, 
 LINK_GBS = 450.0        # NVLink 4: 900 GB/s per GPU in both directions, 450 GB/s each way
 HBM_GBS = 3350.0        # HBM3 of the H100 SXM: 3.35 TB/s
 LAUNCH_US = 3.0         # a kernel launch seen from the stream, ~2-5 us
+LOAD_LAT_US = 0.8       # a 16-byte load under load, HBM or a peer's memory: ~0.6-1 us
+# Little's law: a block (one per SM) with B bytes of loads in flight reads at most B per load
+# latency, so `blocks` blocks read at most blocks x B / LOAD_LAT_US: the "load cap" column. On the
+# first H100 run (one load in flight per thread) it explains the direct algorithms' times: one-shot
+# 256 MiB at world 2 on 4 blocks, 17.0 ms measured; two-shot on 16 blocks, 4.8 ms.
 
 
 def parse_size(s):
@@ -52,13 +60,19 @@ def run(binary, world, coll, algo, sizes):
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-def summarize(row):
+def summarize(row, loads_in_flight=None):
     ranks = row["ranks"]
     busiest = lambda k: max(r[k] for r in ranks)  # noqa: E731
     rtt = max(r["half_round_trips"] for r in ranks) / 2
     remote = max(r["remote_write"] + r["remote_read"] for r in ranks)
     local = max(r["local_write"] + r["local_read"] for r in ranks)
-    t = LAUNCH_US + rtt * RTT_US + max(remote / (LINK_GBS * 1e3), local / (HBM_GBS * 1e3))
+    loads = max(r["local_read"] + r["remote_read"] for r in ranks)
+    if not loads_in_flight or row["algo"] == "ring":
+        loads_in_flight = row["loads_in_flight"]
+    inflight = row["threads"] * loads_in_flight * 16  # per block (SM)
+    cap_gbs = row["blocks"] * inflight / LOAD_LAT_US / 1e3
+    t = LAUNCH_US + rtt * RTT_US + max(remote / (LINK_GBS * 1e3), local / (HBM_GBS * 1e3),
+                                       loads / (cap_gbs * 1e3))
     n, size = row["world"], row["bytes"]
     factor = 2 * (n - 1) / n if row["coll"] == "all_reduce" else (n - 1) / n
     return {**{k: row[k] for k in ("world", "coll", "algo", "bytes", "blocks", "slice_bytes", "steps")},
@@ -66,6 +80,7 @@ def summarize(row):
             "local_write": busiest("local_write"), "local_read": busiest("local_read"),
             "remote_waits": sum(r["remote_waits"] for r in ranks),
             "critical_rtt": rtt, "remote_vs_ideal": remote / (factor * size) if size else 0.0,
+            "inflight_per_sm": inflight, "load_cap_gbs": cap_gbs,
             "model_us": t, "busbw_gbs": factor * size / t / 1e3 if size else 0.0}
 
 
@@ -79,24 +94,29 @@ def main():
     p.add_argument("--bin", default=os.path.join(ROOT, "cbuild", "gpu_cost_emu"))
     p.add_argument("--json")
     p.add_argument("--check", action="store_true")
+    p.add_argument("--direct-loads-in-flight", type=int,
+                   help="model N loads per thread in the direct kernels (default: the kernels' own)")
     a = p.parse_args()
     if not os.path.exists(a.bin):
         sys.exit(f"{a.bin} not found: cmake -S . -B cbuild && cmake --build cbuild --target gpu_cost_emu")
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     rows = []
     for algo in a.algo.split(","):
-        rows += [summarize(r) | {"asked": algo} for r in run(a.bin, a.world, a.coll, algo, sizes)]
+        rows += [summarize(r, a.direct_loads_in_flight) | {"asked": algo}
+                 for r in run(a.bin, a.world, a.coll, algo, sizes)]
     print(f"{a.coll}, float32, world {a.world}, p2p transport on the emulated device (counts per "
           f"call; busiest rank). Model: {RTT_US:g} us/round trip, {LINK_GBS:g} GB/s link, "
-          f"{HBM_GBS:g} GB/s HBM, {LAUNCH_US:g} us launch.")
+          f"{HBM_GBS:g} GB/s HBM, {LAUNCH_US:g} us launch, {LOAD_LAT_US:g} us per load "
+          f"(blk: blocks resident per rank, one per SM; inflight/SM: bytes of loads in flight).")
     head = ("asked", "ran", "size", "blk", "slice", "steps", "remote W", "remote R", "local W",
-            "rwaits", "crit RTT", "rem/ideal", "model us", "busbw")
+            "rwaits", "crit RTT", "rem/ideal", "inflt/SM", "load cap", "model us", "busbw")
     print(" ".join(f"{h:>9}" for h in head))
     for r in rows:
         cells = (r["asked"], r["algo"], human(r["bytes"]), r["blocks"], human(r["slice_bytes"]),
                  r["steps"], human(r["remote_write"]), human(r["remote_read"]),
                  human(r["local_write"]), r["remote_waits"], f"{r['critical_rtt']:g}",
-                 f"{r['remote_vs_ideal']:.3f}", f"{r['model_us']:.1f}", f"{r['busbw_gbs']:.0f}")
+                 f"{r['remote_vs_ideal']:.3f}", human(r["inflight_per_sm"]),
+                 f"{r['load_cap_gbs']:.0f}", f"{r['model_us']:.1f}", f"{r['busbw_gbs']:.0f}")
         print(" ".join(f"{str(c):>9}" for c in cells))
     if a.json:
         with open(a.json, "w") as f:

@@ -83,10 +83,15 @@ int main(int argc, char** argv) {
           return 1;
         }
       const p2p::Plan p = rings[0]->plan_of(base);
+      // The kernels' data loops: threads per block and 16-byte loads in flight per thread.
+      const int loads = p.algo == p2p::Algo::Ring ? rr::cuda::kRingLoadsInFlight
+                                                  : rr::cuda::kFoldLoadsInFlight;
       std::printf("{\"world\": %d, \"coll\": \"%s\", \"algo\": \"%s\", \"bytes\": %lld, \"blocks\": %d, "
-                  "\"slice_bytes\": %lld, \"steps\": %lld, \"ranks\": [",
+                  "\"slice_bytes\": %lld, \"steps\": %lld, \"threads\": %d, \"loads_in_flight\": %d, "
+                  "\"ranks\": [",
                   n, coll_s.c_str(), p2p::algo_name(p.algo), static_cast<long long>(numel * 4), p.blocks,
-                  static_cast<long long>(p.slice_elems * 4), static_cast<long long>(p.steps));
+                  static_cast<long long>(p.slice_elems * 4), static_cast<long long>(p.steps),
+                  rr::cuda::kThreads, loads);
       for (int r = 0; r < n; ++r) {
         EmuCost c;
         emu_cost_get(r, &c);

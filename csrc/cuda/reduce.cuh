@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "cpu/reduce.h"
+#include "cuda/kernels.h"
 
 namespace ringreduce::cuda {
 
@@ -106,9 +107,8 @@ __device__ __forceinline__ uint4 combine16(uint4 a, uint4 b, int div) {
   return r;
 }
 
-// Loads in flight per thread in the vector loop: four 16-byte loads per input hide the latency of
-// peer memory (NVLink/PCIe) better than one; as in NCCL's unrolled reduce/copy loops.
-constexpr int kUnroll = 4;
+// kUnroll (kernels.h): 16-byte loads per input in flight per thread in the vector loops; four hide
+// the latency of peer memory (NVLink/PCIe) better than one, as in NCCL's unrolled reduce/copy loops.
 
 // Cooperative over threads [tid, nthreads) of one block:
 //   kReduce: d0[i] = a[i] op b[i] (divided by div when div > 1), else d0[i] = a[i];
@@ -205,19 +205,12 @@ __device__ void span_fold(T* const* dst, int nd, Src src, int ns, int64_t n, int
   };
   for (int64_t i = tid; i < head; i += nthreads) one(i);
   for (int64_t i = head + nv * K + tid; i < n; i += nthreads) one(i);
-  for (int64_t i = tid; i < nv; i += nthreads) {
+  // U vector indices per thread per pass: U independent 16-byte loads of each source are in flight
+  // before their arithmetic (one at a time left every load's latency exposed: the direct kernels
+  // read peers' memory, whose latency is a link's). U keeps the accumulators near 32 registers.
+  constexpr int U = K >= 16 ? kUnroll / 2 : kUnroll;
+  auto finish = [&](C (&acc)[K]) {
     T x[K];
-    C acc[K];
-    uint4 v = __ldcg(reinterpret_cast<const uint4*>(src(0) + head) + i);
-    __builtin_memcpy(x, &v, 16);
-#pragma unroll
-    for (int k = 0; k < K; ++k) acc[k] = N::up(x[k]);
-    for (int q = 1; q < ns; ++q) {
-      v = __ldcg(reinterpret_cast<const uint4*>(src(q) + head) + i);
-      __builtin_memcpy(x, &v, 16);
-#pragma unroll
-      for (int k = 0; k < K; ++k) acc[k] = apply<Op>(acc[k], N::up(x[k]));
-    }
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       C c = acc[k];
@@ -227,8 +220,47 @@ __device__ void span_fold(T* const* dst, int nd, Src src, int ns, int64_t n, int
       }
       x[k] = N::down(c);
     }
+    uint4 v;
     __builtin_memcpy(&v, x, 16);
-    for (int d = 0; d < nd; ++d) __stcg(reinterpret_cast<uint4*>(dst[d] + head) + i, v);
+    return v;
+  };
+  auto vsrc = [&](int q) { return reinterpret_cast<const uint4*>(src(q) + head); };
+  // One loop body for the whole vector part (the last pass predicated per lane): a second, plain
+  // loop for the remainder made the kernels' build a third slower.
+  for (int64_t i = tid; i < nv; i += U * static_cast<int64_t>(nthreads)) {
+    bool in[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) in[u] = i + u * static_cast<int64_t>(nthreads) < nv;
+    C acc[U][K];
+    uint4 v[U];
+    const uint4* s0 = vsrc(0);
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = in[u] ? __ldcg(s0 + i + u * nthreads) : uint4{};
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      T x[K];
+      __builtin_memcpy(x, &v[u], 16);
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[u][k] = N::up(x[k]);
+    }
+    for (int q = 1; q < ns; ++q) {
+      const uint4* sq = vsrc(q);
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = in[u] ? __ldcg(sq + i + u * nthreads) : uint4{};
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        T x[K];
+        __builtin_memcpy(x, &v[u], 16);
+#pragma unroll
+        for (int k = 0; k < K; ++k) acc[u][k] = apply<Op>(acc[u][k], N::up(x[k]));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (!in[u]) continue;
+      const uint4 r = finish(acc[u]);
+      for (int d = 0; d < nd; ++d) __stcg(reinterpret_cast<uint4*>(dst[d] + head) + i + u * nthreads, r);
+    }
   }
 }
 
