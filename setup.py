@@ -4,6 +4,9 @@ CUDA sources in csrc/cuda/ are compiled when torch is a CUDA build and a CUDA to
 is needed to compile). RINGREDUCE_CUDA=0/1 forces either way. The toolkit is found from CUDA_HOME,
 then from the real path of the `nvcc` on PATH (which may be a symlink outside the toolkit), then
 /usr/local/cuda. Architectures: TORCH_CUDA_ARCH_LIST, default "8.0;9.0+PTX" (sm_80, sm_90, PTX).
+No debug info unless RINGREDUCE_DEBUG_INFO=1: Python's flags add -g, which made the torch-heavy files
+a third slower to compile and the library ~3x larger (CUDA build: 66 MB, 23 MB without);
+symbols (function names) stay either way.
 """
 import glob
 import os
@@ -58,6 +61,8 @@ print("ringreduce: building %s (torch %s, CUDA toolkit %s)" % (
     "CPU + CUDA" if with_cuda else "CPU only", torch.__version__, cuda_home))
 
 cxx_flags = ["-O3", "-Wall", "-Wno-unused-function"]
+if os.environ.get("RINGREDUCE_DEBUG_INFO", "").strip() != "1":
+    cxx_flags.append("-g0")
 include_dirs = [os.path.join(HERE, "csrc")]
 if with_cuda:
     import sysconfig
@@ -67,7 +72,10 @@ if with_cuda:
         "ringreduce._C", cpu_sources + cuda_sources, include_dirs=include_dirs,
         define_macros=[("RINGREDUCE_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags,
-                            "nvcc": ["-O3", "--expt-relaxed-constexpr"]})
+                            "nvcc": ["-O3", "--expt-relaxed-constexpr",
+                                     # one thread per architecture: the kernels' file is the
+                                     # build's longest step, and each arch compiles alone
+                                     "--threads", "2"]})
 else:
     ext = cpp_extension.CppExtension("ringreduce._C", cpu_sources, include_dirs=include_dirs,
                                      extra_compile_args={"cxx": cxx_flags})

@@ -9,7 +9,8 @@
 // and because a Work defined in Python loses its Python half once only C++ holds it.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <map>

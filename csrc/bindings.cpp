@@ -1,5 +1,6 @@
 // Python binding: torch tensors in, typed spans out. Thin and defensive; the ring lives elsewhere.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <memory>
 #include <mutex>

@@ -4,7 +4,8 @@
 // Python; the direct API through pybind11 (csrc/bindings.cpp).
 #pragma once
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <functional>

@@ -1,7 +1,8 @@
 // torch dtype / ReduceOp code -> the core's DType / RedOp, shared by the CPU and CUDA bindings.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "cpu/reduce.h"
 

@@ -20,6 +20,16 @@
   ::emu::launch((grid), (block), (stream), [=] { kernel(__VA_ARGS__); })
 #endif
 
+// RR_NOINLINE: a device function compiled once per kernel, not at every call site. The span loops
+// are called at 5-7 sites per kernel; inlined, they made the kernels' file the build's longest step
+// (80 kernels per architecture; cicc took twice as long). A call is a few instructions per round of
+// at least 32 KiB, against the round's thousands of 16-byte loads (not measured on a GPU yet).
+#ifndef RINGREDUCE_EMU
+#define RR_NOINLINE __noinline__
+#else
+#define RR_NOINLINE __attribute__((noinline))
+#endif
+
 namespace ringreduce::cuda {
 
 #ifndef RINGREDUCE_EMU

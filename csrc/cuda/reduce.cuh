@@ -10,6 +10,7 @@
 
 #include "cpu/reduce.h"
 #include "cuda/kernels.h"
+#include "cuda/platform.cuh"
 
 namespace ringreduce::cuda {
 
@@ -116,8 +117,8 @@ __device__ __forceinline__ uint4 combine16(uint4 a, uint4 b, int div) {
 // Vectorized (16 bytes) where all pointers share their alignment mod 16: scalar head up to the
 // first aligned element, vector body, scalar tail. Otherwise element by element (still coalesced).
 template <class T, RedOp Op, bool kReduce>
-__device__ void span_op(T* d0, T* d1, const T* a, const T* b, int64_t n, int div, int tid,
-                        int nthreads) {
+__device__ RR_NOINLINE void span_op(T* d0, T* d1, const T* a, const T* b, int64_t n, int div,
+                                    int tid, int nthreads) {
   if (n <= 0) return;
   constexpr int K = 16 / sizeof(T);
   const uintptr_t m = reinterpret_cast<uintptr_t>(a) & 15;
@@ -267,8 +268,8 @@ __device__ void span_fold(T* const* dst, int nd, Src src, int ns, int64_t n, int
 // span_fold over an array of at most kMaxSpanPtrs sources (the p2p direct kernels).
 constexpr int kMaxSpanPtrs = 17;  // a rank's own output plus kMaxPeers destinations
 template <class T, RedOp Op>
-__device__ void span_multi(T* const* dst, int nd, const T* const* src, int ns, int64_t n, int div,
-                           int tid, int nthreads) {
+__device__ RR_NOINLINE void span_multi(T* const* dst, int nd, const T* const* src, int ns,
+                                       int64_t n, int div, int tid, int nthreads) {
   span_fold<T, Op>(dst, nd, [src](int q) { return src[q]; }, ns, n, div, tid, nthreads);
 }
 
