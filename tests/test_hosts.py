@@ -22,14 +22,22 @@ def plan_worker(rank, world):
     return comm.transport, getattr(comm, "plan", "flat")
 
 
+def plan_sweep_worker(rank, world, sizes, dtypes, ops):
+    """sweep_worker, then the plan the communicator chose (one launch of the hosts for both)."""
+    failures, digests = sweep_worker(rank, world, sizes, dtypes, ops)
+    return failures, digests, plan_worker(rank, world)
+
+
 def sweep(hosts, dtypes, ops, sizes):
-    results, leftovers = run(hosts, "test_collectives:sweep_worker", sizes, dtypes, ops,
+    """Returns {rank: (transport, plan)}."""
+    results, leftovers = run(hosts, "test_hosts:plan_sweep_worker", sizes, dtypes, ops,
                              timeout=600)
-    for r, (failures, _) in results.items():
+    for r, (failures, _, _) in results.items():
         assert failures == [], (r, failures[:5])
     for r in results:  # every rank ends with bitwise-identical all_reduce results
         assert results[r][1] == results[0][1], r
     assert all(v == [] for v in leftovers.values()), leftovers
+    return {r: plan for r, (_, _, plan) in results.items()}
 
 
 def sizes_for(world):
@@ -45,11 +53,10 @@ def sizes_for(world):
     (["a", "b", "c", "c"], "leaders"),                # uneven 1 + 1 + 2
 ])
 def test_plans_and_results(hosts, plan):
-    got, _ = run(hosts, "test_hosts:plan_worker")
-    assert set(got.values()) == {("hier", plan)}
     world = len(hosts)
     few = (torch.float32, torch.int32) if world > 4 else (torch.float32, torch.bfloat16, torch.int8)
-    sweep(hosts, few, OPS, sizes_for(world))
+    got = sweep(hosts, few, OPS, sizes_for(world))
+    assert set(got.values()) == {("hier", plan)}
 
 
 def test_every_dtype_two_hosts():
