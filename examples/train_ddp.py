@@ -33,6 +33,7 @@ Lines other programs parse (one write each): "epoch E/N  train loss L  test accu
 import argparse
 import contextlib
 import hashlib
+import importlib.util
 import inspect
 import itertools
 import math
@@ -72,13 +73,27 @@ def emit(line):
     sys.stdout.flush()
 
 
-def load_digits_28x28():
-    """(train, test) TensorDatasets of 1x28x28 float images in [0, 1] and int64 labels."""
+def load_digits_8x8():
+    """scikit-learn's digits (1797 8x8 images, values 0-16, and their labels) as numpy arrays. The
+    CSV file scikit-learn ships is read directly where found: importing sklearn (scipy.stats with
+    it) costs every rank about a second of CPU before its first step."""
+    spec = importlib.util.find_spec("sklearn")
+    if np is not None and spec is not None and spec.submodule_search_locations:
+        path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+        if os.path.exists(path):
+            data = np.loadtxt(path, delimiter=",")
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
     digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # N,1,8,8
+    return digits.images, digits.target
+
+
+def load_digits_28x28():
+    """(train, test) TensorDatasets of 1x28x28 float images in [0, 1] and int64 labels."""
+    pixels, target = load_digits_8x8()
+    images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0  # N,1,8,8
     images = F.interpolate(images, size=(28, 28), mode="bilinear", align_corners=False)
-    labels = torch.tensor(digits.target, dtype=torch.int64)
+    labels = torch.tensor(target, dtype=torch.int64)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     n_test = int(len(labels) * TEST_FRACTION)
     test, train = order[:n_test], order[n_test:]

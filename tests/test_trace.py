@@ -146,7 +146,7 @@ def desync_worker(rank, world, hier, skip):
 def test_desync_named(tmp_path, hier, skip):
     world = 4 if hier else 3
     errors = run_ranks(world, desync_worker, hier, skip,
-                       env={"RINGREDUCE_TRACE_DIR": str(tmp_path), "RINGREDUCE_TIMEOUT": "20"})
+                       env={"RINGREDUCE_TRACE_DIR": str(tmp_path), "RINGREDUCE_TIMEOUT": "10"})
     for rank, msg in enumerate(errors):
         assert msg and "flight recorder: " in msg, (rank, msg)
         path = msg.split("flight recorder: ")[1].split(" ")[0]

@@ -96,12 +96,16 @@ def times(out, what):
 def test_killed_worker_resumes_bitwise(tmp_path, case):
     """3 ranks, 2 epochs: rank 1 SIGKILLs itself in step 80 on the first attempt; the survivors
     raise RingReduceError within 1 s, torchrun restarts the group once, every rank resumes at step
-    75 (epoch 2, batch 15), and the parameters and epoch lines equal an uninterrupted run's."""
+    75 (epoch 2, batch 15), and the parameters and epoch lines equal an uninterrupted run's. For one
+    case, the uninterrupted run is launched again after its end: it resumes from its last
+    checkpoint and trains nothing."""
     args = TRAIN + CASES[case]
     (tmp_path / "plain").mkdir()
     rc, plain, leftover = torchrun(tmp_path / "plain", args)
     assert rc == 0, plain[-4000:]
     assert leftover in (None, []), leftover
+    if case == "hook":
+        relaunch_after_the_end(tmp_path / "plain", args, plain)
 
     # torchrun polls every 2 s here, so that the survivors' own errors come before its SIGTERM.
     (tmp_path / "killed").mkdir()
@@ -142,15 +146,13 @@ def test_killed_worker_resumes_bitwise(tmp_path, case):
     assert not list((tmp_path / "killed").glob(".ck.pt.tmp.*"))
 
 
-def test_resume_from_finished_checkpoint(tmp_path):
-    """A second launch finds the last checkpoint, trains nothing, and ends where the first did."""
-    args = ["--epochs", "1", "--checkpoint-every", "7"]
-    rc, first, _ = torchrun(tmp_path, args)
-    assert rc == 0, first[-4000:]
-    rc, again, _ = torchrun(tmp_path, args)
+def relaunch_after_the_end(workdir, args, first):
+    """A second launch of a finished run (first: its output) finds the last checkpoint, trains
+    nothing, and ends where the first did."""
+    rc, again, _ = torchrun(workdir, args)
     assert rc == 0, again[-4000:]
-    assert re.search(r"^epoch 1/1 ", first, re.M) and not re.search(r"^epoch ", again, re.M), again
-    assert re.search(r"resumed at step 60 \(epoch 1, batch 0\)", again), again[-4000:]
+    assert re.search(r"^epoch 2/2 ", first, re.M) and not re.search(r"^epoch ", again, re.M), again
+    assert re.search(r"resumed at step 120 \(epoch 2, batch 0\)", again), again[-4000:]
     assert digests(again) == digests(first)
 
 
