@@ -1,8 +1,31 @@
 """Fixtures shared by the test files. tests/ is on sys.path (pytest's rootdir insertion), so the
 ranks that dist_utils spawns can import these helpers too."""
 import os
+import shutil
+import tempfile
 
 import pytest
+
+# One temp folder for everything the tests and the processes they start leave behind (ranks'
+# stderr and results, simulated hosts' jobs, torchrun's logs, flight recorder dumps, compile
+# caches): set before any test starts a process, removed when the session passes, kept (and named)
+# when it fails.
+SESSION_TMP = tempfile.mkdtemp(prefix="rr-pytest-")
+os.environ["TMPDIR"] = SESSION_TMP
+tempfile.tempdir = SESSION_TMP
+
+
+def pytest_report_header(config):
+    return f"temp dir of this session: {SESSION_TMP} (removed if every test passes)"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus == 0:
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
+    else:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"temp dir of this session kept for a look: {SESSION_TMP}")
 
 SHM_PREFIX = "ringreduce-"  # every segment and pool buffer ringreduce creates (ringreduce/_comm.py)
 
