@@ -38,10 +38,13 @@ add_executable(gpu_cost_emu benchmarks/gpu_cost_emu.cpp)
 target_link_libraries(gpu_cost_emu PRIVATE ringreduce_cuda_emu)
 target_include_directories(gpu_cost_emu PRIVATE tests/native/emu/include)
 # Issue 25's targets on the counts (4 KiB within 3 round trips, 256 MiB remote bytes and no
-# staging, 4 MiB ring slices), checked in every CI run.
+# staging, 4 MiB ring slices), checked in every CI run. At 256 MiB auto runs the ring (the check
+# names the algorithm it ran), so the ring is not counted a second time there (18 s on 2 cores).
 find_package(Python3 COMPONENTS Interpreter)
 if(Python3_FOUND)
   add_test(NAME gpu_cost_targets COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/benchmarks/gpu_cost.py
-           --world 8 --sizes 4K,4M,256M --algo auto,ring --bin $<TARGET_FILE:gpu_cost_emu> --check)
-  set_tests_properties(gpu_cost_targets PROPERTIES TIMEOUT 600)
+           --world 8 --sizes 4K,256M --algo auto --bin $<TARGET_FILE:gpu_cost_emu> --check)
+  add_test(NAME gpu_cost_targets_ring COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/benchmarks/gpu_cost.py
+           --world 8 --sizes 4M --algo ring --bin $<TARGET_FILE:gpu_cost_emu> --check)
+  set_tests_properties(gpu_cost_targets gpu_cost_targets_ring PROPERTIES TIMEOUT 600)
 endif()

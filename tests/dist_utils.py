@@ -271,6 +271,7 @@ def collect(procs, q, timeout, expect=None, check_exit=False):
     results, errors = {}, {}
     deadline = time.monotonic() + timeout
     dead_since = {}
+    finished = False
     try:
         while expect - set(results) - set(errors):
             left = deadline - time.monotonic()
@@ -289,9 +290,12 @@ def collect(procs, q, timeout, expect=None, check_exit=False):
             (results if status == "ok" else errors)[rank] = value
         if check_exit:
             _check_exits(procs, expect - set(errors), errors)
+        finished = True
     finally:
+        # The ranks left running get 5 s each to exit; after a timeout (their stacks are taken
+        # already) none: a stuck rank is killed at once.
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=5 if finished else 0)
             if p.is_alive():
                 p.kill()
                 # A process inside a driver call may not die at once: never block the suite on it.

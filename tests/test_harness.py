@@ -46,7 +46,7 @@ def stuck_worker(rank, world):
 def test_a_timeout_shows_the_stuck_ranks_stack():
     # Ranks are forked by tests/prefork.py in milliseconds; spawned ones (RR_TEST_SPAWN=1) need
     # seconds each to import torch on a loaded machine.
-    timeout = 45 if os.environ.get("RR_TEST_SPAWN") == "1" else 15
+    timeout = 45 if os.environ.get("RR_TEST_SPAWN") == "1" else 6
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         run_ranks(2, stuck_worker, timeout=timeout)
