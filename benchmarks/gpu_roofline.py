@@ -11,13 +11,16 @@ Prints, and writes as markdown to --out (default gpu_roofline.md) to paste into 
    per rank on one GPU reads N inputs and writes N outputs: 2NS bytes at the copy bandwidth), and
    the time without MPS as a multiple of the time with it.
 MPS is started with `nvidia-cuda-mps-control -d` and stopped with `quit` (needs root); --mps off
-or on runs one of the two. Nothing here runs without a GPU except the table arithmetic, which
+or on runs one of the two (MPS on first). Each bench run has a time limit (--timeout) and keeps the
+sizes it finished; the report is rewritten after each run, so a lease that ends early keeps what
+ran. --json writes every median for `gpu_tune.py --from`. Nothing here runs without a GPU except the table arithmetic, which
 tests/test_gpu_tools.py checks.
 """
 import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,17 +49,6 @@ def hbm_limit_us(world, size_bytes, copy_GBps):
     """The least time of an all_reduce of size_bytes per rank, world ranks on one GPU: 2 x world x
     size bytes (every input read, every output written) at the copy bandwidth."""
     return 2 * world * size_bytes / (copy_GBps * 1e9) * 1e6
-
-
-def bench_times(doc):
-    """{size_bytes: median us} of the in-place all_reduce rows of a ringreduce.bench --json file,
-    and its peak copy bandwidth (GB/s)."""
-    times = {}
-    run = doc["runs"][0]
-    for row in run["rows"]:
-        if row["collective"] == "all_reduce" and row["inplace"] and not row.get("wrong"):
-            times[row["size_bytes"]] = row["time_us"]
-    return times, run.get("peak_membw_GBps")
 
 
 def table(results, copy_GBps, sizes):
@@ -138,20 +130,47 @@ def set_mps(on):
         time.sleep(2.0)
 
 
-def run_bench(world, algo, sizes, timeout):
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "bench.json")
-        cmd = [sys.executable, "-m", "ringreduce.bench", "--nranks", str(world), "--backends",
-               "ringreduce/p2p", "--collectives", "all_reduce", "-b", str(min(sizes)), "-e",
-               str(max(sizes)), "-f", "4", "--json", path]
-        env = {**os.environ, "RINGREDUCE_CUDA_ALGO": algo}
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if r.returncode != 0:
-            print(f"# world {world} {algo}: bench exited {r.returncode}\n{r.stderr[-2000:]}", flush=True)
-            return {}, None
-        with open(path) as f:
-            times, bw = bench_times(json.load(f))
-    return {s: v for s, v in times.items() if s in sizes}, bw
+def parse_rows(text):
+    """{size_bytes: in-place us} of the all_reduce data rows a ringreduce.bench run printed (the
+    nccl-tests-style table; a run stopped at its time limit keeps the rows it finished). Rows
+    with wrong elements are not times."""
+    times = {}
+    for line in text.splitlines():
+        f = line.split()
+        if not f or line.startswith("#") or len(f) != 13:
+            continue
+        try:
+            size, us, wrong = int(f[0]), float(f[9]), f[12]
+        except ValueError:
+            continue
+        if wrong in ("0", "N/A"):
+            times[size] = us
+    return times
+
+
+def run_bench(world, algo, sizes, timeout, bench_args=()):
+    """{size: median us} of world ranks running algo (RINGREDUCE_CUDA_ALGO), in place, float32.
+    The run is a process group of its own: at the time limit every rank is killed with it (a rank
+    left spinning would skew every later run) and the rows printed so far are kept."""
+    cmd = [sys.executable, "-m", "ringreduce.bench", "--nranks", str(world), "--backends",
+           "ringreduce/p2p", "--collectives", "all_reduce", "-b", str(min(sizes)), "-e",
+           str(max(sizes)), "-f", "4", *bench_args]
+    env = {**os.environ, "RINGREDUCE_CUDA_ALGO": algo, "PYTHONUNBUFFERED": "1"}
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        try:
+            code = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            code = f"killed at its {timeout:.0f} s limit"
+        out.seek(0)
+        text = out.read()
+    if code != 0:
+        print(f"# world {world} {algo}: bench {code if isinstance(code, str) else f'exited {code}'}"
+              f"\n{text[-2000:]}", flush=True)
+    return {s: v for s, v in parse_rows(text).items() if s in sizes}
 
 
 def main(argv=None):
@@ -160,11 +179,16 @@ def main(argv=None):
     p.add_argument("--sizes", default="4K,64K,1M,16M,256M")
     p.add_argument("--algos", default=",".join(ALGOS))
     p.add_argument("--mps", choices=("both", "on", "off"), default="both")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per bench run")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per bench run (then it "
+                   "is killed and keeps the sizes it finished)")
+    p.add_argument("--sizes-off", default="", help="sizes of the runs without MPS (default --sizes)")
+    p.add_argument("--bench-args", default="", help="more arguments for ringreduce.bench, e.g. '-n 10'")
     p.add_argument("--out", default="gpu_roofline.md")
+    p.add_argument("--json", help="also write every median here (gpu_tune.py --from reads it)")
     p.add_argument("--phase1", metavar="JSON", help=argparse.SUPPRESS)  # internal
     a = p.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")]
+    sizes_off = [parse_size(s) for s in a.sizes_off.split(",")] if a.sizes_off else sizes
     worlds = [int(w) for w in a.worlds.split(",")]
     algos = [x for x in a.algos.split(",") if x]
     for x in algos:
@@ -175,14 +199,19 @@ def main(argv=None):
         if not torch.cuda.is_available():
             raise SystemExit("gpu_roofline.py needs a CUDA device")
         doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "copy_GBps": copy_bandwidth_GBps(), "world1": world_one(sizes)}
+               "copy_GBps": copy_bandwidth_GBps(), "world1": {}}
+        with open(a.phase1, "w") as f:  # the copy bandwidth stays if world 1 fails
+            json.dump(doc, f)
+        doc["world1"] = world_one(sizes)
         with open(a.phase1, "w") as f:
             json.dump(doc, f)
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "phase1.json")
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--sizes", a.sizes,
-                        "--phase1", path], check=True, timeout=a.timeout)
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--sizes", a.sizes,
+                            "--phase1", path], timeout=a.timeout)
+        if not os.path.exists(path):
+            raise SystemExit(f"gpu_roofline.py: the copy bandwidth was not measured (exit {r.returncode})")
         with open(path) as f:
             doc = json.load(f)
     copy = doc["copy_GBps"]
@@ -194,22 +223,33 @@ def main(argv=None):
     report += [f"| {human(s)} | {r:.1f} | {n:.1f} | {z:.1f} |" for s, (r, n, z) in w1.items()]
     print("\n".join(report), flush=True)
     results = {}
-    for mode in (("off", "on") if a.mps == "both" else (a.mps,)):
+    modes = ("on", "off") if a.mps == "both" else (a.mps,)  # MPS first: the targets are there
+    for mode in modes:
         if a.mps == "both":
             set_mps(mode == "on")
         for w in worlds:
             for algo in algos:
                 t0 = time.monotonic()
-                results[(mode, w, algo)], _ = run_bench(w, algo, sizes, a.timeout)
+                run_sizes = sizes if mode == "on" or not a.sizes_off else sizes_off
+                results[(mode, w, algo)] = run_bench(w, algo, run_sizes, a.timeout, a.bench_args.split())
                 print(f"# MPS {mode}, world {w}, {algo}: {time.monotonic() - t0:.0f} s", flush=True)
+                write_out(a, report, results, copy, sorted(set(sizes) | set(sizes_off)), doc)
     if a.mps == "both":
         set_mps(False)
-    report += ["", table(results, copy, sizes)]
-    text = "\n".join(report)
-    print(text)
+    print(write_out(a, report, results, copy, sorted(set(sizes) | set(sizes_off)), doc))
+
+
+def write_out(a, report, results, copy, sizes, doc):
+    """Writes the markdown report (and --json) as it stands; a run cut short keeps what it has."""
+    text = "\n".join(report + ["", table(results, copy, sizes)])
     with open(a.out, "w") as f:
         f.write(text + "\n")
-
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({**doc, "results": [{"mps": m, "world": w, "algo": x,
+                                           "median_us": {str(s): v for s, v in ts.items()}}
+                                          for (m, w, x), ts in results.items()]}, f, indent=1)
+    return text
 
 if __name__ == "__main__":
     main()

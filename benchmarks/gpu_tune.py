@@ -8,8 +8,9 @@ each of one-shot, two-shot and the ring runs a float32 all_reduce in place at ev
 (`python -m ringreduce.bench`, RINGREDUCE_CUDA_ALGO forced); one-shot's range is the sizes from
 the smallest up to the last where it is fastest, two-shot's the following ones up to the last where
 one of the two direct algorithms beats the ring. Check the table in with the machine it came from
-(the entry records device, date, command, MPS and every median). Without a GPU nothing here runs
-but the threshold arithmetic, which tests/test_gpu_tools.py checks.
+(the entry records device, date, command, MPS and every median). `--from roofline.json` takes the
+medians of a `gpu_roofline.py --json` run under MPS instead of running its own. Without a GPU
+nothing here runs but the threshold arithmetic, which tests/test_gpu_tools.py checks.
 """
 import argparse
 import datetime
@@ -71,8 +72,16 @@ def main(argv=None):
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--sizes", default="4K,16K,64K,256K,1M,4M,16M,64M,256M")
     p.add_argument("--table", default=TABLE)
-    p.add_argument("--timeout", type=float, default=900, help="seconds per bench run")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per bench run")
+    p.add_argument("--from", dest="source", metavar="JSON",
+                   help="no runs: take the MPS medians of a gpu_roofline.py --json file")
     a = p.parse_args(argv)
+    if a.source:
+        with open(a.source) as f:
+            for entry in entries_from_roofline(json.load(f), " ".join(argv or sys.argv[1:])):
+                update_table(a.table, entry)
+                print(describe(entry), flush=True)
+        return
     import torch
     if not torch.cuda.is_available():
         raise SystemExit("gpu_tune.py needs a CUDA device")
@@ -80,18 +89,39 @@ def main(argv=None):
     device = torch.cuda.get_device_name()
     for world in (int(w) for w in a.worlds.split(",")):
         per_device = -(-world // torch.cuda.device_count())  # the bench's round-robin placement
-        times = {algo: roof.run_bench(world, algo, sizes, a.timeout)[0] for algo in MEASURED}
-        one, two = thresholds(times, sizes)
-        entry = {"device": device, "world": world, "ranks_per_device": per_device,
-                 "oneshot_max": one, "twoshot_max": two,
-                 "date": datetime.date.today().isoformat(), "mps": mps_running(),
-                 "torch": torch.__version__,
-                 "command": "python benchmarks/gpu_tune.py " + " ".join(argv or sys.argv[1:]),
-                 "median_us": {algo: {str(s): round(v, 2) for s, v in sorted(ts.items())}
-                               for algo, ts in times.items()}}
+        times = {algo: roof.run_bench(world, algo, sizes, a.timeout) for algo in MEASURED}
+        entry = make_entry(device, world, per_device, times, mps_running(), torch.__version__,
+                           "python benchmarks/gpu_tune.py " + " ".join(argv or sys.argv[1:]))
         update_table(a.table, entry)
-        print(f"{device}, world {world}, {per_device} ranks per device: one-shot <= {one} B, "
-              f"two-shot <= {two} B", flush=True)
+        print(describe(entry), flush=True)
+
+
+def make_entry(device, world, per_device, times, mps, torch_version, command):
+    sizes = sorted({s for ts in times.values() for s in ts})
+    one, two = thresholds(times, sizes)
+    return {"device": device, "world": world, "ranks_per_device": per_device,
+            "oneshot_max": one, "twoshot_max": two,
+            "date": datetime.date.today().isoformat(), "mps": mps, "torch": torch_version,
+            "command": command,
+            "median_us": {algo: {str(s): round(v, 2) for s, v in sorted(ts.items())}
+                          for algo, ts in times.items()}}
+
+
+def entries_from_roofline(doc, args):
+    """One entry per world of a gpu_roofline.py --json document's MPS runs (its ranks share one
+    GPU: ranks per device = world)."""
+    out = []
+    for world in sorted({r["world"] for r in doc["results"] if r["mps"] == "on"}):
+        times = {r["algo"]: {int(s): v for s, v in r["median_us"].items()} for r in doc["results"]
+                 if r["mps"] == "on" and r["world"] == world and r["algo"] in MEASURED}
+        out.append(make_entry(doc["device"], world, world, times, True, doc["torch"],
+                              "python benchmarks/gpu_tune.py " + args))
+    return out
+
+
+def describe(e):
+    return (f"{e['device']}, world {e['world']}, {e['ranks_per_device']} ranks per device: "
+            f"one-shot <= {e['oneshot_max']} B, two-shot <= {e['twoshot_max']} B")
 
 
 if __name__ == "__main__":

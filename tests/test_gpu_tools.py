@@ -15,15 +15,18 @@ def test_hbm_limit_counts_every_input_read_and_output_written():
     assert roof.hbm_limit_us(2, 256 << 20, 2900) == pytest.approx(370.2, abs=0.1)
 
 
-def test_bench_json_rows_in_place_all_reduce_only():
-    doc = {"runs": [{"peak_membw_GBps": 2800.0, "rows": [
-        {"collective": "all_reduce", "inplace": True, "size_bytes": 4096, "time_us": 20.0, "wrong": 0},
-        {"collective": "all_reduce", "inplace": False, "size_bytes": 4096, "time_us": 25.0, "wrong": 0},
-        {"collective": "all_gather", "inplace": True, "size_bytes": 4096, "time_us": 9.0, "wrong": 0},
-        {"collective": "all_reduce", "inplace": True, "size_bytes": 8192, "time_us": 30.0, "wrong": 3},
-    ]}]}
-    times, bw = roof.bench_times(doc)
-    assert times == {4096: 20.0} and bw == 2800.0  # a row with wrong results is not a time
+def test_bench_rows_in_place_times_and_a_cut_short_run():
+    # what ringreduce.bench prints (report._ROW): out-of-place then in-place time/algbw/busbw/#wrong
+    printed = "\n".join([
+        "# all_reduce  nranks 2  device cuda",
+        "#     size(B)        count     type  redop          backend    time(us) ...",
+        "        4096         1024    float    sum   ringreduce/p2p        25.0    0.164    0.164      0        20.0    0.205    0.205      0",
+        "        8192         2048    float    sum   ringreduce/p2p        31.0    0.264    0.264      0        30.0    0.273    0.273      3",
+        "       16384         4096    float    sum   ringreduce/p2p        33.0    0.496    0.496    N/A        32.5    0.504    0.504    N/A",
+        "       65536        16384    float    sum   ringreduce/p2p        4",  # killed mid-line
+    ])
+    # a row with wrong elements is not a time; an unchecked (N/A) one is
+    assert roof.parse_rows(printed) == {4096: 20.0, 16384: 32.5}
 
 
 def test_table_fraction_and_ratio():
@@ -65,6 +68,19 @@ def test_thresholds_when_a_direct_algorithm_never_wins():
     assert tune.thresholds(ring_first, sizes) == (0, 0)
     no_oneshot = {"twoshot": {4 * K: 20, 1 * M: 80}, "ring": {4 * K: 30, 1 * M: 70}}
     assert tune.thresholds(no_oneshot, sizes) == (0, 4 * K)  # a missing time loses
+
+
+def test_tuning_entries_from_a_roofline_json():
+    doc = {"device": "NVIDIA H200", "torch": "2.11.0", "copy_GBps": 4300.0, "results": [
+        {"mps": "on", "world": 2, "algo": "oneshot", "median_us": {"4096": 10.0, "1048576": 90.0}},
+        {"mps": "on", "world": 2, "algo": "twoshot", "median_us": {"4096": 12.0, "1048576": 40.0}},
+        {"mps": "on", "world": 2, "algo": "ring", "median_us": {"4096": 30.0, "1048576": 50.0}},
+        {"mps": "on", "world": 2, "algo": "auto", "median_us": {"4096": 1.0, "1048576": 1.0}},
+        {"mps": "off", "world": 2, "algo": "ring", "median_us": {"4096": 1.0, "1048576": 1.0}}]}
+    (e,) = tune.entries_from_roofline(doc, "--from x.json")
+    assert (e["device"], e["world"], e["ranks_per_device"], e["mps"]) == ("NVIDIA H200", 2, 2, True)
+    assert (e["oneshot_max"], e["twoshot_max"]) == (4096, 1 << 20)  # auto and MPS-off rows ignored
+    assert set(e["median_us"]) == {"oneshot", "twoshot", "ring"}
 
 
 def test_table_written_and_read_back(tmp_path):

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Everything one short GPU lease should run, in order of value, each step under a time limit inside
+# BUDGET_S seconds (default 570): the build, the GPU smoke tests and the torchrun exit-status tests,
+# the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py), the rest of the GPU tests
+# under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
+# lines printed are the summary. Afterwards, where there is no GPU:
+#   python benchmarks/gpu_tune.py --from OUT/roofline.json     # auto's thresholds from the medians
+# tests/gpu_suite.sh is the whole plan (native nvcc test too) for a longer lease.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-lease-out}
+mkdir -p "$OUT"
+BUDGET_S=${BUDGET_S:-570}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/steps.txt"; }
+mps_off() { echo quit | nvidia-cuda-mps-control > /dev/null 2>&1; sleep 1; }
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+  "$PY" -c "import torch; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'NCCL', torch.cuda.nccl.version(), p.name, p.multi_processor_count, 'SMs', getattr(p, 'L2_cache_size', '?'), 'B L2')"
+  echo "cores $(nproc); commit $(git rev-parse --short HEAD 2>/dev/null) $(git status --short | wc -l) changed files"
+} 2>&1 | tee -a "$OUT/steps.txt"
+
+log "build"
+TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" -m pip install --no-build-isolation --no-deps -e . \
+    > "$OUT/build.log" 2>&1 || { log "build FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+
+EXITS="test_processes_exit_cleanly_under_torchrun"
+log "smoke and exit statuses (no MPS)"
+timeout -k 10 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
+    test_transport_choice_logged or test_world_one_moves_nothing or $EXITS" tests/test_cuda.py \
+    --durations=10 -rfE > "$OUT/smoke.log" 2>&1
+log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
+
+log "roofline"
+timeout -k 10 $(( $(left) - 60 )) "$PY" benchmarks/gpu_roofline.py --worlds 2 \
+    --sizes 4K,16K,64K,256K,1M,4M,16M,64M,256M --sizes-off 4K,1M,16M --bench-args "-n 10 -w 3" \
+    --timeout 40 --out "$OUT/roofline.md" --json "$OUT/roofline.json" > "$OUT/roofline.log" 2>&1
+log "roofline exit $?"
+
+mps_off
+nvidia-cuda-mps-control -d && sleep 1
+log "the other GPU tests (MPS), $(( $(left) - 10 )) s"
+timeout -k 5 $(( $(left) - 10 )) "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" \
+    -k "not $EXITS" tests/test_cuda.py --durations=10 -rfE > "$OUT/rest.log" 2>&1
+log "rest exit $?: $(tail -1 "$OUT/rest.log")"
+mps_off
+
+echo "== summary"
+cat "$OUT/steps.txt"
+grep -E "passed|failed|FAILED|ERROR" "$OUT/smoke.log" "$OUT/rest.log" | tail -20
+cat "$OUT/roofline.md" 2>/dev/null
