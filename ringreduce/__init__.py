@@ -28,6 +28,15 @@ from . import ddp, functional, nn, ops
 from .bucketing import GradientBucketer
 
 _backend.register()  # dist.init_process_group("ringreduce") from now on
+
+
+def _read_environment():
+    """Reads again what the import read from the environment (RINGREDUCE_DETERMINISTIC,
+    RINGREDUCE_DEBUG): for a process forked after the import with another environment, as the
+    tests' prefork server does."""
+    from .collectives import _deterministic_from_env
+    set_deterministic(_deterministic_from_env())
+    _lifecycle.debug_log_from_env()
 _lifecycle.install_trace_signal()  # RINGREDUCE_TRACE_SIGNAL=1: SIGUSR1 dumps the flight recorders
 
 ReduceOp = _dist.ReduceOp

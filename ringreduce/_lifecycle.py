@@ -36,11 +36,18 @@ from . import _C
 RingReduceError = _C.RingReduceError
 log = logging.getLogger("ringreduce")
 
-if os.environ.get("RINGREDUCE_DEBUG") == "1" and not log.handlers:
-    _h = logging.StreamHandler()
-    _h.setFormatter(logging.Formatter("ringreduce[%(process)d] %(message)s"))
-    log.addHandler(_h)
-    log.setLevel(logging.DEBUG)
+
+
+def debug_log_from_env():
+    """RINGREDUCE_DEBUG=1: ringreduce's log (transport and algorithm choices) on stderr."""
+    if os.environ.get("RINGREDUCE_DEBUG") == "1" and not log.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("ringreduce[%(process)d] %(message)s"))
+        log.addHandler(h)
+        log.setLevel(logging.DEBUG)
+
+
+debug_log_from_env()
 
 
 # What a timeout in setup usually means: a rank never made the call (it failed before its first

@@ -48,6 +48,9 @@ def _entry(rank, world, store_path, fn, args, q, env, backend):
     import torch.distributed as dist
     import ringreduce
     try:
+        # The prefork server imported ringreduce in its own environment: what the import read
+        # (RINGREDUCE_DETERMINISTIC, RINGREDUCE_DEBUG) is read again from this rank's.
+        ringreduce._read_environment()
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         _report(tmp, q, (rank, "ok", fn(rank, world, *args)))

@@ -49,14 +49,18 @@ def device_of(rank):
 
 
 def setup_rank(rank):
-    """Selects the rank's GPU. NCCL older than 2.30 has no NCCL_MULTI_RANK_GPU_ENABLE: ranks that
-    share a GPU then pose as separate hosts (distinct NCCL_HOSTID; NCCL's socket transport)."""
+    """Selects the rank's GPU. Ranks that share a GPU need NCCL's consent, for our nccl transport
+    and for torch's NCCL alike (the backend delegates to it): NCCL_MULTI_RANK_GPU_ENABLE=1, and
+    NCCL older than 2.30, which has no such switch ("Duplicate GPU detected" on the first H200
+    run), has them pose as separate hosts (distinct NCCL_HOSTID; NCCL's socket transport). Before
+    the rank's first NCCL communicator."""
     from ringreduce import _C, _cuda
     dev = device_of(rank)
     torch.cuda.set_device(dev)
-    if os.environ.get("RINGREDUCE_TRANSPORT") == "nccl" and torch.cuda.device_count() == 1 and \
-            _C.nccl_version(_cuda._nccl_lib()) < 23000:
-        os.environ["NCCL_HOSTID"] = f"ringreduce-test-rank-{rank}"
+    if torch.cuda.device_count() == 1:
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        if _C.nccl_version(_cuda._nccl_lib()) < 23000:
+            os.environ["NCCL_HOSTID"] = f"ringreduce-test-rank-{rank}"
     return dev
 
 

@@ -120,3 +120,16 @@ def test_mps_pipe_found_where_cuda_looks(tmp_path, monkeypatch):
     assert not mps_pipe_present()
     (tmp_path / "control").touch()
     assert mps_pipe_present()
+
+
+def test_checked_in_table_follows_from_its_medians():
+    """Every entry of ringreduce/gpu_tuning.json: its thresholds are what gpu_tune.thresholds
+    makes of the medians it records (an entry edited by hand, or by an older rule, fails here)."""
+    import json
+    from ringreduce._cuda import TUNING_PATH
+    with open(TUNING_PATH) as f:
+        entries = json.load(f)["entries"]
+    for e in entries:
+        times = {a: {int(s): v for s, v in ts.items()} for a, ts in e["median_us"].items()}
+        sizes = sorted({s for ts in times.values() for s in ts})
+        assert tune.thresholds(times, sizes) == (e["oneshot_max"], e["twoshot_max"]), e["device"]

@@ -101,3 +101,21 @@ def test_ranks_get_the_callers_environment_and_fresh_processes(monkeypatch, tmp_
     assert [v for v, _, _ in results] == ["set after the server started"] * 2, results
     assert all(cwd == str(tmp_path) for _, cwd, _ in results), results
     assert len({pid for _, _, pid in results} | {os.getpid()}) == 3, results
+
+
+def settings_worker(rank, world):
+    import logging
+    import ringreduce as rr
+    return rr.is_deterministic(), logging.getLogger("ringreduce").level
+
+
+def test_ranks_get_the_settings_ringreduce_reads_at_import():
+    """The server imported ringreduce before the call's environment existed: what the import read
+    (RINGREDUCE_DETERMINISTIC, RINGREDUCE_DEBUG) must come from the call's (on the first GPU run,
+    the CUDA deterministic tests ran the default mode and failed)."""
+    import logging
+    run_ranks(1, settings_worker)  # the server exists
+    on = run_ranks(2, settings_worker, env={"RINGREDUCE_DETERMINISTIC": "1", "RINGREDUCE_DEBUG": "1"})
+    assert on == [(True, logging.DEBUG)] * 2, on
+    off = run_ranks(2, settings_worker, env={"RINGREDUCE_DETERMINISTIC": "0"})
+    assert [d for d, _ in off] == [False, False], off
