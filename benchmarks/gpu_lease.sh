@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
 # BUDGET_S seconds (default 570): the build, the GPU smoke tests and the torchrun exit-status tests,
-# the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py), the rest of the GPU tests
-# under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
+# the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py), the direct algorithms with
+# larger rounds (SLOT_SWEEP), the rest of the GPU tests under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
 # lines printed are the summary. Afterwards, where there is no GPU:
 #   python benchmarks/gpu_tune.py --from OUT/roofline.json     # auto's thresholds from the medians
 # tests/gpu_suite.sh is the whole plan (native nvcc test too) for a longer lease.
@@ -42,6 +42,18 @@ log "roofline exit $?"
 
 mps_off
 nvidia-cuda-mps-control -d && sleep 1
+# The direct algorithms' cost per lock-step round (~7-8 us on the H200 run, BENCHMARKS.md section
+# 6): the same calls with larger rounds (RINGREDUCE_CUDA_SLOT_BYTES, bytes per block, source and
+# round). SLOT_SWEEP= (empty) skips it.
+for slot in ${SLOT_SWEEP-32768 131072 524288}; do
+  for algo in oneshot twoshot; do
+    [ "$(left)" -lt 150 ] && break 2
+    log "rounds: $algo, slot $slot B"
+    RINGREDUCE_CUDA_SLOT_BYTES=$slot RINGREDUCE_CUDA_ALGO=$algo timeout -k 5 40 "$PY" -m ringreduce.bench \
+        --nranks 2 --backends ringreduce/p2p --collectives all_reduce -b 1M -e 256M -f 16 -n 10 -w 3 \
+        2>&1 | grep -v "^#\|^\[bench\]" | sed "s/^/$algo slot=$slot /" | tee -a "$OUT/rounds.log"
+  done
+done
 log "the other GPU tests (MPS), $(( $(left) - 10 )) s"
 timeout -k 5 $(( $(left) - 10 )) "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" \
     -k "not $EXITS" tests/test_cuda.py --durations=10 -rfE > "$OUT/rest.log" 2>&1
