@@ -23,6 +23,9 @@ using Clock = std::chrono::steady_clock;
 // peer that is late) then sleep 1, 2, 4 ... us, at most kMaxPollSleep: it bounds the delay a
 // sleep adds to a few hundred us while polling at most a few thousand times a second.
 constexpr auto kSpinFor = std::chrono::microseconds(50);
+// Descriptor slots allocated at a time (a slot per call in flight), and the mark of a descriptor.
+constexpr int kDescSlotsPerChunk = 16;
+constexpr uint32_t kDescMagic = 0x52524443;  // "RRDC"
 constexpr auto kMaxPollSleep = std::chrono::microseconds(256);
 
 // The few NCCL entry points we use, looked up in the already loaded library.
@@ -225,12 +228,14 @@ Ring::~Ring() {
 
 uint64_t Ring::first_unfinished() {
   std::lock_guard<std::mutex> qlk(qmu_);
-  while (!inflight_.empty() && cudaEventQuery(inflight_.front().done) == cudaSuccess) {
-    cudaEventDestroy(inflight_.front().done);
-    inflight_.pop_front();
-  }
+  uint64_t seq = 0;
+  for (const Pending& p : inflight_)
+    if (cudaEventQuery(p.done) != cudaSuccess) {
+      seq = p.seq;
+      break;
+    }
   cudaGetLastError();
-  if (!inflight_.empty()) return inflight_.front().seq;
+  if (seq) return seq;
   return op_seq_ + (in_call_ ? 0 : 1);  // the call being enqueued, else the next one
 }
 
@@ -243,9 +248,35 @@ uint64_t Ring::first_unretired() {
 std::string Ring::retire_locked() {
   uint64_t upto = 0;
   {
+    std::string mismatch;
+    uint64_t mismatch_seq = 0;
+    {
+      std::lock_guard<std::mutex> qlk(qmu_);
+      for (Pending& p : inflight_) {  // calls on other streams may complete out of order
+        if (p.checked) continue;
+        if (p.descs) {
+          const cudaError_t q = cudaEventQuery(p.descs);
+          if (q == cudaErrorNotReady) continue;
+          if (q != cudaSuccess) break;  // a fault is the watchdog's to report
+        }
+        p.checked = true;
+        mismatch = p.descs ? check_descs(p) : std::string();
+        if (!mismatch.empty()) {
+          mismatch_seq = p.seq;
+          break;
+        }
+      }
+      cudaGetLastError();
+    }
+    if (!mismatch.empty()) {
+      set_failure(mismatch, mismatch_seq);
+      return mismatch;
+    }
+  }
+  {
     std::lock_guard<std::mutex> qlk(qmu_);
     for (Pending& p : inflight_) {
-      if (cudaEventQuery(p.done) != cudaSuccess) break;  // a fault is the watchdog's to report
+      if (!p.checked || cudaEventQuery(p.done) != cudaSuccess) break;  // a fault: the watchdog's
       if (p.seen_done == Clock::time_point{}) p.seen_done = Clock::now();
       upto = p.seq;
     }
@@ -256,10 +287,68 @@ std::string Ring::retire_locked() {
   std::lock_guard<std::mutex> qlk(qmu_);
   while (!inflight_.empty() && inflight_.front().seq <= upto) {
     last_done_ = inflight_.front().seen_done;
-    cudaEventDestroy(inflight_.front().done);
+    release_pending(inflight_.front());
     inflight_.pop_front();
   }
   return "";
+}
+
+std::string Ring::check_descs(Pending& p) {
+  const Desc* d = desc_slots_[p.slot].host;
+  const Desc& mine = d[opt_.rank];
+  auto text = [](const Desc& x) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s; %s)", coll_name(Coll(x.coll)),
+                  static_cast<long long>(x.numel), dtype_name(DType(x.dtype)), op_name(RedOp(x.op)),
+                  algo_name(Algo(x.algo)));
+    return std::string(buf);
+  };
+  for (int q : p.from) {
+    const Desc& o = d[q];
+    if (o.magic == kDescMagic && o.op_seq == mine.op_seq && o.numel == mine.numel &&
+        o.coll == mine.coll && o.dtype == mine.dtype && o.op == mine.op && o.algo == mine.algo)
+      continue;
+    if (o.magic != kDescMagic)
+      return "ringreduce: rank " + std::to_string(opt_.rank) + ": call #" + std::to_string(mine.op_seq) +
+             " on the nccl transport, " + text(mine) + ": rank " + std::to_string(q) +
+             " sent data where its call descriptor was due (mismatched calls or algorithms; did "
+             "every rank make the same call?)";
+    return "ringreduce: mismatched collective calls: rank " + std::to_string(q) + " called " + text(o) +
+           " as its call #" + std::to_string(o.op_seq) + " on this communicator, while rank " +
+           std::to_string(opt_.rank) + " called " + text(mine) + " as its call #" +
+           std::to_string(mine.op_seq);
+  }
+  return "";
+}
+
+int Ring::take_desc_slot() {
+  if (desc_free_.empty()) {
+    const size_t per = static_cast<size_t>(opt_.nranks) * sizeof(Desc);
+    const size_t bytes = kDescSlotsPerChunk * per;
+    void* dev = nullptr;
+    void* host = nullptr;
+    RR_CUDA_CHECK(cudaMalloc(&dev, bytes));
+    const cudaError_t e = cudaHostAlloc(&host, bytes, cudaHostAllocDefault);
+    if (e != cudaSuccess) cudaFree(dev);
+    RR_CUDA_CHECK(e);
+    std::memset(host, 0, bytes);
+    desc_chunks_.push_back({dev, host});
+    for (int i = 0; i < kDescSlotsPerChunk; ++i) {
+      desc_free_.push_back(static_cast<int>(desc_slots_.size()));
+      desc_slots_.push_back({static_cast<char*>(dev) + i * per, reinterpret_cast<Desc*>(static_cast<char*>(host) + i * per)});
+    }
+  }
+  const int slot = desc_free_.back();
+  desc_free_.pop_back();
+  return slot;
+}
+
+void Ring::release_pending(Pending& p) {
+  if (p.done) cudaEventDestroy(p.done);
+  if (p.descs) cudaEventDestroy(p.descs);
+  if (p.slot >= 0) desc_free_.push_back(p.slot);
+  p.done = p.descs = nullptr;
+  p.slot = -1;
 }
 
 void Ring::set_failure(const std::string& why, uint64_t seq) {
@@ -333,10 +422,31 @@ void Ring::settle(const char* what) {
 
 void Ring::group(const std::vector<P2p>& ops, cudaStream_t stream) {
   const Api& nc = api(opt_.lib);
+  // The call's first group: its descriptor to every peer this group exchanges data with, and
+  // theirs back (the ring's two neighbours, or every peer), posted before the data: NCCL matches
+  // each pair's sends and receives in order, so these never meet data of the same call. Both ways
+  // even where the data goes one way: the ring's rank before a mismatched one would otherwise
+  // finish its call without seeing it.
+  const bool descs = next_.slot >= 0 && !next_.descs;
+  const std::vector<P2p>* post = &ops;
+  if (descs) {
+    const DescSlot& ds = desc_slots_[next_.slot];
+    std::vector<char> seen(opt_.nranks, 0);
+    gops_.clear();
+    for (const P2p& o : ops) {
+      if (seen[o.peer]) continue;
+      seen[o.peer] = 1;
+      gops_.push_back({true, ds.dev + opt_.rank * sizeof(Desc), sizeof(Desc), o.peer});
+      gops_.push_back({false, ds.dev + o.peer * sizeof(Desc), sizeof(Desc), o.peer});
+      next_.from.push_back(o.peer);
+    }
+    gops_.insert(gops_.end(), ops.begin(), ops.end());
+    post = &gops_;
+  }
   nccl_check(nc.group_start(), "ncclGroupStart");
   const char* failed = nullptr;
   ncclResult_t r = ncclSuccess;
-  for (const P2p& o : ops) {
+  for (const P2p& o : *post) {
     failed = o.send ? "ncclSend" : "ncclRecv";
     r = o.send ? nc.send(o.buf, o.bytes, ncclInt8, o.peer, comm_, stream)
                : nc.recv(const_cast<void*>(o.buf), o.bytes, ncclInt8, o.peer, comm_, stream);
@@ -348,6 +458,13 @@ void Ring::group(const std::vector<P2p>& ops, cudaStream_t stream) {
   if (r != ncclSuccess) nccl_check(r, failed);
   if (end != ncclInProgress) nccl_check(end, "ncclGroupEnd");
   settle("ncclGroupEnd (send/recv with the peers)");
+  if (descs) {  // the host compares them when this copy is done (retire_locked)
+    const DescSlot& ds = desc_slots_[next_.slot];
+    RR_CUDA_CHECK(cudaEventCreateWithFlags(&next_.descs, cudaEventDisableTiming));
+    RR_CUDA_CHECK(cudaMemcpyAsync(ds.host, ds.dev, opt_.nranks * sizeof(Desc), cudaMemcpyDeviceToHost,
+                                  stream));
+    RR_CUDA_CHECK(cudaEventRecord(next_.descs, stream));
+  }
 }
 
 void Ring::group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream) {
@@ -397,6 +514,25 @@ void Ring::run(const Call& c, cudaStream_t stream) {
       RR_CUDA_CHECK(cudaMemcpyAsync(out, in, c.numel * es, cudaMemcpyDeviceToDevice, stream));
     return;
   }
+  // This call's descriptor, copied to the device for the first group to send (see Desc). If the
+  // call throws before it is in flight, its slot and events go back (the ring is broken then).
+  next_ = Pending{};
+  next_.seq = op_seq_;
+  struct Release {
+    Ring& ring;
+    ~Release() {
+      if (ring.next_.slot >= 0) ring.release_pending(ring.next_);
+    }
+  } release{*this};
+  next_.slot = take_desc_slot();
+  {
+    const DescSlot& ds = desc_slots_[next_.slot];
+    Desc& mine = ds.host[opt_.rank];
+    mine = Desc{op_seq_, c.numel, static_cast<uint8_t>(c.coll), static_cast<uint8_t>(c.dtype),
+                static_cast<uint8_t>(c.op), static_cast<uint8_t>(algo), kDescMagic, 0};
+    RR_CUDA_CHECK(cudaMemcpyAsync(ds.dev + opt_.rank * sizeof(Desc), &mine, sizeof(Desc),
+                                  cudaMemcpyHostToDevice, stream));
+  }
   if (algo == Algo::Ring) {
     run_ring(c, stream);
   } else {
@@ -405,11 +541,12 @@ void Ring::run(const Call& c, cudaStream_t stream) {
       direct_gather(c, stream);
   }
   // The watchdog times the call from here (or from when the call before it finished).
-  cudaEvent_t done = nullptr;
-  RR_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  RR_CUDA_CHECK(cudaEventRecord(done, stream));
+  RR_CUDA_CHECK(cudaEventCreateWithFlags(&next_.done, cudaEventDisableTiming));
+  RR_CUDA_CHECK(cudaEventRecord(next_.done, stream));
+  next_.enqueued = Clock::now();
   std::lock_guard<std::mutex> qlk(qmu_);
-  inflight_.push_back({done, op_seq_.load(), Clock::now()});
+  inflight_.push_back(std::move(next_));
+  next_ = Pending{};  // in flight now: the guard releases nothing
 }
 
 // Chunks of call c: all_reduce cuts any numel (ring::chunk); the others numel / n each.
@@ -660,8 +797,19 @@ void Ring::close() {
     else if (comm_) nc.abort(comm_);
     comm_ = nullptr;
   }
-  for (Pending& p : inflight_) cudaEventDestroy(p.done);
-  inflight_.clear();
+  {
+    std::lock_guard<std::mutex> qlk(qmu_);
+    for (Pending& p : inflight_) release_pending(p);
+    inflight_.clear();
+  }
+  if (next_.slot >= 0) release_pending(next_);
+  for (auto& [dev, host] : desc_chunks_) {
+    cudaFree(dev);
+    cudaFreeHost(host);
+  }
+  desc_chunks_.clear();
+  desc_slots_.clear();
+  desc_free_.clear();
   if (staging_[0]) cudaFree(staging_[0]);
   staging_[0] = staging_[1] = nullptr;
   cudaGetLastError();

@@ -12,6 +12,11 @@
 // link flags. Torch-free.
 // Deterministic mode (ringreduce::deterministic()): all_reduce and reduce_scatter run one-shot or
 // two-shot only, whose fold gives the bits of the rank-order reduction at every size and slicing.
+// Mismatched calls: each call's first group also exchanges a 32-byte call descriptor with the
+// peers it talks to (Desc): every peer in one-shot and two-shot, the two neighbours in the ring. A
+// difference fails the call on each rank that sees it, which then aborts; in a ring of more than
+// three, a rank farther from the mismatch may finish the call and fails in its next one (NCCL's
+// error or the timeout). NCCL alone failed only the rank whose receive it truncated.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -117,11 +122,30 @@ class Ring {
   CallLog& calls() { return calls_; }
 
  private:
+  // A call's descriptor. NCCL does not fail every rank of a mismatched call (over sockets, on the
+  // first H200 run, only the rank whose receive was truncated failed; the sender's call succeeded),
+  // so each call's first group also sends this to the peers it sends to and receives theirs; the
+  // host compares them as soon as they are copied back (Pending::descs), before the data has moved.
+  struct Desc {
+    uint64_t op_seq;
+    int64_t numel;
+    uint8_t coll, dtype, op, algo;
+    uint32_t magic;
+    uint64_t pad;
+  };
+  struct DescSlot {
+    char* dev;   // nranks descriptors: this rank's at its rank, the peers' received at theirs
+    Desc* host;  // pinned: this rank's (the copy's source), then all of them copied back
+  };
   struct Pending {
     cudaEvent_t done;
     uint64_t seq;
     std::chrono::steady_clock::time_point enqueued;
     std::chrono::steady_clock::time_point seen_done{};  // when its event was first seen complete
+    int slot = -1;                 // its DescSlot
+    cudaEvent_t descs = nullptr;   // the peers' descriptors are in the slot's host copy
+    std::vector<int> from;         // the peers whose descriptors it received
+    bool checked = false;
   };
   struct P2p {  // one ncclSend (send) or ncclRecv of a group
     bool send;
@@ -148,9 +172,13 @@ class Ring {
   // error after the call's kernels have finished (its event is complete), so completion alone does
   // not clear a call.
   uint64_t first_unretired();
-  // mu_ held: retires the calls whose events have completed, once NCCL's async state read after
-  // those queries is clean; returns NCCL's error as a message, or "".
+  // mu_ held: checks the peers' descriptors of every call that has them (a mismatch is recorded
+  // as that call's failure and returned), then retires the calls whose events have completed, once
+  // NCCL's async state read after those queries is clean; returns NCCL's error as a message, or "".
   std::string retire_locked();
+  std::string check_descs(Pending& p);  // "" or the mismatch, as the p2p transport words it
+  int take_desc_slot();                 // mu_ held; grows the pool when every slot is in use
+  void release_pending(Pending& p);     // qmu_ held: its events and slot
   void watch();
   std::string async_error_locked();  // mu_ held: NCCL's async error as a message, or ""
 
@@ -160,6 +188,11 @@ class Ring {
   ncclComm* comm_ = nullptr;
   char* staging_[2] = {nullptr, nullptr};  // one allocation: the direct algorithms use both as one
   std::vector<P2p> ops_;  // group()'s list, kept to avoid an allocation per group
+  std::vector<P2p> gops_;  // the list group() posts: ops_ with the descriptors first
+  std::vector<DescSlot> desc_slots_;
+  std::vector<int> desc_free_;
+  std::vector<std::pair<void*, void*>> desc_chunks_;  // (device, pinned host) allocations
+  Pending next_;  // the call being enqueued: its first group() adds the descriptors
   std::atomic<uint64_t> op_seq_{0};
   CallLog calls_;
   std::atomic<bool> in_call_{false};  // run() is enqueueing call op_seq_

@@ -124,6 +124,27 @@ MUTATIONS = {
           "  for (size_t i = 0; ok && i < g->ops.size(); ++i) {\n    if (!g->ops[i].send) continue;\n"
           "    slot(i).posted = true;\n    cl.cv.notify_all();")],
         None, NCCL_TEST, "every rank waits for its receive before posting its send: the ring deadlocks"),
+    "nccl_descriptors_not_compared": (
+        "csrc/cuda/nccl_ring.cpp",
+        "        mismatch = p.descs ? check_descs(p) : std::string();",
+        "        mismatch = std::string();",
+        ("test_nccl_ring_emu", ["test_size_mismatch"]),
+        "a mismatched call fails only the ranks NCCL tells (the receiver of a truncated message): the "
+        "sender's call succeeds"),
+    "nccl_descriptors_one_way": (
+        "csrc/cuda/nccl_ring.cpp",
+        "      gops_.push_back({true, ds.dev + opt_.rank * sizeof(Desc), sizeof(Desc), o.peer});\n"
+        "      gops_.push_back({false, ds.dev + o.peer * sizeof(Desc), sizeof(Desc), o.peer});\n"
+        "      next_.from.push_back(o.peer);",
+        "      if (o.send) {\n"
+        "        gops_.push_back({true, ds.dev + opt_.rank * sizeof(Desc), sizeof(Desc), o.peer});\n"
+        "      } else {\n"
+        "        gops_.push_back({false, ds.dev + o.peer * sizeof(Desc), sizeof(Desc), o.peer});\n"
+        "        next_.from.push_back(o.peer);\n"
+        "      }",
+        ("test_nccl_ring_emu", ["test_size_mismatch"]),
+        "descriptors go only where data goes: the ring's rank before the mismatched one finishes its "
+        "call without an error"),
     "nccl_wrong_staging_buffer": (
         "csrc/cuda/nccl_ring.cpp",
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];",

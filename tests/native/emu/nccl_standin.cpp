@@ -5,7 +5,9 @@
 //   communicators report ncclInProgress until then; two ranks on one device are refused with
 //   ncclInvalidUsage ("Duplicate GPU detected") unless NCCL_MULTI_RANK_GPU_ENABLE=1;
 // - the k-th send from rank a to rank b meets the k-th receive at b from a, whatever the buffers;
-//   a send larger than the receive is an error ("message truncated") on the receiver's communicator;
+//   a send larger than the receive is an error ("message truncated") on the receiver's communicator
+//   only: the sender's send completes (NCCL 2.28 over sockets did so on the first H200 run, and a
+//   rank whose call succeeded is the case a transport must still fail);
 // - the sends and receives of one group run as one operation on their stream: all sends are posted
 //   before any receive waits, so a ring of send+recv groups does not deadlock; an unmatched
 //   operation waits forever, as NCCL's kernels do, until its communicator is aborted;
@@ -157,6 +159,8 @@ void run_group(void* p) {
                 "message truncated: rank " + std::to_string(o.peer) + " sent " +
                     std::to_string(s.send_bytes) + " bytes, rank " + std::to_string(me->rank) +
                     " posted a receive of " + std::to_string(o.bytes));
+      s.received = true;  // the send is consumed: the sender's call completes without an error
+      cl.cv.notify_all();
       ok = false;
       break;
     }
