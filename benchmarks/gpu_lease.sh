@@ -2,7 +2,8 @@
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
 # BUDGET_S seconds (default 570): the build, the GPU smoke tests and the torchrun exit-status tests,
 # the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py), the direct algorithms with
-# larger rounds (SLOT_SWEEP), the rest of the GPU tests under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
+# larger rounds (SLOT_SWEEP) and the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU
+# tests under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
 # lines printed are the summary. Afterwards, where there is no GPU:
 #   python benchmarks/gpu_tune.py --from OUT/roofline.json     # auto's thresholds from the medians
 # tests/gpu_suite.sh is the whole plan (native nvcc test too) for a longer lease.
@@ -53,6 +54,15 @@ for slot in ${SLOT_SWEEP-32768 131072 524288}; do
         --nranks 2 --backends ringreduce/p2p --collectives all_reduce -b 1M -e 256M -f 16 -n 10 -w 3 \
         2>&1 | grep -v "^#\|^\[bench\]" | sed "s/^/$algo slot=$slot /" | tee -a "$OUT/rounds.log"
   done
+done
+# The ring's staging FIFO (16 channels x 8 slots x slice bytes: 64 MiB per rank at the default
+# 512 KiB, more than the L2 for two ranks) with smaller slices. RING_SWEEP= skips it.
+for slice in ${RING_SWEEP-131072 524288}; do
+  [ "$(left)" -lt 120 ] && break
+  log "ring FIFO: slice $slice B"
+  RINGREDUCE_CUDA_SLICE_BYTES=$slice RINGREDUCE_CUDA_ALGO=ring timeout -k 5 40 "$PY" -m ringreduce.bench \
+      --nranks 2 --backends ringreduce/p2p --collectives all_reduce -b 4M -e 256M -f 4 -n 10 -w 3 \
+      2>&1 | grep -v "^#\|^\[bench\]" | sed "s/^/ring slice=$slice /" | tee -a "$OUT/rounds.log"
 done
 log "the other GPU tests (MPS), $(( $(left) - 10 )) s"
 timeout -k 5 $(( $(left) - 10 )) "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" \
