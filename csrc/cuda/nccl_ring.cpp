@@ -423,8 +423,9 @@ void Ring::settle(const char* what) {
 void Ring::group(const std::vector<P2p>& ops, cudaStream_t stream) {
   const Api& nc = api(opt_.lib);
   // The call's first group: its descriptor to every peer this group exchanges data with, and
-  // theirs back (the ring's two neighbours, or every peer), posted before the data: NCCL matches
-  // each pair's sends and receives in order, so these never meet data of the same call. Both ways
+  // theirs back (the ring's two neighbours, or every peer), posted before the data: NCCL runs a
+  // group's calls to one peer in order (its guide, "Point-to-point communication"), so these never
+  // meet data of the same call; the price is one small message ahead of the data. Both ways
   // even where the data goes one way: the ring's rank before a mismatched one would otherwise
   // finish its call without seeing it.
   const bool descs = next_.slot >= 0 && !next_.descs;
