@@ -12,10 +12,10 @@ ringreduce per size, and the peak memory bandwidth measured in the same run (the
 
 Where it runs
     No arguments: with no GPU, 4 CPU ranks over shared memory; with two or more GPUs, one rank per
-    GPU; with one GPU, 4 ranks sharing it. The ranks are forked by a multiprocessing fork server
-    that imported torch once, and joined by a Gloo group on a FileStore in a temporary directory
-    (no ports). Under ``torchrun`` (RANK, WORLD_SIZE and MASTER_ADDR set) the process is one of the
-    ranks and rank 0 prints.
+    GPU; with one GPU, 4 ranks sharing it. CPU ranks are forked from the launcher (which imported
+    torch and ran nothing of it), GPU ranks by a fork server that imported torch; all are joined
+    by a Gloo group on a FileStore in a temporary directory (no ports). Under ``torchrun`` (RANK,
+    WORLD_SIZE and MASTER_ADDR set) the process is one of the ranks and rank 0 prints.
     ringreduce/shm joins ranks of one host only; on several hosts use the GPU transports.
 
 Backends

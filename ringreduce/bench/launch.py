@@ -1,5 +1,5 @@
-"""Starting the ranks: processes from a fork server on a FileStore (no ports), or one rank under
-torchrun.
+"""Starting the ranks: processes forked (CPU) or from a fork server (GPU), joined on a FileStore (no
+ports), or one rank under torchrun.
 
 Exit status: 0 when every checked element was right, 1 when some were wrong or a rank failed,
 2 for bad flags (argparse), 130 when interrupted.
@@ -114,11 +114,16 @@ def _spawned_rank(rank, world, tmpdir, args):
 
 def _spawn_world(args, world):
     """Runs one sweep on world spawned ranks; returns rank 0's run or raises RuntimeError."""
-    # A fork server that imported torch once (before any thread pool or CUDA context: what spawn
-    # gives) forks every rank of every world: a rank starts in milliseconds, not the 2-3 s of CPU
-    # an import of torch takes.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    # CPU ranks are forked from this process, which imported torch and ran no torch op (no thread
+    # pool to copy): a rank starts in milliseconds, not after the 2-3 s of CPU an import of torch
+    # takes. GPU ranks come from a fork server that imported torch (before any CUDA call: what spawn
+    # gives), since this process asked torch.cuda.is_available(), which starts the CUDA driver, and
+    # a driver started before fork() does not work in the child.
+    if args.device == "cpu":
+        ctx = mp.get_context("fork")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
     tmpdir = tempfile.mkdtemp(prefix="ringreduce-bench-")
     procs = [ctx.Process(target=_spawned_rank, args=(r, world, tmpdir, args), daemon=True)
              for r in range(world)]
