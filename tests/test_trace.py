@@ -2,6 +2,8 @@
 call records, the dump written on failure, SIGUSR1 dumps, and the analyzer's first line for the
 failures users meet (a desync, a rank killed in a call, a rank stuck outside ringreduce), on the
 flat shared-memory ring and the hierarchical plan (two simulated hosts)."""
+import contextlib
+import io
 import json
 import os
 import signal
@@ -14,13 +16,20 @@ import torch
 import torch.distributed as dist
 
 import ringreduce as rr
+import ringreduce.trace
 from dist_utils import collect, run_ranks, spawn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def analyze(path, *extra):
-    """(exit status, output lines) of python -m ringreduce.trace."""
+def analyze(path, *extra, cli=False):
+    """(exit status, output lines) of the analyzer: its main() in this process, or with cli=True
+    python -m ringreduce.trace (a process that imports torch: ~3 s, so one test does it)."""
+    if not cli:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            status = ringreduce.trace.main([str(path), *extra])
+        return status, out.getvalue().splitlines()
     p = subprocess.run([sys.executable, "-m", "ringreduce.trace", str(path), *extra],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert p.returncode in (0, 1), p.stderr
@@ -72,7 +81,7 @@ def test_records_every_call(tmp_path):
         for x in e:
             assert x["state"] == "finished", x
             assert 0 < x["queued_us"] <= x["started_us"] <= x["ended_us"] <= d["time_us"], x
-    status, lines = analyze(tmp_path)
+    status, lines = analyze(tmp_path, cli=True)
     assert status == 0 and lines[0].startswith("OK: 2 of 2 ranks agree on 6 calls"), lines
 
 
