@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
-# BUDGET_S seconds (default 570): the build, the GPU smoke tests and the torchrun exit-status tests,
+# BUDGET_S seconds (default 570): the build, the cost of one handshake by mechanism
+# (benchmarks/gpu_handshake.cu, MPS off and on), the GPU smoke tests and the torchrun exit-status tests,
 # the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py), the direct algorithms with
 # larger rounds (SLOT_SWEEP) and the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU
 # tests under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
@@ -27,6 +28,20 @@ mps_off() { echo quit | nvidia-cuda-mps-control > /dev/null 2>&1; sleep 1; }
 log "build"
 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" -m pip install --no-build-isolation --no-deps -e . \
     > "$OUT/build.log" 2>&1 || { log "build FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+
+# What one cross-process handshake costs on this GPU by mechanism (a spinning kernel, stream memory
+# operations, a copy plus memops), without MPS and with it: the design question of issue 36 item 3.
+log "handshakes (benchmarks/gpu_handshake.cu)"
+NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+if "$NVCC" -O2 -std=c++17 -arch=sm_90 benchmarks/gpu_handshake.cu -o "$OUT/gpu_handshake" \
+    > "$OUT/handshake.log" 2>&1; then
+  mps_off
+  { echo "== no MPS"; timeout -k 5 70 "$OUT/gpu_handshake" 200 15
+    nvidia-cuda-mps-control -d && sleep 1
+    echo "== MPS"; timeout -k 5 70 "$OUT/gpu_handshake" 200 15; mps_off; } >> "$OUT/handshake.log" 2>&1
+  rm -f "$OUT/gpu_handshake"
+fi
+log "handshakes: $(grep -c "us per call" "$OUT/handshake.log") modes measured"
 
 EXITS="test_processes_exit_cleanly_under_torchrun"
 log "smoke and exit statuses (no MPS)"
@@ -73,4 +88,5 @@ mps_off
 echo "== summary"
 cat "$OUT/steps.txt"
 grep -E "passed|failed|FAILED|ERROR" "$OUT/smoke.log" "$OUT/rest.log" | tail -20
+cat "$OUT/handshake.log" 2>/dev/null | grep -v "^#"
 cat "$OUT/roofline.md" 2>/dev/null

@@ -21,3 +21,7 @@ add_executable(test_cuda_kernels tests/native/test_cuda_kernels.cpp)
 target_link_libraries(test_cuda_kernels PRIVATE ringreduce_cuda)
 add_test(NAME test_cuda_kernels COMMAND test_cuda_kernels)
 set_tests_properties(test_cuda_kernels PROPERTIES TIMEOUT 600)
+
+# The handshake microbenchmark that benchmarks/gpu_lease.sh runs on a GPU: built here so that a
+# change that breaks it shows before a lease.
+add_executable(gpu_handshake benchmarks/gpu_handshake.cu)
