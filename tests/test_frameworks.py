@@ -7,7 +7,7 @@ backend's call counts, the hook's own count), so that a silent fallback to Gloo 
 
 The training script is tests/frameworks_train.py; each run is a launch of its own (Lightning's DDP
 launcher re-runs the script for rank 1; Accelerate runs under torchrun), in a session of its own
-that is killed if it outlives its timeout.
+that is killed if it outlives its timeout; two launches run at a time.
 
 Lightning and Accelerate come from the test extra (pip install -e ".[test]"); without them these
 tests skip, unless RINGREDUCE_REQUIRE_FRAMEWORKS=1 (CI sets it), which makes them fail instead.
@@ -65,7 +65,8 @@ def _live_in_group(pgid):
     return pids
 
 
-def _launch(framework, variant, out):
+def _start(framework, variant, out):
+    """Starts one launch in a session of its own; _finish waits for it and reads its results."""
     if framework == "lightning":
         cmd = [sys.executable, SCRIPT, "lightning", variant, str(out)]
     else:
@@ -76,13 +77,26 @@ def _launch(framework, variant, out):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RINGREDUCE_TIMEOUT="60",
                RINGREDUCE_ONESHOT_MAX_BYTES=str(16 << 10))
     log_path = out / "launch.log"
-    start = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE,
                                 start_new_session=True)  # its own process group: every rank
+    return {"key": (framework, variant), "proc": proc, "start": time.monotonic(), "out": out}
+
+
+def _kill(launch):
+    try:
+        os.killpg(launch["proc"].pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    launch["proc"].wait()
+
+
+def _finish(launch):
+    (framework, variant), proc, start, out = (launch[k] for k in ("key", "proc", "start", "out"))
+    log_path = out / "launch.log"
     pgid = proc.pid
     try:
-        rc = proc.wait(timeout=RUN_TIMEOUT)
+        rc = proc.wait(timeout=max(1.0, start + RUN_TIMEOUT - time.monotonic()))
         # Lightning's rank 0 does not wait for rank 1: give the ranks time to exit on their own.
         deadline = time.monotonic() + 30
         while _live_in_group(pgid) and time.monotonic() < deadline:
@@ -91,11 +105,7 @@ def _launch(framework, variant, out):
     except subprocess.TimeoutExpired:
         rc, stragglers = None, []
     finally:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        _kill(launch)
     seconds = time.monotonic() - start
     with open(log_path) as f:
         log_text = f.read()
@@ -111,17 +121,36 @@ def _launch(framework, variant, out):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """run(framework, variant): that launch's results, made once per module."""
-    done = {}
+def runs(tmp_path_factory, request):
+    """run(framework, variant): that launch's results, made once per module. Two launches run at a
+    time: one keeps about 1.3 of the 2 CI cores busy (imports; a rank waiting for the other), so
+    while a test waits for its launch the next launch a selected test names (its `launches` mark)
+    starts beside it."""
+    wanted = []  # (framework, variant) in the order the selected tests name them
+    for item in request.session.items:
+        for mark in item.iter_markers("launches"):
+            for key in (tuple(k.split("/")) for k in mark.args):
+                if key not in wanted:
+                    wanted.append(key)
+    done, started = {}, {}
+
+    def start(key):
+        started[key] = _start(*key, tmp_path_factory.mktemp(f"{key[0]}-{key[1]}"))
 
     def run(framework, variant):
-        if (framework, variant) not in done:
-            out = tmp_path_factory.mktemp(f"{framework}-{variant}")
-            done[(framework, variant)] = _launch(framework, variant, out)
-        return done[(framework, variant)]
+        key = (framework, variant)
+        if key not in done:
+            if key not in started:
+                start(key)
+            following = [k for k in wanted if k not in done and k not in started]
+            if following:
+                start(following[0])
+            done[key] = _finish(started.pop(key))
+        return done[key]
 
-    return run
+    yield run
+    for launch in started.values():  # started for a test that did not run (a failure, -x)
+        _kill(launch)
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -199,6 +228,7 @@ def _check_gloo(run):
 
 # -- PyTorch Lightning ----------------------------------------------------------------------------
 @needs_lightning
+@pytest.mark.launches("lightning/gloo")
 def test_lightning_gloo_baseline(runs):
     """DDPStrategy(process_group_backend="gloo"): trains, ranks agree, nothing touches the ring."""
     run = runs("lightning", "gloo")
@@ -209,6 +239,7 @@ def test_lightning_gloo_baseline(runs):
 
 
 @needs_lightning
+@pytest.mark.launches("lightning/ringreduce", "lightning/gloo")
 def test_lightning_ringreduce_backend(runs, record_property):
     """DDPStrategy(process_group_backend="ringreduce"): Lightning's DDP (and its sync_dist metric
     all-reduce, broadcasts, barriers) on the ringreduce backend, equal to Gloo."""
@@ -220,6 +251,7 @@ def test_lightning_ringreduce_backend(runs, record_property):
 
 
 @needs_lightning
+@pytest.mark.launches("lightning/hook", "lightning/gloo")
 def test_lightning_ddp_comm_hook(runs, record_property):
     """DDPStrategy(process_group_backend="gloo", ddp_comm_hook=<rr.ddp.allreduce_hook>) plus the
     callback that registers it on CPU (Lightning itself does only on CUDA: see the next test):
@@ -232,6 +264,7 @@ def test_lightning_ddp_comm_hook(runs, record_property):
 
 
 @needs_lightning
+@pytest.mark.launches("lightning/hook")
 def test_lightning_registers_ddp_comm_hook_only_on_cuda(runs):
     """What the README says: on CPU, DDPStrategy(ddp_comm_hook=...) registers nothing (Lightning's
     DDPStrategy._register_ddp_hooks runs only when the root device is CUDA), with no warning, so
@@ -243,6 +276,7 @@ def test_lightning_registers_ddp_comm_hook_only_on_cuda(runs):
 
 # -- Hugging Face Accelerate ----------------------------------------------------------------------
 @needs_accelerate
+@pytest.mark.launches("accelerate/gloo")
 def test_accelerate_gloo_baseline(runs):
     """Accelerator(cpu=True) under torchrun: Accelerate makes a Gloo group and wraps DDP."""
     run = runs("accelerate", "gloo")
@@ -253,6 +287,7 @@ def test_accelerate_gloo_baseline(runs):
 
 
 @needs_accelerate
+@pytest.mark.launches("accelerate/ringreduce", "accelerate/gloo")
 def test_accelerate_ringreduce_backend(runs, record_property):
     """dist.init_process_group("ringreduce") before Accelerator(cpu=True): Accelerate keeps the
     group it finds, so its DDP and accelerator.reduce run on the ring; equal to Gloo."""
@@ -264,6 +299,7 @@ def test_accelerate_ringreduce_backend(runs, record_property):
 
 
 @needs_accelerate
+@pytest.mark.launches("accelerate/hook", "accelerate/gloo")
 def test_accelerate_ddp_comm_hook(runs, record_property):
     """model = accelerator.prepare(model); model.register_comm_hook(None, rr.ddp.allreduce_hook):
     every bucket through the ring, equal to Gloo."""
