@@ -53,8 +53,11 @@ def human(b):
 
 
 def run(binary, world, coll, algo, sizes):
+    # The emulated GPUs have the H100's 132 SMs: a call's blocks are capped by them (one rank per
+    # GPU here), as on the GPU the model describes.
+    env = dict(os.environ, EMU_CUDA_SMS=os.environ.get("EMU_CUDA_SMS", "132"))
     out = subprocess.run([binary, str(world), coll, algo, *map(str, sizes)], capture_output=True,
-                         text=True, check=False)
+                         text=True, check=False, env=env)
     if out.returncode:
         sys.exit(f"gpu_cost_emu failed: {out.stderr.strip() or out.stdout.strip()}")
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -167,6 +167,17 @@ def mps_pipe_present():
     return os.path.exists(os.path.join(pipe_dir, "control"))
 
 
+def resident_blocks(where):
+    """The most thread blocks one p2p call may use, the same on every rank: where[q] is rank q's
+    (host, PCI bus id, SM count). Every block of every rank's kernel spins until its peers' blocks
+    run, so all must be resident at once, and one block of these kernels fills an SM: the SMs of a
+    device over the ranks sharing it, the least over the group."""
+    per_device = {}
+    for host, bus, _ in where:
+        per_device[(host, bus)] = per_device.get((host, bus), 0) + 1
+    return max(1, min(sms // per_device[(host, bus)] for host, bus, sms in where))
+
+
 def sharing_warning(ranks_per_device, device, mps):
     """The warning for ranks_per_device ranks sharing one GPU, or None. Without MPS their kernels
     take turns in time slices and every handshake between them waits for one (measured, world 2:
@@ -224,8 +235,12 @@ class Communicator(_lifecycle.Communicator):
         if algo not in ALGOS:
             raise ValueError(f"ringreduce: RINGREDUCE_CUDA_ALGO must be one of {', '.join(ALGOS)}; "
                              f"got {algo!r}")
+        # Whether every rank maps every other (the direct algorithms), and how many blocks a call
+        # may use so that the kernels of all ranks sharing a device are resident together.
+        direct = self._direct_possible()
+        max_blocks = resident_blocks(self._where)
         native = _C.P2pComm(self.device.index, self.rank, self.world_size, channels, slice_bytes,
-                            self.timeout, algo, slot_bytes)
+                            self.timeout, algo, slot_bytes, max_blocks)
         try:
             # The plan of every call must be the same on every rank: so must these.
             config = f"{channels}/{slice_bytes}/{slot_bytes}/{algo}".encode()
@@ -239,9 +254,8 @@ class Communicator(_lifecycle.Communicator):
                         f"{config.decode()} but rank {peer} has {theirs.decode()}; set "
                         f"RINGREDUCE_CUDA_CHANNELS, RINGREDUCE_CUDA_SLICE_BYTES, "
                         f"RINGREDUCE_CUDA_SLOT_BYTES and RINGREDUCE_CUDA_ALGO alike on every rank")
-            # Every rank's handle when every rank can map every other (the direct algorithms),
-            # else the neighbours' only: the same choice on every rank.
-            direct = self._direct_possible()
+            # Every rank's handle when every rank can map every other, else the neighbours' only:
+            # the same choice on every rank.
             self._tune(native, algo)
             self._warn_if_sharing()
             up, down = (r - 1) % n, (r + 1) % n
@@ -251,9 +265,10 @@ class Communicator(_lifecycle.Communicator):
             native.close(False)  # the others may have mapped our memory already
             raise
         log.debug("rank %d/%d: p2p ready on %s (algorithm %s, direct algorithms %s, at most %d "
-                  "channels and %d B slices, direct slots %d B, timeout %g s)", self.rank,
-                  self.world_size, self.device, algo, "on" if native.direct() else "off", channels,
-                  slice_bytes, slot_bytes, self.timeout)
+                  "channels and %d B slices, direct slots %d B, at most %d blocks a call, timeout "
+                  "%g s)", self.rank, self.world_size, self.device, algo,
+                  "on" if native.direct() else "off", channels, slice_bytes, slot_bytes, max_blocks,
+                  self.timeout)
         return native
 
     def _warn_if_sharing(self):
@@ -283,11 +298,13 @@ class Communicator(_lifecycle.Communicator):
         """Whether every rank can map every other rank's memory (the one-shot and two-shot
         algorithms write into all of them); the same answer on every rank."""
         n, r = self.world_size, self.rank
-        me = f"{host_id()}|{_C.cuda_bus_id(self.device.index)}"
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        me = f"{host_id()}|{_C.cuda_bus_id(self.device.index)}|{sms}"
         self._setup.set(f"bus/{r}", me)
-        where = [v.decode().split("|") for v in self._setup.all("bus", n, "host and device")]
-        self._bus_ids = [f"{h}|{b}" for h, b in where]  # ranks per device (_tune)
-        ok = n <= MAX_DIRECT_RANKS and len({h for h, _ in where}) == 1
+        where = [v.decode().rsplit("|", 2) for v in self._setup.all("bus", n, "host and device")]
+        self._where = [(h, b, int(s)) for h, b, s in where]  # resident_blocks()
+        self._bus_ids = [f"{h}|{b}" for h, b, _ in where]  # ranks per device (_tune)
+        ok = n <= MAX_DIRECT_RANKS and len({h for h, _, _ in where}) == 1
         for q in range(n):
             if ok and q != r:
                 ok = bool(_C.cuda_can_map(self.device.index, where[q][1])[0])

@@ -114,6 +114,20 @@ def test_ranks_sharing_a_gpu_without_mps_are_warned():
     assert "2 ranks share cuda:0" in msg and "nvidia-cuda-mps-control -d" in msg
 
 
+def test_blocks_per_call_leave_room_for_every_rank_on_a_device():
+    """A p2p call's blocks: the SMs over the ranks sharing a device, the least over the group
+    (the kernels of all ranks spin on each other, so all their blocks must be resident at once)."""
+    from ringreduce._cuda import resident_blocks
+    h100 = 132
+    assert resident_blocks([("a", "0:1", h100)]) == 132
+    assert resident_blocks([("a", "0:1", h100), ("a", "0:2", h100)]) == 132  # one rank per GPU
+    assert resident_blocks([("a", "0:1", h100)] * 2) == 66  # two ranks share it
+    assert resident_blocks([("a", "0:1", h100)] * 3 + [("a", "0:2", h100)]) == 44
+    # the same bus id on another host is another device; the smaller GPU sets the count
+    assert resident_blocks([("a", "0:1", h100), ("b", "0:1", 108)]) == 108
+    assert resident_blocks([("a", "0:1", 2)] * 4) == 1  # never below one block
+
+
 def test_mps_pipe_found_where_cuda_looks(tmp_path, monkeypatch):
     from ringreduce._cuda import mps_pipe_present
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))

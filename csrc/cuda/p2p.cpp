@@ -65,9 +65,8 @@ const char* algo_name(Algo a) {
 // remote round trip, and the bandwidth of one direction of a GPU's links.
 constexpr double kModelRttS = 1e-6;
 constexpr double kModelLinkBytesPerS = 450e9;
-// Direct algorithms: a block per this many bytes of the tensor (one-shot: at most kOneShotBlocks).
+// Direct algorithms: a block per this many bytes of the tensor.
 constexpr size_t kDirectBytesPerBlock = 64 << 10;
-constexpr int kOneShotBlocks = 4;
 
 size_t oneshot_max_bytes(int n) {
   // One-shot writes (n-1) x size per rank against two-shot's 2(n-1)/n x size, and saves one of
@@ -115,13 +114,16 @@ Plan plan(const Call& c, const Options& o, bool direct) {
   const int64_t max_chunk = c.coll == Coll::AllReduce ? (c.numel + n - 1) / n : c.numel / n;
   auto div_up = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
   Plan p{algo, 1, 1, 1};
+  // Every block resident beside the peers' (Options::max_blocks); 0: no cap known.
+  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxChannels + kMaxDirectBlocks;
   if (algo == Algo::Ring) {
     int64_t slice = static_cast<int64_t>(o.slice_bytes);
+    const int channels = std::min(o.channels, resident);
     if (o.exact) {
-      p.blocks = o.channels;
+      p.blocks = channels;
     } else {
       const int64_t want = max_chunk * es / static_cast<int64_t>(kChannelBytes);
-      p.blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, o.channels)));
+      p.blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, channels)));
       const int64_t part_bytes = div_up(max_chunk, p.blocks) * es;
       const int64_t s = static_cast<int64_t>(round_up(div_up(part_bytes, kSlicesInFlight), kVecBytes));
       slice = std::min(slice, std::max<int64_t>(s, kMinSliceBytes));
@@ -130,7 +132,7 @@ Plan plan(const Call& c, const Options& o, bool direct) {
     p.steps = ring::num_slices(div_up(max_chunk, p.blocks), p.slice_elems);
     return p;
   }
-  const int cap = algo == Algo::OneShot ? kOneShotBlocks : kDirectBlocks;
+  const int cap = std::min(kMaxDirectBlocks, resident);
   if (o.exact)
     p.blocks = std::min(o.channels, cap);
   else
@@ -170,7 +172,7 @@ size_t Ring::fifo_bytes() const {
 }
 
 size_t Ring::area_bytes() const {
-  const size_t direct = opt_.nranks <= kMaxPeers ? static_cast<size_t>(2 * 2 * kDirectBlocks) *
+  const size_t direct = opt_.nranks <= kMaxPeers ? static_cast<size_t>(2 * 2 * direct_blocks()) *
                                                        opt_.nranks * slot_stride(opt_.direct_slot_bytes)
                                                  : 0;
   return data_offset() + fifo_bytes() + direct;
@@ -189,7 +191,11 @@ Ring::Ring(const Options& opt) : opt_(opt) {
   if (opt.direct_slot_bytes < kVecBytes || opt.direct_slot_bytes % kVecBytes)
     throw std::invalid_argument("ringreduce: p2p direct_slot_bytes must be a positive multiple of 16, got " +
                                 std::to_string(opt.direct_slot_bytes));
+  if (opt.max_blocks < 0)
+    throw std::invalid_argument("ringreduce: p2p max_blocks must be >= 0 (0: this device's SM count), got " +
+                                std::to_string(opt.max_blocks));
   RR_CUDA_CHECK(cudaGetDevice(&device_));
+  if (opt_.max_blocks == 0) opt_.max_blocks = sm_count();
   up_ = ring::mod(opt.rank - 1, opt.nranks);
   down_ = ring::mod(opt.rank + 1, opt.nranks);
   try {
@@ -323,6 +329,7 @@ Args Ring::args(const Call& c) const {
   a.rank = opt_.rank;
   a.nranks = n;
   a.blocks = p.blocks;
+  a.direct_blocks = direct_blocks();
   a.divisor = c.op == RedOp::Avg ? n : 1;
   a.coll = static_cast<uint8_t>(c.coll);
   a.dtype = static_cast<uint8_t>(c.dtype);

@@ -7,8 +7,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <cstddef>
+#include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -41,9 +42,10 @@ constexpr int kSlicesInFlight = 4;
 constexpr size_t kMinSliceBytes = 4 << 10;
 // Direct algorithms (one-shot, two-shot) write into every peer's memory: up to this many ranks.
 constexpr int kMaxPeers = 16;
-// Thread blocks of the direct algorithms, and the bytes one block moves per source and round
-// (its slot in each peer's direct buffer).
-constexpr int kDirectBlocks = 16;
+// Thread blocks of the direct algorithms: at most this many (a call's count comes from plan(): by
+// size, capped at Options::max_blocks), and the bytes one block moves per source and round (its
+// slot in each peer's direct buffer).
+constexpr int kMaxDirectBlocks = 64;
 constexpr size_t kDefaultDirectSlotBytes = 32 << 10;
 // Slot data starts at the slice's byte offset mod 16 in the tensor, so that a 16-byte aligned tensor
 // and the slot have the same alignment and the vector path applies; a slot is this much larger.
@@ -85,9 +87,9 @@ struct MsgHeader {
 struct alignas(kLine) Area {
   uint32_t abort;  // 0, or abort_word(cause, rank): why and where the group stopped (sticky)
   alignas(kLine) RingFlags ring[kMaxChannels];
-  DirectFlags direct[kDirectBlocks];
+  DirectFlags direct[kMaxDirectBlocks];
   MsgHeader ring_hdr[kMaxChannels][kSlots];                  // written with each message
-  MsgHeader direct_hdr[2][2][kDirectBlocks][kMaxPeers];      // [parity][phase][block][source]
+  MsgHeader direct_hdr[2][2][kMaxDirectBlocks][kMaxPeers];   // [parity][phase][block][source]
 };
 
 // Why a wait ended without its message; packed with the rank that saw it first into abort words.
@@ -140,6 +142,7 @@ struct Args {
   uint64_t timeout_ns;
   uint64_t slot_stride;
   int rank, nranks, blocks, divisor;
+  int direct_blocks;  // blocks the direct buffers are laid out for (Ring::direct_blocks())
   uint8_t coll, dtype, op, algo;
 };
 
@@ -163,6 +166,13 @@ struct Options {
   int channels = kDefaultChannels;  // the most ring channels a call uses
   size_t slice_bytes = kDefaultSliceBytes;  // the largest ring slice (a FIFO slot)
   size_t direct_slot_bytes = kDefaultDirectSlotBytes;  // per block, source and round
+  // The most blocks one call's kernel may use: every block of every rank's kernel spins until its
+  // peers' blocks run, so all must be resident at once. One block of these kernels fills an SM
+  // (512 threads of 110-128 registers), so: the SM count over the ranks sharing a device, the
+  // least over the group (the same on every rank: plans must agree). 0: unknown; Ring takes this
+  // device's SM count (one rank per device) and plan() no cap beyond kMaxChannels and
+  // kMaxDirectBlocks.
+  int max_blocks = 0;
   // Test knob: every ring call uses exactly `channels` and `slice_bytes` (no plan by size), so that
   // tiny slices force many pipeline steps at every size.
   bool exact = false;
@@ -232,6 +242,9 @@ class Ring {
     opt_.twoshot_max = twoshot_max;
   }
   bool direct() const { return direct_; }
+  // Blocks the direct buffers are laid out for: the most a direct call uses (the same on every
+  // rank, as Options::max_blocks is).
+  int direct_blocks() const { return std::min(kMaxDirectBlocks, opt_.max_blocks); }
   // The first failure the device recorded, formatted, or "" while there is none.
   std::string failure();
   bool broken() { return !failure().empty(); }

@@ -313,7 +313,7 @@ template <class T>
 __device__ __forceinline__ T* dslot(const Args& a, char* base, int par, int ph, int source,
                                    int64_t begin) {
   const uint64_t slot =
-      ((static_cast<uint64_t>(par) * 2 + ph) * kDirectBlocks + blockIdx.x) * a.nranks + source;
+      ((static_cast<uint64_t>(par) * 2 + ph) * a.direct_blocks + blockIdx.x) * a.nranks + source;
   const uint64_t shift = (static_cast<uint64_t>(begin) * sizeof(T)) & (kVecBytes - 1);
   return reinterpret_cast<T*>(base + slot * a.slot_stride + shift);
 }
@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
 void launch(const Args& a, cudaStream_t stream) {
   const Algo algo = static_cast<Algo>(a.algo);
   const bool direct = algo == Algo::OneShot || algo == Algo::TwoShot;
-  if (a.nranks < 2 || a.blocks < 1 || a.blocks > (direct ? kDirectBlocks : kMaxChannels) ||
+  if (a.nranks < 2 || a.blocks < 1 || a.blocks > (direct ? std::min(a.direct_blocks, kMaxDirectBlocks) : kMaxChannels) ||
       (direct && a.nranks > kMaxPeers) || (!direct && algo != Algo::Ring))
     throw std::invalid_argument("ringreduce: p2p launch: bad algorithm, block or rank count");
   dispatch_dtype(static_cast<DType>(a.dtype), [&](auto tag) {

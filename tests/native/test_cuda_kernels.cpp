@@ -117,10 +117,13 @@ struct Group {
   // can map each other's memory): the direct algorithms are off (emulator only).
   Group(int n, int channels, size_t slice_bytes, double timeout_s,
         rc::p2p::Algo algo = rc::p2p::Algo::Auto, bool exact = false,
-        size_t direct_slot_bytes = rc::p2p::kDefaultDirectSlotBytes, bool neighbours_only = false) {
+        size_t direct_slot_bytes = rc::p2p::kDefaultDirectSlotBytes, bool neighbours_only = false,
+        int max_blocks = 0, bool one_device = false) {
+    auto device_of = [&](int r) { return one_device ? 0 : ::device_of(r); };
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
       rc::p2p::Options o;
+      o.max_blocks = max_blocks;
       o.rank = r;
       o.nranks = n;
       o.channels = channels;
@@ -192,6 +195,36 @@ static void test_ring() {
     }
   }
   std::printf("p2p ring: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
+// Ranks sharing one device: every block of every rank's kernel must be resident at once (they spin
+// on each other), so a call uses at most SMs / ranks blocks (Options::max_blocks, which the torch
+// binding computes). The emulator runs at most EMU_CUDA_SMS blocks per device at once, as a GPU
+// does; 16 channels or direct blocks per rank would leave some waiting for blocks that never end.
+static void test_ranks_share_a_device() {
+  using rc::p2p::Algo;
+  int cases = 0;
+  const auto t0 = Clock::now();
+  for (int n = 2; n <= 3; ++n) {
+    const int max_blocks = std::max(1, rc::sm_count() / n);
+    struct Config { Algo algo; bool exact; size_t slice; };
+    const Config configs[] = {{Algo::Ring, true, 256}, {Algo::OneShot, true, 256},
+                              {Algo::TwoShot, true, 256},
+                              {Algo::Auto, false, rc::p2p::kDefaultSliceBytes}};
+    for (const Config& c : configs) {
+      Group g(n, rc::p2p::kMaxChannels, c.slice, 5.0, c.algo, c.exact, c.exact ? 256 : rc::p2p::kDefaultDirectSlotBytes,
+              false, max_blocks, true);
+      char what[96];
+      std::snprintf(what, sizeof what, "%d ranks on one device, %s, at most %d blocks", n,
+                    rc::p2p::algo_name(c.algo), max_blocks);
+      cases += sweep(g.ranks, {1, 1000 * n + 7, c.exact ? 16411 : 3 * 65536 + 5}, what, 0);
+      if (g_failures) return;
+      DevBuf any(16);  // plan() reads no memory
+      const int planned = g.rings[0]->plan_of(g.call(1 << 24, any)).blocks;
+      EXPECT(planned == max_blocks, "%s: a plan of %d blocks", what, planned);
+    }
+  }
+  std::printf("ranks sharing a device: %d cases (%.1f s)\n", cases, seconds_since(t0));
 }
 
 // (3) failures. Each waits on streams that end by the deadline at the latest.
@@ -766,6 +799,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_reduce", [&] { test_reduce(); });
     run_test(argc, argv, "test_avg_wide_divisor", [&] { test_avg_wide_divisor(); });
     run_test(argc, argv, "test_ring", [&] { test_ring(); });
+    run_test(argc, argv, "test_ranks_share_a_device", [&] { test_ranks_share_a_device(); });
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
     run_test(argc, argv, "test_mismatch", [&] { test_mismatch(); });
     run_test(argc, argv, "test_abort", [&] { test_abort(); });

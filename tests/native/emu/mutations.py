@@ -27,6 +27,12 @@ WEAK_DIRECT = ("test_cuda_kernels_emu", ["weak_oneshot", "weak_twoshot"])
 # name: (file, text, replacement, test, why it must be caught); text may be a list of
 # (text, replacement) pairs, then replacement is None.
 MUTATIONS = {
+    "plan_ignores_resident_blocks": (
+        "csrc/cuda/p2p.cpp",
+        "  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxChannels + kMaxDirectBlocks;",
+        "  const int resident = kMaxChannels + kMaxDirectBlocks;",
+        ("test_cuda_kernels_emu", ["test_ranks_share_a_device"]),
+        "ranks sharing a device launch more blocks than it holds: some wait for blocks that never end"),
     "replay_after_close_notifies_peers": (
         KERNEL,
         "  if (ld_relaxed_sys(&a.ctl->abort) != kCtlClosed) {",

@@ -69,6 +69,31 @@ std::atomic<int> g_devices{env_int("EMU_CUDA_DEVICES", 1, 1, kMaxDevices)};
 const int g_block_threads = env_int("EMU_BLOCK_THREADS", 8, 2, 1024);
 const int g_sms = env_int("EMU_CUDA_SMS", 8, 1, 1024);
 std::atomic<uint64_t> g_launches{0};
+
+// Residency: a device runs at most g_sms blocks at once (one block of the p2p kernels fills an SM:
+// 512 threads of 110-128 registers); further blocks wait, in launch order, until one ends, as the
+// GPU's block scheduler makes them. Kernels whose blocks wait for each other across ranks sharing
+// a device with more blocks than it holds deadlock here as there (and end on their deadlines).
+struct Sms {
+  std::mutex mu;
+  std::condition_variable cv;
+  int busy = 0;
+};
+Sms g_resident[kMaxDevices];
+void sm_acquire(int device) {
+  Sms& s = g_resident[device];
+  std::unique_lock<std::mutex> lk(s.mu);
+  s.cv.wait(lk, [&] { return s.busy < g_sms; });
+  ++s.busy;
+}
+void sm_release(int device) {
+  Sms& s = g_resident[device];
+  {
+    std::lock_guard<std::mutex> lk(s.mu);
+    --s.busy;
+  }
+  s.cv.notify_all();
+}
 std::atomic<int> g_sticky[kMaxDevices];
 std::atomic<char> g_no_peer[kMaxDevices][kMaxDevices];
 
@@ -993,7 +1018,11 @@ void emu::launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void(
     for (uint64_t b = 0; b < blocks; ++b) {
       const dim3 idx(static_cast<unsigned>(b % grid.x), static_cast<unsigned>(b / grid.x % grid.y),
                      static_cast<unsigned>(b / (static_cast<uint64_t>(grid.x) * grid.y)));
-      ths.emplace_back(run_block, &body, idx, run, grid, seed + b, st->device, st->clock, &ends[b]);
+      sm_acquire(st->device);  // in block order: a block starts once an earlier one fits
+      ths.emplace_back([&body, idx, run, grid, seed, b, st, &ends] {
+        run_block(&body, idx, run, grid, seed + b, st->device, st->clock, &ends[b]);
+        sm_release(st->device);
+      });
     }
     for (std::thread& t : ths) t.join();
     st->clock = *std::max_element(ends.begin(), ends.end());
