@@ -58,6 +58,15 @@ log "roofline exit $?"
 
 mps_off
 nvidia-cuda-mps-control -d && sleep 1
+# The blocks of session 14 (up to 64 per call, from the SM count) against session 12's 16: what
+# more blocks in lock-step rounds buy. BLOCKS_SWEEP= skips it.
+for blocks in ${BLOCKS_SWEEP-16}; do
+  [ "$(left)" -lt 180 ] && break
+  log "blocks: twoshot, at most $blocks"
+  RINGREDUCE_CUDA_MAX_BLOCKS=$blocks RINGREDUCE_CUDA_ALGO=twoshot timeout -k 5 40 "$PY" -m ringreduce.bench \
+      --nranks 2 --backends ringreduce/p2p --collectives all_reduce -b 1M -e 256M -f 16 -n 10 -w 3 \
+      2>&1 | grep -v "^#\|^\[bench\]" | sed "s/^/twoshot max_blocks=$blocks /" | tee -a "$OUT/rounds.log"
+done
 # The direct algorithms' cost per lock-step round (~7-8 us on the H200 run, BENCHMARKS.md section
 # 6): the same calls with larger rounds (RINGREDUCE_CUDA_SLOT_BYTES, bytes per block, source and
 # round). SLOT_SWEEP= (empty) skips it.

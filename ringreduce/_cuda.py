@@ -231,7 +231,13 @@ class Communicator(_lifecycle.Communicator):
         channels = env_int("RINGREDUCE_CUDA_CHANNELS", DEFAULT_CHANNELS)
         slice_bytes = env_int("RINGREDUCE_CUDA_SLICE_BYTES", DEFAULT_SLICE_BYTES)
         slot_bytes = env_int("RINGREDUCE_CUDA_SLOT_BYTES", DEFAULT_SLOT_BYTES)
+        # 0: as many as every rank's kernel can keep resident (resident_blocks); fewer leave SMs
+        # to the model's kernels (as NCCL_MAX_CTAS does), and measure what blocks buy.
+        blocks_cap = env_int("RINGREDUCE_CUDA_MAX_BLOCKS", 0)
         algo = os.environ.get("RINGREDUCE_CUDA_ALGO", "auto").strip().lower() or "auto"
+        if blocks_cap < 0:
+            raise ValueError(f"ringreduce: RINGREDUCE_CUDA_MAX_BLOCKS must be >= 0 (0: from the "
+                             f"device); got {blocks_cap}")
         if algo not in ALGOS:
             raise ValueError(f"ringreduce: RINGREDUCE_CUDA_ALGO must be one of {', '.join(ALGOS)}; "
                              f"got {algo!r}")
@@ -239,21 +245,24 @@ class Communicator(_lifecycle.Communicator):
         # may use so that the kernels of all ranks sharing a device are resident together.
         direct = self._direct_possible()
         max_blocks = resident_blocks(self._where)
+        if blocks_cap:
+            max_blocks = min(max_blocks, blocks_cap)
         native = _C.P2pComm(self.device.index, self.rank, self.world_size, channels, slice_bytes,
                             self.timeout, algo, slot_bytes, max_blocks)
         try:
             # The plan of every call must be the same on every rank: so must these.
-            config = f"{channels}/{slice_bytes}/{slot_bytes}/{algo}".encode()
+            config = f"{channels}/{slice_bytes}/{slot_bytes}/{algo}/{blocks_cap}".encode()
             setup, n, r = self._setup, self.world_size, self.rank
             setup.set(f"config/{r}", config)
             setup.set(f"handle/{r}", native.handle())
             for peer, theirs in enumerate(setup.all("config", n, "buffers")):
                 if theirs != config:
                     raise ValueError(
-                        f"ringreduce: rank {r} has p2p channels/slice_bytes/slot_bytes/algorithm "
-                        f"{config.decode()} but rank {peer} has {theirs.decode()}; set "
+                        f"ringreduce: rank {r} has p2p channels/slice_bytes/slot_bytes/algorithm/"
+                        f"max_blocks {config.decode()} but rank {peer} has {theirs.decode()}; set "
                         f"RINGREDUCE_CUDA_CHANNELS, RINGREDUCE_CUDA_SLICE_BYTES, "
-                        f"RINGREDUCE_CUDA_SLOT_BYTES and RINGREDUCE_CUDA_ALGO alike on every rank")
+                        f"RINGREDUCE_CUDA_SLOT_BYTES, RINGREDUCE_CUDA_ALGO and "
+                        f"RINGREDUCE_CUDA_MAX_BLOCKS alike on every rank")
             # Every rank's handle when every rank can map every other, else the neighbours' only:
             # the same choice on every rank.
             self._tune(native, algo)
