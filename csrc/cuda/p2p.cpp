@@ -388,7 +388,7 @@ std::string Ring::failure() {
   if (!failure_.empty() || !ctl_) return failure_;
   // Prefer a record of a block that saw the cause itself over one that learned of it.
   int pick = -1;
-  for (int k = 0; k < kMaxChannels; ++k) {
+  for (int k = 0; k < kMaxBlocks; ++k) {
     const volatile ErrorRecord* e = &ctl_->err[k];
     if (e->word == 0) continue;
     if (pick < 0 || (e->local && !ctl_->err[pick].local)) pick = k;
@@ -405,7 +405,7 @@ uint64_t Ring::failed_seq() {
   std::lock_guard<std::mutex> lk(mu_);
   uint64_t first = abort_seq_;
   if (!ctl_) return first;
-  for (int k = 0; k < kMaxChannels; ++k) {
+  for (int k = 0; k < kMaxBlocks; ++k) {
     const volatile ErrorRecord* e = &ctl_->err[k];
     if (e->word == 0) continue;
     std::atomic_thread_fence(std::memory_order_acquire);

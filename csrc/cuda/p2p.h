@@ -46,6 +46,8 @@ constexpr int kMaxPeers = 16;
 // size, capped at Options::max_blocks), and the bytes one block moves per source and round (its
 // slot in each peer's direct buffer).
 constexpr int kMaxDirectBlocks = 64;
+// The most blocks of either kernel (one error record each).
+constexpr int kMaxBlocks = kMaxChannels > kMaxDirectBlocks ? kMaxChannels : kMaxDirectBlocks;
 constexpr size_t kDefaultDirectSlotBytes = 32 << 10;
 // Slot data starts at the slice's byte offset mod 16 in the tensor, so that a 16-byte aligned tensor
 // and the slot have the same alignment and the vector path applies; a slot is this much larger.
@@ -120,7 +122,7 @@ constexpr uint32_t kCtlAbort = 1;
 constexpr uint32_t kCtlClosed = 2;
 struct HostCtl {
   uint32_t abort;  // set by the host: stop every wait of this rank's kernels (kCtlAbort, kCtlClosed)
-  alignas(kLine) ErrorRecord err[kMaxChannels];
+  alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index
 };
 
 // The kernel arguments of one call (both kernels).

@@ -260,6 +260,29 @@ static void test_timeout() {
   }
 }
 
+// A timeout in a call of 64 two-shot blocks (4 MiB; 8 run at once on the emulated device): every
+// block records its stop in the host-mapped error records, the last ones included (the emulator's
+// host allocations end at an inaccessible page, so a record past the end faults).
+static void test_timeout_with_every_block() {
+  const int64_t numel = 1 << 20;
+  DevBuf buf(numel * 4);
+  Group g(3, 2, 4096, 1.0, rc::p2p::Algo::TwoShot, false, rc::p2p::kDefaultDirectSlotBytes, false,
+          rc::p2p::kMaxDirectBlocks);
+  EXPECT(g.rings[0]->plan_of(g.call(numel, buf)).blocks == rc::p2p::kMaxDirectBlocks,
+         "a 4 MiB two-shot call runs %d blocks", g.rings[0]->plan_of(g.call(numel, buf)).blocks);
+  const auto t0 = Clock::now();
+  for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(numel, buf), g.ranks[r].stream);
+  sync_all(g);
+  EXPECT(seconds_since(t0) < 10, "the silent rank was noticed after %.1f s (timeout 1 s)", seconds_since(t0));
+  for (int r = 0; r < 2; ++r) {
+    const std::string f = g.rings[r]->failure();
+    EXPECT(contains(f, "timed out") || contains(f, "stopped because"), "rank %d: failure is '%s'", r, f.c_str());
+    EXPECT(g.rings[r]->failed_seq() == 1, "rank %d: first failed call %llu, want 1", r,
+           (unsigned long long)g.rings[r]->failed_seq());
+  }
+  std::printf("timeout with %d blocks: rank 0 says: %s\n", rc::p2p::kMaxDirectBlocks, g.rings[0]->failure().c_str());
+}
+
 // Rank 1 calls with another numel: every rank fails, one names both calls; the good call before
 // the mismatch is not counted as failed. On each algorithm.
 static void test_mismatch() {
@@ -801,6 +824,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_ring", [&] { test_ring(); });
     run_test(argc, argv, "test_ranks_share_a_device", [&] { test_ranks_share_a_device(); });
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
+    run_test(argc, argv, "test_timeout_with_every_block", [&] { test_timeout_with_every_block(); });
     run_test(argc, argv, "test_mismatch", [&] { test_mismatch(); });
     run_test(argc, argv, "test_abort", [&] { test_abort(); });
     run_test(argc, argv, "test_abort_between_calls", [&] { test_abort_between_calls(); });

@@ -27,6 +27,12 @@ WEAK_DIRECT = ("test_cuda_kernels_emu", ["weak_oneshot", "weak_twoshot"])
 # name: (file, text, replacement, test, why it must be caught); text may be a list of
 # (text, replacement) pairs, then replacement is None.
 MUTATIONS = {
+    "error_records_for_ring_blocks_only": (
+        "csrc/cuda/p2p.h",
+        "  alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index",
+        "  alignas(kLine) ErrorRecord err[kMaxChannels];  // by block index",
+        ("test_cuda_kernels_emu", ["test_timeout_with_every_block"]),
+        "direct blocks past the 32nd record their stops past the end of the host-mapped records"),
     "plan_ignores_resident_blocks": (
         "csrc/cuda/p2p.cpp",
         "  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxChannels + kMaxDirectBlocks;",

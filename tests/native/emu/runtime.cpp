@@ -515,7 +515,12 @@ std::mutex g_mem_mu;
 std::map<uintptr_t, Alloc> g_dev;            // device allocations by base
 std::map<uint64_t, uintptr_t> g_dev_by_id;
 std::map<uintptr_t, uint64_t> g_alias;       // IPC mapping -> allocation id
-std::map<uintptr_t, size_t> g_host;          // pinned host allocations: base -> bytes
+struct HostAlloc {
+  char* base;     // of the mapping, guard page included
+  size_t mapped;
+  size_t bytes;   // asked for, from the pointer handed out
+};
+std::map<uintptr_t, HostAlloc> g_host;       // pinned host allocations by the pointer handed out
 uint64_t g_next_id = 1;
 constexpr char kIpcMagic[8] = {'R', 'R', 'E', 'M', 'U', 'I', 'P', 'C'};
 
@@ -549,7 +554,7 @@ bool pinned_memory(const void* p) {
   auto it = g_host.upper_bound(a);
   if (it == g_host.begin()) return false;
   --it;
-  return a < it->first + std::max<size_t>(it->second, 1);
+  return a < it->first + std::max<size_t>(it->second.bytes, 1);
 }
 
 }  // namespace
@@ -701,14 +706,25 @@ cudaError_t cudaFree(void* p) {
   return cudaSuccess;
 }
 
+// Pinned host memory ends (to within 128 bytes, its alignment) at an inaccessible page: an access
+// past the end faults, as an overrun of a struct the host and the kernels share should.
+constexpr size_t kHostAlign = 128;
 cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) {
   EMU_ENTER();
-  void* m = nullptr;
-  if (posix_memalign(&m, 4096, bytes ? bytes : 1) != 0) return fail(cudaErrorMemoryAllocation);
-  std::memset(m, emu::kFreshByte, bytes);
+  const size_t used = (std::max<size_t>(bytes, 1) + kHostAlign - 1) / kHostAlign * kHostAlign;
+  const size_t page = page_round(1), mapped = page_round(used) + page;
+  void* m = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
+  char* guard = static_cast<char*>(m) + mapped - page;
+  if (mprotect(guard, page, PROT_NONE) != 0) {
+    munmap(m, mapped);
+    return fail(cudaErrorMemoryAllocation);
+  }
+  char* user = guard - used;
+  std::memset(user, emu::kFreshByte, bytes);
   std::lock_guard<std::mutex> lk(g_mem_mu);
-  g_host[reinterpret_cast<uintptr_t>(m)] = bytes;
-  *p = m;
+  g_host[reinterpret_cast<uintptr_t>(user)] = HostAlloc{static_cast<char*>(m), mapped, bytes};
+  *p = user;
   return cudaSuccess;
 }
 cudaError_t cudaMallocHost(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, 0); }
@@ -723,8 +739,10 @@ cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned) {
 cudaError_t cudaFreeHost(void* p) {
   if (!p) return cudaSuccess;
   std::lock_guard<std::mutex> lk(g_mem_mu);
-  if (!g_host.erase(reinterpret_cast<uintptr_t>(p))) return fail(cudaErrorInvalidValue);
-  std::free(p);
+  auto it = g_host.find(reinterpret_cast<uintptr_t>(p));
+  if (it == g_host.end()) return fail(cudaErrorInvalidValue);
+  munmap(it->second.base, it->second.mapped);
+  g_host.erase(it);
   return cudaSuccess;
 }
 
