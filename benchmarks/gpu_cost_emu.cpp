@@ -41,6 +41,8 @@ int main(int argc, char** argv) {
       o.nranks = n;
       o.algo = algo;
       o.timeout_s = 600;
+      // As the torch binding reads it: rounds a direct block writes ahead (1: lock step).
+      if (const char* v = std::getenv("RINGREDUCE_CUDA_DIRECT_AHEAD")) o.direct_ahead = std::atoi(v);
       rings.push_back(std::make_unique<p2p::Ring>(o));
       handles.push_back(rings.back()->handle());
       RR_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));

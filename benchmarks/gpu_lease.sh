@@ -2,8 +2,8 @@
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
 # BUDGET_S seconds (default 570): the build, the cost of one handshake by mechanism
 # (benchmarks/gpu_handshake.cu, MPS off and on), the GPU smoke tests and the torchrun exit-status tests,
-# the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py), the direct algorithms with
-# larger rounds (SLOT_SWEEP) and the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU
+# the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py), two-shot at 16 blocks
+# (BLOCKS_SWEEP), the direct algorithms in lock step (AHEAD_SWEEP) and with larger rounds (SLOT_SWEEP) and the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU
 # tests under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
 # lines printed are the summary. Afterwards, where there is no GPU:
 #   python benchmarks/gpu_tune.py --from OUT/roofline.json     # auto's thresholds from the medians
@@ -58,25 +58,39 @@ log "roofline exit $?"
 
 mps_off
 nvidia-cuda-mps-control -d && sleep 1
+# One p2p all_reduce sweep at world 2 under MPS: bench_p2p LABEL FROM TO FACTOR VAR=VALUE...
+bench_p2p() {
+  local label=$1 from=$2 to=$3 factor=$4
+  shift 4
+  env "$@" timeout -k 5 40 "$PY" -m ringreduce.bench --nranks 2 --backends ringreduce/p2p \
+      --collectives all_reduce -b "$from" -e "$to" -f "$factor" -n 10 -w 3 \
+      2>&1 | grep -v "^#\|^\[bench\]" | sed "s/^/$label /" | tee -a "$OUT/rounds.log"
+}
 # The blocks of session 14 (up to 64 per call, from the SM count) against session 12's 16: what
-# more blocks in lock-step rounds buy. BLOCKS_SWEEP= skips it.
+# more blocks buy. BLOCKS_SWEEP= skips it.
 for blocks in ${BLOCKS_SWEEP-16}; do
   [ "$(left)" -lt 180 ] && break
   log "blocks: twoshot, at most $blocks"
-  RINGREDUCE_CUDA_MAX_BLOCKS=$blocks RINGREDUCE_CUDA_ALGO=twoshot timeout -k 5 40 "$PY" -m ringreduce.bench \
-      --nranks 2 --backends ringreduce/p2p --collectives all_reduce -b 1M -e 256M -f 16 -n 10 -w 3 \
-      2>&1 | grep -v "^#\|^\[bench\]" | sed "s/^/twoshot max_blocks=$blocks /" | tee -a "$OUT/rounds.log"
+  bench_p2p "twoshot max_blocks=$blocks" 1M 256M 16 RINGREDUCE_CUDA_MAX_BLOCKS=$blocks \
+      RINGREDUCE_CUDA_ALGO=twoshot
 done
-# The direct algorithms' cost per lock-step round (~7-8 us on the H200 run, BENCHMARKS.md section
-# 6): the same calls with larger rounds (RINGREDUCE_CUDA_SLOT_BYTES, bytes per block, source and
-# round). SLOT_SWEEP= (empty) skips it.
+# Session 15's write-ahead (RINGREDUCE_CUDA_DIRECT_AHEAD, default 2: the peers' posts land while a
+# block works) against the lock step (1) of the earlier runs. AHEAD_SWEEP= skips it.
+for ahead in ${AHEAD_SWEEP-1}; do
+  for algo in oneshot twoshot; do
+    [ "$(left)" -lt 170 ] && break 2
+    log "write-ahead: $algo, ahead $ahead"
+    bench_p2p "$algo ahead=$ahead" 1M 256M 16 RINGREDUCE_CUDA_DIRECT_AHEAD=$ahead RINGREDUCE_CUDA_ALGO=$algo
+  done
+done
+# The direct algorithms' cost per round (~7-8 us in lock step on the H200 run, BENCHMARKS.md
+# section 6): the same calls with larger rounds (RINGREDUCE_CUDA_SLOT_BYTES, bytes per block,
+# source and round). SLOT_SWEEP= (empty) skips it.
 for slot in ${SLOT_SWEEP-32768 131072 524288}; do
   for algo in oneshot twoshot; do
     [ "$(left)" -lt 150 ] && break 2
     log "rounds: $algo, slot $slot B"
-    RINGREDUCE_CUDA_SLOT_BYTES=$slot RINGREDUCE_CUDA_ALGO=$algo timeout -k 5 40 "$PY" -m ringreduce.bench \
-        --nranks 2 --backends ringreduce/p2p --collectives all_reduce -b 1M -e 256M -f 16 -n 10 -w 3 \
-        2>&1 | grep -v "^#\|^\[bench\]" | sed "s/^/$algo slot=$slot /" | tee -a "$OUT/rounds.log"
+    bench_p2p "$algo slot=$slot" 1M 256M 16 RINGREDUCE_CUDA_SLOT_BYTES=$slot RINGREDUCE_CUDA_ALGO=$algo
   done
 done
 # The ring's staging FIFO (16 channels x 8 slots x slice bytes: 64 MiB per rank at the default
@@ -84,9 +98,7 @@ done
 for slice in ${RING_SWEEP-131072 524288}; do
   [ "$(left)" -lt 120 ] && break
   log "ring FIFO: slice $slice B"
-  RINGREDUCE_CUDA_SLICE_BYTES=$slice RINGREDUCE_CUDA_ALGO=ring timeout -k 5 40 "$PY" -m ringreduce.bench \
-      --nranks 2 --backends ringreduce/p2p --collectives all_reduce -b 4M -e 256M -f 4 -n 10 -w 3 \
-      2>&1 | grep -v "^#\|^\[bench\]" | sed "s/^/ring slice=$slice /" | tee -a "$OUT/rounds.log"
+  bench_p2p "ring slice=$slice" 4M 256M 4 RINGREDUCE_CUDA_SLICE_BYTES=$slice RINGREDUCE_CUDA_ALGO=ring
 done
 log "the other GPU tests (MPS), $(( $(left) - 10 )) s"
 timeout -k 5 $(( $(left) - 10 )) "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" \

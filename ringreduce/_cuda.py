@@ -49,6 +49,10 @@ DEFAULT_SLICE_BYTES = 512 << 10  # the largest slice; each call's plan cuts smal
 # Bytes per block, source and round of the one-shot/two-shot algorithms (RINGREDUCE_CUDA_SLOT_BYTES;
 # a tiny value forces many rounds, as RINGREDUCE_CUDA_SLICE_BYTES does for the ring).
 DEFAULT_SLOT_BYTES = 32 << 10
+# Rounds a one-/two-shot block writes ahead of the one it waits for (RINGREDUCE_CUDA_DIRECT_AHEAD):
+# 2 overlaps the peers' posts with this rank's work; 1 is the lock step of the first GPU runs.
+DEFAULT_DIRECT_AHEAD = 2
+MAX_DIRECT_AHEAD = 2  # csrc/cuda/p2p.h: kDirectDepth / 2
 ALGOS = ("auto", "ring", "oneshot", "twoshot")
 # The direct algorithms write into every rank's memory: up to this many ranks (csrc/cuda/p2p.h).
 MAX_DIRECT_RANKS = 16
@@ -178,6 +182,34 @@ def resident_blocks(where):
     return max(1, min(sms // per_device[(host, bus)] for host, bus, sms in where))
 
 
+# The knobs' names in p2p_knobs()["config"] and in the error when ranks disagree.
+P2P_KNOBS = ("channels", "slice_bytes", "slot_bytes", "algo", "blocks_cap", "ahead")
+
+
+def p2p_knobs():
+    """The p2p transport's knobs from the environment, checked, as a dict; the same string of them
+    (knobs["config"]) must come from every rank, since every call's plan depends on them."""
+    k = dict(channels=env_int("RINGREDUCE_CUDA_CHANNELS", DEFAULT_CHANNELS),
+             slice_bytes=env_int("RINGREDUCE_CUDA_SLICE_BYTES", DEFAULT_SLICE_BYTES),
+             slot_bytes=env_int("RINGREDUCE_CUDA_SLOT_BYTES", DEFAULT_SLOT_BYTES),
+             algo=os.environ.get("RINGREDUCE_CUDA_ALGO", "auto").strip().lower() or "auto",
+             # 0: as many as every rank's kernel can keep resident (resident_blocks); fewer leave
+             # SMs to the model's kernels (as NCCL_MAX_CTAS does), and measure what blocks buy.
+             blocks_cap=env_int("RINGREDUCE_CUDA_MAX_BLOCKS", 0),
+             ahead=env_int("RINGREDUCE_CUDA_DIRECT_AHEAD", DEFAULT_DIRECT_AHEAD))
+    if k["blocks_cap"] < 0:
+        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_MAX_BLOCKS must be >= 0 (0: from the "
+                         f"device); got {k['blocks_cap']}")
+    if not 1 <= k["ahead"] <= MAX_DIRECT_AHEAD:
+        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_DIRECT_AHEAD must be 1..{MAX_DIRECT_AHEAD} "
+                         f"(rounds written ahead); got {k['ahead']}")
+    if k["algo"] not in ALGOS:
+        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_ALGO must be one of {', '.join(ALGOS)}; "
+                         f"got {k['algo']!r}")
+    k["config"] = "/".join(str(k[name]) for name in P2P_KNOBS)
+    return k
+
+
 def sharing_warning(ranks_per_device, device, mps):
     """The warning for ranks_per_device ranks sharing one GPU, or None. Without MPS their kernels
     take turns in time slices and every handshake between them waits for one (measured, world 2:
@@ -228,41 +260,31 @@ class Communicator(_lifecycle.Communicator):
         native.attach_recorder(self.recorder)  # the calls are recorded in C++, with device states
 
     def _bootstrap_p2p(self):
-        channels = env_int("RINGREDUCE_CUDA_CHANNELS", DEFAULT_CHANNELS)
-        slice_bytes = env_int("RINGREDUCE_CUDA_SLICE_BYTES", DEFAULT_SLICE_BYTES)
-        slot_bytes = env_int("RINGREDUCE_CUDA_SLOT_BYTES", DEFAULT_SLOT_BYTES)
-        # 0: as many as every rank's kernel can keep resident (resident_blocks); fewer leave SMs
-        # to the model's kernels (as NCCL_MAX_CTAS does), and measure what blocks buy.
-        blocks_cap = env_int("RINGREDUCE_CUDA_MAX_BLOCKS", 0)
-        algo = os.environ.get("RINGREDUCE_CUDA_ALGO", "auto").strip().lower() or "auto"
-        if blocks_cap < 0:
-            raise ValueError(f"ringreduce: RINGREDUCE_CUDA_MAX_BLOCKS must be >= 0 (0: from the "
-                             f"device); got {blocks_cap}")
-        if algo not in ALGOS:
-            raise ValueError(f"ringreduce: RINGREDUCE_CUDA_ALGO must be one of {', '.join(ALGOS)}; "
-                             f"got {algo!r}")
+        k = p2p_knobs()
+        channels, slice_bytes, slot_bytes, algo = (k["channels"], k["slice_bytes"],
+                                                   k["slot_bytes"], k["algo"])
         # Whether every rank maps every other (the direct algorithms), and how many blocks a call
         # may use so that the kernels of all ranks sharing a device are resident together.
         direct = self._direct_possible()
         max_blocks = resident_blocks(self._where)
-        if blocks_cap:
-            max_blocks = min(max_blocks, blocks_cap)
+        if k["blocks_cap"]:
+            max_blocks = min(max_blocks, k["blocks_cap"])
         native = _C.P2pComm(self.device.index, self.rank, self.world_size, channels, slice_bytes,
-                            self.timeout, algo, slot_bytes, max_blocks)
+                            self.timeout, algo, slot_bytes, max_blocks, k["ahead"])
         try:
             # The plan of every call must be the same on every rank: so must these.
-            config = f"{channels}/{slice_bytes}/{slot_bytes}/{algo}/{blocks_cap}".encode()
+            config = k["config"].encode()
             setup, n, r = self._setup, self.world_size, self.rank
             setup.set(f"config/{r}", config)
             setup.set(f"handle/{r}", native.handle())
             for peer, theirs in enumerate(setup.all("config", n, "buffers")):
                 if theirs != config:
                     raise ValueError(
-                        f"ringreduce: rank {r} has p2p channels/slice_bytes/slot_bytes/algorithm/"
-                        f"max_blocks {config.decode()} but rank {peer} has {theirs.decode()}; set "
-                        f"RINGREDUCE_CUDA_CHANNELS, RINGREDUCE_CUDA_SLICE_BYTES, "
-                        f"RINGREDUCE_CUDA_SLOT_BYTES, RINGREDUCE_CUDA_ALGO and "
-                        f"RINGREDUCE_CUDA_MAX_BLOCKS alike on every rank")
+                        f"ringreduce: rank {r} has p2p {'/'.join(P2P_KNOBS)} {config.decode()} "
+                        f"but rank {peer} has {theirs.decode()}; set RINGREDUCE_CUDA_CHANNELS, "
+                        f"RINGREDUCE_CUDA_SLICE_BYTES, RINGREDUCE_CUDA_SLOT_BYTES, "
+                        f"RINGREDUCE_CUDA_ALGO, RINGREDUCE_CUDA_MAX_BLOCKS and "
+                        f"RINGREDUCE_CUDA_DIRECT_AHEAD alike on every rank")
             # Every rank's handle when every rank can map every other, else the neighbours' only:
             # the same choice on every rank.
             self._tune(native, algo)
@@ -274,10 +296,10 @@ class Communicator(_lifecycle.Communicator):
             native.close(False)  # the others may have mapped our memory already
             raise
         log.debug("rank %d/%d: p2p ready on %s (algorithm %s, direct algorithms %s, at most %d "
-                  "channels and %d B slices, direct slots %d B, at most %d blocks a call, timeout "
-                  "%g s)", self.rank, self.world_size, self.device, algo,
-                  "on" if native.direct() else "off", channels, slice_bytes, slot_bytes, max_blocks,
-                  self.timeout)
+                  "channels and %d B slices, direct slots %d B written %d rounds ahead, at most %d "
+                  "blocks a call, timeout %g s)", self.rank, self.world_size, self.device, algo,
+                  "on" if native.direct() else "off", channels, slice_bytes, slot_bytes, k["ahead"],
+                  max_blocks, self.timeout)
         return native
 
     def _warn_if_sharing(self):

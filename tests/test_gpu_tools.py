@@ -147,3 +147,33 @@ def test_checked_in_table_follows_from_its_medians():
         times = {a: {int(s): v for s, v in ts.items()} for a, ts in e["median_us"].items()}
         sizes = sorted({s for ts in times.values() for s in ts})
         assert tune.thresholds(times, sizes) == (e["oneshot_max"], e["twoshot_max"]), e["device"]
+
+
+def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
+    """The p2p knobs every rank must set alike: their defaults, the string ranks compare, and a
+    clear error for a value the kernels cannot run (no GPU needed: read before CUDA is touched)."""
+    from ringreduce._cuda import p2p_knobs
+    for name in ("RINGREDUCE_CUDA_CHANNELS", "RINGREDUCE_CUDA_SLICE_BYTES", "RINGREDUCE_CUDA_SLOT_BYTES",
+                 "RINGREDUCE_CUDA_ALGO", "RINGREDUCE_CUDA_MAX_BLOCKS", "RINGREDUCE_CUDA_DIRECT_AHEAD"):
+        monkeypatch.delenv(name, raising=False)
+    k = p2p_knobs()
+    assert (k["ahead"], k["blocks_cap"], k["algo"]) == (2, 0, "auto")
+    assert k["config"] == "16/524288/32768/auto/0/2"
+    monkeypatch.setenv("RINGREDUCE_CUDA_DIRECT_AHEAD", "1")
+    monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", " OneShot ")
+    assert p2p_knobs()["config"] == "16/524288/32768/oneshot/0/1"  # lock step differs from the default
+    for value in ("0", "3"):
+        monkeypatch.setenv("RINGREDUCE_CUDA_DIRECT_AHEAD", value)
+        with pytest.raises(ValueError, match=f"RINGREDUCE_CUDA_DIRECT_AHEAD must be 1..2 .*got {value}"):
+            p2p_knobs()
+    monkeypatch.setenv("RINGREDUCE_CUDA_DIRECT_AHEAD", "two")
+    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_DIRECT_AHEAD must be an integer, got 'two'"):
+        p2p_knobs()
+    monkeypatch.setenv("RINGREDUCE_CUDA_DIRECT_AHEAD", "2")
+    monkeypatch.setenv("RINGREDUCE_CUDA_MAX_BLOCKS", "-1")
+    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_MAX_BLOCKS must be >= 0"):
+        p2p_knobs()
+    monkeypatch.setenv("RINGREDUCE_CUDA_MAX_BLOCKS", "16")
+    monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", "tree")
+    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_ALGO must be one of auto, ring, oneshot, twoshot; got 'tree'"):
+        p2p_knobs()

@@ -521,7 +521,7 @@ void register_cuda(py::module_& m) {
   py::class_<P2pComm> p2p(m, "P2pComm");
   p2p.def(py::init([](int device, int rank, int nranks, int channels, size_t slice_bytes,
                       double timeout_s, const std::string& algo, size_t direct_slot_bytes,
-                      int max_blocks) {
+                      int max_blocks, int direct_ahead) {
            c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
            rc::p2p::Options o;
            o.rank = rank;
@@ -531,6 +531,7 @@ void register_cuda(py::module_& m) {
            o.timeout_s = timeout_s;
            o.direct_slot_bytes = direct_slot_bytes;
            o.max_blocks = max_blocks;
+           o.direct_ahead = direct_ahead;
            o.algo = algo == "auto"      ? rc::p2p::Algo::Auto
                     : algo == "ring"    ? rc::p2p::Algo::Ring
                     : algo == "oneshot" ? rc::p2p::Algo::OneShot
@@ -542,7 +543,8 @@ void register_cuda(py::module_& m) {
          }),
          py::arg("device"), py::arg("rank"), py::arg("nranks"), py::arg("channels"),
          py::arg("slice_bytes"), py::arg("timeout_s"), py::arg("algo") = "auto",
-         py::arg("direct_slot_bytes") = rc::p2p::kDefaultDirectSlotBytes, py::arg("max_blocks") = 0)
+         py::arg("direct_slot_bytes") = rc::p2p::kDefaultDirectSlotBytes, py::arg("max_blocks") = 0,
+         py::arg("direct_ahead") = rc::p2p::kDefaultDirectAhead)
       .def("handle", [](P2pComm& c) { return py::bytes(c.ring().handle()); })
       .def("connect", [](P2pComm& c, const std::vector<py::bytes>& handles) {
         c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device()));

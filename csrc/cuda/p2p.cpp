@@ -172,7 +172,7 @@ size_t Ring::fifo_bytes() const {
 }
 
 size_t Ring::area_bytes() const {
-  const size_t direct = opt_.nranks <= kMaxPeers ? static_cast<size_t>(2 * 2 * direct_blocks()) *
+  const size_t direct = opt_.nranks <= kMaxPeers ? static_cast<size_t>(kDirectDepth * 2 * direct_blocks()) *
                                                        opt_.nranks * slot_stride(opt_.direct_slot_bytes)
                                                  : 0;
   return data_offset() + fifo_bytes() + direct;
@@ -194,6 +194,9 @@ Ring::Ring(const Options& opt) : opt_(opt) {
   if (opt.max_blocks < 0)
     throw std::invalid_argument("ringreduce: p2p max_blocks must be >= 0 (0: this device's SM count), got " +
                                 std::to_string(opt.max_blocks));
+  if (opt.direct_ahead < 1 || 2 * opt.direct_ahead > kDirectDepth)
+    throw std::invalid_argument("ringreduce: p2p direct_ahead must be 1.." + std::to_string(kDirectDepth / 2) +
+                                ", got " + std::to_string(opt.direct_ahead));
   RR_CUDA_CHECK(cudaGetDevice(&device_));
   if (opt_.max_blocks == 0) opt_.max_blocks = sm_count();
   up_ = ring::mod(opt.rank - 1, opt.nranks);
@@ -330,6 +333,7 @@ Args Ring::args(const Call& c) const {
   a.nranks = n;
   a.blocks = p.blocks;
   a.direct_blocks = direct_blocks();
+  a.direct_ahead = opt_.direct_ahead;
   a.divisor = c.op == RedOp::Avg ? n : 1;
   a.coll = static_cast<uint8_t>(c.coll);
   a.dtype = static_cast<uint8_t>(c.dtype);

@@ -49,6 +49,13 @@ constexpr int kMaxDirectBlocks = 64;
 // The most blocks of either kernel (one error record each).
 constexpr int kMaxBlocks = kMaxChannels > kMaxDirectBlocks ? kMaxChannels : kMaxDirectBlocks;
 constexpr size_t kDefaultDirectSlotBytes = 32 << 10;
+// A direct block writes its data of round i + ahead into the peers before it waits for round i + 1,
+// so that the peers' posts of the next rounds land while it works (Options::direct_ahead, 1: lock
+// step). Every (phase, block, source) slot has kDirectDepth copies: direct_kernel shows why
+// 2 x ahead is enough.
+constexpr int kDirectDepth = 4;
+constexpr int kDefaultDirectAhead = 2;
+static_assert(2 * kDefaultDirectAhead <= kDirectDepth, "write-ahead needs 2 x ahead slots");
 // Slot data starts at the slice's byte offset mod 16 in the tensor, so that a 16-byte aligned tensor
 // and the slot have the same alignment and the vector path applies; a slot is this much larger.
 constexpr size_t kVecBytes = 16;
@@ -91,7 +98,7 @@ struct alignas(kLine) Area {
   alignas(kLine) RingFlags ring[kMaxChannels];
   DirectFlags direct[kMaxDirectBlocks];
   MsgHeader ring_hdr[kMaxChannels][kSlots];                  // written with each message
-  MsgHeader direct_hdr[2][2][kMaxDirectBlocks][kMaxPeers];   // [parity][phase][block][source]
+  MsgHeader direct_hdr[kDirectDepth][2][kMaxDirectBlocks][kMaxPeers];  // [slot][phase][block][source]
 };
 
 // Why a wait ended without its message; packed with the rank that saw it first into abort words.
@@ -145,6 +152,7 @@ struct Args {
   uint64_t slot_stride;
   int rank, nranks, blocks, divisor;
   int direct_blocks;  // blocks the direct buffers are laid out for (Ring::direct_blocks())
+  int direct_ahead;   // rounds a direct block writes ahead (1 .. kDirectDepth / 2)
   uint8_t coll, dtype, op, algo;
 };
 
@@ -175,6 +183,9 @@ struct Options {
   // device's SM count (one rank per device) and plan() no cap beyond kMaxChannels and
   // kMaxDirectBlocks.
   int max_blocks = 0;
+  // Rounds a direct block writes ahead of the one it waits for (RINGREDUCE_CUDA_DIRECT_AHEAD):
+  // 1 .. kDirectDepth / 2; 1 is the lock step of the first GPU runs.
+  int direct_ahead = kDefaultDirectAhead;
   // Test knob: every ring call uses exactly `channels` and `slice_bytes` (no plan by size), so that
   // tiny slices force many pipeline steps at every size.
   bool exact = false;

@@ -82,7 +82,7 @@ __device__ uint32_t wait_ge(const Args& a, const uint64_t* ctr, uint64_t target,
       }
     }
   }
-  fence_acquire_sys();
+  fence_acq_rel_sys();
   note_wait(ctr);
   if (seen) *seen = v;
   return 0;
@@ -192,17 +192,16 @@ __device__ bool step_begin(const Args& a, Chan& c, bool recv, bool send, uint64_
 
 // After the block has moved the data: thread 0 writes the header into downstream's FIFO and raises
 // its posted count, and/or returns the slot to upstream (a credit). The barrier orders every
-// thread's accesses before them; the system fence makes the block's remote stores visible first.
+// thread's accesses before them; one system fence (the release of both) orders them before the
+// flags: the block's remote stores land first, and its reads of the slot end first.
 __device__ void step_end(const Args& a, Chan& c, bool recv, bool send, uint64_t send_bytes) {
   __syncthreads();
   if (threadIdx.x == 0) {
     const int k = blockIdx.x;
-    if (send) {
-      put_header(&a.down->ring_hdr[k][c.sent % kSlots], my_header(a, send_bytes, c.index));
-      __threadfence_system();
-      st_release_sys(&a.down->ring[k].posted.value, c.sent + 1);
-    }
-    if (recv) st_release_sys(&a.up->ring[k].credits.value, c.received + 1);
+    if (send) put_header(&a.down->ring_hdr[k][c.sent % kSlots], my_header(a, send_bytes, c.index));
+    fence_acq_rel_sys();
+    if (send) st_relaxed_sys(&a.down->ring[k].posted.value, c.sent + 1);
+    if (recv) st_relaxed_sys(&a.up->ring[k].credits.value, c.received + 1);
   }
   if (send) ++c.sent, ++c.index;
   if (recv) ++c.received;
@@ -307,38 +306,41 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(Args a) {
 
 // ---- one-shot and two-shot ----------------------------------------------------------------------
 
-// Slot of `source`'s data for phase ph of this block's round with parity par, in the direct buffer
-// at base (a rank's own, or a peer's).
+// Slot of `source`'s data for phase ph of this block's round `seq`, in the direct buffer at base
+// (a rank's own, or a peer's).
 template <class T>
-__device__ __forceinline__ T* dslot(const Args& a, char* base, int par, int ph, int source,
+__device__ __forceinline__ T* dslot(const Args& a, char* base, uint64_t seq, int ph, int source,
                                    int64_t begin) {
   const uint64_t slot =
-      ((static_cast<uint64_t>(par) * 2 + ph) * a.direct_blocks + blockIdx.x) * a.nranks + source;
+      (((seq % kDirectDepth) * 2 + ph) * a.direct_blocks + blockIdx.x) * a.nranks + source;
   const uint64_t shift = (static_cast<uint64_t>(begin) * sizeof(T)) & (kVecBytes - 1);
   return reinterpret_cast<T*>(base + slot * a.slot_stride + shift);
 }
+__device__ __forceinline__ MsgHeader* dheader(Area* area, uint64_t seq, int ph, int source) {
+  return &area->direct_hdr[seq % kDirectDepth][ph][blockIdx.x][source];
+}
 
-// Thread 0 publishes this block's phase-ph data of round i (already written by the block into the
-// peers' buffers: the barrier first) to every peer: header, system fence, then the round's flag.
-// bytes_for(p): the bytes written to rank p.
+// Thread 0 publishes this block's phase-ph data of round `seq` (already written by the block into
+// the peers' buffers: the barrier first) to every peer: headers, one system fence, then the flags.
+// bytes_for(p): the bytes written to rank p; i: the round's index within the call.
 template <class F>
-__device__ void post_all(const Args& a, int par, int ph, uint64_t seq, int64_t i, F bytes_for) {
+__device__ void post_all(const Args& a, int ph, uint64_t seq, int64_t i, F bytes_for) {
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int p = 0; p < a.nranks; ++p)
       if (p != a.rank)
-        put_header(&a.peer[p]->direct_hdr[par][ph][blockIdx.x][a.rank],
+        put_header(dheader(a.peer[p], seq, ph, a.rank),
                    my_header(a, bytes_for(p), static_cast<uint32_t>(i)));
-    __threadfence_system();
+    fence_acq_rel_sys();
     for (int p = 0; p < a.nranks; ++p)
-      if (p != a.rank) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);
+      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);
   }
 }
 
-// Thread 0 waits until every peer's phase-ph data of round i has arrived here and checks their
+// Thread 0 waits until every peer's phase-ph data of round `seq` has arrived here and checks their
 // headers; bytes_for(q): what rank q must have sent. The block learns the outcome; false: stop.
 template <class F>
-__device__ bool wait_all(const Args& a, int par, int ph, uint64_t seq, int64_t i, F bytes_for) {
+__device__ bool wait_all(const Args& a, int ph, uint64_t seq, int64_t i, F bytes_for) {
   __shared__ uint32_t s_stop;
   if (threadIdx.x == 0) {
     uint32_t stop = 0;
@@ -352,7 +354,7 @@ __device__ bool wait_all(const Args& a, int par, int ph, uint64_t seq, int64_t i
         record_stop(a, stop, local, q, w, false, mine, nullptr);
         break;
       }
-      const MsgHeader got = get_header(&a.self->direct_hdr[par][ph][blockIdx.x][q]);
+      const MsgHeader got = get_header(dheader(a.self, seq, ph, q));
       const uint32_t cause = check_header(got, mine);
       if (cause != kOk) {
         stop = abort_word(cause, a.rank);
@@ -365,6 +367,27 @@ __device__ bool wait_all(const Args& a, int par, int ph, uint64_t seq, int64_t i
   return s_stop == 0;
 }
 
+// A round i runs in up to three stages: send(i) writes this rank's data into the peers' slots and
+// posts it (one-shot: the input to everyone; two-shot: chunk p to rank p; all-gather alone: its
+// chunk to everyone, phase 1); reduce(i) waits for phase 0 and folds the n sources in rank order
+// (two-shot all-reduce: into every peer's phase-1 slot too, posted); collect(i) waits for phase 1
+// and copies the results out. With W = a.direct_ahead and L = W - 1: send(0 .. W-1), then per
+// round reduce(i), send(i + W), collect(i - L) (all-gather alone: collect(i), send(i + W)), so
+// that every wait is for a post made W or L rounds earlier. W = 1 is the lock step.
+//
+// Why D = kDirectDepth slots per (phase, block, source) suffice, without credits: writing round t
+// into a peer's slot needs that peer done reading round t - D there.
+// - One-shot, reduce-scatter (phase 0) and all-gather alone (phase 1): this rank sends round t
+//   after finishing round t - W, which needed the peer's post of round t - W, sent after the peer
+//   finished round t - 2W. D >= 2W.
+// - Two-shot all-reduce, phase 1 of round t, written in reduce(t): after the peer's phase-0 post
+//   of round t, sent in its iteration t - W after its collect(t - W - L - 1). Phase 0 of round t,
+//   sent in iteration t - W: after this rank's collect(t - W - L - 1), which needed the peer's
+//   phase-1 post of that round, made after it read phase 0 there (and after reduce(t - W), as
+//   above: t - 2W). D >= W + L + 1 = 2W.
+// Rounds count on from call to call per block (DirectFlags::seq), and every rank has finished
+// every round of its earlier kernels (stream order) before any of a later one: across calls,
+// collectives and algorithms the same holds.
 template <class T, RedOp Op>
 __global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
   const int n = a.nranks, r = a.rank, tid = threadIdx.x, nt = blockDim.x;
@@ -386,78 +409,100 @@ __global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
   const uint64_t es = sizeof(T);
   if (broken_at_start(a)) return;
 
-  // Rounds alternate between two halves of every direct buffer (parity). Writing round s into a
-  // peer needs that peer done with round s - 2 there: it is, since this rank has finished round
-  // s - 1, which needed the peer's data of round s - 1, sent after its round s - 2 (whatever
-  // collective or algorithm ran in between: each needs every rank's data). So no credits.
   __shared__ uint64_t s_seq;
   DirectFlags* f = &a.self->direct[blockIdx.x];
   if (tid == 0) s_seq = ld_relaxed_sys(&f->seq.value);
   __syncthreads();
-  uint64_t seq = s_seq;
+  const uint64_t seq0 = s_seq;  // round i of this call is round seq0 + 1 + i of this block
   T* dst[kMaxSpanPtrs];
   const T* src[kMaxSpanPtrs];
-  for (int64_t i = 0; i < a.steps; ++i) {
-    const int par = static_cast<int>(++seq & 1);
+
+  auto send = [&](int64_t i) {
+    const uint64_t seq = seq0 + 1 + i;
     if (oneshot) {
-      // Every rank's input to every rank; each reduces all n in rank order.
       const ring::Span P = part(0, i);
       int nd = 0;
       for (int p = 0; p < n; ++p)
-        if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], par, 0, r, P.begin);
+        if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], seq, 0, r, P.begin);
       src[0] = in + P.begin;
       span_multi<T, RedOp::Sum>(dst, nd, src, 1, P.count, 1, tid, nt);
-      post_all(a, par, 0, seq, i, [&](int) { return P.count * es; });
-      if (!wait_all(a, par, 0, seq, i, [&](int) { return P.count * es; })) break;
-      for (int q = 0; q < n; ++q) src[q] = q == r ? in + P.begin : dslot<T>(a, a.self_data, par, 0, q, P.begin);
-      dst[0] = out + P.begin;
-      span_multi<T, Op>(dst, 1, src, n, P.count, a.divisor, tid, nt);
-      continue;
-    }
-    const ring::Span mine = part(r, i);
-    if (scatter) {
-      // Chunk p of this rank's input to rank p.
+      post_all(a, 0, seq, i, [&](int) { return P.count * es; });
+    } else if (scatter) {
       for (int p = 0; p < n; ++p) {
         if (p == r) continue;
         const ring::Span sp = part(p, i);
-        dst[0] = dslot<T>(a, a.peer_data[p], par, 0, r, sp.begin);
+        dst[0] = dslot<T>(a, a.peer_data[p], seq, 0, r, sp.begin);
         src[0] = in + sp.begin;
         span_multi<T, RedOp::Sum>(dst, 1, src, 1, sp.count, 1, tid, nt);
       }
-      post_all(a, par, 0, seq, i, [&](int p) { return part(p, i).count * es; });
-      if (!wait_all(a, par, 0, seq, i, [&](int) { return mine.count * es; })) break;
-      // Chunk r reduced in rank order, into the output and (all-reduce) every peer's buffer.
-      for (int q = 0; q < n; ++q)
-        src[q] = q == r ? in + mine.begin : dslot<T>(a, a.self_data, par, 0, q, mine.begin);
-      int nd = 0;
-      dst[nd++] = out + (mine.begin - out_shift);
-      if (gather)
-        for (int p = 0; p < n; ++p)
-          if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], par, 1, r, mine.begin);
-      span_multi<T, Op>(dst, nd, src, n, mine.count, a.divisor, tid, nt);
-    } else {
-      // All-gather alone: this rank's chunk from its input to every peer (and to its own output).
+      post_all(a, 0, seq, i, [&](int p) { return part(p, i).count * es; });
+    } else {  // all-gather alone: this rank's chunk from its input to every peer and its own output
+      const ring::Span mine = part(r, i);
       int nd = 0;
       const T* s0 = in + (mine.begin - in_shift);
       for (int p = 0; p < n; ++p)
-        if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], par, 1, r, mine.begin);
+        if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], seq, 1, r, mine.begin);
       if (s0 != out + mine.begin) dst[nd++] = out + mine.begin;
       src[0] = s0;
       span_multi<T, RedOp::Sum>(dst, nd, src, 1, mine.count, 1, tid, nt);
+      post_all(a, 1, seq, i, [&](int) { return mine.count * es; });
     }
-    if (!gather) continue;
-    post_all(a, par, 1, seq, i, [&](int) { return mine.count * es; });
-    if (!wait_all(a, par, 1, seq, i, [&](int q) { return part(q, i).count * es; })) break;
+  };
+  auto reduce = [&](int64_t i) -> bool {
+    const uint64_t seq = seq0 + 1 + i;
+    if (oneshot) {  // all n inputs in rank order
+      const ring::Span P = part(0, i);
+      if (!wait_all(a, 0, seq, i, [&](int) { return P.count * es; })) return false;
+      for (int q = 0; q < n; ++q) src[q] = q == r ? in + P.begin : dslot<T>(a, a.self_data, seq, 0, q, P.begin);
+      dst[0] = out + P.begin;
+      span_multi<T, Op>(dst, 1, src, n, P.count, a.divisor, tid, nt);
+      return true;
+    }
+    // Chunk r reduced in rank order, into the output and (all-reduce) every peer's phase 1.
+    const ring::Span mine = part(r, i);
+    if (!wait_all(a, 0, seq, i, [&](int) { return mine.count * es; })) return false;
+    for (int q = 0; q < n; ++q)
+      src[q] = q == r ? in + mine.begin : dslot<T>(a, a.self_data, seq, 0, q, mine.begin);
+    int nd = 0;
+    dst[nd++] = out + (mine.begin - out_shift);
+    if (gather)
+      for (int p = 0; p < n; ++p)
+        if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], seq, 1, r, mine.begin);
+    span_multi<T, Op>(dst, nd, src, n, mine.count, a.divisor, tid, nt);
+    if (gather) post_all(a, 1, seq, i, [&](int) { return mine.count * es; });
+    return true;
+  };
+  auto collect = [&](int64_t i) -> bool {
+    const uint64_t seq = seq0 + 1 + i;
+    if (!wait_all(a, 1, seq, i, [&](int q) { return part(q, i).count * es; })) return false;
     for (int q = 0; q < n; ++q) {
       if (q == r) continue;
       const ring::Span sp = part(q, i);
       dst[0] = out + sp.begin;
-      src[0] = dslot<T>(a, a.self_data, par, 1, q, sp.begin);
+      src[0] = dslot<T>(a, a.self_data, seq, 1, q, sp.begin);
       span_multi<T, RedOp::Sum>(dst, 1, src, 1, sp.count, 1, tid, nt);
     }
+    return true;
+  };
+
+  const int64_t W = a.direct_ahead, L = W - 1;
+  const bool collects = gather && !oneshot && scatter;  // two-shot all-reduce
+  for (int64_t i = 0; i < W && i < a.steps; ++i) send(i);
+  bool ok = true;
+  for (int64_t i = 0; ok && i < a.steps; ++i) {
+    if (!scatter) {
+      ok = collect(i);
+      if (ok && i + W < a.steps) send(i + W);
+      continue;
+    }
+    ok = reduce(i);
+    if (ok && i + W < a.steps) send(i + W);
+    if (ok && collects && i >= L) ok = collect(i - L);
   }
+  for (int64_t i = a.steps > L ? a.steps - L : 0; ok && collects && i < a.steps; ++i) ok = collect(i);
+  // Every rank ends a call at the same round (a stopped call leaves the group broken).
   __syncthreads();
-  if (tid == 0) f->seq.value = seq;
+  if (tid == 0) f->seq.value = seq0 + a.steps;
 }
 
 }  // namespace
@@ -466,6 +511,7 @@ void launch(const Args& a, cudaStream_t stream) {
   const Algo algo = static_cast<Algo>(a.algo);
   const bool direct = algo == Algo::OneShot || algo == Algo::TwoShot;
   if (a.nranks < 2 || a.blocks < 1 || a.blocks > (direct ? std::min(a.direct_blocks, kMaxDirectBlocks) : kMaxChannels) ||
+      (direct && (a.direct_ahead < 1 || 2 * a.direct_ahead > kDirectDepth)) ||
       (direct && a.nranks > kMaxPeers) || (!direct && algo != Algo::Ring))
     throw std::invalid_argument("ringreduce: p2p launch: bad algorithm, block or rank count");
   dispatch_dtype(static_cast<DType>(a.dtype), [&](auto tag) {

@@ -42,6 +42,10 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// A flag raised after fence_acq_rel_sys (a release pattern: one fence for several flags).
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -54,7 +58,9 @@ __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
   asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void fence_acquire_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// fence.acq_rel.sys: after a relaxed poll, the acquire; before relaxed flag stores, the release
+// (of the block's earlier accesses too, once a barrier has ordered them before this thread's).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 // The emulator's cost model hears of every completed wait (tests/native/emu/README.md); nothing here.
 __device__ __forceinline__ void note_wait(const void*) {}
 __device__ __forceinline__ uint64_t globaltimer_ns() {
@@ -78,9 +84,13 @@ inline void st_release_sys(uint64_t* p, uint64_t v) {
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
   ::emu::cost_flag_store(p);
 }
+inline void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+  ::emu::cost_flag_store(p);
+}
 inline uint32_t ld_relaxed_sys(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline uint64_t ld_relaxed_sys(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-inline void fence_acquire_sys() {  // fence.acq_rel.sys
+inline void fence_acq_rel_sys() {  // fence.acq_rel.sys
   ::emu::weak_fence();
   __atomic_thread_fence(__ATOMIC_ACQ_REL);
 }

@@ -118,12 +118,13 @@ struct Group {
   Group(int n, int channels, size_t slice_bytes, double timeout_s,
         rc::p2p::Algo algo = rc::p2p::Algo::Auto, bool exact = false,
         size_t direct_slot_bytes = rc::p2p::kDefaultDirectSlotBytes, bool neighbours_only = false,
-        int max_blocks = 0, bool one_device = false) {
+        int max_blocks = 0, bool one_device = false, int ahead = rc::p2p::kDefaultDirectAhead) {
     auto device_of = [&](int r) { return one_device ? 0 : ::device_of(r); };
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
       rc::p2p::Options o;
       o.max_blocks = max_blocks;
+      o.direct_ahead = ahead;
       o.rank = r;
       o.nranks = n;
       o.channels = channels;
@@ -173,19 +174,21 @@ static void test_ring() {
   using rc::p2p::Algo;
   for (int n = 2; n <= 4; ++n) {
     // Each algorithm forced, with tiny slices/slots (64 B: many pipeline steps or rounds per call)
-    // and 3 blocks; then the defaults, where the plan picks algorithm, blocks and slices by size
-    // (several algorithms on one communicator, call after call).
-    struct Config { Algo algo; bool exact; size_t slice, slot; int channels; int shift; };
+    // and 3 blocks (two-shot also in lock step: one round written ahead); then the defaults, where
+    // the plan picks algorithm, blocks and slices by size (several algorithms on one communicator,
+    // call after call).
+    struct Config { Algo algo; bool exact; size_t slice, slot; int channels; int shift; int ahead; };
+    constexpr int kAhead = rc::p2p::kDefaultDirectAhead;
     const Config configs[] = {
-        {Algo::Ring, true, 64, 64, 3, 0},       {Algo::OneShot, true, 64, 64, 3, 0},
-        {Algo::TwoShot, true, 64, 64, 3, 1},    {Algo::Auto, false, rc::p2p::kDefaultSliceBytes,
-                                                 rc::p2p::kDefaultDirectSlotBytes,
-                                                 rc::p2p::kDefaultChannels, 0}};
+        {Algo::Ring, true, 64, 64, 3, 0, kAhead},    {Algo::OneShot, true, 64, 64, 3, 0, kAhead},
+        {Algo::TwoShot, true, 64, 64, 3, 1, kAhead}, {Algo::TwoShot, true, 64, 64, 3, 0, 1},
+        {Algo::Auto, false, rc::p2p::kDefaultSliceBytes, rc::p2p::kDefaultDirectSlotBytes,
+         rc::p2p::kDefaultChannels, 0, kAhead}};
     for (const Config& c : configs) {
-      Group g(n, c.channels, c.slice, 20.0, c.algo, c.exact, c.slot);
-      char what[96];
-      std::snprintf(what, sizeof what, "p2p n=%d %s slice=%zu slot=%zu shift=%d", n,
-                    rc::p2p::algo_name(c.algo), c.slice, c.slot, c.shift);
+      Group g(n, c.channels, c.slice, 20.0, c.algo, c.exact, c.slot, false, 0, false, c.ahead);
+      char what[112];
+      std::snprintf(what, sizeof what, "p2p n=%d %s slice=%zu slot=%zu shift=%d ahead=%d", n,
+                    rc::p2p::algo_name(c.algo), c.slice, c.slot, c.shift, c.ahead);
       // The largest size is for the plan's choices at the defaults; with 64-byte slices and slots
       // 16411 elements already makes about a thousand steps or rounds per call (the 196613 there
       // took 94 of the sweep's 108 s, and no mutation needed it).
@@ -658,6 +661,23 @@ static void test_deterministic() {
 // The plan in deterministic mode: one-shot or two-shot for every all_reduce and reduce_scatter,
 // whatever the size and forced algorithm; all_gather as by default; a RingError naming the nccl
 // transport where the direct algorithms are impossible (not every pair mappable, > kMaxPeers ranks).
+// Options the kernels depend on are checked when the ring is built, naming the value given.
+static void test_options_checked() {
+  for (int ahead : {0, rc::p2p::kDirectDepth / 2 + 1}) {
+    rc::p2p::Options o;
+    o.nranks = 2;
+    o.direct_ahead = ahead;
+    std::string what;
+    try {
+      rc::p2p::Ring ring(o);
+    } catch (const std::invalid_argument& e) {
+      what = e.what();
+    }
+    const std::string want = "direct_ahead must be 1..2, got " + std::to_string(ahead);
+    EXPECT(contains(what, want), "direct_ahead=%d: error '%s', want '%s'", ahead, what.c_str(), want.c_str());
+  }
+}
+
 // Auto's thresholds from a measured table (Options.tuned, set by Ring::set_thresholds from
 // ringreduce/gpu_tuning.json): used as given, 0 meaning never; the model's without them.
 static void test_tuned_thresholds() {
@@ -839,6 +859,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_deterministic", [&] { test_deterministic(); });
     run_test(argc, argv, "test_deterministic_plan", [&] { test_deterministic_plan(); });
     run_test(argc, argv, "test_tuned_thresholds", [&] { test_tuned_thresholds(); });
+    run_test(argc, argv, "test_options_checked", [&] { test_options_checked(); });
     run_test(argc, argv, "test_replay_after_close_of_a_pinned_ring", [&] { test_replay_after_close_of_a_pinned_ring(); });
 #ifdef RINGREDUCE_EMU
     run_test(argc, argv, "test_deterministic_needs_direct", [&] { test_deterministic_needs_direct(); });

@@ -64,18 +64,18 @@ MUTATIONS = {
         P2P_TEST, "one element of every ring slice is never moved"),
     "skip_credit_in_all_gather": (
         KERNEL,
-        "    if (recv) st_release_sys(&a.up->ring[k].credits.value, c.received + 1);",
-        "    if (recv && c.index < 2) st_release_sys(&a.up->ring[k].credits.value, c.received + 1);",
+        "    if (recv) st_relaxed_sys(&a.up->ring[k].credits.value, c.received + 1);",
+        "    if (recv && c.index < 2) st_relaxed_sys(&a.up->ring[k].credits.value, c.received + 1);",
         P2P_TEST, "the sender never gets its slots back: it waits until the timeout"),
     "direct_no_wait_for_gather": (
         KERNEL,
-        "    if (!wait_all(a, par, 1, seq, i, [&](int q) { return part(q, i).count * es; })) break;",
+        "    if (!wait_all(a, 1, seq, i, [&](int q) { return part(q, i).count * es; })) return false;",
         "",
         P2P_TEST, "two-shot copies the gathered chunks before they have arrived"),
     "twoshot_gather_into_wrong_chunk": (
         KERNEL,
-        "      dst[0] = out + sp.begin;\n      src[0] = dslot<T>(a, a.self_data, par, 1, q, sp.begin);",
-        "      dst[0] = out + mine.begin;\n      src[0] = dslot<T>(a, a.self_data, par, 1, q, sp.begin);",
+        "      dst[0] = out + sp.begin;\n      src[0] = dslot<T>(a, a.self_data, seq, 1, q, sp.begin);",
+        "      dst[0] = out + part(r, i).begin;\n      src[0] = dslot<T>(a, a.self_data, seq, 1, q, sp.begin);",
         P2P_TEST, "every gathered chunk lands on this rank's own chunk"),
     "oneshot_skips_last_rank": (
         KERNEL,
@@ -84,43 +84,57 @@ MUTATIONS = {
         P2P_TEST, "one-shot leaves the last rank's input out of the sum"),
     "flag_without_system_fence": (
         KERNEL,
-        "                   my_header(a, bytes_for(p), static_cast<uint32_t>(i)));\n    __threadfence_system();\n"
+        "    fence_acq_rel_sys();\n    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
         "    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
-        "                   my_header(a, bytes_for(p), static_cast<uint32_t>(i)));\n"
-        "    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank) __atomic_store_n(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq, __ATOMIC_RELAXED);",
+        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
         WEAK_DIRECT, "one-/two-shot flags raised with a relaxed store and no fence: data and headers land after them"),
     "ring_post_without_fence": (
         KERNEL,
-        "      __threadfence_system();\n      st_release_sys(&a.down->ring[k].posted.value, c.sent + 1);",
-        "      __atomic_store_n(&a.down->ring[k].posted.value, c.sent + 1, __ATOMIC_RELAXED);",
+        "    fence_acq_rel_sys();\n    if (send) st_relaxed_sys(&a.down->ring[k].posted.value, c.sent + 1);",
+        "    if (!send) fence_acq_rel_sys();\n    if (send) st_relaxed_sys(&a.down->ring[k].posted.value, c.sent + 1);",
         WEAK_RING, "the ring's posted count raised with a relaxed store and no fence: the slot lands after it"),
     "ring_wait_without_acquire": (
         KERNEL,
-        "  fence_acquire_sys();\n  note_wait(ctr);",
-        "  if (a.algo != static_cast<uint8_t>(Algo::Ring)) fence_acquire_sys();\n  note_wait(ctr);",
+        "  fence_acq_rel_sys();\n  note_wait(ctr);",
+        "  if (a.algo != static_cast<uint8_t>(Algo::Ring)) fence_acq_rel_sys();\n  note_wait(ctr);",
         WEAK_RING, "NOT expected: the weak mode's stale loads are cleared by the fence every step_end makes, so "
         "a missing acquire after the poll does not show (a limit of the model, README)"),
     "oneshot_post_relaxed": (
         KERNEL,
-        "    __threadfence_system();\n    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
-        "    const bool one = a.algo == static_cast<uint8_t>(Algo::OneShot);\n"
-        "    if (!one) __threadfence_system();\n    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank && !one) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);\n"
-        "      else if (p != a.rank) __atomic_store_n(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq, __ATOMIC_RELAXED);",
+        "    fence_acq_rel_sys();\n    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
+        "    if (a.algo != static_cast<uint8_t>(Algo::OneShot)) fence_acq_rel_sys();\n"
+        "    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
         ("test_cuda_kernels_emu", ["weak_oneshot"]),
         "one-shot's flags raised relaxed, without the fence: the inputs written into the peers land after them"),
     "twoshot_gather_post_relaxed": (
         KERNEL,
-        "    __threadfence_system();\n    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
-        "    if (ph == 0) __threadfence_system();\n    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank && ph == 0) st_release_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);\n"
-        "      else if (p != a.rank) __atomic_store_n(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq, __ATOMIC_RELAXED);",
+        "    fence_acq_rel_sys();\n    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
+        "    if (ph == 0) fence_acq_rel_sys();\n    for (int p = 0; p < a.nranks; ++p)\n"
+        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
         ("test_cuda_kernels_emu", ["weak_twoshot"]),
         "two-shot's gather flags (phase 1) raised relaxed, without the fence: the reduced chunks land after them"),
+    "direct_write_ahead_past_depth": (
+        KERNEL,
+        [("(((seq % kDirectDepth) * 2 + ph)", "(((seq % 2) * 2 + ph)"),
+         ("direct_hdr[seq % kDirectDepth]", "direct_hdr[seq % 2]")],
+        None, P2P_TEST,
+        "two slots per source with rounds written two ahead: a round overwrites one a peer has not read yet"),
+    "allgather_sends_before_collecting": (
+        KERNEL,
+        "      ok = collect(i);\n      if (ok && i + W < a.steps) send(i + W);",
+        "      if (i + W < a.steps) send(i + W);\n      ok = collect(i);",
+        P2P_TEST,
+        "all-gather alone sends round i + 2 before it has read round i: needs 5 slots, has 4"),
+    "twoshot_collects_two_behind": (
+        KERNEL,
+        "  const int64_t W = a.direct_ahead, L = W - 1;",
+        "  const int64_t W = a.direct_ahead, L = W;",
+        P2P_TEST,
+        "two-shot collects round i - 2 after sending round i + 2: needs 5 slots, has 4"),
     "nccl_reduce_on_default_stream": (
         "csrc/cuda/nccl_ring.cpp",
         "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"
