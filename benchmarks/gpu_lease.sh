@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
-# BUDGET_S seconds (default 570): the build, the cost of one handshake by mechanism
-# (benchmarks/gpu_handshake.cu, MPS off and on), the GPU smoke tests and the torchrun exit-status tests,
-# the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py), two-shot at 16 blocks
-# (BLOCKS_SWEEP), the direct algorithms in lock step (AHEAD_SWEEP) and with larger rounds (SLOT_SWEEP) and the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU
+# BUDGET_S seconds (default 570): the build, the GPU smoke tests and the torchrun exit-status tests,
+# the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py), the direct algorithms in
+# lock step (AHEAD_SWEEP) against the default write-ahead, the cost of one handshake by mechanism
+# (benchmarks/gpu_handshake.cu, MPS off and on), two-shot at 16 blocks (BLOCKS_SWEEP), the direct
+# algorithms with larger rounds (SLOT_SWEEP) and the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU
 # tests under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
 # lines printed are the summary. Afterwards, where there is no GPU:
 #   python benchmarks/gpu_tune.py --from OUT/roofline.json     # auto's thresholds from the medians
@@ -29,20 +30,6 @@ log "build"
 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" -m pip install --no-build-isolation --no-deps -e . \
     > "$OUT/build.log" 2>&1 || { log "build FAILED"; tail -40 "$OUT/build.log"; exit 1; }
 
-# What one cross-process handshake costs on this GPU by mechanism (a spinning kernel, stream memory
-# operations, a copy plus memops), without MPS and with it: the design question of issue 36 item 3.
-log "handshakes (benchmarks/gpu_handshake.cu)"
-NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
-if "$NVCC" -O2 -std=c++17 -arch=sm_90 benchmarks/gpu_handshake.cu -o "$OUT/gpu_handshake" \
-    > "$OUT/handshake.log" 2>&1; then
-  mps_off
-  { echo "== no MPS"; timeout -k 5 70 "$OUT/gpu_handshake" 200 15
-    nvidia-cuda-mps-control -d && sleep 1
-    echo "== MPS"; timeout -k 5 70 "$OUT/gpu_handshake" 200 15; mps_off; } >> "$OUT/handshake.log" 2>&1
-  rm -f "$OUT/gpu_handshake"
-fi
-log "handshakes: $(grep -c "us per call" "$OUT/handshake.log") modes measured"
-
 EXITS="test_processes_exit_cleanly_under_torchrun"
 log "smoke and exit statuses (no MPS)"
 timeout -k 10 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
@@ -51,7 +38,9 @@ timeout -k 10 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke o
 log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
 
 log "roofline"
-timeout -k 10 $(( $(left) - 60 )) "$PY" benchmarks/gpu_roofline.py --worlds 2 \
+# At least 60 s (timeout 0 would mean none); otherwise 180 s left for write-ahead and handshakes.
+roof_s=$(( $(left) - 180 )); [ "$roof_s" -lt 60 ] && roof_s=60
+timeout -k 10 "$roof_s" "$PY" benchmarks/gpu_roofline.py --worlds 2 \
     --sizes 4K,16K,64K,256K,1M,4M,16M,64M,256M --sizes-off 4K,1M,16M --bench-args "-n 10 -w 3" \
     --timeout 40 --out "$OUT/roofline.md" --json "$OUT/roofline.json" > "$OUT/roofline.log" 2>&1
 log "roofline exit $?"
@@ -66,6 +55,32 @@ bench_p2p() {
       --collectives all_reduce -b "$from" -e "$to" -f "$factor" -n 10 -w 3 \
       2>&1 | grep -v "^#\|^\[bench\]" | sed "s/^/$label /" | tee -a "$OUT/rounds.log"
 }
+# Session 15's write-ahead (RINGREDUCE_CUDA_DIRECT_AHEAD, default 2: the peers' posts land while a
+# block works) against the lock step (1) of the earlier runs. AHEAD_SWEEP= skips it.
+for ahead in ${AHEAD_SWEEP-1}; do
+  for algo in oneshot twoshot; do
+    [ "$(left)" -lt 100 ] && break 2
+    log "write-ahead: $algo, ahead $ahead"
+    bench_p2p "$algo ahead=$ahead" 1M 256M 16 RINGREDUCE_CUDA_DIRECT_AHEAD=$ahead RINGREDUCE_CUDA_ALGO=$algo
+  done
+done
+# What one cross-process handshake costs on this GPU by mechanism (a spinning kernel, stream memory
+# operations, a copy plus memops), without MPS and with it: the design question of issue 36 item 3.
+if [ "$(left)" -ge 100 ]; then
+  log "handshakes (benchmarks/gpu_handshake.cu)"
+  NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+  if "$NVCC" -O2 -std=c++17 -arch=sm_90 benchmarks/gpu_handshake.cu -o "$OUT/gpu_handshake" \
+      > "$OUT/handshake.log" 2>&1; then
+    mps_off
+    { echo "== no MPS"; timeout -k 5 40 "$OUT/gpu_handshake" 200 6
+      nvidia-cuda-mps-control -d && sleep 1
+      echo "== MPS"; timeout -k 5 40 "$OUT/gpu_handshake" 200 6; } >> "$OUT/handshake.log" 2>&1
+    rm -f "$OUT/gpu_handshake"
+  fi
+  log "handshakes: $(grep -c "us per call" "$OUT/handshake.log") modes measured"
+fi
+mps_off
+nvidia-cuda-mps-control -d && sleep 1
 # The blocks of session 14 (up to 64 per call, from the SM count) against session 12's 16: what
 # more blocks buy. BLOCKS_SWEEP= skips it.
 for blocks in ${BLOCKS_SWEEP-16}; do
@@ -73,15 +88,6 @@ for blocks in ${BLOCKS_SWEEP-16}; do
   log "blocks: twoshot, at most $blocks"
   bench_p2p "twoshot max_blocks=$blocks" 1M 256M 16 RINGREDUCE_CUDA_MAX_BLOCKS=$blocks \
       RINGREDUCE_CUDA_ALGO=twoshot
-done
-# Session 15's write-ahead (RINGREDUCE_CUDA_DIRECT_AHEAD, default 2: the peers' posts land while a
-# block works) against the lock step (1) of the earlier runs. AHEAD_SWEEP= skips it.
-for ahead in ${AHEAD_SWEEP-1}; do
-  for algo in oneshot twoshot; do
-    [ "$(left)" -lt 170 ] && break 2
-    log "write-ahead: $algo, ahead $ahead"
-    bench_p2p "$algo ahead=$ahead" 1M 256M 16 RINGREDUCE_CUDA_DIRECT_AHEAD=$ahead RINGREDUCE_CUDA_ALGO=$algo
-  done
 done
 # The direct algorithms' cost per round (~7-8 us in lock step on the H200 run, BENCHMARKS.md
 # section 6): the same calls with larger rounds (RINGREDUCE_CUDA_SLOT_BYTES, bytes per block,
@@ -100,10 +106,12 @@ for slice in ${RING_SWEEP-131072 524288}; do
   log "ring FIFO: slice $slice B"
   bench_p2p "ring slice=$slice" 4M 256M 4 RINGREDUCE_CUDA_SLICE_BYTES=$slice RINGREDUCE_CUDA_ALGO=ring
 done
-log "the other GPU tests (MPS), $(( $(left) - 10 )) s"
-timeout -k 5 $(( $(left) - 10 )) "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" \
-    -k "not $EXITS" tests/test_cuda.py --durations=10 -rfE > "$OUT/rest.log" 2>&1
-log "rest exit $?: $(tail -1 "$OUT/rest.log")"
+if [ "$(left)" -gt 40 ]; then
+  log "the other GPU tests (MPS), $(( $(left) - 10 )) s"
+  timeout -k 5 $(( $(left) - 10 )) "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" \
+      -k "not $EXITS" tests/test_cuda.py --durations=10 -rfE > "$OUT/rest.log" 2>&1
+  log "rest exit $?: $(tail -1 "$OUT/rest.log")"
+fi
 mps_off
 
 echo "== summary"
