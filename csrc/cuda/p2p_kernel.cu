@@ -339,9 +339,13 @@ __device__ void post_all(const Args& a, int ph, uint64_t seq, int64_t i, F bytes
 
 // Thread 0 waits until every peer's phase-ph data of round `seq` has arrived here and checks their
 // headers; bytes_for(q): what rank q must have sent. The block learns the outcome; false: stop.
+// The outcome has a word per round parity: the same wait can come twice with no other barrier in
+// between (the last rounds, which send nothing), and thread 0 must not overwrite round i's word
+// while a thread still reads it; by round i + 2 every thread has passed round i + 1's barrier.
 template <class F>
 __device__ bool wait_all(const Args& a, int ph, uint64_t seq, int64_t i, F bytes_for) {
-  __shared__ uint32_t s_stop;
+  __shared__ uint32_t s_stops[2];
+  uint32_t& s_stop = s_stops[i & 1];
   if (threadIdx.x == 0) {
     uint32_t stop = 0;
     for (int k = 1; k < a.nranks && !stop; ++k) {
