@@ -1,7 +1,7 @@
 """Cost report of the p2p transport's algorithms, counted on the emulated CUDA device (no GPU has
 been lent to this project, so nothing here is a GPU timing).
 
-    python benchmarks/gpu_cost.py --world 8 --sizes 4K,256K,4M,256M [--algo auto,ring,oneshot,twoshot]
+    python benchmarks/gpu_cost.py --world 8 --sizes 4K,256K,4M,256M [--algo auto,ring,oneshot,twoshot,registered]
         [--coll all_reduce] [--bin cbuild/gpu_cost_emu] [--json out.json] [--check]
 
 For each algorithm and size it runs one counted call on WORLD emulated GPUs (cbuild/gpu_cost_emu,
@@ -16,7 +16,9 @@ two-shot kernels instead of their own (1: as in the kernels of the first GPU run
 
 --check exits 1 unless issue 25's targets hold at world 8: 4 KiB all-reduce (auto) within 3 round
 trips; 256 MiB: remote bytes per rank <= 1.05 x 2(N-1)/N x size and local writes no more than the
-output (no staging copy of the payload); 4 MiB ring: >= 4 slices per channel.
+output (no staging copy of the payload); 4 MiB ring: >= 4 slices per channel. With --algo registered
+(all_reduce of tensors in registered buffers, ringreduce.shared_empty on CUDA), at 256 MiB: remote
+bytes <= 1.01 x the ideal, local bytes <= 2 x size / N (nothing staged), <= 4 round trips.
 """
 import argparse
 import json
@@ -146,6 +148,16 @@ def check(rows, world):
                    f"256 MiB {r['algo']}: remote bytes {r['remote_vs_ideal']:.3f} x 2(N-1)/N x size <= 1.05")
             expect(r["local_write"] <= r["bytes"],
                    f"256 MiB {r['algo']}: local writes {r['local_write']} <= output {r['bytes']} (no staging)")
+        if r["bytes"] == 256 << 20 and r["asked"] == "registered":
+            # every rank's chunk read from every copy and written into every copy, once
+            expect(r["algo"] == "registered", f"256 MiB in registered buffers ran {r['algo']}")
+            expect(r["remote_vs_ideal"] <= 1.01,
+                   f"256 MiB registered: remote bytes {r['remote_vs_ideal']:.3f} x 2(N-1)/N x size <= 1.01")
+            expect(r["local_write"] + r["local_read"] <= 2.01 * r["bytes"] / world,
+                   f"256 MiB registered: local bytes {r['local_write'] + r['local_read']} <= 2 x size / N "
+                   f"(nothing staged)")
+            expect(r["critical_rtt"] <= 4, f"256 MiB registered: {r['critical_rtt']:g} <= 4 round trips "
+                   f"(two handshakes)")
         if r["bytes"] == 4 << 20 and r["algo"] == "ring":
             expect(r["steps"] >= 4, f"4 MiB ring: {r['steps']} >= 4 slices per channel")
     return ok

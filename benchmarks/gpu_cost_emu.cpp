@@ -19,7 +19,7 @@ namespace p2p = ringreduce::cuda::p2p;
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::fprintf(stderr, "usage: %s WORLD all_reduce|reduce_scatter|all_gather auto|ring|oneshot|twoshot BYTES...\n", argv[0]);
+    std::fprintf(stderr, "usage: %s WORLD all_reduce|reduce_scatter|all_gather auto|ring|oneshot|twoshot|registered BYTES...\n", argv[0]);
     return 2;
   }
   const int n = std::atoi(argv[1]);
@@ -29,6 +29,12 @@ int main(int argc, char** argv) {
   p2p::Algo algo = p2p::Algo::Auto;
   for (p2p::Algo a : {p2p::Algo::Ring, p2p::Algo::OneShot, p2p::Algo::TwoShot})
     if (algo_s == p2p::algo_name(a)) algo = a;
+  // registered: all_reduce of tensors in registered buffers (Ring::reg_alloc; Auto picks it).
+  const bool registered = algo_s == "registered";
+  if (registered && coll != rr::Coll::AllReduce) {
+    std::fprintf(stderr, "gpu_cost_emu: registered buffers are for all_reduce only\n");
+    return 2;
+  }
   emu_set_device_count(n);
   try {
     std::vector<std::unique_ptr<p2p::Ring>> rings;
@@ -54,16 +60,32 @@ int main(int argc, char** argv) {
     for (int i = 4; i < argc; ++i) {
       const int64_t numel = (std::atoll(argv[i]) / 4 / n) * n;
       std::vector<char*> in(n), out(n);
+      std::vector<std::string> reg_handles(n);
+      std::vector<int> reg_ids(n);
       for (int r = 0; r < n; ++r) {
         RR_CUDA_CHECK(cudaSetDevice(r));
         const size_t in_b = (coll == rr::Coll::AllGather ? numel / n : numel) * 4;
         const size_t out_b = (coll == rr::Coll::ReduceScatter ? numel / n : numel) * 4;
-        RR_CUDA_CHECK(cudaMalloc(&in[r], in_b ? in_b : 4));
-        RR_CUDA_CHECK(cudaMalloc(&out[r], out_b ? out_b : 4));
+        if (registered) {  // every rank's buffer, mapped by all (freed when the rings close)
+          std::string h;
+          const int id = rings[r]->reg_alloc(in_b ? in_b : 4, &h);
+          reg_handles[r] = h;
+          reg_ids[r] = id;
+          in[r] = rings[r]->reg_memory(id).get();
+        } else {
+          RR_CUDA_CHECK(cudaMalloc(&in[r], in_b ? in_b : 4));
+        }
+        if (!registered) RR_CUDA_CHECK(cudaMalloc(&out[r], out_b ? out_b : 4));
         // On the rank's stream: a legacy-stream memset is not ordered before it (non-blocking).
         RR_CUDA_CHECK(cudaMemsetAsync(in[r], 0, in_b ? in_b : 4, streams[r]));
       }
-      const rr::Call base{coll, rr::DType::F32, rr::RedOp::Sum, numel, nullptr, nullptr};
+      for (int r = 0; r < n && registered; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(r));
+        rings[r]->reg_connect(reg_ids[r], reg_handles);
+      }
+      // The plan below asks with rank 0's tensor (a registered one is planned by where it is).
+      const rr::Call base{coll, rr::DType::F32, rr::RedOp::Sum, numel, registered ? in[0] : nullptr,
+                          registered ? in[0] : nullptr};
       for (int pass = 0; pass < 2; ++pass) {  // a warm-up, then the counted call
         if (pass == 1) {
           emu_cost_reset();
@@ -109,7 +131,7 @@ int main(int argc, char** argv) {
       std::printf("]}\n");
       std::fflush(stdout);
       for (int r = 0; r < n; ++r) {
-        cudaFree(in[r]);
+        if (!registered) cudaFree(in[r]);
         cudaFree(out[r]);
       }
     }

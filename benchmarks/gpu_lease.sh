@@ -33,7 +33,7 @@ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" -m pip install --no-build-isolation -
 EXITS="test_processes_exit_cleanly_under_torchrun"
 log "smoke and exit statuses (no MPS)"
 timeout -k 10 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
-    test_transport_choice_logged or test_world_one_moves_nothing or $EXITS" tests/test_cuda.py \
+    test_transport_choice_logged or test_world_one_moves_nothing or test_shared_buffers or $EXITS" tests/test_cuda.py \
     --durations=10 -rfE > "$OUT/smoke.log" 2>&1
 log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
 

@@ -6,7 +6,8 @@ Prints, and writes as markdown to --out (default gpu_roofline.md) to paste into 
 1. the device-to-device copy bandwidth (read + write counted), the limit of everything below;
 2. world 1: rr.all_reduce against NCCL's world-1 all_reduce and a bare t.add_(0), us per call;
 3. worlds 2 and 4 as processes sharing the GPU, with MPS and without, per p2p algorithm (auto,
-   ring, oneshot, twoshot: RINGREDUCE_CUDA_ALGO), float32 all_reduce in place: the median us per
+   ring, oneshot, twoshot: RINGREDUCE_CUDA_ALGO; registered: the tensor a shared_empty one),
+   float32 all_reduce in place: the median us per
    call from `python -m ringreduce.bench`, the fraction of the HBM limit (an all_reduce of S bytes
    per rank on one GPU reads N inputs and writes N outputs: 2NS bytes at the copy bandwidth), and
    the time without MPS as a multiple of the time with it.
@@ -27,7 +28,8 @@ import sys
 import tempfile
 import time
 
-ALGOS = ("auto", "ring", "oneshot", "twoshot")
+# registered: all_reduce of ringreduce.shared_empty tensors (ringreduce/p2p-shared; algorithm auto)
+ALGOS = ("auto", "ring", "oneshot", "twoshot", "registered")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -152,10 +154,12 @@ def run_bench(world, algo, sizes, timeout, bench_args=()):
     """{size: median us} of world ranks running algo (RINGREDUCE_CUDA_ALGO), in place, float32.
     The run is a process group of its own: at the time limit every rank is killed with it (a rank
     left spinning would skew every later run) and the rows printed so far are kept."""
+    registered = algo == "registered"
     cmd = [sys.executable, "-m", "ringreduce.bench", "--nranks", str(world), "--backends",
-           "ringreduce/p2p", "--collectives", "all_reduce", "-b", str(min(sizes)), "-e",
-           str(max(sizes)), "-f", "4", *bench_args]
-    env = {**os.environ, "RINGREDUCE_CUDA_ALGO": algo, "PYTHONUNBUFFERED": "1"}
+           "ringreduce/p2p-shared" if registered else "ringreduce/p2p", "--collectives",
+           "all_reduce", "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", *bench_args]
+    env = {**os.environ, "RINGREDUCE_CUDA_ALGO": "auto" if registered else algo,
+           "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryFile("w+") as out:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)

@@ -30,7 +30,7 @@ endforeach()
 
 # The weak memory mode (tests/native/emu/weak.cpp) on each p2p algorithm, 3 seeds, worlds 2-3:
 # about 2 s on the 2-core CI machine.
-add_test(NAME test_cuda_kernels_emu_weak COMMAND test_cuda_kernels_emu weak_ring weak_oneshot weak_twoshot)
+add_test(NAME test_cuda_kernels_emu_weak COMMAND test_cuda_kernels_emu weak_ring weak_oneshot weak_twoshot weak_registered)
 set_tests_properties(test_cuda_kernels_emu_weak PROPERTIES TIMEOUT 300)
 
 # The cost report of the p2p algorithms on the emulated device (benchmarks/gpu_cost.py runs it).
@@ -46,5 +46,7 @@ if(Python3_FOUND)
            --world 8 --sizes 4K,256M --algo auto --bin $<TARGET_FILE:gpu_cost_emu> --check)
   add_test(NAME gpu_cost_targets_ring COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/benchmarks/gpu_cost.py
            --world 8 --sizes 4M --algo ring --bin $<TARGET_FILE:gpu_cost_emu> --check)
-  set_tests_properties(gpu_cost_targets gpu_cost_targets_ring PROPERTIES TIMEOUT 600)
+  add_test(NAME gpu_cost_targets_registered COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/benchmarks/gpu_cost.py
+           --world 8 --sizes 256M --algo registered --bin $<TARGET_FILE:gpu_cost_emu> --check)
+  set_tests_properties(gpu_cost_targets gpu_cost_targets_ring gpu_cost_targets_registered PROPERTIES TIMEOUT 600)
 endif()

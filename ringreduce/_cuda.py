@@ -381,6 +381,46 @@ class Communicator(_lifecycle.Communicator):
         finally:
             torch.cuda.nvtx.range_pop()
 
+    def can_share(self):
+        """Whether shared_empty can make buffers here (the same answer on every rank)."""
+        return self.transport == "p2p" and self._native is not None and self._native.direct()
+
+    def shared_empty(self, shape, dtype):
+        """A tensor on this device in a new buffer that every rank maps (ringreduce.shared_empty):
+        all_reduce of it reads the peers' copies and writes the results into them, with no
+        staging. Collective. The buffer stays mapped until the communicator closes; this rank's
+        copy lives on with the tensor."""
+        if not self.can_share():
+            raise ValueError(
+                "ringreduce.shared_empty: CUDA shared buffers need the p2p transport with every "
+                "rank mapping every other rank's memory (at most 16 ranks, peer access between "
+                f"all their GPUs); this group runs {self.transport}"
+                + ("" if self.transport != "p2p" else " without it"))
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
+        with self._lock:
+            self._check_open()
+            ident, handle = self._native.reg_alloc(nbytes)
+        setup, n, r = self._setup, self.world_size, self.rank
+        setup.set(f"reg/{ident}/{r}", b"%d " % nbytes + handle)
+        entries = [v.split(b" ", 1) for v in
+                   setup.all(f"reg/{ident}", n, "shared buffer (ringreduce.shared_empty)")]
+        sizes = [int(b) for b, _ in entries]
+        if len(set(sizes)) != 1:
+            raise ValueError(f"ringreduce.shared_empty: every rank must ask for the same size and "
+                             f"dtype; bytes asked by rank: {sizes}")
+        with self._lock:
+            self._check_open()
+            self._native.reg_connect(ident, [b"" if q == r else h for q, (_, h) in enumerate(entries)])
+        if not setup.count(f"reg-mapped/{ident}", n, self.timeout):
+            raise RingReduceError(
+                f"ringreduce: rank {r}: shared_empty timed out after {self.timeout:g} s waiting "
+                f"for every rank to map the buffers ({_lifecycle.SETUP_HINT})")
+        like = torch.empty(0, dtype=dtype)
+        return self._native.reg_tensor(ident, numel, like).view(shape)
+
     def all_reduce(self, tensor, op_code, async_op):
         with self._lock:
             self._check_open()

@@ -17,9 +17,10 @@ same order) the gradients are copied into the bucket's flat buffer and an async 
 (AVG) is launched. wait() launches the buckets that are still open, waits for all of them, and
 writes the averaged gradients back into each parameter's .grad. The buckets hold one extra copy of
 the gradients (DDP's gradient_as_bucket_view avoids that copy; this class leaves .grad as ordinary
-tensors). On the CPU with every rank on one host, the buffers are ringreduce.shared_empty tensors
-(allocated the first time each bucket launches, in bucket order on every rank), whose all-reduce
-reads the peers' buffers in place instead of copying through shared slots.
+tensors). On the CPU with every rank on one host, and on CUDA devices whose p2p communicator maps
+every rank's memory, the buffers are ringreduce.shared_empty tensors (allocated the first time each
+bucket launches, in bucket order on every rank), whose all-reduce reads the peers' buffers in place
+(on CUDA: and writes the result into them) instead of copying through shared or staging slots.
 
 Parameters without a gradient. Each bucket carries one extra element per parameter, set to 1 on the
 ranks where that parameter got a gradient in this step (or in a no_sync() step since the last
@@ -44,7 +45,8 @@ import torch.distributed as dist
 
 from ._lifecycle import traced_source
 from . import _comm
-from .collectives import SUPPORTED_DTYPES, all_reduce, get_communicator, shared_empty
+from .collectives import (SUPPORTED_DTYPES, _comm_for, all_reduce, get_communicator,
+                          shared_empty)
 
 # DDP's first bucket size (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): small, so that the first
 # collective starts as soon as the last layer's gradients exist.
@@ -106,6 +108,7 @@ class GradientBucketer:
         self._order = []               # firing order in the first synchronised step
         self._rebuilt = False
         self._shared = None            # CPU buffers from shared_empty (decided on first launch)
+        self._cuda_share = {}          # CUDA device -> its buffers from shared_empty
         self._build(list(reversed(range(n))))
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                          for i, p in enumerate(unique)]
@@ -184,6 +187,9 @@ class GradientBucketer:
             numel = bucket.numel + len(bucket.indices)
             if bucket.device.type == "cpu" and self._one_host():
                 bucket.buffer = shared_empty(numel, dtype=bucket.dtype, group=self.group)
+            elif bucket.device.type == "cuda" and self._cuda_shared(bucket.device):
+                bucket.buffer = shared_empty(numel, dtype=bucket.dtype, group=self.group,
+                                             device=bucket.device)
             else:
                 bucket.buffer = torch.empty(numel, dtype=bucket.dtype, device=bucket.device)
         buf = bucket.buffer
@@ -212,6 +218,16 @@ class GradientBucketer:
             comm = get_communicator(g)
             self._shared = isinstance(comm, _comm.Communicator) and comm.transport == "shm"
         return self._shared
+
+    def _cuda_shared(self, device):
+        """Whether the group's communicator on this CUDA device can make shared buffers (p2p,
+        every rank mapping every other: decided collectively, so the same on every rank)."""
+        if device not in self._cuda_share:
+            g = self.group if self.group is not None else dist.group.WORLD
+            comm = _comm_for(g, device, "GradientBucketer")
+            self._cuda_share[device] = bool(comm is not None and getattr(comm, "can_share", None)
+                                            and comm.can_share())
+        return self._cuda_share[device]
 
     # -- public ------------------------------------------------------------------------------
     def wait(self):

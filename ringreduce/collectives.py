@@ -189,14 +189,19 @@ _is_compiling = torch.compiler.is_compiling
 _world = _c10d._world  # one object for the process's life; its default_pg changes
 
 
-def shared_empty(*size, dtype=None, group=None):
-    """An uninitialised CPU tensor in memory that every rank of group maps (like torch.empty).
+def shared_empty(*size, dtype=None, group=None, device=None):
+    """An uninitialised tensor in memory that every rank of group maps (like torch.empty).
 
     all_reduce of this tensor (or of a contiguous part of it) on the same group reads the peers'
     copies in place (one pass, rank order), where an ordinary tensor is copied through shared
     slots. Collective: every rank of the group calls it, in the same order, with the same size and
-    dtype. The memory is freed with the tensor; nothing is left in /dev/shm. One host only (the
-    shared-memory transport)."""
+    dtype. device: "cpu" (default) or a CUDA device.
+    CPU: the memory is freed with the tensor; nothing is left in /dev/shm. One host only (the
+    shared-memory transport).
+    CUDA: the p2p transport with every rank mapping every other's GPU memory (CUDA IPC); the
+    all_reduce (any op, the default algorithm choice) reads every rank's copy and writes the
+    result into all of them, with two handshakes and no staging copy. The peers' mappings last
+    until the communicator closes; this rank's copy lives on with the tensor."""
     fn = "shared_empty"
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
@@ -206,9 +211,16 @@ def shared_empty(*size, dtype=None, group=None):
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"ringreduce.{fn}: dtype {dtype} is not supported; supported: "
                         f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
-    comm = _comm_for(group, torch.device("cpu"), fn)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"ringreduce.{fn}: device must be cpu or cuda, got {device}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    comm = _comm_for(group, device, fn)
     if comm is None:
         return None
+    if device.type == "cuda":
+        return comm.shared_empty(size, dtype)
     if not isinstance(comm, _comm.Communicator) or getattr(comm, "transport", None) != "shm":
         raise ValueError(f"ringreduce.{fn}: the group spans more than one host; shared buffers "
                          f"need every rank on one host (the shared-memory transport)")

@@ -8,6 +8,13 @@ group (None: the default group); each hook averages the bucket over the group an
 torch.futures.Future whose value is a tensor with the bucket's shape. The collective is launched
 asynchronously (it runs on the communicator's worker thread, or the CUDA path's stream), so it
 overlaps the rest of backward. The same hooks serve CPU and CUDA buckets.
+
+Copies: DDP's bucket is DDP's own tensor, which no peer maps, so its all-reduce moves through the
+transport's staging slots (on CUDA p2p: one copy of the data into the peers' direct buffers or ring
+FIFOs, one-shot, two-shot or ring). ringreduce.GradientBucketer's buckets are shared_empty tensors
+where the transport allows (CPU on one host; CUDA p2p with every rank mapping every other), whose
+all-reduce reads and writes the peers' buckets directly: the copy that remains there is gradients
+into the bucket and back, as with DDP without gradient_as_bucket_view.
 """
 import torch
 import torch.distributed as dist

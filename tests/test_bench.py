@@ -263,6 +263,7 @@ def test_missing_optional_packages_named(monkeypatch, capsys):
     (["-o", "mean"], "invalid choice"),
     (["-m", "0"], "must be >= 1"),
     (["--plot", "out.pdf"], "must end in .png"),
+    (["--backends", "ringreduce/p2p-shared"], "transport p2p does not move CPU tensors"),
 ])
 def test_bad_flags_rejected(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:

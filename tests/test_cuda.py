@@ -636,16 +636,82 @@ def ddp_worker(rank, world):
             opt.step()
     flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]).cpu()
             for m in (ddp.module, plain, ref)]
+    shared = bucketer._cuda_share.get(dev)  # the bucketer's buffers are shared_empty tensors
     finish()
-    return [(f - flat[2]).abs().max().item() for f in flat[:2]], [digest(f) for f in flat[:2]]
+    return [(f - flat[2]).abs().max().item() for f in flat[:2]], [digest(f) for f in flat[:2]], shared
 
 
 @TRANSPORTS
 def test_ddp_hook_and_bucketer(env):
     results = run_ranks(2, ddp_worker, timeout=300, env=env)
-    for rank, (diffs, _) in enumerate(results):
+    for rank, (diffs, _, shared) in enumerate(results):
         assert max(diffs) < 1e-5, f"rank {rank}: DDP hook / bucketer differ from the reference by {diffs}"
+        assert shared is (env["RINGREDUCE_TRANSPORT"] == "p2p"), f"rank {rank}: bucketer buffers shared: {shared}"
     assert results[0][1] == results[1][1], "parameters differ between ranks"
+
+
+# -- shared buffers (ringreduce.shared_empty on CUDA: the registered all_reduce) -------------------
+def shared_worker(rank, world):
+    """all_reduce of shared_empty tensors (whole and a slice, every op, three dtypes) against the
+    reference, bitwise alike on every rank, the rest of the buffer untouched; a CUDA graph of it;
+    sizes that differ between ranks are an error on every rank; the tensor outlives the
+    communicator."""
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    failures, digests = [], []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        buf = rr.shared_empty(100_003, dtype=dtype, device=dev)
+        if buf.device != dev or buf.dtype != dtype or buf.shape != (100_003,):
+            failures.append(f"shared_empty gave {buf.device} {buf.dtype} {tuple(buf.shape)}")
+        for op in OPS:
+            for lo, hi in ((0, 100_003), (5, 4104), (7, 8)):
+                ins = [make_input(r, hi - lo, dtype, op, seed=hi) for r in range(world)]
+                buf.fill_(3)
+                buf[lo:hi].copy_(ins[rank])
+                rr.all_reduce(buf[lo:hi], op=op)
+                exp, tol = reference(ins, op)
+                tag = f"{dtype} {op} [{lo}:{hi}] world={world}"
+                if bad_count(buf[lo:hi], exp, tol):
+                    failures.append(f"{tag}: {bad_count(buf[lo:hi], exp, tol)} wrong")
+                rest = torch.cat([buf[:lo], buf[hi:]])
+                if not torch.all(rest == 3).item():
+                    failures.append(f"{tag}: the rest of the buffer changed")
+                digests.append(digest(buf[lo:hi]))
+    graph_buf = rr.shared_empty(4099, device=dev)
+    graph_buf.fill_(rank + 1.0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rr.all_reduce(graph_buf)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    total = world * (world + 1) / 2
+    if not torch.all(graph_buf == total * world).item():
+        failures.append(f"graph replays: {graph_buf[:4].tolist()}")
+    try:
+        rr.shared_empty(100 + rank, device=dev)
+        failures.append("sizes that differ: no error")
+    except ValueError as e:
+        if "same size" not in str(e):
+            failures.append(f"sizes that differ: {e}")
+    keep = rr.shared_empty(16, device=dev)
+    keep.fill_(rank)
+    rr.all_reduce(keep)
+    finish()  # closes the communicator: the peers' mappings go, this copy stays with the tensor
+    keep.add_(1)
+    if not torch.all(keep == sum(range(world)) + 1).item():
+        failures.append(f"after close: {keep.tolist()}")
+    del graph
+    return failures, digests
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_buffers(world):
+    results = run_ranks(world, shared_worker, timeout=300, env=P2P_ENV)
+    for rank, (failures, _) in enumerate(results):
+        assert not failures, (rank, failures[:5])
+    assert all(d == results[0][1] for _, d in results), "results differ between ranks"
 
 
 # -- CUDA graphs ---------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_different_sizes_are_an_error_on_every_rank():
 
 def bad_args_worker(rank, world):
     out = []
-    for kwargs in ({"dtype": torch.complex64}, {}):
+    for kwargs in ({"dtype": torch.complex64}, {}, {"device": "meta"}):
         try:
             rr.shared_empty(-1, **kwargs) if not kwargs else rr.shared_empty(4, **kwargs)
         except (TypeError, ValueError) as e:
@@ -129,9 +129,10 @@ def bad_args_worker(rank, world):
 
 def test_bad_arguments():
     for msgs in run_ranks(2, bad_args_worker):
-        assert len(msgs) == 2, msgs
+        assert len(msgs) == 3, msgs
         assert "dtype torch.complex64 is not supported" in msgs[0], msgs
         assert "size must be non-negative ints, got (-1,)" in msgs[1], msgs
+        assert "device must be cpu or cuda, got meta" in msgs[2], msgs
 
 
 def bucketer_worker(rank, world, trace_dir):

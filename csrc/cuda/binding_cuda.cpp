@@ -553,6 +553,29 @@ void register_cuda(py::module_& m) {
         c.ring().connect(h);
       }, py::arg("handles"))
       .def("direct", [](P2pComm& c) { return c.ring().direct(); })
+      // Shared buffers (ringreduce.shared_empty on CUDA; p2p::Ring::reg_alloc).
+      .def("reg_alloc", [](P2pComm& c, size_t nbytes) {
+        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device()));
+        std::string h;
+        const int id = c.ring().reg_alloc(nbytes, &h);
+        return py::make_tuple(id, py::bytes(h));
+      }, py::arg("nbytes"))
+      .def("reg_connect", [](P2pComm& c, int id, const std::vector<py::bytes>& handles) {
+        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device()));
+        std::vector<std::string> h;
+        for (const py::bytes& b : handles) h.push_back(std::string(b));
+        c.ring().reg_connect(id, h);
+      }, py::arg("id"), py::arg("handles"))
+      .def("reg_tensor", [](P2pComm& c, int id, int64_t numel, const at::Tensor& like) {
+        // The tensor holds the buffer (a shared_ptr in its deleter): the communicator's close
+        // unmaps the peers' copies and lets go of this one, which lives on with the tensor. At
+        // the interpreter's exit the deleter makes no CUDA call (see the top).
+        auto* mem = new std::shared_ptr<char>(c.ring().reg_memory(id));
+        auto opts = at::TensorOptions().dtype(like.scalar_type()).device(at::kCUDA, c.device());
+        return at::from_blob(mem->get(), {numel}, [mem](void*) {
+          if (!finalizing()) delete mem;
+        }, opts);
+      }, py::arg("id"), py::arg("numel"), py::arg("like"))
       .def("set_thresholds", [](P2pComm& c, size_t oneshot_max, size_t twoshot_max) {
         c.ring().set_thresholds(oneshot_max, twoshot_max);
       }, py::arg("oneshot_max"), py::arg("twoshot_max"))

@@ -57,6 +57,7 @@ const char* algo_name(Algo a) {
     case Algo::Ring: return "ring";
     case Algo::OneShot: return "oneshot";
     case Algo::TwoShot: return "twoshot";
+    case Algo::Registered: return "registered";
   }
   return "unknown";
 }
@@ -67,6 +68,8 @@ constexpr double kModelRttS = 1e-6;
 constexpr double kModelLinkBytesPerS = 450e9;
 // Direct algorithms: a block per this many bytes of the tensor.
 constexpr size_t kDirectBytesPerBlock = 64 << 10;
+// Registered all_reduce: a block per this many bytes of a rank's chunk.
+constexpr int64_t kRegBytesPerBlock = 64 << 10;
 
 size_t oneshot_max_bytes(int n) {
   // One-shot writes (n-1) x size per rank against two-shot's 2(n-1)/n x size, and saves one of
@@ -282,6 +285,102 @@ void Ring::connect_local(const std::vector<const Ring*>& rings) {
   direct_ = opt_.nranks <= kMaxPeers;
 }
 
+Plan Ring::plan_of(const Call& c) const {
+  const size_t es = dtype_size(c.dtype);
+  if (opt_.algo == Algo::Auto && c.coll == Coll::AllReduce && c.in == c.out && c.numel > 0 &&
+      opt_.nranks > 1) {
+    const char* p = static_cast<const char*>(c.in);
+    const size_t bytes = static_cast<size_t>(c.numel) * es;
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    for (size_t k = 0; k < regs_.size(); ++k) {
+      const Reg& g = regs_[k];
+      const char* base = g.own.get();
+      if (!g.mapped || p < base || p + bytes > base + g.bytes) continue;
+      // A block per kRegBytesPerBlock of this rank's chunk: each streams its part straight
+      // through, so a few large parts beat many small ones (no rounds to pipeline).
+      const int64_t chunk = (c.numel + opt_.nranks - 1) / opt_.nranks * static_cast<int64_t>(es);
+      const int64_t want = (chunk + kRegBytesPerBlock - 1) / kRegBytesPerBlock;
+      Plan r{Algo::Registered, static_cast<int>(std::max<int64_t>(
+                                   1, std::min<int64_t>(want, direct_blocks()))),
+             1, 1};
+      r.reg = static_cast<int>(k);
+      r.reg_offset = static_cast<uint64_t>(p - base);
+      return r;
+    }
+  }
+  return plan(c, opt_, direct_);
+}
+
+int Ring::reg_alloc(size_t bytes, std::string* handle) {
+  if (!area_) throw RingError("ringreduce: p2p communicator is closed");
+  if (opt_.nranks > 1 && !direct_)
+    throw RingError("ringreduce: shared buffers need every rank of the group to map every other "
+                    "rank's memory through CUDA IPC (and at most " + std::to_string(kMaxPeers) +
+                    " ranks); this group cannot");
+  DeviceScope scope(device_);
+  void* p = nullptr;
+  RR_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 1)));
+  const int dev = device_;
+  Reg g;
+  g.bytes = bytes;
+  g.own = std::shared_ptr<char>(static_cast<char*>(p), [dev](char* q) {
+    DeviceScope s(dev);
+    cudaFree(q);  // at exit the runtime may be gone: nothing to report then
+    cudaGetLastError();
+  });
+  g.at.assign(opt_.nranks, nullptr);
+  g.at[opt_.rank] = g.own.get();
+  g.mapped = opt_.nranks == 1;
+  cudaIpcMemHandle_t h;
+  RR_CUDA_CHECK(cudaIpcGetMemHandle(&h, p));
+  handle->assign(reinterpret_cast<const char*>(&h), sizeof h);
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  regs_.push_back(std::move(g));
+  return static_cast<int>(regs_.size()) - 1;
+}
+
+void Ring::reg_connect(int id, const std::vector<std::string>& handles) {
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  if (id < 0 || id >= static_cast<int>(regs_.size()))
+    throw std::invalid_argument("ringreduce: no shared buffer " + std::to_string(id));
+  Reg& g = regs_[id];
+  const int n = opt_.nranks;
+  if (static_cast<int>(handles.size()) != n)
+    throw RingError("ringreduce: shared buffer: " + std::to_string(handles.size()) +
+                    " IPC handles for " + std::to_string(n) + " ranks");
+  DeviceScope scope(device_);
+  g.ipc = true;  // from here close() unmaps what is mapped
+  for (int q = 0; q < n; ++q) {
+    if (q == opt_.rank) continue;
+    if (handles[q].size() != sizeof(cudaIpcMemHandle_t))
+      throw RingError("ringreduce: shared buffer: rank " + std::to_string(q) + "'s IPC handle has the wrong size");
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[q].data(), sizeof h);
+    void* p = nullptr;
+    const cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw RingError("ringreduce: rank " + std::to_string(opt_.rank) + ": cannot map rank " +
+                      std::to_string(q) + "'s shared buffer through CUDA IPC (" + cudaGetErrorString(e) + ")");
+    }
+    g.at[q] = static_cast<char*>(p);
+  }
+  g.mapped = true;
+}
+
+void Ring::reg_connect_local(int id, const std::vector<const Ring*>& rings) {
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  Reg& g = regs_.at(id);
+  for (int q = 0; q < opt_.nranks; ++q)
+    if (q != opt_.rank) g.at[q] = rings[q]->regs_.at(id).own.get();
+  g.mapped = true;
+}
+
+std::shared_ptr<char> Ring::reg_memory(int id) const {
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  return regs_.at(id).own;
+}
+
 void Ring::run(const Call& c, cudaStream_t stream) {
   if (!area_) throw RingError("ringreduce: p2p communicator is closed");
   const std::string failed = failure();
@@ -339,6 +438,12 @@ Args Ring::args(const Call& c) const {
   a.dtype = static_cast<uint8_t>(c.dtype);
   a.op = static_cast<uint8_t>(c.op);
   a.algo = static_cast<uint8_t>(p.algo);
+  if (p.algo == Algo::Registered) {
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    const Reg& g = regs_[p.reg];
+    for (int q = 0; q < n; ++q) a.peer_data[q] = g.at[q] + p.reg_offset;
+    a.reg_tag = (static_cast<uint64_t>(p.reg) + 1) << kRegTagShift | p.reg_offset;
+  }
   return a;
 }
 
@@ -374,8 +479,22 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
       return "ringreduce: mismatched collective calls: rank " + std::to_string(e.peer) + " called " +
              call_text(e.got) + " as its call #" + std::to_string(e.got.op_seq) +
              " on this communicator, while rank " + std::to_string(opt_.rank) + " called " +
-             call_text(e.mine) + " as its call #" + std::to_string(e.mine.op_seq);
+             call_text(e.mine) + " as its call #" + std::to_string(e.mine.op_seq) +
+             ((Algo(e.got.algo) == Algo::Registered) != (Algo(e.mine.algo) == Algo::Registered)
+                  ? " (a tensor in a ringreduce.shared_empty buffer on one rank only: use one on "
+                    "every rank or on none)"
+                  : "");
     case kBadSize:
+      if (Algo(e.mine.algo) == Algo::Registered) {
+        auto at = [](uint64_t tag) {
+          return "byte offset " + std::to_string(tag & ((uint64_t{1} << kRegTagShift) - 1)) +
+                 " of its shared buffer #" + std::to_string((tag >> kRegTagShift) - 1);
+        };
+        return me + where + ": rank " + std::to_string(e.peer) + "'s tensor starts at " +
+               at(e.got.nbytes) + " and this rank's at " + at(e.mine.nbytes) +
+               " (an all_reduce of a ringreduce.shared_empty tensor needs the same buffer and "
+               "offset on every rank)";
+      }
       return me + where + ": message of " + std::to_string(e.got.nbytes) + " bytes from rank " +
              std::to_string(e.peer) + " where " + std::to_string(e.mine.nbytes) +
              " were expected (inconsistent schedules)";
@@ -497,6 +616,21 @@ void Ring::close(bool peers_done) {
     for (size_t q = 0; q < peers_.size(); ++q)
       if (peers_[q] && peers_[q] != area_) cudaIpcCloseMemHandle(peers_[q]);
   peers_.clear();
+  // Shared buffers: unmapped like the areas; this rank's copy then lives as long as a tensor
+  // holds it, or (kept, as the area is) until exit where a peer or a graph may still touch it.
+  std::lock_guard<std::mutex> rlk(reg_mu_);
+  for (Reg& g : regs_) {
+    if (keep || replayable) {
+      new std::shared_ptr<char>(g.own);  // never deleted: freed by the process's exit
+      std::lock_guard<std::mutex> klk(g_kept_mu);
+      g_kept_bytes += g.bytes;
+      continue;
+    }
+    if (g.ipc)
+      for (char* p : g.at)
+        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);
+  }
+  regs_.clear();
   if (keep || replayable) {
     std::lock_guard<std::mutex> klk(g_kept_mu);
     g_kept_bytes += area_bytes();  // freed by the process's exit

@@ -63,7 +63,9 @@ constexpr size_t kVecBytes = 16;
 constexpr size_t kLine = 128;
 
 // Which algorithm a call runs. Values are part of the message headers.
-enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3 };
+// Registered: an all_reduce of a tensor in a registered buffer (Ring::reg_alloc), read and written
+// in every rank's copy directly; chosen by plan_of(), never forced.
+enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3, Registered = 4 };
 const char* algo_name(Algo a);
 
 struct alignas(kLine) Counter {
@@ -153,8 +155,13 @@ struct Args {
   int rank, nranks, blocks, divisor;
   int direct_blocks;  // blocks the direct buffers are laid out for (Ring::direct_blocks())
   int direct_ahead;   // rounds a direct block writes ahead (1 .. kDirectDepth / 2)
+  // Registered: (buffer index + 1) << 40 | the tensor's byte offset in it, the headers' nbytes, so
+  // that ranks whose tensors sit in other buffers or at other offsets stop with kBadSize. Then
+  // in == out is this rank's copy and peer_data[q] rank q's, at that offset.
+  uint64_t reg_tag;
   uint8_t coll, dtype, op, algo;
 };
+constexpr int kRegTagShift = 40;
 
 // The transport choice: PCI bus id of the current device ("0000:17:00.0"), and whether the current
 // device can map memory of the device with that bus id through CUDA IPC (the same device, or a peer
@@ -206,6 +213,8 @@ struct Plan {
   int blocks;
   int64_t slice_elems;
   int64_t steps;  // ring: slices per channel; direct: rounds
+  int reg = -1;          // Registered: the buffer's index
+  uint64_t reg_offset = 0;  // and the tensor's byte offset in it
 };
 // The same inputs give the same plan on every rank. direct: the direct algorithms are possible (every
 // rank maps every other, nranks <= kMaxPeers); a forced one-shot/two-shot falls back to the ring
@@ -247,7 +256,23 @@ class Ring {
   // The kernel arguments of call c as run() launches them (after run() counted the call): a CUDA
   // graph replays exactly these; the native tests launch them again to play a replay.
   Args args(const Call& c) const;
-  Plan plan_of(const Call& c) const { return plan(c, opt_, direct_); }
+  // plan(), except that an all_reduce in place of a tensor in a registered buffer runs
+  // Algo::Registered when the algorithm is Auto (a forced one keeps its meaning).
+  Plan plan_of(const Call& c) const;
+  // Registered buffers (ringreduce.shared_empty on CUDA): every rank allocates the same buffers in
+  // the same order. reg_alloc: a new buffer of `bytes` on this device; returns its index and
+  // (handle) its IPC handle. reg_connect maps every other rank's copy (handles by rank, this
+  // rank's ignored); a group where not every rank maps every other cannot have them. The memory
+  // stays until close() (the peers map it) and, past that, while reg_memory()'s owner lives.
+  int reg_alloc(size_t bytes, std::string* handle);
+  void reg_connect(int id, const std::vector<std::string>& handles);
+  // Native tests only: ranks as streams of one process, the others' buffers used directly.
+  void reg_connect_local(int id, const std::vector<const Ring*>& rings);
+  std::shared_ptr<char> reg_memory(int id) const;
+  int reg_count() const {
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    return static_cast<int>(regs_.size());
+  }
   // Auto's thresholds (see Options); the same on every rank, before the first call.
   void set_thresholds(size_t oneshot_max, size_t twoshot_max) {
     opt_.tuned = true;
@@ -322,6 +347,15 @@ class Ring {
   std::string reason_;  // why this rank aborted (host side)
   std::string failure_;
   std::shared_ptr<std::atomic<int>> pins_ = std::make_shared<std::atomic<int>>(0);  // graphs
+  struct Reg {
+    size_t bytes = 0;
+    std::shared_ptr<char> own;  // cudaFree when the last owner (this ring, a tensor) lets go
+    std::vector<char*> at;      // every rank's copy by rank (own included); null: not mapped yet
+    bool mapped = false;        // every at[] is set: calls may use it
+    bool ipc = false;           // at[] are IPC mappings (closed on close())
+  };
+  std::vector<Reg> regs_;
+  mutable std::mutex reg_mu_;  // regs_: a buffer may be registered while another thread calls
   std::unique_ptr<host::Ticker> watcher_;  // declared last: stopped first
 };
 

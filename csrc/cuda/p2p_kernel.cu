@@ -509,19 +509,61 @@ __global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
   if (tid == 0) f->seq.value = seq0 + a.steps;
 }
 
+// ---- registered buffers -----------------------------------------------------------------------
+
+// An all_reduce in place of a tensor in a registered buffer (Ring::reg_alloc), which every rank
+// maps: block b of rank r folds its part of chunk r from the n copies in rank order and writes
+// the result into all n (in == out, peer_data[q]: rank q's copy at the tensor's offset). Nothing
+// is staged: each element of each copy is read once and written once. Two handshakes, each a post
+// to every peer and a wait for all of them (per block, paired by index as the direct kernels):
+// phase 0, "my kernel runs", so everything before it on that rank's stream (its input, and its
+// reads of its previous result) is done, before any read of a peer's copy; phase 1, "my writes
+// into your copy are done", before this kernel ends. Every element of a copy is written by one
+// rank's one block, after every rank's phase 0 and before its phase 1: no other access overlaps.
+// Headers carry reg_tag (buffer and offset) as their size, so a rank whose tensor is elsewhere
+// stops every rank with kBadSize instead of reading the wrong memory. One round per call: the
+// block's round counter goes on by one, so the direct kernels' header slots stay in step.
+template <class T, RedOp Op>
+__global__ void __launch_bounds__(kThreads) reg_kernel(Args a) {
+  const int n = a.nranks;
+  const ring::Span P = ring::channel_part(ring::chunk(a.numel, n, a.rank), a.blocks, blockIdx.x);
+  if (broken_at_start(a)) return;
+  __shared__ uint64_t s_seq;
+  DirectFlags* f = &a.self->direct[blockIdx.x];
+  if (threadIdx.x == 0) s_seq = ld_relaxed_sys(&f->seq.value);
+  __syncthreads();
+  const uint64_t seq = s_seq + 1;
+  auto tag = [&](int) { return a.reg_tag; };
+  post_all(a, 0, seq, 0, tag);
+  if (wait_all(a, 0, seq, 0, tag)) {
+    T* copies[kMaxSpanPtrs];
+    for (int q = 0; q < n; ++q) copies[q] = reinterpret_cast<T*>(a.peer_data[q]) + P.begin;
+    span_multi<T, Op>(copies, n, copies, n, P.count, a.divisor, threadIdx.x, blockDim.x);
+    post_all(a, 1, seq, 0, tag);
+    wait_all(a, 1, seq, 0, tag);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) f->seq.value = seq;
+}
+
 }  // namespace
 
 void launch(const Args& a, cudaStream_t stream) {
   const Algo algo = static_cast<Algo>(a.algo);
-  const bool direct = algo == Algo::OneShot || algo == Algo::TwoShot;
+  const bool reg = algo == Algo::Registered;
+  const bool direct = algo == Algo::OneShot || algo == Algo::TwoShot || reg;
   if (a.nranks < 2 || a.blocks < 1 || a.blocks > (direct ? std::min(a.direct_blocks, kMaxDirectBlocks) : kMaxChannels) ||
       (direct && (a.direct_ahead < 1 || 2 * a.direct_ahead > kDirectDepth)) ||
-      (direct && a.nranks > kMaxPeers) || (!direct && algo != Algo::Ring))
+      (direct && a.nranks > kMaxPeers) || (!direct && algo != Algo::Ring) ||
+      (reg && (a.coll != static_cast<uint8_t>(Coll::AllReduce) || a.in != a.out)))
     throw std::invalid_argument("ringreduce: p2p launch: bad algorithm, block or rank count");
   dispatch_dtype(static_cast<DType>(a.dtype), [&](auto tag) {
     using T = decltype(tag);
     dispatch_op(static_cast<RedOp>(a.op), [&](auto optag) {
-      if (direct) {
+      if (reg) {
+        constexpr auto kernel = &reg_kernel<T, decltype(optag)::value>;
+        RR_LAUNCH(kernel, a.blocks, kThreads, stream, a);
+      } else if (direct) {
         constexpr auto kernel = &direct_kernel<T, decltype(optag)::value>;
         RR_LAUNCH(kernel, a.blocks, kThreads, stream, a);
       } else {

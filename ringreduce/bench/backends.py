@@ -46,12 +46,15 @@ class RingReduce:
         self.label = label
         variant = label.split("/", 1)[1]
         self.algo = variant if variant in ALGOS else None
-        self.pool = variant == "pool"  # all_reduce of a ringreduce.shared_empty tensor
-        self.transport = "shm" if self.algo or self.pool or variant == "hier" else variant
+        # all_reduce of a ringreduce.shared_empty tensor: CPU (pool) or CUDA (p2p-shared: the
+        # registered algorithm of the p2p transport)
+        self.pool = variant in ("pool", "p2p-shared")
+        self.transport = ("p2p" if variant == "p2p-shared" else
+                          "shm" if self.algo or self.pool or variant == "hier" else variant)
         self.op = REDUCE_OPS[op]
         self.group = None
         self._pooled = None
-        if self.pool:
+        if variant == "pool":
             self.group = dist.new_group(backend="gloo")
         elif self.algo or variant == "hier":
             self.group = dist.new_group(backend="gloo")
@@ -69,13 +72,17 @@ class RingReduce:
         return None  # every collective, dtype and op
 
     def own_tensor(self, like):
-        """ringreduce/pool: a shared_empty tensor shaped like `like` (collective; one kept)."""
+        """ringreduce/pool, ringreduce/p2p-shared: a shared_empty tensor shaped like `like`
+        (collective; one kept; on CUDA the peers' mappings of the earlier ones last until the
+        communicator closes)."""
         if not self.pool:
             return like
         t = self._pooled
         if t is None or t.shape != like.shape or t.dtype != like.dtype:
             self._pooled = None  # the previous size's buffer goes first
-            t = self._pooled = rr.shared_empty(like.shape, dtype=like.dtype, group=self.group)
+            self._select()
+            t = self._pooled = rr.shared_empty(like.shape, dtype=like.dtype, group=self.group,
+                                               device=like.device)
         return t
 
     def _select(self):

@@ -28,7 +28,7 @@ OPS = ("sum", "prod", "min", "max", "avg")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot",
             "ringreduce/twoshot", "ringreduce/cma", "ringreduce/pool", "ringreduce/hier",
-            "ringreduce/p2p", "ringreduce/nccl", "torch", "torch/ringreduce", "ps", "mpi",
+            "ringreduce/p2p", "ringreduce/p2p-shared", "ringreduce/nccl", "torch", "torch/ringreduce", "ps", "mpi",
             "mpi/openmpi", "mpi/mpich", "deepspeed")
 PEERS_HINT = "pip install '.[peers]'"
 MPI_HINT = ("--backends mpi needs mpi4py and an MPI launcher: apt-get install openmpi-bin "
@@ -127,7 +127,7 @@ def build_parser():
                    default=list(COLLECTIVES), help="comma list (default all)")
     p.add_argument("--backends", type=_choice_list(BACKENDS, "backend"),
                    default=["ringreduce", "torch", "torch/ringreduce", "ps"],
-                   help="comma list of ringreduce[/shm|/ring|/oneshot|/twoshot|/cma|/pool|/p2p|/nccl] (ringreduce on "
+                   help="comma list of ringreduce[/shm|/ring|/oneshot|/twoshot|/cma|/pool|/p2p|/p2p-shared|/nccl] (ringreduce on "
                         "the CPU: auto, ring and one-shot algorithms), torch (Gloo or NCCL), "
                         "torch/ringreduce (torch.distributed calls on ringreduce's backend), ps, "
                         "mpi[/openmpi|/mpich] (mpi4py; every MPI installed, or one; the suite starts "
@@ -265,6 +265,8 @@ def expand_backends(names, device, parser, hosts=1):
                 parser.error(f"--backends {name} needs --hosts H with H >= 2 simulated hosts")
             if transport in ("ring", "oneshot", "twoshot", "cma", "pool", "hier"):
                 transport = "shm"  # an algorithm of the shm transport
+            if transport == "p2p-shared":
+                transport = "p2p"  # shared_empty buffers on the GPU: the registered algorithm
             if (transport == "shm") != (device == "cpu"):
                 parser.error(f"--backends {name}: transport {transport} does not move "
                              f"{device.upper()} tensors")

@@ -106,14 +106,19 @@ inline double value(rr::DType t, int64_t i, int salt) {
 }
 
 // p: the allocation plus offset bytes (an unaligned buffer when offset % 16 != 0).
+// Or, not owned: base + off in memory someone else frees (a registered buffer).
 struct DevBuf {
   char* p = nullptr;
   size_t offset = 0;
+  bool owned = true;
   explicit DevBuf(size_t bytes, size_t off = 0) : offset(off) {
     RR_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
     p += offset;
   }
-  ~DevBuf() { cudaFree(p - offset); }
+  DevBuf(char* base, size_t off) : p(base + off), offset(off), owned(false) {}
+  ~DevBuf() {
+    if (owned) cudaFree(p - offset);
+  }
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
 };
@@ -143,8 +148,10 @@ struct Rank {
 // rank's output exactly, that nothing past the output was written, that an out-of-place input is
 // untouched, and that all_reduce/all_gather results are bitwise the same on every rank.
 // shift: the tensors start this many elements past a 16-byte aligned address (unaligned tensors).
+// at: an all_reduce's tensor of rank r starts at (*at)[r] + shift elements (a registered buffer).
 inline void check_collective(std::vector<Rank>& ranks, rr::Coll coll, rr::DType t, rr::RedOp op,
-                             int64_t numel, bool inplace, const char* what, int shift = 0) {
+                             int64_t numel, bool inplace, const char* what, int shift = 0,
+                             const std::vector<char*>* at = nullptr) {
   const int n = static_cast<int>(ranks.size());
   const size_t es = rr::dtype_size(t);
   const int64_t m = numel / n;
@@ -160,7 +167,10 @@ inline void check_collective(std::vector<Rank>& ranks, rr::Coll coll, rr::DType 
     host_in[r].assign((big + 1) * es, 0x5a);
     for (int64_t i = 0; i < in_n; ++i)
       put(t, &host_in[r][((ag && inplace ? r * m : 0) + i) * es], value(t, i + (ag ? r * m : 0), r));
-    ins.push_back(std::make_unique<DevBuf>((big + 1 + shift) * es, shift * es));
+    if (at && coll == rr::Coll::AllReduce)
+      ins.push_back(std::make_unique<DevBuf>((*at)[r], shift * es));
+    else
+      ins.push_back(std::make_unique<DevBuf>((big + 1 + shift) * es, shift * es));
     fill_on(ranks[r].stream, ins[r]->p, host_in[r]);
     if (coll == rr::Coll::AllReduce || inplace) {
       outs.push_back(nullptr);
@@ -278,7 +288,7 @@ inline void run_test(int argc, char** argv, const char* name, const std::functio
 
 // Every collective x dtype x op x size, in place and not, on one set of ranks (many calls in a row).
 inline int sweep(std::vector<Rank>& ranks, const std::vector<int64_t>& sizes, const char* what,
-                 int shift = 0) {
+                 int shift = 0, const std::vector<char*>* at = nullptr) {
   const int n = static_cast<int>(ranks.size());
   int cases = 0;
   for (rr::Coll coll : {rr::Coll::AllReduce, rr::Coll::ReduceScatter, rr::Coll::AllGather})
@@ -290,7 +300,7 @@ inline int sweep(std::vector<Rank>& ranks, const std::vector<int64_t>& sizes, co
           for (bool inplace : {true, false}) {
             if (coll == rr::Coll::AllReduce && !inplace) continue;
             const int failed_before = g_failures;
-            check_collective(ranks, coll, t, op, total, inplace, what, shift);
+            check_collective(ranks, coll, t, op, total, inplace, what, shift, at);
             ++cases;
             // A wrong result leaves the ring in an unknown state: the rest of the sweep would only
             // add minutes (a broken two-shot ran every case of a 10,000-case sweep).

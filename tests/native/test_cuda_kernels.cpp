@@ -230,6 +230,132 @@ static void test_ranks_share_a_device() {
   std::printf("ranks sharing a device: %d cases (%.1f s)\n", cases, seconds_since(t0));
 }
 
+// (2b) registered buffers: a buffer of `bytes` allocated by every rank of g and mapped by all, as
+// ringreduce.shared_empty does on CUDA (IPC handles under the emulator); every rank's copy.
+static std::vector<char*> register_all(Group& g, size_t bytes) {
+  const int n = static_cast<int>(g.rings.size());
+  std::vector<std::string> handles(n);
+  std::vector<const rc::p2p::Ring*> all;
+  int id = -1;
+  for (int r = 0; r < n; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
+    id = g.rings[r]->reg_alloc(bytes, &handles[r]);
+    all.push_back(g.rings[r].get());
+  }
+  std::vector<char*> at(n);
+  for (int r = 0; r < n; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
+#ifdef RINGREDUCE_EMU
+    g.rings[r]->reg_connect(id, handles);
+#else
+    g.rings[r]->reg_connect_local(id, all);
+#endif
+    at[r] = g.rings[r]->reg_memory(id).get();
+  }
+  return at;
+}
+
+// all_reduce of tensors in registered buffers: every dtype and op, odd sizes, at the buffer's start
+// and 4 KiB + 1 element into it (unaligned), between calls of the other algorithms on the same
+// communicator (the sweep's reduce_scatter and all_gather, staged) and with a second buffer; the
+// plan picks the registered algorithm for them only.
+static void test_registered() {
+  using rc::p2p::Algo;
+  int cases = 0;
+  const auto t0 = Clock::now();
+  for (int n = 2; n <= 4; ++n) {
+    Group g(n, rc::p2p::kDefaultChannels, rc::p2p::kDefaultSliceBytes, 20.0);
+    const std::vector<char*> first = register_all(g, 2 << 20);
+    const std::vector<char*> second = register_all(g, 4 << 20);
+    std::vector<char*> inside(n);
+    for (int r = 0; r < n; ++r) inside[r] = second[r] + 4096;
+    for (int shift : {0, 1}) {
+      const std::vector<char*>* at = shift ? &inside : &first;
+      char what[96];
+      std::snprintf(what, sizeof what, "registered n=%d shift=%d%s", n, shift, shift ? " second buffer" : "");
+      cases += sweep(g.ranks, {1, n - 1, n + 1, 1000 * n + 7, 3 * 65536 + 5}, what, shift, at);
+      if (g_failures) return;
+    }
+    const rr::Call in_reg{rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 100, inside[0], inside[0]};
+    const rc::p2p::Plan p = g.rings[0]->plan_of(in_reg);
+    EXPECT(p.algo == Algo::Registered && p.reg == 1 && p.reg_offset == 4096, "n=%d: plan %s buffer %d offset %llu", n,
+           rc::p2p::algo_name(p.algo), p.reg, (unsigned long long)p.reg_offset);
+    DevBuf plain(400);
+    const Algo other = g.rings[0]->plan_of({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 100, plain.p, plain.p}).algo;
+    EXPECT(other != Algo::Registered, "n=%d: a tensor outside every buffer planned as registered", n);
+    // Past the buffer's end: not registered (it would read past the peers' copies).
+    const rr::Call over{rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, (2 << 20) / 4 + 1, first[0], first[0]};
+    EXPECT(g.rings[0]->plan_of(over).algo != Algo::Registered, "n=%d: a tensor past its buffer's end planned as registered", n);
+  }
+  std::printf("registered buffers: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
+static void sync_all(Group& g);
+
+// Ranks whose tensors sit at other offsets, or in a registered buffer on one rank only, or a rank
+// that does not come: every calling rank stops, and the message says why.
+static void test_registered_mismatch() {
+  DevBuf plain(64 * 4);
+  for (int kind = 0; kind < 3; ++kind) {
+    Group g(2, 2, 4096, kind == 2 ? 2.0 : 10.0);
+    const std::vector<char*> at = register_all(g, 1 << 16);
+    for (int r = 0; r < 2; ++r) {
+      if (kind == 2 && r == 1) continue;
+      char* p = kind == 0 && r == 1 ? at[r] + 256 : kind == 1 && r == 1 ? plain.p : at[r];
+      g.rings[r]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 64, p, p}, g.ranks[r].stream);
+    }
+    sync_all(g);
+    const char* want[] = {"byte offset 256 of its shared buffer #0", "shared_empty buffer on one rank only",
+                          "timed out"};
+    for (int r = 0; r < (kind == 2 ? 1 : 2); ++r) {
+      const std::string f = g.rings[r]->failure();
+      EXPECT(contains(f, want[kind]), "case %d rank %d: '%s' lacks '%s'", kind, r, f.c_str(), want[kind]);
+    }
+    std::printf("registered mismatch %d: rank 0 says: %s\n", kind, g.rings[0]->failure().c_str());
+  }
+}
+
+// A rank's registered all_reduce ends only when every peer has written its chunk into this rank's
+// copy: work after it on the rank's stream (here a device-to-device copy of the result, as torch's
+// next kernel would read it) sees the whole result. Large tensors and several ranks, so that the
+// peers are still writing when a rank that did not wait would go on.
+static void test_registered_result_in_stream_order() {
+  for (int n = 2; n <= 4; ++n) {
+    Group g(n, rc::p2p::kDefaultChannels, rc::p2p::kDefaultSliceBytes, 20.0);
+    const int64_t numel = 1 << 20;
+    const std::vector<char*> at = register_all(g, numel * 4);
+    std::vector<std::unique_ptr<DevBuf>> after;
+    std::vector<std::vector<char>> host(n);
+    for (int r = 0; r < n; ++r) {
+      RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
+      after.push_back(std::make_unique<DevBuf>(numel * 4));
+      std::vector<float> h(numel, static_cast<float>(r + 1));
+      host[r].assign(reinterpret_cast<const char*>(h.data()), reinterpret_cast<const char*>(h.data() + numel));
+    }
+    for (int call = 0; call < 3; ++call) {
+      for (int r = 0; r < n; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
+        fill_on(g.ranks[r].stream, at[r], host[r]);
+        g.rings[r]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, at[r], at[r]},
+                        g.ranks[r].stream);
+        RR_CUDA_CHECK(cudaMemcpyAsync(after[r]->p, at[r], numel * 4, cudaMemcpyDeviceToDevice, g.ranks[r].stream));
+      }
+      sync_all(g);
+      const float want = n * (n + 1) / 2.0f;
+      for (int r = 0; r < n; ++r) {
+        EXPECT(g.rings[r]->failure().empty(), "rank %d: %s", r, g.rings[r]->failure().c_str());
+        std::vector<float> h(numel);
+        RR_CUDA_CHECK(cudaMemcpy(h.data(), after[r]->p, numel * 4, cudaMemcpyDeviceToHost));
+        int64_t bad = 0;
+        for (float v : h) bad += v != want;
+        EXPECT(bad == 0, "n=%d call %d rank %d: %lld of %lld elements read after the call are not %g", n, call, r,
+               (long long)bad, (long long)numel, want);
+      }
+      if (g_failures) return;
+    }
+  }
+}
+
 // (3) failures. Each waits on streams that end by the deadline at the latest.
 static void sync_all(Group& g) {
   for (Rank& k : g.ranks) cudaStreamSynchronize(k.stream);
@@ -502,28 +628,33 @@ struct WeakScope {
   explicit WeakScope(uint64_t seed) { emu_set_weak(seed); }
   ~WeakScope() { emu_set_weak(0); }
 };
-static void weak_sweep(rc::p2p::Algo algo) {
+// registered: all_reduce in registered buffers (Algo::Auto picks the registered algorithm), the
+// other collectives staged.
+static void weak_sweep(rc::p2p::Algo algo, bool registered = false) {
   const auto t0 = Clock::now();
   int cases = 0;
   for (uint64_t seed : {1, 2, 3}) {
     WeakScope weak(seed);
     for (int n = 2; n <= 3; ++n) {
       Group g(n, 2, 64, 20.0, algo, true, 64);
+      const std::vector<char*> reg = registered ? register_all(g, 1 << 16) : std::vector<char*>();
       char what[96];
       std::snprintf(what, sizeof what, "weak seed=%llu p2p n=%d %s", (unsigned long long)seed, n,
-                    rc::p2p::algo_name(algo));
+                    registered ? "registered" : rc::p2p::algo_name(algo));
       for (rr::Coll coll : {rr::Coll::AllReduce, rr::Coll::ReduceScatter, rr::Coll::AllGather})
         for (rr::DType t : {rr::DType::F32, rr::DType::BF16, rr::DType::I64})
           for (int64_t numel : {int64_t{n + 1}, int64_t{200 * n}})
             for (bool inplace : {true, false}) {
               if (coll == rr::Coll::AllReduce && !inplace) continue;
               const int64_t total = coll == rr::Coll::AllReduce ? numel : (numel / n) * n;
-              check_collective(g.ranks, coll, t, rr::RedOp::Sum, total, inplace, what);
+              check_collective(g.ranks, coll, t, rr::RedOp::Sum, total, inplace, what, 0,
+                               registered ? &reg : nullptr);
               ++cases;
             }
     }
   }
-  std::printf("weak %s: %d cases (%.1f s)\n", rc::p2p::algo_name(algo), cases, seconds_since(t0));
+  std::printf("weak %s: %d cases (%.1f s)\n", registered ? "registered" : rc::p2p::algo_name(algo), cases,
+              seconds_since(t0));
 }
 #endif
 
@@ -843,6 +974,9 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_avg_wide_divisor", [&] { test_avg_wide_divisor(); });
     run_test(argc, argv, "test_ring", [&] { test_ring(); });
     run_test(argc, argv, "test_ranks_share_a_device", [&] { test_ranks_share_a_device(); });
+    run_test(argc, argv, "test_registered", [&] { test_registered(); });
+    run_test(argc, argv, "test_registered_mismatch", [&] { test_registered_mismatch(); });
+    run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_registered_result_in_stream_order(); });
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
     run_test(argc, argv, "test_timeout_with_every_block", [&] { test_timeout_with_every_block(); });
     run_test(argc, argv, "test_mismatch", [&] { test_mismatch(); });
@@ -866,6 +1000,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "weak_ring", [&] { weak_sweep(rc::p2p::Algo::Ring); });
     run_test(argc, argv, "weak_oneshot", [&] { weak_sweep(rc::p2p::Algo::OneShot); });
     run_test(argc, argv, "weak_twoshot", [&] { weak_sweep(rc::p2p::Algo::TwoShot); });
+    run_test(argc, argv, "weak_registered", [&] { weak_sweep(rc::p2p::Algo::Auto, true); });
 #endif
   } catch (const std::exception& e) {
     std::printf("FAIL: exception: %s\n", e.what());

@@ -185,6 +185,32 @@ MUTATIONS = {
         None, ("test_cuda_kernels_emu", ["test_deterministic", "test_replayed"]),
         "the test's own race (issue 35): inputs and outputs filled on the legacy stream, which the "
         "ranks' non-blocking streams do not wait for"),
+    "registered_reads_before_handshake": (
+        KERNEL,
+        "  if (wait_all(a, 0, seq, 0, tag)) {",
+        "  if (true) {",
+        ("test_cuda_kernels_emu", ["test_registered"]),
+        "the registered all_reduce reads the peers' copies before they say their inputs are there"),
+    "registered_returns_before_peers_wrote": (
+        KERNEL,
+        "    post_all(a, 1, seq, 0, tag);\n    wait_all(a, 1, seq, 0, tag);",
+        "    post_all(a, 1, seq, 0, tag);",
+        ("test_cuda_kernels_emu", ["test_registered_result_in_stream_order"]),
+        "a rank's call ends while peers still write their results into its copy: the next call's "
+        "input is overwritten"),
+    "registered_tag_not_in_headers": (
+        KERNEL,
+        "  auto tag = [&](int) { return a.reg_tag; };",
+        "  auto tag = [&](int) { return uint64_t{0}; };",
+        ("test_cuda_kernels_emu", ["test_registered_mismatch"]),
+        "ranks whose tensors sit at other offsets read and write each other's wrong elements, "
+        "silently"),
+    "registered_plan_past_the_end": (
+        "csrc/cuda/p2p.cpp",
+        "      if (!g.mapped || p < base || p + bytes > base + g.bytes) continue;",
+        "      if (!g.mapped || p < base || p >= base + g.bytes) continue;",
+        ("test_cuda_kernels_emu", ["test_registered"]),
+        "a tensor that runs past its buffer's end is reduced in the peers' copies past theirs"),
     "fold_rounds_every_step": (
         "csrc/cuda/reduce.cuh",
         "        for (int k = 0; k < K; ++k) acc[u][k] = apply<Op>(acc[u][k], N::up(x[k]));",
