@@ -383,13 +383,14 @@ class Communicator(_lifecycle.Communicator):
 
     def can_share(self):
         """Whether shared_empty can make buffers here (the same answer on every rank)."""
-        return self.transport == "p2p" and self._native is not None and self._native.direct()
+        return self.transport == "p2p" and self._native is not None and (
+            self.world_size == 1 or self._native.direct())
 
     def shared_empty(self, shape, dtype):
         """A tensor on this device in a new buffer that every rank maps (ringreduce.shared_empty):
         all_reduce of it reads the peers' copies and writes the results into them, with no
-        staging. Collective. The buffer stays mapped until the communicator closes; this rank's
-        copy lives on with the tensor."""
+        staging. Collective. When the tensor goes, this rank unmaps the peers' copies and frees
+        its own (a peer's copy stays until that peer's tensor goes)."""
         if not self.can_share():
             raise ValueError(
                 "ringreduce.shared_empty: CUDA shared buffers need the p2p transport with every "
@@ -400,26 +401,45 @@ class Communicator(_lifecycle.Communicator):
         for d in shape:
             numel *= d
         nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
-        with self._lock:
-            self._check_open()
-            ident, handle = self._native.reg_alloc(nbytes)
         setup, n, r = self._setup, self.world_size, self.rank
-        setup.set(f"reg/{ident}/{r}", b"%d " % nbytes + handle)
-        entries = [v.split(b" ", 1) for v in
-                   setup.all(f"reg/{ident}", n, "shared buffer (ringreduce.shared_empty)")]
-        sizes = [int(b) for b, _ in entries]
-        if len(set(sizes)) != 1:
+        # The n-th shared_empty of this communicator on every rank (the native index may differ
+        # on a rank whose allocation failed): its store keys. Each rank publishes its handle or
+        # its error, so that a failure on one rank fails every rank at once, not at the timeout.
+        call = self._shared_calls = getattr(self, "_shared_calls", 0) + 1
+        mine = f"{nbytes} {str(dtype).split('.')[-1]}"
+        ident, handle, error = None, b"", None
+        try:
+            with self._lock:
+                self._check_open()
+                ident, handle = self._native.reg_alloc(nbytes)
+        except Exception as e:  # noqa: BLE001 (CUDA out of memory, closed): told to every rank
+            error = f"{type(e).__name__}: {e}"
+        setup.set(f"reg/{call}/{r}", (b"! " + error.encode()) if error else
+                  mine.encode() + b" " + handle)
+        entries = setup.all(f"reg/{call}", n, "shared buffer (ringreduce.shared_empty)")
+        for q, v in enumerate(entries):
+            if v.startswith(b"! "):
+                raise RingReduceError(f"ringreduce.shared_empty: rank {q} could not allocate "
+                                      f"{nbytes} bytes on its GPU: {v[2:].decode()}")
+        asked = [b" ".join(v.split(b" ", 2)[:2]).decode() for v in entries]
+        if len(set(asked)) != 1:
             raise ValueError(f"ringreduce.shared_empty: every rank must ask for the same size and "
-                             f"dtype; bytes asked by rank: {sizes}")
-        with self._lock:
-            self._check_open()
-            self._native.reg_connect(ident, [b"" if q == r else h for q, (_, h) in enumerate(entries)])
-        if not setup.count(f"reg-mapped/{ident}", n, self.timeout):
-            raise RingReduceError(
-                f"ringreduce: rank {r}: shared_empty timed out after {self.timeout:g} s waiting "
-                f"for every rank to map the buffers ({_lifecycle.SETUP_HINT})")
-        like = torch.empty(0, dtype=dtype)
-        return self._native.reg_tensor(ident, numel, like).view(shape)
+                             f"dtype; bytes and dtype asked by rank: {asked}")
+        try:
+            with self._lock:
+                self._check_open()
+                self._native.reg_connect(ident, [b"" if q == r else v.split(b" ", 2)[2]
+                                                 for q, v in enumerate(entries)])
+                tensor = self._native.reg_tensor(ident, numel, torch.empty(0, dtype=dtype))
+            setup.set(f"reg-mapped/{call}/{r}", b"ok")
+        except Exception as e:
+            setup.set(f"reg-mapped/{call}/{r}", f"{type(e).__name__}: {e}".encode())
+            raise
+        for q, v in enumerate(setup.all(f"reg-mapped/{call}", n, "mapping of the shared buffers")):
+            if v != b"ok":
+                raise RingReduceError(f"ringreduce.shared_empty: rank {q} could not map the "
+                                      f"shared buffers: {v.decode()}")
+        return tensor.view(shape)
 
     def all_reduce(self, tensor, op_code, async_op):
         with self._lock:

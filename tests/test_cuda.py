@@ -659,12 +659,14 @@ def shared_worker(rank, world):
     import ringreduce as rr
     dev = setup_rank(rank)
     failures, digests = [], []
+    n = 600_011  # above auto's one-shot threshold in every dtype here: the registered kernel
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        buf = rr.shared_empty(100_003, dtype=dtype, device=dev)
-        if buf.device != dev or buf.dtype != dtype or buf.shape != (100_003,):
+        buf = rr.shared_empty(n, dtype=dtype, device=dev)
+        if buf.device != dev or buf.dtype != dtype or buf.shape != (n,):
             failures.append(f"shared_empty gave {buf.device} {buf.dtype} {tuple(buf.shape)}")
         for op in OPS:
-            for lo, hi in ((0, 100_003), (5, 4104), (7, 8)):
+            # the whole buffer, a part at an odd offset, and small parts (one-shot runs those)
+            for lo, hi in ((0, n), (5, 400_006), (5, 4104), (7, 8)):
                 ins = [make_input(r, hi - lo, dtype, op, seed=hi) for r in range(world)]
                 buf.fill_(3)
                 buf[lo:hi].copy_(ins[rank])
@@ -677,7 +679,7 @@ def shared_worker(rank, world):
                 if not torch.all(rest == 3).item():
                     failures.append(f"{tag}: the rest of the buffer changed")
                 digests.append(digest(buf[lo:hi]))
-    graph_buf = rr.shared_empty(4099, device=dev)
+    graph_buf = rr.shared_empty(1 << 20, device=dev)
     graph_buf.fill_(rank + 1.0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

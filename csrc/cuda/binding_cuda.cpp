@@ -170,6 +170,8 @@ class CudaComm {
     close(false);  // not closed by Python: a neighbour may still read our memory
   }
 
+  std::weak_ptr<Shared<Ring>> shared() const { return shared_; }
+
   Ring& ring() {
     if (!shared_->ring || shared_->ring->closed()) throw rr::RingError("ringreduce: communicator is closed");
     return *shared_->ring;
@@ -567,13 +569,18 @@ void register_cuda(py::module_& m) {
         c.ring().reg_connect(id, h);
       }, py::arg("id"), py::arg("handles"))
       .def("reg_tensor", [](P2pComm& c, int id, int64_t numel, const at::Tensor& like) {
-        // The tensor holds the buffer (a shared_ptr in its deleter): the communicator's close
-        // unmaps the peers' copies and lets go of this one, which lives on with the tensor. At
+        // The tensor holds the buffer (a shared_ptr in its deleter). When it goes, this rank
+        // releases the buffer (p2p::Ring::reg_release: the peers' copies unmapped, this one freed
+        // with the tensor); after the communicator closed, only its memory remains to free. At
         // the interpreter's exit the deleter makes no CUDA call (see the top).
         auto* mem = new std::shared_ptr<char>(c.ring().reg_memory(id));
+        std::weak_ptr<Shared<rc::p2p::Ring>> weak = c.shared();
         auto opts = at::TensorOptions().dtype(like.scalar_type()).device(at::kCUDA, c.device());
-        return at::from_blob(mem->get(), {numel}, [mem](void*) {
-          if (!finalizing()) delete mem;
+        return at::from_blob(mem->get(), {numel}, [mem, weak, id](void*) {
+          if (finalizing()) return;
+          if (auto s = weak.lock())
+            if (s->ring) s->ring->reg_release(id);  // a no-op once the ring closed
+          delete mem;
         }, opts);
       }, py::arg("id"), py::arg("numel"), py::arg("like"))
       .def("set_thresholds", [](P2pComm& c, size_t oneshot_max, size_t twoshot_max) {

@@ -39,6 +39,10 @@ std::string call_text(const MsgHeader& h) {
   return buf;
 }
 
+// Memory close() or reg_release() keeps until the process exits (a peer or a graph may use it).
+std::mutex g_kept_mu;
+size_t g_kept_bytes = 0;
+
 const char* cause_text(uint32_t cause) {
   switch (cause) {
     case kTimeout: return "timed out";
@@ -68,8 +72,6 @@ constexpr double kModelRttS = 1e-6;
 constexpr double kModelLinkBytesPerS = 450e9;
 // Direct algorithms: a block per this many bytes of the tensor.
 constexpr size_t kDirectBytesPerBlock = 64 << 10;
-// Registered all_reduce: a block per this many bytes of a rank's chunk.
-constexpr int64_t kRegBytesPerBlock = 64 << 10;
 
 size_t oneshot_max_bytes(int n) {
   // One-shot writes (n-1) x size per rank against two-shot's 2(n-1)/n x size, and saves one of
@@ -287,19 +289,21 @@ void Ring::connect_local(const std::vector<const Ring*>& rings) {
 
 Plan Ring::plan_of(const Call& c) const {
   const size_t es = dtype_size(c.dtype);
+  const size_t bytes = static_cast<size_t>(c.numel) * es;
+  // Up to auto's one-shot threshold one-shot stays: one handshake against the registered
+  // kernel's two, and its staging copy is small.
+  const size_t oneshot_max = opt_.tuned ? opt_.oneshot_max : oneshot_max_bytes(opt_.nranks);
   if (opt_.algo == Algo::Auto && c.coll == Coll::AllReduce && c.in == c.out && c.numel > 0 &&
-      opt_.nranks > 1) {
+      opt_.nranks > 1 && bytes > oneshot_max) {
     const char* p = static_cast<const char*>(c.in);
-    const size_t bytes = static_cast<size_t>(c.numel) * es;
     std::lock_guard<std::mutex> lk(reg_mu_);
     for (size_t k = 0; k < regs_.size(); ++k) {
       const Reg& g = regs_[k];
       const char* base = g.own.get();
       if (!g.mapped || p < base || p + bytes > base + g.bytes) continue;
-      // A block per kRegBytesPerBlock of this rank's chunk: each streams its part straight
-      // through, so a few large parts beat many small ones (no rounds to pipeline).
-      const int64_t chunk = (c.numel + opt_.nranks - 1) / opt_.nranks * static_cast<int64_t>(es);
-      const int64_t want = (chunk + kRegBytesPerBlock - 1) / kRegBytesPerBlock;
+      // A block per kDirectBytesPerBlock of the tensor, as the direct algorithms: a block reads
+      // its part of chunk r from all n copies, n x (size / n / blocks) bytes.
+      const int64_t want = static_cast<int64_t>(bytes / kDirectBytesPerBlock);
       Plan r{Algo::Registered, static_cast<int>(std::max<int64_t>(
                                    1, std::min<int64_t>(want, direct_blocks()))),
              1, 1};
@@ -374,6 +378,28 @@ void Ring::reg_connect_local(int id, const std::vector<const Ring*>& rings) {
   for (int q = 0; q < opt_.nranks; ++q)
     if (q != opt_.rank) g.at[q] = rings[q]->regs_.at(id).own.get();
   g.mapped = true;
+}
+
+void Ring::reg_release(int id) {
+  const bool replayable = pins_->load() > 0;
+  const bool broke = broken();  // before reg_mu_: close() takes mu_, then reg_mu_
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  if (id < 0 || id >= static_cast<int>(regs_.size()) || !regs_[id].own) return;
+  Reg& g = regs_[id];
+  g.mapped = false;  // no plan picks it again
+  if (replayable || broke) {
+    new std::shared_ptr<char>(g.own);  // never deleted: freed by the process's exit
+    std::lock_guard<std::mutex> klk(g_kept_mu);
+    g_kept_bytes += g.bytes;
+  }
+  if (!replayable) {
+    DeviceScope scope(device_);
+    if (g.ipc)
+      for (char* p : g.at)
+        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);
+    g.own.reset();
+    g.at.clear();
+  }
 }
 
 std::shared_ptr<char> Ring::reg_memory(int id) const {
@@ -574,11 +600,6 @@ void Ring::watch_peers(std::vector<host::Peer> peers) {
   });
 }
 
-namespace {
-std::mutex g_kept_mu;
-size_t g_kept_bytes = 0;
-}  // namespace
-
 size_t Ring::kept_bytes() {
   std::lock_guard<std::mutex> lk(g_kept_mu);
   return g_kept_bytes;
@@ -620,13 +641,13 @@ void Ring::close(bool peers_done) {
   // holds it, or (kept, as the area is) until exit where a peer or a graph may still touch it.
   std::lock_guard<std::mutex> rlk(reg_mu_);
   for (Reg& g : regs_) {
+    if (!g.own) continue;  // released
     if (keep || replayable) {
       new std::shared_ptr<char>(g.own);  // never deleted: freed by the process's exit
       std::lock_guard<std::mutex> klk(g_kept_mu);
       g_kept_bytes += g.bytes;
-      continue;
     }
-    if (g.ipc)
+    if (g.ipc && !replayable)
       for (char* p : g.at)
         if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);
   }

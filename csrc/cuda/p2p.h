@@ -257,7 +257,8 @@ class Ring {
   // graph replays exactly these; the native tests launch them again to play a replay.
   Args args(const Call& c) const;
   // plan(), except that an all_reduce in place of a tensor in a registered buffer runs
-  // Algo::Registered when the algorithm is Auto (a forced one keeps its meaning).
+  // Algo::Registered when the algorithm is Auto (a forced one keeps its meaning) and the tensor is
+  // larger than auto's one-shot threshold.
   Plan plan_of(const Call& c) const;
   // Registered buffers (ringreduce.shared_empty on CUDA): every rank allocates the same buffers in
   // the same order. reg_alloc: a new buffer of `bytes` on this device; returns its index and
@@ -269,6 +270,11 @@ class Ring {
   // Native tests only: ranks as streams of one process, the others' buffers used directly.
   void reg_connect_local(int id, const std::vector<const Ring*>& rings);
   std::shared_ptr<char> reg_memory(int id) const;
+  // This rank's tensor of buffer id is gone (no call of this rank uses it any more: a call holds
+  // its tensor until it ends): unmaps the peers' copies and lets go of this one, which goes with
+  // its last owner. Kept instead (until exit) while a CUDA graph may replay a launch on it, and
+  // this rank's copy also once the ring broke (a peer's stopped call may still write into it).
+  void reg_release(int id);
   int reg_count() const {
     std::lock_guard<std::mutex> lk(reg_mu_);
     return static_cast<int>(regs_.size());

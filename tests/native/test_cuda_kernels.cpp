@@ -232,8 +232,10 @@ static void test_ranks_share_a_device() {
 
 // (2b) registered buffers: a buffer of `bytes` allocated by every rank of g and mapped by all, as
 // ringreduce.shared_empty does on CUDA (IPC handles under the emulator); every rank's copy.
+// Auto's one-shot threshold goes to 0 (tuned: never), so that every size runs the registered kernel.
 static std::vector<char*> register_all(Group& g, size_t bytes) {
   const int n = static_cast<int>(g.rings.size());
+  for (auto& ring : g.rings) ring->set_thresholds(0, rc::p2p::kTwoShotMaxBytes);
   std::vector<std::string> handles(n);
   std::vector<const rc::p2p::Ring*> all;
   int id = -1;
@@ -283,6 +285,13 @@ static void test_registered() {
     DevBuf plain(400);
     const Algo other = g.rings[0]->plan_of({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 100, plain.p, plain.p}).algo;
     EXPECT(other != Algo::Registered, "n=%d: a tensor outside every buffer planned as registered", n);
+    // At auto's one-shot threshold or below, one-shot runs (one handshake instead of two).
+    g.rings[0]->set_thresholds(4096, rc::p2p::kTwoShotMaxBytes);
+    const rr::Call small{rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 1024, inside[0], inside[0]};
+    const rr::Call above{rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 1025, inside[0], inside[0]};
+    EXPECT(g.rings[0]->plan_of(small).algo == Algo::OneShot && g.rings[0]->plan_of(above).algo == Algo::Registered,
+           "n=%d: 4 KiB in a buffer ran %s, 4 KiB + 4 %s (one-shot threshold 4 KiB)", n,
+           rc::p2p::algo_name(g.rings[0]->plan_of(small).algo), rc::p2p::algo_name(g.rings[0]->plan_of(above).algo));
     // Past the buffer's end: not registered (it would read past the peers' copies).
     const rr::Call over{rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, (2 << 20) / 4 + 1, first[0], first[0]};
     EXPECT(g.rings[0]->plan_of(over).algo != Algo::Registered, "n=%d: a tensor past its buffer's end planned as registered", n);
@@ -313,6 +322,34 @@ static void test_registered_mismatch() {
     }
     std::printf("registered mismatch %d: rank 0 says: %s\n", kind, g.rings[0]->failure().c_str());
   }
+}
+
+// A rank that lets go of a buffer (its tensor is gone) unmaps the peers' copies and frees its own:
+// its plans no longer pick the buffer, and a peer that still calls on it stops with the mismatch,
+// having read none of the freed memory. Within a CUDA graph's pin the memory is kept instead.
+static void test_registered_release() {
+  Group g(2, 2, 4096, 5.0);
+  const std::vector<char*> at = register_all(g, 1 << 16);
+  const int64_t numel = 1000;
+  for (int r = 0; r < 2; ++r) g.rings[r]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, at[r], at[r]}, g.ranks[r].stream);
+  sync_all(g);
+  std::weak_ptr<char> gone = g.rings[0]->reg_memory(0);
+  char* const copy0 = at[0];
+  g.rings[0]->reg_release(0);
+  EXPECT(gone.expired(), "rank 0's copy is still allocated after its release");
+  DevBuf plain(numel * 4);
+  const rr::Call after{rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, copy0, copy0};
+  EXPECT(g.rings[0]->plan_of(after).algo != rc::p2p::Algo::Registered, "a released buffer is still planned");
+  g.rings[0]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, plain.p, plain.p}, g.ranks[0].stream);
+  g.rings[1]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, at[1], at[1]}, g.ranks[1].stream);
+  sync_all(g);
+  const std::string f = g.rings[1]->failure();
+  EXPECT(contains(f, "shared_empty buffer on one rank only"), "rank 1: '%s'", f.c_str());
+  // A broken ring keeps what it releases (a peer's stopped call may still write into it).
+  const size_t kept = rc::p2p::Ring::kept_bytes();
+  g.rings[1]->reg_release(0);
+  EXPECT(rc::p2p::Ring::kept_bytes() == kept + (1 << 16), "a broken ring's released buffer: kept %zu bytes more",
+         rc::p2p::Ring::kept_bytes() - kept);
 }
 
 // A rank's registered all_reduce ends only when every peer has written its chunk into this rank's
@@ -560,15 +597,20 @@ static void test_dead_peer() {
 // in-place all_reduce, then launches exactly the same kernel arguments twice more (a replay), then
 // runs again: four all_reduces in step (values x, S, nS, n^2 S, n^3 S), because the kernel takes
 // where the FIFOs stand from the ring's counters, not from its arguments.
-static void replayed_launches_stay_in_step(rc::p2p::Algo algo) {
+// registered: the tensors in a registered buffer (the registered kernel replayed).
+static void replayed_launches_stay_in_step(rc::p2p::Algo algo, bool registered = false) {
   const int n = 3;
   const int64_t numel = 5000;
   std::vector<std::unique_ptr<DevBuf>> bufs;
   std::vector<std::vector<char>> hs(n);
   Group g(n, 2, 256, 10.0, algo, false, 256);  // several rounds/slices per call
+  const std::vector<char*> at = registered ? register_all(g, numel * 4) : std::vector<char*>();
+  if (registered)
+    EXPECT(g.rings[0]->plan_of(g.call(numel, DevBuf(at[0], 0))).algo == rc::p2p::Algo::Registered,
+           "the replayed tensors are not planned as registered");
   for (int r = 0; r < n; ++r) {
     RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
-    bufs.push_back(std::make_unique<DevBuf>(numel * 4));
+    bufs.push_back(registered ? std::make_unique<DevBuf>(at[r], 0) : std::make_unique<DevBuf>(numel * 4));
     const std::vector<float> h(numel, static_cast<float>(r + 1));
     hs[r].assign(reinterpret_cast<const char*>(h.data()), reinterpret_cast<const char*>(h.data() + numel));
     fill_on(g.ranks[r].stream, bufs[r]->p, hs[r]);  // ordered before the call (cuda_check.h)
@@ -596,6 +638,7 @@ static void replayed_launches_stay_in_step(rc::p2p::Algo algo) {
 
 static void test_replayed_launches_stay_in_step() {
   for (rc::p2p::Algo algo : kAlgos) replayed_launches_stay_in_step(algo);
+  replayed_launches_stay_in_step(rc::p2p::Algo::Auto, true);
   // Deterministic mode: the forced ring runs the direct algorithms, replays included.
   DeterministicScope det;
   replayed_launches_stay_in_step(rc::p2p::Algo::Ring);
@@ -977,6 +1020,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_registered", [&] { test_registered(); });
     run_test(argc, argv, "test_registered_mismatch", [&] { test_registered_mismatch(); });
     run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_registered_result_in_stream_order(); });
+    run_test(argc, argv, "test_registered_release", [&] { test_registered_release(); });
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
     run_test(argc, argv, "test_timeout_with_every_block", [&] { test_timeout_with_every_block(); });
     run_test(argc, argv, "test_mismatch", [&] { test_mismatch(); });
