@@ -214,6 +214,9 @@ def shared_empty(*size, dtype=None, group=None, device=None):
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"ringreduce.{fn}: device must be cpu or cuda, got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"ringreduce.{fn}: device {device} asked for, but torch sees no CUDA "
+                           f"device here")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     comm = _comm_for(group, device, fn)

@@ -135,6 +135,20 @@ def test_bad_arguments():
         assert "device must be cpu or cuda, got meta" in msgs[2], msgs
 
 
+def cuda_without_gpu_worker(rank, world):
+    try:
+        rr.shared_empty(4, device="cuda")
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU says")
+def test_cuda_buffer_without_a_gpu_is_a_clear_error():
+    for msg in run_ranks(2, cuda_without_gpu_worker):
+        assert "device cuda asked for, but torch sees no CUDA device" in msg, msg
+
+
 def bucketer_worker(rank, world, trace_dir):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 300), torch.nn.Tanh(), torch.nn.Linear(300, 300),
