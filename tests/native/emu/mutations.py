@@ -211,6 +211,15 @@ MUTATIONS = {
         "      if (!g.mapped || p < base || p >= base + g.bytes) continue;",
         ("test_cuda_kernels_emu", ["test_registered"]),
         "a tensor that runs past its buffer's end is reduced in the peers' copies past theirs"),
+    "wait_outcome_for_thread0_only": (
+        KERNEL,
+        "        record_stop(a, stop, true, q, w, false, mine, &got);\n      }\n    }\n    s_stop = stop;\n"
+        "  }\n  __syncthreads();\n  return s_stop == 0;",
+        "        record_stop(a, stop, true, q, w, false, mine, &got);\n      }\n    }\n    s_stop = stop;\n"
+        "  }\n  __syncthreads();\n  return threadIdx.x != 0 || s_stop == 0;",
+        ("test_cuda_kernels_emu", ["test_mismatch"]),
+        "on a failed wait thread 0 stops and the other threads go on to the next barrier (the class of "
+        "session 15's outcome-word bug): divergent barriers, which the emulator now names"),
     "fold_rounds_every_step": (
         "csrc/cuda/reduce.cuh",
         "        for (int k = 0; k < K; ++k) acc[u][k] = apply<Op>(acc[u][k], N::up(x[k]));",

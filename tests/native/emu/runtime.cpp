@@ -154,6 +154,8 @@ struct Fiber {
   dim3 tid;
   State state = kRun;
   void* stack = nullptr;
+  const char* file = nullptr;  // the __syncthreads() it waits at (kBarrier)
+  int line = 0;
 };
 
 struct Block {
@@ -265,6 +267,22 @@ void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdi
       waiting |= f.state == Fiber::kBarrier;
     }
     if (!running && waiting) {  // every live thread is at __syncthreads(): release them
+      const Fiber* first = nullptr;
+      for (const Fiber& f : b.fibers) {
+        if (f.state != Fiber::kBarrier || !f.file) continue;
+        if (!first) {
+          first = &f;
+        } else if (f.line != first->line || std::strcmp(f.file, first->file) != 0) {
+          std::fprintf(stderr, "emu: divergent __syncthreads() in block %u on device %d: thread %u waits "
+                       "at %s:%d, thread %u at %s:%d\n", bidx.x, device, first->tid.x, first->file,
+                       first->line, f.tid.x, f.file, f.line);
+          std::fflush(stderr);
+          std::printf("FAIL emu: divergent __syncthreads(): %s:%d and %s:%d\n", first->file, first->line,
+                      f.file, f.line);
+          std::fflush(stdout);
+          std::abort();
+        }
+      }
       weak_barrier_release();
       for (Fiber& f : b.fibers)
         if (f.state == Fiber::kBarrier) f.state = Fiber::kRun;
@@ -283,12 +301,14 @@ void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdi
 const dim3& thread_idx() { return tl_block ? tl_block->cur->tid : kHostThread; }
 int current_fiber() { return tl_block ? static_cast<int>(tl_block->cur - tl_block->fibers.data()) : -1; }
 
-void syncthreads() {
+void syncthreads(const char* file, int line) {
   Block* b = tl_block;
   if (!b) return;
   weak_barrier_arrive();
   Fiber* f = b->cur;
   f->state = Fiber::kBarrier;
+  f->file = file;
+  f->line = line;
   switch_to(f->ctx, b->sched);
 }
 

@@ -150,7 +150,10 @@ template <class T> inline cudaError_t cudaHostAlloc(T** p, size_t bytes, unsigne
 namespace emu {
 const dim3& thread_idx();  // the calling fiber's threadIdx
 extern thread_local dim3 block_idx, block_dim, grid_dim;
-void syncthreads();
+// __syncthreads() at file:line: a block whose threads meet at different barriers (divergent
+// control flow around a barrier: undefined behaviour in CUDA, a hang or a silent mismatch on a GPU)
+// aborts the process naming both places.
+void syncthreads(const char* file = nullptr, int line = 0);
 // In spin loops: lets the block's other fibers and the other OS threads run (2 cores, many blocks).
 void spin_hint();
 // Enqueues body on stream to run grid x block times; a bad configuration sets the last error.
@@ -181,7 +184,7 @@ inline void weak_fence() {  // acq_rel: what came before lands, what comes after
 #define blockDim (::emu::block_dim)
 #define gridDim (::emu::grid_dim)
 
-inline void __syncthreads() { ::emu::syncthreads(); }
+#define __syncthreads() ::emu::syncthreads(__FILE__, __LINE__)
 inline void __threadfence() {
   ::emu::weak_fence();
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
