@@ -59,11 +59,27 @@ __device__ MsgHeader get_header(const MsgHeader* src) {
   return h;
 }
 
+// Whether upstream runs this very call (op_seq) as the ring while this rank runs a direct
+// algorithm: its first message sits unconsumed in this rank's channel-0 FIFO. The ranks' plans
+// differ (different sizes, or a shared_empty tensor on one rank only); the ring side would wait on
+// a neighbour that never posts, and this side for posts that never come, until the timeout. Some
+// ring rank's downstream runs a direct algorithm, so one rank sees it and stops every rank. A
+// message of a later call is no mismatch: upstream may have finished this call already.
+__device__ bool ring_runs_this_call(const Args& a, MsgHeader* got) {
+  const uint64_t received = ld_relaxed_sys(&a.self->ring[0].received.value);
+  if (ld_relaxed_sys(&a.self->ring[0].posted.value) <= received) return false;
+  fence_acq_rel_sys();  // the header was written before the count
+  *got = get_header(&a.self->ring_hdr[0][received % kSlots]);
+  return got->op_seq == a.op_seq && got->algo == static_cast<uint8_t>(Algo::Ring);
+}
+
 // Thread 0: waits until *ctr (in this rank's memory) >= target. Returns 0, or the abort word that
 // ended the wait; *local tells whether this wait saw the cause itself (host abort, timeout) or
 // learned of it from the abort word a peer or another block wrote here. *seen: the value read.
+// ring_call (direct waits): also ends with kMismatch when ring_runs_this_call, the ring's header
+// in *ring_call.
 __device__ uint32_t wait_ge(const Args& a, const uint64_t* ctr, uint64_t target, bool* local,
-                            uint64_t* seen = nullptr) {
+                            uint64_t* seen = nullptr, MsgHeader* ring_call = nullptr) {
   *local = true;
   uint64_t v = ld_relaxed_sys(ctr);
   if (v < target) {
@@ -80,6 +96,7 @@ __device__ uint32_t wait_ge(const Args& a, const uint64_t* ctr, uint64_t target,
         *local = false;
         return w;
       }
+      if (ring_call && ring_runs_this_call(a, ring_call)) return abort_word(kMismatch, a.rank);
     }
   }
   fence_acq_rel_sys();
@@ -353,9 +370,14 @@ __device__ bool wait_all(const Args& a, int ph, uint64_t seq, int64_t i, F bytes
       MsgHeader mine = my_header(a, bytes_for(q), static_cast<uint32_t>(i));
       const Where w{2 + ph, q, i};
       bool local = true;
-      stop = wait_ge(a, &a.self->direct[blockIdx.x].arrived[ph].from[q], seq, &local);
+      MsgHeader ring_call;
+      ring_call.op_seq = 0;
+      stop = wait_ge(a, &a.self->direct[blockIdx.x].arrived[ph].from[q], seq, &local, nullptr,
+                     &ring_call);
       if (stop) {
-        record_stop(a, stop, local, q, w, false, mine, nullptr);
+        const bool ring = abort_cause(stop) == kMismatch && local;  // upstream's ring message
+        record_stop(a, stop, local, ring ? (a.rank + a.nranks - 1) % a.nranks : q, w, false, mine,
+                    ring ? &ring_call : nullptr);
         break;
       }
       const MsgHeader got = get_header(dheader(a.self, seq, ph, q));

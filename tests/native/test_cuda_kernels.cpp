@@ -324,6 +324,38 @@ static void test_registered_mismatch() {
   }
 }
 
+// One rank runs a direct algorithm (one-shot; the registered kernel) and another the ring for the
+// same call: the direct rank finds the ring's first message of this call in its FIFO and stops
+// every rank with the mismatch, long before the timeout (each side's waits never end otherwise).
+static void test_mismatch_direct_against_ring() {
+  const double timeout = 30.0;
+  for (bool registered : {false, true}) {
+    Group g(2, 2, 4096, timeout);
+    const int64_t big = (24 << 20) / 4;  // 24 MiB: above two-shot's 16 MiB, the ring
+    const std::vector<char*> at = registered ? register_all(g, big * 4) : std::vector<char*>();
+    DevBuf plain(big * 4);
+    const auto t0 = Clock::now();
+    char* p0 = registered ? at[0] : plain.p;
+    const int64_t n0 = registered ? big : 1000;
+    g.rings[0]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, n0, p0, p0}, g.ranks[0].stream);
+    DevBuf other(big * 4);
+    g.rings[1]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, big, other.p, other.p}, g.ranks[1].stream);
+    sync_all(g);
+    const double took = seconds_since(t0);
+    EXPECT(took < timeout / 3, "%s against the ring: stopped after %.1f s (timeout %.0f s)",
+           registered ? "registered" : "one-shot", took, timeout);
+    // Rank 0 (the direct side) names both calls; rank 1 (the ring) learns of it from rank 0.
+    const char* want = registered ? "shared_empty buffer on one rank only" : "numel=1000";
+    const std::string f0 = g.rings[0]->failure(), f1 = g.rings[1]->failure();
+    EXPECT(contains(f0, "mismatched collective calls") && contains(f0, want) && contains(f0, "; ring)"),
+           "%s, rank 0: '%s'", registered ? "registered" : "one-shot", f0.c_str());
+    EXPECT(contains(f1, "stopped because rank 0 saw mismatched collective calls"), "%s, rank 1: '%s'",
+           registered ? "registered" : "one-shot", f1.c_str());
+    std::printf("direct against ring (%s, %.1f s): rank 0 says: %s\n", registered ? "registered" : "one-shot",
+                took, f0.c_str());
+  }
+}
+
 // A rank that lets go of a buffer (its tensor is gone) unmaps the peers' copies and frees its own:
 // its plans no longer pick the buffer, and a peer that still calls on it stops with the mismatch,
 // having read none of the freed memory. Within a CUDA graph's pin the memory is kept instead.
@@ -1021,6 +1053,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_registered_mismatch", [&] { test_registered_mismatch(); });
     run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_registered_result_in_stream_order(); });
     run_test(argc, argv, "test_registered_release", [&] { test_registered_release(); });
+    run_test(argc, argv, "test_mismatch_direct_against_ring", [&] { test_mismatch_direct_against_ring(); });
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
     run_test(argc, argv, "test_timeout_with_every_block", [&] { test_timeout_with_every_block(); });
     run_test(argc, argv, "test_mismatch", [&] { test_mismatch(); });

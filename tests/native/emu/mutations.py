@@ -211,6 +211,20 @@ MUTATIONS = {
         "      if (!g.mapped || p < base || p >= base + g.bytes) continue;",
         ("test_cuda_kernels_emu", ["test_registered"]),
         "a tensor that runs past its buffer's end is reduced in the peers' copies past theirs"),
+    "direct_ignores_ring_messages": (
+        KERNEL,
+        "      if (ring_call && ring_runs_this_call(a, ring_call)) return abort_word(kMismatch, a.rank);",
+        "",
+        ("test_cuda_kernels_emu", ["test_mismatch_direct_against_ring"]),
+        "a rank running the ring and one running a direct algorithm for the same call wait for each "
+        "other until the timeout"),
+    "ring_message_of_a_later_call_is_a_mismatch": (
+        KERNEL,
+        "  return got->op_seq == a.op_seq && got->algo == static_cast<uint8_t>(Algo::Ring);",
+        "  return got->algo == static_cast<uint8_t>(Algo::Ring);",
+        ("test_cuda_kernels_emu", ["test_ring", "test_registered"]),
+        "upstream, done with a direct call, starts the next call (the ring) while this rank still "
+        "waits in the direct one: no mismatch, but this check would call it one"),
     "wait_outcome_for_thread0_only": (
         KERNEL,
         "        record_stop(a, stop, true, q, w, false, mine, &got);\n      }\n    }\n    s_stop = stop;\n"
