@@ -545,6 +545,13 @@ __global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
 // Headers carry reg_tag (buffer and offset) as their size, so a rank whose tensor is elsewhere
 // stops every rank with kBadSize instead of reading the wrong memory. One round per call: the
 // block's round counter goes on by one, so the direct kernels' header slots stay in step.
+template <class T>
+struct Copies {
+  const Args& a;
+  int64_t begin;
+  __device__ T* operator[](int q) const { return reinterpret_cast<T*>(a.peer_data[q]) + begin; }
+};
+
 template <class T, RedOp Op>
 __global__ void __launch_bounds__(kThreads) reg_kernel(Args a) {
   const int n = a.nranks;
@@ -558,9 +565,11 @@ __global__ void __launch_bounds__(kThreads) reg_kernel(Args a) {
   auto tag = [&](int) { return a.reg_tag; };
   post_all(a, 0, seq, 0, tag);
   if (wait_all(a, 0, seq, 0, tag)) {
-    T* copies[kMaxSpanPtrs];
-    for (int q = 0; q < n; ++q) copies[q] = reinterpret_cast<T*>(a.peer_data[q]) + P.begin;
-    span_multi<T, Op>(copies, n, copies, n, P.count, a.divisor, threadIdx.x, blockDim.x);
+    // The copies computed from the kernel's parameters where they are used: no pointer array in
+    // local memory (the direct kernels' src[]/dst[] are one).
+    const Copies<T> copies{a, P.begin};
+    span_fold<T, Op>(copies, n, [&](int q) { return copies[q]; }, n, P.count, a.divisor,
+                     threadIdx.x, blockDim.x);
     post_all(a, 1, seq, 0, tag);
     wait_all(a, 1, seq, 0, tag);
   }

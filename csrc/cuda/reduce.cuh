@@ -177,8 +177,10 @@ __device__ RR_NOINLINE void span_op(T* d0, T* d1, const T* a, const T* b, int64_
 // them from a slot layout, the p2p kernels pass an array). dst may be one of the sources (the same
 // address: each element is read before it is written, by the same thread), never a partial overlap.
 // Vectorized (16 bytes) where every pointer has the same alignment mod 16, else element by element.
-template <class T, RedOp Op, class Src>
-__device__ void span_fold(T* const* dst, int nd, Src src, int ns, int64_t n, int div, int tid,
+// dst: anything that dst[d] gives the d-th destination of (an array, or an object that computes
+// it, so that pointers need not sit in an array in local memory).
+template <class T, RedOp Op, class Src, class Dst>
+__device__ void span_fold(Dst dst, int nd, Src src, int ns, int64_t n, int div, int tid,
                           int nthreads) {
   if (n <= 0) return;
   using N = Num<T>;
