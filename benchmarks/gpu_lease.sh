@@ -31,9 +31,10 @@ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" -m pip install --no-build-isolation -
     > "$OUT/build.log" 2>&1 || { log "build FAILED"; tail -40 "$OUT/build.log"; exit 1; }
 
 EXITS="test_processes_exit_cleanly_under_torchrun"
-log "smoke and exit statuses (no MPS)"
-timeout -k 10 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
-    test_transport_choice_logged or test_world_one_moves_nothing or test_shared_buffers or $EXITS" tests/test_cuda.py \
+log "smoke, the copy algorithm and exit statuses (no MPS)"
+timeout -k 10 260 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
+    test_transport_choice_logged or test_world_one_moves_nothing or test_shared_buffers or \
+    p2p_copy-2 or test_time_sliced_ranks_run_the_copy_algorithm or $EXITS" tests/test_cuda.py \
     --durations=10 -rfE > "$OUT/smoke.log" 2>&1
 log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
 

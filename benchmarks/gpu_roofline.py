@@ -6,7 +6,8 @@ Prints, and writes as markdown to --out (default gpu_roofline.md) to paste into 
 1. the device-to-device copy bandwidth (read + write counted), the limit of everything below;
 2. world 1: rr.all_reduce against NCCL's world-1 all_reduce and a bare t.add_(0), us per call;
 3. worlds 2 and 4 as processes sharing the GPU, with MPS and without, per p2p algorithm (auto,
-   ring, oneshot, twoshot: RINGREDUCE_CUDA_ALGO; registered: the tensor a shared_empty one),
+   ring, oneshot, twoshot, copy: RINGREDUCE_CUDA_ALGO; registered: the tensor a shared_empty one;
+   without MPS auto runs copy),
    float32 all_reduce in place: the median us per
    call from `python -m ringreduce.bench`, the fraction of the HBM limit (an all_reduce of S bytes
    per rank on one GPU reads N inputs and writes N outputs: 2NS bytes at the copy bandwidth), and
@@ -28,8 +29,9 @@ import sys
 import tempfile
 import time
 
-# registered: all_reduce of ringreduce.shared_empty tensors (ringreduce/p2p-shared; algorithm auto)
-ALGOS = ("auto", "ring", "oneshot", "twoshot", "registered")
+# registered: all_reduce of ringreduce.shared_empty tensors (ringreduce/p2p-shared; algorithm auto);
+# copy: copies and stream waits, what auto runs without MPS (RINGREDUCE_CUDA_ALGO=copy)
+ALGOS = ("auto", "ring", "oneshot", "twoshot", "registered", "copy")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 

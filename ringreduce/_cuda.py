@@ -53,7 +53,11 @@ DEFAULT_SLOT_BYTES = 32 << 10
 # 2 overlaps the peers' posts with this rank's work; 1 is the lock step of the first GPU runs.
 DEFAULT_DIRECT_AHEAD = 2
 MAX_DIRECT_AHEAD = 2  # csrc/cuda/p2p.h: kDirectDepth / 2
-ALGOS = ("auto", "ring", "oneshot", "twoshot")
+# copy: no kernel waits for another rank (ranks sharing a GPU without MPS; csrc/cuda/p2p_copy.cpp).
+ALGOS = ("auto", "ring", "oneshot", "twoshot", "copy")
+# The copy algorithm's largest piece (RINGREDUCE_CUDA_COPY_BYTES; csrc/cuda/p2p.h): each piece is a
+# handshake, i.e. time slices, between ranks sharing a GPU without MPS.
+DEFAULT_COPY_BYTES = 8 << 20
 # The direct algorithms write into every rank's memory: up to this many ranks (csrc/cuda/p2p.h).
 MAX_DIRECT_RANKS = 16
 # nccl staging buffer (bytes, two of them); see csrc/cuda/nccl_ring.h.
@@ -171,19 +175,42 @@ def mps_pipe_present():
     return os.path.exists(os.path.join(pipe_dir, "control"))
 
 
+def mps_active():
+    """Whether this host's ranks share GPUs through MPS: RINGREDUCE_CUDA_MPS=1/0 says so, else
+    an MPS control daemon's pipe is taken for a running daemon (mps_pipe_present)."""
+    forced = os.environ.get("RINGREDUCE_CUDA_MPS", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_MPS must be 1 (MPS runs), 0 (it does not) "
+                         f"or unset (look for the daemon's pipe); got {forced!r}")
+    return mps_pipe_present()
+
+
+def time_sliced(where):
+    """Whether some device of the group is shared by ranks without MPS (where[q]: rank q's
+    (host, PCI bus id, SM count, MPS active)): their contexts take turns in time slices, so no
+    kernel of ours may wait for another rank's; the p2p transport then runs its copy algorithm.
+    The same answer on every rank."""
+    per_device = {}
+    for host, bus, _, _ in where:
+        per_device[(host, bus)] = per_device.get((host, bus), 0) + 1
+    return any(per_device[(host, bus)] > 1 and not mps for host, bus, _, mps in where)
+
+
 def resident_blocks(where):
     """The most thread blocks one p2p call may use, the same on every rank: where[q] is rank q's
     (host, PCI bus id, SM count). Every block of every rank's kernel spins until its peers' blocks
     run, so all must be resident at once, and one block of these kernels fills an SM: the SMs of a
     device over the ranks sharing it, the least over the group."""
     per_device = {}
-    for host, bus, _ in where:
+    for host, bus, *_ in where:
         per_device[(host, bus)] = per_device.get((host, bus), 0) + 1
-    return max(1, min(sms // per_device[(host, bus)] for host, bus, sms in where))
+    return max(1, min(sms // per_device[(host, bus)] for host, bus, sms, *_ in where))
 
 
 # The knobs' names in p2p_knobs()["config"] and in the error when ranks disagree.
-P2P_KNOBS = ("channels", "slice_bytes", "slot_bytes", "algo", "blocks_cap", "ahead")
+P2P_KNOBS = ("channels", "slice_bytes", "slot_bytes", "algo", "blocks_cap", "ahead", "copy_bytes")
 
 
 def p2p_knobs():
@@ -196,7 +223,11 @@ def p2p_knobs():
              # 0: as many as every rank's kernel can keep resident (resident_blocks); fewer leave
              # SMs to the model's kernels (as NCCL_MAX_CTAS does), and measure what blocks buy.
              blocks_cap=env_int("RINGREDUCE_CUDA_MAX_BLOCKS", 0),
-             ahead=env_int("RINGREDUCE_CUDA_DIRECT_AHEAD", DEFAULT_DIRECT_AHEAD))
+             ahead=env_int("RINGREDUCE_CUDA_DIRECT_AHEAD", DEFAULT_DIRECT_AHEAD),
+             copy_bytes=env_int("RINGREDUCE_CUDA_COPY_BYTES", DEFAULT_COPY_BYTES))
+    if k["copy_bytes"] < 16 or k["copy_bytes"] % 16:
+        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_COPY_BYTES must be a positive multiple of "
+                         f"16 (the copy algorithm's largest piece); got {k['copy_bytes']}")
     if k["blocks_cap"] < 0:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_MAX_BLOCKS must be >= 0 (0: from the "
                          f"device); got {k['blocks_cap']}")
@@ -218,9 +249,10 @@ def sharing_warning(ranks_per_device, device, mps):
     if ranks_per_device < 2 or mps:
         return None
     return (f"ringreduce: {ranks_per_device} ranks share {device} and no MPS daemon was found: "
-            f"their kernels take turns in time slices, so every collective waits for slices "
-            f"(milliseconds per call where MPS takes tens of microseconds). Start MPS before the "
-            f"job (nvidia-cuda-mps-control -d) or use one GPU per rank.")
+            f"their contexts take turns in time slices, so ringreduce runs its copy algorithm "
+            f"(copies and stream waits, no kernel that waits for another rank), and each call "
+            f"still waits for slices. Start MPS before the job (nvidia-cuda-mps-control -d; "
+            f"RINGREDUCE_CUDA_MPS=1 if its pipe is elsewhere) or use one GPU per rank for speed.")
 
 
 _warned_sharing = set()
@@ -269,8 +301,10 @@ class Communicator(_lifecycle.Communicator):
         max_blocks = resident_blocks(self._where)
         if k["blocks_cap"]:
             max_blocks = min(max_blocks, k["blocks_cap"])
+        sliced = time_sliced(self._where)
         native = _C.P2pComm(self.device.index, self.rank, self.world_size, channels, slice_bytes,
-                            self.timeout, algo, slot_bytes, max_blocks, k["ahead"])
+                            self.timeout, algo, slot_bytes, max_blocks, k["ahead"], sliced,
+                            k["copy_bytes"])
         try:
             # The plan of every call must be the same on every rank: so must these.
             config = k["config"].encode()
@@ -283,8 +317,9 @@ class Communicator(_lifecycle.Communicator):
                         f"ringreduce: rank {r} has p2p {'/'.join(P2P_KNOBS)} {config.decode()} "
                         f"but rank {peer} has {theirs.decode()}; set RINGREDUCE_CUDA_CHANNELS, "
                         f"RINGREDUCE_CUDA_SLICE_BYTES, RINGREDUCE_CUDA_SLOT_BYTES, "
-                        f"RINGREDUCE_CUDA_ALGO, RINGREDUCE_CUDA_MAX_BLOCKS and "
-                        f"RINGREDUCE_CUDA_DIRECT_AHEAD alike on every rank")
+                        f"RINGREDUCE_CUDA_ALGO, RINGREDUCE_CUDA_MAX_BLOCKS, "
+                        f"RINGREDUCE_CUDA_DIRECT_AHEAD and RINGREDUCE_CUDA_COPY_BYTES alike on "
+                        f"every rank")
             # Every rank's handle when every rank can map every other, else the neighbours' only:
             # the same choice on every rank.
             self._tune(native, algo)
@@ -297,14 +332,15 @@ class Communicator(_lifecycle.Communicator):
             raise
         log.debug("rank %d/%d: p2p ready on %s (algorithm %s, direct algorithms %s, at most %d "
                   "channels and %d B slices, direct slots %d B written %d rounds ahead, at most %d "
-                  "blocks a call, timeout %g s)", self.rank, self.world_size, self.device, algo,
+                  "blocks a call, %s, timeout %g s)", self.rank, self.world_size, self.device, algo,
                   "on" if native.direct() else "off", channels, slice_bytes, slot_bytes, k["ahead"],
-                  max_blocks, self.timeout)
+                  max_blocks, (f"time-sliced: copy algorithm in pieces of {k['copy_bytes']} B"
+                               if sliced else "not time-sliced"), self.timeout)
         return native
 
     def _warn_if_sharing(self):
         per_device = sum(1 for b in self._bus_ids if b == self._bus_ids[self.rank])
-        msg = sharing_warning(per_device, self.device, mps_pipe_present())
+        msg = sharing_warning(per_device, self.device, self._where[self.rank][3])
         if msg and self.device.index not in _warned_sharing:
             _warned_sharing.add(self.device.index)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
@@ -330,12 +366,13 @@ class Communicator(_lifecycle.Communicator):
         algorithms write into all of them); the same answer on every rank."""
         n, r = self.world_size, self.rank
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        me = f"{host_id()}|{_C.cuda_bus_id(self.device.index)}|{sms}"
+        me = f"{host_id()}|{_C.cuda_bus_id(self.device.index)}|{sms}|{int(mps_active())}"
         self._setup.set(f"bus/{r}", me)
-        where = [v.decode().rsplit("|", 2) for v in self._setup.all("bus", n, "host and device")]
-        self._where = [(h, b, int(s)) for h, b, s in where]  # resident_blocks()
-        self._bus_ids = [f"{h}|{b}" for h, b, _ in where]  # ranks per device (_tune)
-        ok = n <= MAX_DIRECT_RANKS and len({h for h, _, _ in where}) == 1
+        where = [v.decode().rsplit("|", 3) for v in self._setup.all("bus", n, "host and device")]
+        # resident_blocks(), time_sliced()
+        self._where = [(h, b, int(s), m == "1") for h, b, s, m in where]
+        self._bus_ids = [f"{h}|{b}" for h, b, _, _ in where]  # ranks per device (_tune)
+        ok = n <= MAX_DIRECT_RANKS and len({h for h, _, _, _ in where}) == 1
         for q in range(n):
             if ok and q != r:
                 ok = bool(_C.cuda_can_map(self.device.index, where[q][1])[0])

@@ -40,6 +40,8 @@ P2P_TINY = {**P2P_ENV, "RINGREDUCE_CUDA_SLICE_BYTES": "256", "RINGREDUCE_CUDA_CH
 # Each p2p algorithm forced, with tiny direct slots (many rounds per call).
 P2P_ALGO = {algo: {**P2P_ENV, "RINGREDUCE_CUDA_ALGO": algo, "RINGREDUCE_CUDA_SLOT_BYTES": "256"}
             for algo in ("oneshot", "twoshot")}
+# The copy algorithm (ranks sharing a GPU without MPS) forced, in pieces of 4 KiB (many a call).
+P2P_COPY = {**P2P_ENV, "RINGREDUCE_CUDA_ALGO": "copy", "RINGREDUCE_CUDA_COPY_BYTES": "4096"}
 NCCL_TINY = {**NCCL_ENV, "RINGREDUCE_NCCL_STAGING_BYTES": "4096"}
 TRANSPORTS = pytest.mark.parametrize("env", [P2P_ENV, NCCL_ENV], ids=["p2p", "nccl"])
 
@@ -165,6 +167,8 @@ SWEEPS = {
                     lambda w: [0, 1, w + 1, 4099, 100_003]),
     "p2p_twoshot": (P2P_ALGO["twoshot"], [2, 3, 4], (torch.float32, torch.float16, torch.int64),
                     lambda w: [0, 1, w + 1, 4099, 100_003]),
+    "p2p_copy": (P2P_COPY, [2, 3], (torch.float32, torch.bfloat16, torch.int64),
+                 lambda w: [0, 1, w + 1, 4099, 100_003]),
 }
 
 
@@ -601,6 +605,38 @@ def test_transport_choice_logged():
                         env={"RINGREDUCE_TRANSPORT": "auto", "RINGREDUCE_DEBUG": "1"})
     for msgs in results:
         assert any("transport p2p" in m and "on host" in m for m in msgs), msgs
+
+
+def time_sliced_worker(rank, world):
+    import warnings
+    import ringreduce as rr
+    from ringreduce import _cuda
+    dev = setup_rank(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm = _cuda.get_communicator(dist.group.WORLD, dev, "p2p")
+    algos = {n: comm._native.algorithm("all_reduce", n) for n in (1, 1 << 20, 1 << 26)}
+    ins = [make_input(r, 300_007, torch.float32, dist.ReduceOp.SUM, seed=3) for r in range(world)]
+    t = ins[rank].to(dev)
+    rr.all_reduce(t)
+    exp, tol = reference(ins, dist.ReduceOp.SUM)
+    finish()
+    return algos, [str(w.message) for w in caught], bad_count(t, exp, tol), digest(t)
+
+
+@smoke
+def test_time_sliced_ranks_run_the_copy_algorithm():
+    """Two ranks on one GPU without MPS (RINGREDUCE_CUDA_MPS=0): auto runs the copy algorithm at
+    every size (no kernel waits for the other rank), warns once, and the result is right."""
+    if torch.cuda.device_count() != 1:
+        pytest.skip("needs the ranks to share one GPU")
+    results = run_ranks(2, time_sliced_worker, timeout=180,
+                        env={**P2P_ENV, "RINGREDUCE_CUDA_MPS": "0", "RINGREDUCE_CUDA_COPY_BYTES": "65536"})
+    for rank, (algos, warned, bad, _) in enumerate(results):
+        assert set(algos.values()) == {"copy"}, (rank, algos)
+        assert any("copy algorithm" in w for w in warned), (rank, warned)
+        assert not bad, f"rank {rank}: {bad} wrong elements"
+    assert results[0][3] == results[1][3]
 
 
 # -- DDP and GradientBucketer on CUDA tensors --------------------------------------------------------

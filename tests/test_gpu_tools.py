@@ -112,6 +112,7 @@ def test_ranks_sharing_a_gpu_without_mps_are_warned():
     assert sharing_warning(2, "cuda:0", mps=True) is None
     msg = sharing_warning(2, "cuda:0", mps=False)
     assert "2 ranks share cuda:0" in msg and "nvidia-cuda-mps-control -d" in msg
+    assert "copy algorithm" in msg
 
 
 def test_blocks_per_call_leave_room_for_every_rank_on_a_device():
@@ -126,6 +127,47 @@ def test_blocks_per_call_leave_room_for_every_rank_on_a_device():
     # the same bus id on another host is another device; the smaller GPU sets the count
     assert resident_blocks([("a", "0:1", h100), ("b", "0:1", 108)]) == 108
     assert resident_blocks([("a", "0:1", 2)] * 4) == 1  # never below one block
+
+
+def test_time_sliced_where_ranks_share_a_gpu_without_mps():
+    """The copy algorithm (no kernel waits for another rank) where some GPU of the group is
+    shared by ranks and MPS does not run; where[q] = (host, bus id, SMs, MPS active)."""
+    from ringreduce._cuda import resident_blocks, time_sliced
+    assert not time_sliced([("a", "0:1", 132, False), ("a", "0:2", 132, False)])  # a GPU each
+    assert time_sliced([("a", "0:1", 132, False)] * 2)
+    assert not time_sliced([("a", "0:1", 132, True)] * 2)  # MPS
+    # one shared GPU is enough, for every rank of the group
+    assert time_sliced([("a", "0:1", 132, False), ("a", "0:2", 132, False), ("a", "0:2", 132, False)])
+    assert not time_sliced([("a", "0:1", 132, False), ("b", "0:1", 132, False)])  # two hosts
+    assert resident_blocks([("a", "0:1", 132, False)] * 2) == 66  # the same records
+
+
+def test_mps_as_the_environment_says(tmp_path, monkeypatch):
+    from ringreduce._cuda import mps_active
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    monkeypatch.delenv("RINGREDUCE_CUDA_MPS", raising=False)
+    assert not mps_active()
+    (tmp_path / "control").touch()
+    assert mps_active()
+    monkeypatch.setenv("RINGREDUCE_CUDA_MPS", "0")
+    assert not mps_active()
+    monkeypatch.setenv("RINGREDUCE_CUDA_MPS", "1")
+    (tmp_path / "control").unlink()
+    assert mps_active()
+    monkeypatch.setenv("RINGREDUCE_CUDA_MPS", "yes")
+    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_MPS must be 1"):
+        mps_active()
+
+
+def test_copy_knob_checked(monkeypatch):
+    from ringreduce._cuda import p2p_knobs
+    monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", "copy")
+    monkeypatch.setenv("RINGREDUCE_CUDA_COPY_BYTES", "4096")
+    k = p2p_knobs()
+    assert k["algo"] == "copy" and k["copy_bytes"] == 4096 and k["config"].endswith("/4096")
+    monkeypatch.setenv("RINGREDUCE_CUDA_COPY_BYTES", "100")
+    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_COPY_BYTES must be a positive multiple of 16"):
+        p2p_knobs()
 
 
 def test_mps_pipe_found_where_cuda_looks(tmp_path, monkeypatch):
@@ -154,14 +196,15 @@ def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
     clear error for a value the kernels cannot run (no GPU needed: read before CUDA is touched)."""
     from ringreduce._cuda import p2p_knobs
     for name in ("RINGREDUCE_CUDA_CHANNELS", "RINGREDUCE_CUDA_SLICE_BYTES", "RINGREDUCE_CUDA_SLOT_BYTES",
-                 "RINGREDUCE_CUDA_ALGO", "RINGREDUCE_CUDA_MAX_BLOCKS", "RINGREDUCE_CUDA_DIRECT_AHEAD"):
+                 "RINGREDUCE_CUDA_ALGO", "RINGREDUCE_CUDA_MAX_BLOCKS", "RINGREDUCE_CUDA_DIRECT_AHEAD",
+                 "RINGREDUCE_CUDA_COPY_BYTES"):
         monkeypatch.delenv(name, raising=False)
     k = p2p_knobs()
     assert (k["ahead"], k["blocks_cap"], k["algo"]) == (2, 0, "auto")
-    assert k["config"] == "16/524288/32768/auto/0/2"
+    assert k["config"] == "16/524288/32768/auto/0/2/8388608"
     monkeypatch.setenv("RINGREDUCE_CUDA_DIRECT_AHEAD", "1")
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", " OneShot ")
-    assert p2p_knobs()["config"] == "16/524288/32768/oneshot/0/1"  # lock step differs from the default
+    assert p2p_knobs()["config"] == "16/524288/32768/oneshot/0/1/8388608"  # lock step differs from the default
     for value in ("0", "3"):
         monkeypatch.setenv("RINGREDUCE_CUDA_DIRECT_AHEAD", value)
         with pytest.raises(ValueError, match=f"RINGREDUCE_CUDA_DIRECT_AHEAD must be 1..2 .*got {value}"):
@@ -175,5 +218,5 @@ def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
         p2p_knobs()
     monkeypatch.setenv("RINGREDUCE_CUDA_MAX_BLOCKS", "16")
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", "tree")
-    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_ALGO must be one of auto, ring, oneshot, twoshot; got 'tree'"):
+    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_ALGO must be one of auto, ring, oneshot, twoshot, copy; got 'tree'"):
         p2p_knobs()

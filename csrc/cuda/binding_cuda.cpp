@@ -523,7 +523,7 @@ void register_cuda(py::module_& m) {
   py::class_<P2pComm> p2p(m, "P2pComm");
   p2p.def(py::init([](int device, int rank, int nranks, int channels, size_t slice_bytes,
                       double timeout_s, const std::string& algo, size_t direct_slot_bytes,
-                      int max_blocks, int direct_ahead) {
+                      int max_blocks, int direct_ahead, bool time_sliced, size_t copy_slot_bytes) {
            c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
            rc::p2p::Options o;
            o.rank = rank;
@@ -534,19 +534,23 @@ void register_cuda(py::module_& m) {
            o.direct_slot_bytes = direct_slot_bytes;
            o.max_blocks = max_blocks;
            o.direct_ahead = direct_ahead;
+           o.time_sliced = time_sliced;
+           o.copy_slot_bytes = copy_slot_bytes;
            o.algo = algo == "auto"      ? rc::p2p::Algo::Auto
                     : algo == "ring"    ? rc::p2p::Algo::Ring
                     : algo == "oneshot" ? rc::p2p::Algo::OneShot
                     : algo == "twoshot" ? rc::p2p::Algo::TwoShot
+                    : algo == "copy"    ? rc::p2p::Algo::Copy
                                         : rc::p2p::Algo(255);
            TORCH_CHECK_VALUE(o.algo != rc::p2p::Algo(255), "ringreduce: RINGREDUCE_CUDA_ALGO must be one "
-                             "of auto, ring, oneshot, twoshot; got '", algo, "'");
+                             "of auto, ring, oneshot, twoshot, copy; got '", algo, "'");
            return std::make_unique<P2pComm>(std::make_unique<rc::p2p::Ring>(o), nranks);
          }),
          py::arg("device"), py::arg("rank"), py::arg("nranks"), py::arg("channels"),
          py::arg("slice_bytes"), py::arg("timeout_s"), py::arg("algo") = "auto",
          py::arg("direct_slot_bytes") = rc::p2p::kDefaultDirectSlotBytes, py::arg("max_blocks") = 0,
-         py::arg("direct_ahead") = rc::p2p::kDefaultDirectAhead)
+         py::arg("direct_ahead") = rc::p2p::kDefaultDirectAhead, py::arg("time_sliced") = false,
+         py::arg("copy_slot_bytes") = rc::p2p::kDefaultCopySlotBytes)
       .def("handle", [](P2pComm& c) { return py::bytes(c.ring().handle()); })
       .def("connect", [](P2pComm& c, const std::vector<py::bytes>& handles) {
         c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device()));

@@ -44,4 +44,23 @@ void launch_reduce_ranks(DType t, RedOp op, void* dst, const void* own, int own_
 // Number of streaming multiprocessors of the current device (cached per device).
 int sm_count();
 
+// Makes dev current for a scope (CUDA calls act on the calling thread's current device).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int dev) {
+    cudaGetDevice(&prev_);
+    if (prev_ != dev) cudaSetDevice(dev);
+  }
+  ~DeviceScope() {
+    int cur = prev_;
+    cudaGetDevice(&cur);
+    if (cur != prev_) cudaSetDevice(prev_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
 }  // namespace ringreduce::cuda

@@ -14,31 +14,6 @@
 namespace ringreduce::cuda::p2p {
 namespace {
 
-// Makes dev current for a scope (CUDA calls act on the calling thread's current device).
-class DeviceScope {
- public:
-  explicit DeviceScope(int dev) {
-    cudaGetDevice(&prev_);
-    if (prev_ != dev) cudaSetDevice(dev);
-  }
-  ~DeviceScope() {
-    int cur = prev_;
-    cudaGetDevice(&cur);
-    if (cur != prev_) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = 0;
-};
-
-std::string call_text(const MsgHeader& h) {
-  char buf[200];
-  std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s; %s)", coll_name(Coll(h.coll)),
-                static_cast<long long>(h.numel), dtype_name(DType(h.dtype)), op_name(RedOp(h.op)),
-                algo_name(Algo(h.algo)));
-  return buf;
-}
-
 // Memory close() or reg_release() keeps until the process exits (a peer or a graph may use it).
 std::mutex g_kept_mu;
 size_t g_kept_bytes = 0;
@@ -55,6 +30,14 @@ const char* cause_text(uint32_t cause) {
 
 }  // namespace
 
+std::string call_text(const MsgHeader& h) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s; %s)", coll_name(Coll(h.coll)),
+                static_cast<long long>(h.numel), dtype_name(DType(h.dtype)), op_name(RedOp(h.op)),
+                algo_name(Algo(h.algo)));
+  return buf;
+}
+
 const char* algo_name(Algo a) {
   switch (a) {
     case Algo::Auto: return "auto";
@@ -62,6 +45,7 @@ const char* algo_name(Algo a) {
     case Algo::OneShot: return "oneshot";
     case Algo::TwoShot: return "twoshot";
     case Algo::Registered: return "registered";
+    case Algo::Copy: return "copy";
   }
   return "unknown";
 }
@@ -83,6 +67,13 @@ size_t oneshot_max_bytes(int n) {
   size_t b = 1;
   while (b * 2 <= limit && b * 2 <= kCap) b *= 2;
   return b;
+}
+
+int copy_blocks(int64_t piece_bytes) {
+  // A block per kDirectBytesPerBlock, as the direct algorithms; these never wait for another
+  // rank's, so no residency cap.
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(kMaxBlocks, piece_bytes / static_cast<int64_t>(kDirectBytesPerBlock))));
 }
 
 Plan plan(const Call& c, const Options& o, bool direct) {
@@ -109,6 +100,8 @@ Plan plan(const Call& c, const Options& o, bool direct) {
   if (det && algo == Algo::Ring) algo = Algo::Auto;
   const size_t oneshot_max = o.tuned ? o.oneshot_max : oneshot_max_bytes(n);
   const size_t twoshot_max = o.tuned ? o.twoshot_max : kTwoShotMaxBytes;
+  // Ranks sharing a GPU without MPS: no kernel may wait for another rank's (a time slice each).
+  if (algo == Algo::Auto && o.time_sliced && direct && n <= kMaxPeers) algo = Algo::Copy;
   if (algo == Algo::Auto)
     algo = !direct ? Algo::Ring
            : c.coll == Coll::AllReduce && bytes <= oneshot_max ? Algo::OneShot
@@ -119,6 +112,13 @@ Plan plan(const Call& c, const Options& o, bool direct) {
   const int64_t max_chunk = c.coll == Coll::AllReduce ? (c.numel + n - 1) / n : c.numel / n;
   auto div_up = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
   Plan p{algo, 1, 1, 1};
+  if (algo == Algo::Copy) {  // pieces of the span: the tensor (all_reduce) or a chunk
+    const int64_t span = c.coll == Coll::AllReduce ? c.numel : c.numel / n;
+    p.slice_elems = std::max<int64_t>(1, static_cast<int64_t>(o.copy_slot_bytes) / es);
+    p.steps = div_up(span, p.slice_elems);
+    p.blocks = copy_blocks(std::min(span, p.slice_elems) * es);  // of the largest piece's kernel
+    return p;
+  }
   // Every block resident beside the peers' (Options::max_blocks); 0: no cap known.
   const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxChannels + kMaxDirectBlocks;
   if (algo == Algo::Ring) {
@@ -176,12 +176,20 @@ size_t Ring::fifo_bytes() const {
   return static_cast<size_t>(opt_.channels) * kSlots * slot_stride(opt_.slice_bytes);
 }
 
-size_t Ring::area_bytes() const {
-  const size_t direct = opt_.nranks <= kMaxPeers ? static_cast<size_t>(kDirectDepth * 2 * direct_blocks()) *
-                                                       opt_.nranks * slot_stride(opt_.direct_slot_bytes)
-                                                 : 0;
-  return data_offset() + fifo_bytes() + direct;
+size_t Ring::direct_bytes() const {
+  return opt_.nranks <= kMaxPeers ? static_cast<size_t>(kDirectDepth * 2 * direct_blocks()) *
+                                        opt_.nranks * slot_stride(opt_.direct_slot_bytes)
+                                  : 0;
 }
+
+size_t Ring::copy_bytes() const {
+  const bool copy = opt_.time_sliced || opt_.algo == Algo::Copy;
+  return copy && opt_.nranks > 1 && opt_.nranks <= kMaxPeers
+             ? static_cast<size_t>(kCopyDepth) * opt_.nranks * slot_stride(opt_.copy_slot_bytes)
+             : 0;
+}
+
+size_t Ring::area_bytes() const { return data_offset() + fifo_bytes() + direct_bytes() + copy_bytes(); }
 
 Ring::Ring(const Options& opt) : opt_(opt) {
   if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
@@ -199,6 +207,9 @@ Ring::Ring(const Options& opt) : opt_(opt) {
   if (opt.max_blocks < 0)
     throw std::invalid_argument("ringreduce: p2p max_blocks must be >= 0 (0: this device's SM count), got " +
                                 std::to_string(opt.max_blocks));
+  if (opt.copy_slot_bytes < kVecBytes || opt.copy_slot_bytes % kVecBytes)
+    throw std::invalid_argument("ringreduce: p2p copy_slot_bytes must be a positive multiple of 16, got " +
+                                std::to_string(opt.copy_slot_bytes));
   if (opt.direct_ahead < 1 || 2 * opt.direct_ahead > kDirectDepth)
     throw std::invalid_argument("ringreduce: p2p direct_ahead must be 1.." + std::to_string(kDirectDepth / 2) +
                                 ", got " + std::to_string(opt.direct_ahead));
@@ -221,9 +232,16 @@ Ring::Ring(const Options& opt) : opt_(opt) {
     RR_CUDA_CHECK(cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocPortable));
     abort_src_ = static_cast<uint32_t*>(p);
     *abort_src_ = 0;
+    if (copies()) {
+      RR_CUDA_CHECK(cudaHostAlloc(&p, sizeof(CopyFlags), cudaHostAllocPortable));
+      released_src_ = static_cast<CopyFlags*>(p);
+      for (int q = 0; q < kMaxPeers; ++q) released_src_->arrived[q].value = kReleased;
+    }
     // Counters, flags and abort word start at zero; data needs no initialisation.
     RR_CUDA_CHECK(cudaMemsetAsync(area_, 0, data_offset(), side_));
     RR_CUDA_CHECK(cudaStreamSynchronize(side_));
+    if (copies())
+      copy_watch_ = std::make_unique<host::Ticker>(std::chrono::milliseconds(50), [this] { copy_tick(); });
   } catch (...) {
     close();
     throw;
@@ -293,8 +311,8 @@ Plan Ring::plan_of(const Call& c) const {
   // Up to auto's one-shot threshold one-shot stays: one handshake against the registered
   // kernel's two, and its staging copy is small.
   const size_t oneshot_max = opt_.tuned ? opt_.oneshot_max : oneshot_max_bytes(opt_.nranks);
-  if (opt_.algo == Algo::Auto && c.coll == Coll::AllReduce && c.in == c.out && c.numel > 0 &&
-      opt_.nranks > 1 && bytes > oneshot_max) {
+  if (opt_.algo == Algo::Auto && !opt_.time_sliced && c.coll == Coll::AllReduce && c.in == c.out &&
+      c.numel > 0 && opt_.nranks > 1 && bytes > oneshot_max) {
     const char* p = static_cast<const char*>(c.in);
     std::lock_guard<std::mutex> lk(reg_mu_);
     for (size_t k = 0; k < regs_.size(); ++k) {
@@ -417,8 +435,9 @@ void Ring::run(const Call& c, cudaStream_t stream) {
     throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
                                 std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
   // Before the call is counted: a deterministic call the group cannot run throws here, on every
-  // rank alike, and the ranks stay in step.
-  if (n > 1) plan_of(c);
+  // rank alike, and the ranks stay in step; so does a copy-algorithm call that cannot run.
+  const Plan p = n > 1 ? plan_of(c) : Plan{};
+  if (n > 1 && p.algo == Algo::Copy) copy_check(stream);
   ++op_seq_;
   LogOnReturn logged{calls_, op_seq_, stream};
   const size_t es = dtype_size(c.dtype);
@@ -428,7 +447,10 @@ void Ring::run(const Call& c, cudaStream_t stream) {
     return;
   }
   if (!peers_[up_] || !peers_[down_]) throw RingError("ringreduce: p2p ring is not connected");
-  launch(args(c), stream);
+  if (p.algo == Algo::Copy)
+    run_copy(c, p, stream);
+  else
+    launch(args(c), stream);
 }
 
 Args Ring::args(const Call& c) const {
@@ -464,6 +486,10 @@ Args Ring::args(const Call& c) const {
   a.dtype = static_cast<uint8_t>(c.dtype);
   a.op = static_cast<uint8_t>(c.op);
   a.algo = static_cast<uint8_t>(p.algo);
+  if (p.algo == Algo::Copy) {
+    a.self_data = area_ + copy_offset();
+    a.slot_stride = slot_stride(opt_.copy_slot_bytes);
+  }
   if (p.algo == Algo::Registered) {
     std::lock_guard<std::mutex> lk(reg_mu_);
     const Reg& g = regs_[p.reg];
@@ -485,6 +511,10 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
                   coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
                   e.phase ? "all-gather" : "reduce-scatter", e.step, static_cast<long long>(e.slice),
                   channel);
+  else if (Algo(e.mine.algo) == Algo::Copy)
+    std::snprintf(where, sizeof where, "%s #%llu (copy algorithm, piece %lld, block %d)",
+                  coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
+                  static_cast<long long>(e.slice), channel);
   else
     std::snprintf(where, sizeof where, "%s #%llu (%s phase %d, round %lld, block %d)",
                   coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
@@ -569,7 +599,7 @@ void Ring::abort(const std::string& why) {
   abort_locked(why);
 }
 
-void Ring::abort_locked(const std::string& why) {
+void Ring::abort_locked(const std::string& why, uint32_t cause) {
   if (!ctl_) return;
   if (reason_.empty()) reason_ = why;
   if (abort_seq_ == 0) abort_seq_ = op_seq_ + 1;
@@ -579,13 +609,16 @@ void Ring::abort_locked(const std::string& why) {
   // rank maps (its own included) on a side stream, beside a kernel that may be spinning. Not awaited
   // here (close() synchronizes).
   if (area_ && opt_.nranks > 1 && *abort_src_ == 0) {
-    *abort_src_ = abort_word(kHostAbort, opt_.rank);
+    *abort_src_ = abort_word(cause, opt_.rank);
     DeviceScope scope(device_);
     for (char* area : peers_)
       if (area)
         cudaMemcpyAsync(area + offsetof(Area, abort), abort_src_, sizeof(uint32_t),
                         cudaMemcpyHostToDevice, side_);
     cudaGetLastError();
+    // Then the copy algorithm's stream waits, here and at every peer (after the abort word, on the
+    // same stream: a released stream's next kernel sees why).
+    release_copy_waits_locked();
   }
   if (failure_.empty()) failure_ = "ringreduce: rank " + std::to_string(opt_.rank) + ": aborted: " + why;
 }
@@ -620,6 +653,7 @@ void Ring::release_graph_pin(void* pin) {
 
 void Ring::close(bool peers_done) {
   if (watcher_) watcher_->stop();  // it takes mu_
+  if (copy_watch_) copy_watch_->stop();  // and so does this one
   calls_.close();
   std::lock_guard<std::mutex> lk(mu_);  // failure() and abort() read ctl_ and area_
   DeviceScope scope(device_);
@@ -663,6 +697,8 @@ void Ring::close(bool peers_done) {
   ctl_ = ctl_dev_ = nullptr;
   if (abort_src_ && !replayable) cudaFreeHost(abort_src_);
   abort_src_ = nullptr;
+  if (released_src_) cudaFreeHost(released_src_);  // the side stream's copies are done
+  released_src_ = nullptr;
   if (side_) cudaStreamDestroy(side_);
   side_ = nullptr;
   cudaGetLastError();

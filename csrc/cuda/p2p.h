@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -65,8 +66,16 @@ constexpr size_t kLine = 128;
 // Which algorithm a call runs. Values are part of the message headers.
 // Registered: an all_reduce of a tensor in a registered buffer (Ring::reg_alloc), read and written
 // in every rank's copy directly; chosen by plan_of(), never forced.
-enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3, Registered = 4 };
+// Copy: no kernel waits for another rank (ranks sharing a GPU without MPS take turns in time
+// slices, so spinning kernels wait a slice per handshake): each piece of the data goes by
+// cudaMemcpyAsync into every peer's inbox, ordered by stream memory operations on counters in the
+// receivers' memory (cuStreamWriteValue64 / cuStreamWaitValue64, waited by the GPU's front end),
+// then a kernel that never waits folds the pieces in rank order (csrc/cuda/p2p_copy.cpp).
+enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3, Registered = 4, Copy = 5 };
 const char* algo_name(Algo a);
+struct MsgHeader;
+// "all_reduce(numel=..., dtype=..., op=...; algorithm)" for error messages.
+std::string call_text(const MsgHeader& h);
 
 struct alignas(kLine) Counter {
   uint64_t value;
@@ -86,6 +95,25 @@ struct DirectFlags {
   Counter seq;          // rounds this block has run (own)
   Arrivals arrived[2];  // phase 0: inputs (one-shot) or chunks to reduce (two-shot); 1: results
 };
+// The copy algorithm's counters (Algo::Copy), in the receiver's memory, written by the senders'
+// streams (cuStreamWriteValue64) and waited on by this rank's (cuStreamWaitValue64). Such a wait
+// never times out: the host's watchdog (Ring::copy_tick) and a stopping kernel release it by
+// writing kReleased, after the abort word that says why. The driver compares cyclically
+// ((int64_t)(*addr - value) >= 0 for GEQ), so kReleased is 2^62, which passes any count in use
+// (all ones would pass none).
+constexpr uint64_t kReleased = uint64_t{1} << 62;
+struct CopyFlags {
+  Counter arrived[kMaxPeers];  // from rank q: pieces q has copied into this rank's inbox
+};
+// Inbox slots per source. Two are enough, with no "slot free" count: a rank enqueues piece p + 1
+// (its copies into the peers) after its fold of piece p, so when sender q copies piece p + 2 into
+// slot p % 2 of receiver r, q's stream has waited for r's piece p + 1, which r sent after folding
+// piece p: r has read that slot for the last time. One slot would not do (q waits for r's piece p,
+// sent before r folds it).
+constexpr int kCopyDepth = 2;
+// The largest piece (one inbox slot): each piece costs a handshake, i.e. time slices without MPS.
+constexpr size_t kDefaultCopySlotBytes = 8 << 20;
+
 struct MsgHeader {
   uint64_t op_seq;
   int64_t numel;
@@ -101,6 +129,8 @@ struct alignas(kLine) Area {
   DirectFlags direct[kMaxDirectBlocks];
   MsgHeader ring_hdr[kMaxChannels][kSlots];                  // written with each message
   MsgHeader direct_hdr[kDirectDepth][2][kMaxDirectBlocks][kMaxPeers];  // [slot][phase][block][source]
+  CopyFlags copy;
+  MsgHeader copy_hdr[kCopyDepth][kMaxPeers];  // [slot][source]: the piece each source copied there
 };
 
 // Why a wait ended without its message; packed with the rank that saw it first into abort words.
@@ -131,6 +161,11 @@ constexpr uint32_t kCtlAbort = 1;
 constexpr uint32_t kCtlClosed = 2;
 struct HostCtl {
   uint32_t abort;  // set by the host: stop every wait of this rank's kernels (kCtlAbort, kCtlClosed)
+  // Copy algorithm: where this rank's stream is, written by it (cuStreamWriteValue64) for the
+  // watchdog: the call (op_seq) and piece (+1) it reached, and the pieces it finished.
+  alignas(kLine) uint64_t copy_call;
+  uint64_t copy_reached;
+  uint64_t copy_done;
   alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index
 };
 
@@ -159,6 +194,12 @@ struct Args {
   // that ranks whose tensors sit in other buffers or at other offsets stop with kBadSize. Then
   // in == out is this rank's copy and peer_data[q] rank q's, at that offset.
   uint64_t reg_tag;
+  // Copy: this piece's elements (from piece_begin of the span it cuts: the tensor for all_reduce,
+  // a chunk for the others), its index in the call, and its inbox slot (self_data: the inbox;
+  // slot_stride: bytes per slot).
+  int64_t piece_begin, piece_count;
+  uint32_t piece_index;
+  int copy_slot;
   uint8_t coll, dtype, op, algo;
 };
 constexpr int kRegTagShift = 40;
@@ -172,6 +213,11 @@ bool can_map(const std::string& bus_id, std::string* why);
 // Launches the kernel of a.algo (Ring or OneShot/TwoShot) with a.blocks blocks; torch-free
 // (csrc/cuda/p2p_kernel.cu).
 void launch(const Args& a, cudaStream_t stream);
+// The copy algorithm's kernel for one piece (checks the headers, then folds or copies), with
+// `blocks` blocks that never wait.
+void launch_copy(const Args& a, int blocks, cudaStream_t stream);
+// Blocks of that kernel for a piece of this many bytes.
+int copy_blocks(int64_t piece_bytes);
 
 inline size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 inline size_t slot_stride(size_t slice_bytes) { return round_up(slice_bytes + kVecBytes, kLine); }
@@ -205,6 +251,10 @@ struct Options {
   size_t oneshot_max = 0;
   size_t twoshot_max = 0;
   double timeout_s = 300.0;  // RINGREDUCE_TIMEOUT: per wait
+  // Ranks share a GPU without MPS somewhere in the group (the same on every rank): Auto runs the
+  // copy algorithm, whose kernels never wait for another rank.
+  bool time_sliced = false;
+  size_t copy_slot_bytes = kDefaultCopySlotBytes;  // RINGREDUCE_CUDA_COPY_BYTES: the largest piece
 };
 
 // How one call runs: the algorithm, its blocks, and its slice/round size in elements.
@@ -304,7 +354,10 @@ class Ring {
   // exit while the interpreter finalizes.
   void stop_threads() {
     if (watcher_) watcher_->stop();
+    if (copy_watch_) copy_watch_->stop();
   }
+  // Whether this ring has the copy algorithm's inbox (Options::time_sliced or a forced copy).
+  bool copies() const { return copy_bytes() > 0; }
   // Unmaps the peers and frees. Idempotent; no kernel of this ring may be running.
   // peers_done=false: a peer may still read or write this rank's area (the close barrier failed,
   // or the ring broke): the area is marked aborted, so their waits stop, and kept until the
@@ -330,8 +383,20 @@ class Ring {
 
  private:
   std::string describe(const ErrorRecord& e, int block) const;
-  void abort_locked(const std::string& why);
+  // cause: what the abort word written into every area says (the peers' errors name it).
+  void abort_locked(const std::string& why, uint32_t cause = kHostAbort);
   size_t fifo_bytes() const;
+  size_t direct_bytes() const;
+  size_t copy_bytes() const;  // the inbox: kCopyDepth x nranks slots; 0 without the copy algorithm
+  size_t copy_offset() const { return data_offset() + fifo_bytes() + direct_bytes(); }
+  // The copy algorithm (csrc/cuda/p2p_copy.cpp): enqueues call c's pieces on stream; and the
+  // watchdog's look (every 50 ms) at where the stream stands: a piece waited on for longer than
+  // the timeout fails the group (stream waits never time out), and a broken group's waits are
+  // released while calls remain.
+  void copy_check(cudaStream_t stream);  // throws where the copy algorithm cannot run
+  void run_copy(const Call& c, const Plan& p, cudaStream_t stream);
+  void copy_tick();
+  void release_copy_waits_locked();
 
   Options opt_;
   int device_ = 0;
@@ -343,6 +408,7 @@ class Ring {
   HostCtl* ctl_ = nullptr;  // host-mapped (cudaHostAlloc)
   HostCtl* ctl_dev_ = nullptr;  // the same memory as the device sees it
   uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the areas
+  CopyFlags* released_src_ = nullptr;  // pinned, every counter kReleased (copy algorithm)
   cudaStream_t side_ = nullptr;  // for that copy, beside a kernel that may be spinning
   std::atomic<uint64_t> op_seq_{0};
   CallLog calls_;
@@ -362,6 +428,17 @@ class Ring {
   };
   std::vector<Reg> regs_;
   mutable std::mutex reg_mu_;  // regs_: a buffer may be registered while another thread calls
+  uint64_t pieces_ = 0;  // copy algorithm: pieces enqueued (the same count on every rank)
+  struct CopyCall {
+    MsgHeader call;
+    uint64_t first_piece;
+  };
+  CopyCall copy_calls_[64] = {};  // the last calls run_copy enqueued, by op_seq % 64 (under mu_)
+  struct Watch {  // copy_tick's state
+    uint64_t reached = 0, done = 0;
+    std::chrono::steady_clock::time_point since{};
+  } watch_;
+  std::unique_ptr<host::Ticker> copy_watch_;
   std::unique_ptr<host::Ticker> watcher_;  // declared last: stopped first
 };
 

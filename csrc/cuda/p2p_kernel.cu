@@ -109,6 +109,11 @@ __device__ void notify(Area* peer, uint32_t word) {
   if (peer) atomicCAS_system(&peer->abort, 0u, word);
 }
 
+__device__ void release_copy_waits(Area* area, int n) {
+  if (!area) return;
+  for (int q = 0; q < n && q < kMaxPeers; ++q) st_relaxed_sys(&area->copy.arrived[q].value, kReleased);
+}
+
 // Thread 0: records the first stop of this block for the host and writes the abort word into
 // every peer this rank can reach, so that their waits (on their own memory) stop too.
 __device__ void record_stop(const Args& a, uint32_t word, bool local, int peer, const Where& w,
@@ -123,6 +128,13 @@ __device__ void record_stop(const Args& a, uint32_t word, bool local, int peer, 
     for (int q = 0; q < a.nranks && q < kMaxPeers; ++q)
       if (q != a.rank) notify(a.peer[q], word);
   }
+  // Then release every copy-algorithm wait (stream waits on these counters never time out): a
+  // stream released sees the abort word above in its next kernel.
+  __threadfence_system();
+  release_copy_waits(a.self, a.nranks);
+  if (ld_relaxed_sys(&a.ctl->abort) != kCtlClosed)
+    for (int q = 0; q < a.nranks && q < kMaxPeers; ++q)
+      if (q != a.rank) release_copy_waits(a.peer[q], a.nranks);
   volatile ErrorRecord* e = &a.ctl->err[blockIdx.x];
   if (e->word) return;
   e->local = local;
@@ -577,7 +589,88 @@ __global__ void __launch_bounds__(kThreads) reg_kernel(Args a) {
   if (threadIdx.x == 0) f->seq.value = seq;
 }
 
+// ---- copy ------------------------------------------------------------------------------------------
+
+// One piece of a copy-algorithm call (Ring::run_copy): every peer's part is in this rank's inbox
+// (the stream waited for it), so no block waits for anything. Thread 0 of each block checks the
+// abort words and every source's header first; a block that finds the group stopped or the calls
+// mismatched records it and does nothing else (every block decides for itself and records, so a
+// call is never reported done with part of it skipped). Then the blocks fold (all_reduce,
+// reduce_scatter: every rank's part in rank order, as one-shot and two-shot do: the same bits) or
+// copy (all_gather) their part of the piece.
+template <class T, RedOp Op>
+__global__ void __launch_bounds__(kThreads) copy_kernel(Args a) {
+  const int n = a.nranks, r = a.rank;
+  const int64_t es = sizeof(T);
+  __shared__ uint32_t s_stop;
+  if (threadIdx.x == 0) {
+    const MsgHeader mine = my_header(a, a.piece_count * es, a.piece_index);
+    MsgHeader got{};
+    int peer = -1;
+    uint32_t stop = ld_relaxed_sys(&a.self->abort);
+    bool local = stop && abort_rank(stop) == r;
+    if (!stop && ld_relaxed_sys(&a.ctl->abort)) {
+      stop = abort_word(kHostAbort, r);
+      local = true;
+    }
+    for (int q = 0; q < n && !stop; ++q) {
+      if (q == r) continue;
+      got = get_header(&a.self->copy_hdr[a.copy_slot][q]);
+      const uint32_t cause = check_header(got, mine);
+      if (cause != kOk) {
+        stop = abort_word(cause, r);
+        local = true;
+        peer = q;
+      }
+    }
+    if (stop)
+      record_stop(a, stop, local, peer, Where{2, 0, a.piece_index}, false, mine,
+                  peer >= 0 ? &got : nullptr);
+    s_stop = stop;
+  }
+  __syncthreads();
+  if (s_stop) return;
+  const int64_t m = a.numel / n;
+  const bool ag = a.coll == static_cast<uint8_t>(Coll::AllGather);
+  const bool rs = a.coll == static_cast<uint8_t>(Coll::ReduceScatter);
+  const ring::Span P = ring::channel_part(ring::Span{0, a.piece_count}, gridDim.x, blockIdx.x);
+  const int64_t at = a.piece_begin + P.begin;  // in the span the pieces cut
+  const uint64_t shift = (static_cast<uint64_t>(a.piece_begin) * sizeof(T)) & (kVecBytes - 1);
+  auto inbox = [&](int q) {
+    return reinterpret_cast<const T*>(a.self_data + (a.copy_slot * n + q) * a.slot_stride + shift) + P.begin;
+  };
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  if (ag) {
+    for (int q = 0; q < n; ++q) {
+      const T* src = q == r ? in + at : inbox(q);
+      T* dst = out + q * m + at;
+      if (src != dst)
+        span_op<T, RedOp::Sum, false>(dst, nullptr, src, nullptr, P.count, 1, threadIdx.x, blockDim.x);
+    }
+    return;
+  }
+  const T* mine = in + (rs ? r * m : 0) + at;
+  T* dst[1] = {out + at};
+  span_fold<T, Op>(dst, 1, [&](int q) { return q == r ? mine : inbox(q); }, n, P.count, a.divisor,
+                   threadIdx.x, blockDim.x);
+}
+
 }  // namespace
+
+void launch_copy(const Args& a, int blocks, cudaStream_t stream) {
+  if (a.nranks < 2 || a.nranks > kMaxPeers || blocks < 1 || blocks > kMaxBlocks ||
+      a.copy_slot < 0 || a.copy_slot >= kCopyDepth)
+    throw std::invalid_argument("ringreduce: p2p copy launch: bad block or rank count");
+  dispatch_dtype(static_cast<DType>(a.dtype), [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_op(static_cast<RedOp>(a.op), [&](auto optag) {
+      constexpr auto kernel = &copy_kernel<T, decltype(optag)::value>;
+      RR_LAUNCH(kernel, blocks, kThreads, stream, a);
+    });
+  });
+  RR_CUDA_CHECK(cudaGetLastError());
+}
 
 void launch(const Args& a, cudaStream_t stream) {
   const Algo algo = static_cast<Algo>(a.algo);

@@ -118,7 +118,8 @@ struct Group {
   Group(int n, int channels, size_t slice_bytes, double timeout_s,
         rc::p2p::Algo algo = rc::p2p::Algo::Auto, bool exact = false,
         size_t direct_slot_bytes = rc::p2p::kDefaultDirectSlotBytes, bool neighbours_only = false,
-        int max_blocks = 0, bool one_device = false, int ahead = rc::p2p::kDefaultDirectAhead) {
+        int max_blocks = 0, bool one_device = false, int ahead = rc::p2p::kDefaultDirectAhead,
+        bool time_sliced = false, size_t copy_slot_bytes = rc::p2p::kDefaultCopySlotBytes) {
     auto device_of = [&](int r) { return one_device ? 0 : ::device_of(r); };
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
@@ -133,6 +134,8 @@ struct Group {
       o.algo = algo;
       o.exact = exact;
       o.direct_slot_bytes = direct_slot_bytes;
+      o.time_sliced = time_sliced;
+      o.copy_slot_bytes = copy_slot_bytes;
       rings.push_back(std::make_unique<rc::p2p::Ring>(o));
       Rank k;
       k.device = device_of(r);
@@ -228,6 +231,124 @@ static void test_ranks_share_a_device() {
     }
   }
   std::printf("ranks sharing a device: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
+// (2a) the copy algorithm (ranks sharing a GPU without MPS): copies into the peers' inboxes and
+// stream waits on counters, a kernel that never waits. Forced, with tiny pieces (many per call, so
+// that the inbox slots are reused while peers still fold: the "freed" counts), unaligned too; then
+// as auto picks it for time-sliced ranks on one device, at the default piece size.
+static void sync_all(Group& g);
+static Group copy_group(int n, size_t piece_bytes, double timeout_s = 20.0, bool one_device = false) {
+  return Group(n, 2, 4096, timeout_s, rc::p2p::Algo::Copy, false, rc::p2p::kDefaultDirectSlotBytes,
+               false, 0, one_device, rc::p2p::kDefaultDirectAhead, false, piece_bytes);
+}
+
+static void test_copy() {
+  using rc::p2p::Algo;
+  int cases = 0;
+  const auto t0 = Clock::now();
+  for (int n = 2; n <= 4; ++n) {
+    for (int shift : {0, 1}) {
+      Group g = copy_group(n, 64);
+      char what[96];
+      std::snprintf(what, sizeof what, "copy n=%d pieces of 64 B shift=%d", n, shift);
+      cases += sweep(g.ranks, {0, 1, n - 1, n + 1, 100 * n + 7}, what, shift);
+      if (g_failures) return;
+    }
+    Group g(n, 2, 4096, 20.0, Algo::Auto, false, rc::p2p::kDefaultDirectSlotBytes, false,
+            std::max(1, rc::sm_count() / n), true, rc::p2p::kDefaultDirectAhead, true, 4096);
+    DevBuf any(16);
+    for (int64_t numel : {int64_t{1}, int64_t{1} << 24}) {
+      const rc::p2p::Plan p = g.rings[0]->plan_of(g.call(numel, any));
+      EXPECT(p.algo == Algo::Copy, "time-sliced n=%d: %lld floats planned %s", n, (long long)numel,
+             rc::p2p::algo_name(p.algo));
+    }
+    char what[96];
+    std::snprintf(what, sizeof what, "copy n=%d time-sliced on one device, auto, pieces of 4 KiB", n);
+    cases += sweep(g.ranks, {1, 1000 * n + 7, 3 * 4096 + 5}, what, 0);
+    if (g_failures) return;
+  }
+  std::printf("copy: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
+// The copy algorithm's failures, where a stream wait would wait forever: a silent rank (the
+// watchdog times it out and releases every wait, the peers learn why), mismatched calls (a kernel
+// sees the headers differ and releases the waits), a host abort; and a CUDA graph cannot capture it.
+static void test_copy_failures() {
+  {  // rank 2 never calls
+    DevBuf buf(4096 * 4);
+    Group g = copy_group(3, 1024, 1.0);
+    const auto t0 = Clock::now();
+    for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
+    sync_all(g);
+    EXPECT(seconds_since(t0) < 5, "copy: the silent rank was noticed after %.1f s (timeout 1 s)", seconds_since(t0));
+    bool timed_out = false;
+    for (int r = 0; r < 2; ++r) {
+      const std::string f = g.rings[r]->failure();
+      timed_out |= contains(f, "timed out after 1 s waiting for");
+      EXPECT(contains(f, "timed out"), "copy: rank %d: failure is '%s'", r, f.c_str());
+      EXPECT(g.rings[r]->failed_seq() == 1, "copy: rank %d: first failed call %llu, want 1", r,
+             (unsigned long long)g.rings[r]->failed_seq());
+      EXPECT(run_throws(g.ranks[r], r, buf, "broken by an earlier failure"), "copy: rank %d: a broken ring accepted a call", r);
+    }
+    EXPECT(timed_out, "copy: no rank reported the timeout itself");
+    // The silent rank calls late: its call fails at once (its waits were released), naming why.
+    const auto t1 = Clock::now();
+    g.rings[2]->run(g.call(4096, buf), g.ranks[2].stream);
+    sync_all(g);
+    const std::string f2 = g.rings[2]->failure();
+    EXPECT(contains(f2, "timed out") && contains(f2, "stopped because rank"), "copy: late rank 2: '%s'", f2.c_str());
+    EXPECT(seconds_since(t1) < 0.9, "copy: the late rank took %.1f s to fail", seconds_since(t1));
+    std::printf("copy timeout: rank 0 says: %s\nrank 2 says: %s\n", g.rings[0]->failure().c_str(), f2.c_str());
+  }
+  {  // rank 1 calls with another numel, after a good call (pieces of 1 KiB: 3 against 2)
+    DevBuf buf(1000 * 4);
+    Group g = copy_group(3, 1024, 30.0);
+    EXPECT(g.rings[0]->plan_of(g.call(500, buf)).algo == rc::p2p::Algo::Copy, "copy: forced copy not planned");
+    for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(500, buf), g.ranks[r].stream);
+    sync_all(g);
+    const auto t0 = Clock::now();
+    for (int r = 0; r < 3; ++r) g.rings[r]->run(g.call(r == 1 ? 700 : 500, buf), g.ranks[r].stream);
+    sync_all(g);
+    EXPECT(seconds_since(t0) < 5, "copy: the mismatch took %.1f s (timeout 30 s)", seconds_since(t0));
+    bool named = false;
+    for (int r = 0; r < 3; ++r) {
+      const std::string f = g.rings[r]->failure();
+      EXPECT(!f.empty(), "copy: rank %d did not fail", r);
+      named |= contains(f, "mismatched collective calls") && contains(f, "numel=700") &&
+               contains(f, "numel=500") && contains(f, "copy");
+      EXPECT(g.rings[r]->failed_seq() == 2, "copy: rank %d: first failed call %llu, want 2", r,
+             (unsigned long long)g.rings[r]->failed_seq());
+    }
+    EXPECT(named, "copy: no rank named the mismatched calls");
+    std::printf("copy mismatch: rank 1 says: %s\n", g.rings[1]->failure().c_str());
+  }
+  {  // rank 0 aborts while ranks 0 and 1 wait for a silent rank 2
+    DevBuf buf(4096 * 4);
+    Group g = copy_group(3, 1024, 30.0);
+    for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto t0 = Clock::now();
+    g.rings[0]->abort("test abort");
+    sync_all(g);
+    EXPECT(seconds_since(t0) < 5, "copy: abort took %.1f s (timeout 30 s)", seconds_since(t0));
+    EXPECT(contains(g.rings[0]->failure(), "test abort"), "copy: rank 0: '%s'", g.rings[0]->failure().c_str());
+    const std::string f1 = g.rings[1]->failure();
+    EXPECT(contains(f1, "stopped because rank 0 was aborted"), "copy: rank 1: '%s'", f1.c_str());
+  }
+#ifdef RINGREDUCE_EMU
+  {  // capture refused before the call is counted, on every rank alike
+    DevBuf buf(64 * 4);
+    Group g = copy_group(2, 1024);
+    emu_set_capturing(g.ranks[0].stream, 1);
+    EXPECT(run_throws(g.ranks[0], 0, buf, "CUDA graph cannot capture the copy algorithm"),
+           "copy: a capturing stream was accepted");
+    emu_set_capturing(g.ranks[0].stream, 0);
+    EXPECT(g.rings[0]->op_seq() == 0, "copy: the refused call was counted");
+    check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 64, true,
+                     "copy after a refused capture");
+  }
+#endif
 }
 
 // (2b) registered buffers: a buffer of `bytes` allocated by every rank of g and mapped by all, as
@@ -711,7 +832,8 @@ static void weak_sweep(rc::p2p::Algo algo, bool registered = false) {
   for (uint64_t seed : {1, 2, 3}) {
     WeakScope weak(seed);
     for (int n = 2; n <= 3; ++n) {
-      Group g(n, 2, 64, 20.0, algo, true, 64);
+      Group g(n, 2, 64, 20.0, algo, true, 64, false, 0, false, rc::p2p::kDefaultDirectAhead, false,
+              64);  // copy: pieces of 64 B
       const std::vector<char*> reg = registered ? register_all(g, 1 << 16) : std::vector<char*>();
       char what[96];
       std::snprintf(what, sizeof what, "weak seed=%llu p2p n=%d %s", (unsigned long long)seed, n,
@@ -839,8 +961,10 @@ static void test_deterministic() {
   int cases = 0;
   DetTeeth t16, t32;
   for (int n = 2; n <= 5; ++n)
-    for (Algo algo : {Algo::Ring, Algo::OneShot, Algo::TwoShot, Algo::Auto}) {
-      Group g(n, 3, 64, 20.0, algo, algo != Algo::Auto, 64);
+    for (Algo algo : {Algo::Ring, Algo::OneShot, Algo::TwoShot, Algo::Auto, Algo::Copy}) {
+      // The copy algorithm in pieces of 64 B: its fold runs per piece.
+      Group g(n, 3, 64, 20.0, algo, algo != Algo::Auto, 64, false, 0, false,
+              rc::p2p::kDefaultDirectAhead, false, 64);
       char what[96];
       std::snprintf(what, sizeof what, "deterministic p2p n=%d %s slot=64", n, rc::p2p::algo_name(algo));
       {
@@ -849,8 +973,9 @@ static void test_deterministic() {
           const rc::p2p::Plan p = g.rings[0]->plan_of({rr::Coll::AllReduce, rr::DType::F32,
                                                        rr::RedOp::Sum, numel, nullptr, nullptr});
           const bool small = static_cast<size_t>(numel) * 4 <= rc::p2p::oneshot_max_bytes(n);
-          const Algo want = algo == Algo::OneShot || (algo != Algo::TwoShot && small) ? Algo::OneShot
-                                                                                      : Algo::TwoShot;
+          const Algo want = algo == Algo::Copy ? Algo::Copy
+                            : algo == Algo::OneShot || (algo != Algo::TwoShot && small) ? Algo::OneShot
+                                                                                        : Algo::TwoShot;
           EXPECT(p.algo == want, "%s: all_reduce of %lld floats planned %s", what, (long long)numel,
                  rc::p2p::algo_name(p.algo));
         }
@@ -1049,6 +1174,8 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_avg_wide_divisor", [&] { test_avg_wide_divisor(); });
     run_test(argc, argv, "test_ring", [&] { test_ring(); });
     run_test(argc, argv, "test_ranks_share_a_device", [&] { test_ranks_share_a_device(); });
+    run_test(argc, argv, "test_copy", [&] { test_copy(); });
+    run_test(argc, argv, "test_copy_failures", [&] { test_copy_failures(); });
     run_test(argc, argv, "test_registered", [&] { test_registered(); });
     run_test(argc, argv, "test_registered_mismatch", [&] { test_registered_mismatch(); });
     run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_registered_result_in_stream_order(); });
@@ -1078,6 +1205,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "weak_oneshot", [&] { weak_sweep(rc::p2p::Algo::OneShot); });
     run_test(argc, argv, "weak_twoshot", [&] { weak_sweep(rc::p2p::Algo::TwoShot); });
     run_test(argc, argv, "weak_registered", [&] { weak_sweep(rc::p2p::Algo::Auto, true); });
+    run_test(argc, argv, "weak_copy", [&] { weak_sweep(rc::p2p::Algo::Copy); });
 #endif
   } catch (const std::exception& e) {
     std::printf("FAIL: exception: %s\n", e.what());

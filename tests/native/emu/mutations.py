@@ -26,7 +26,29 @@ WEAK_DIRECT = ("test_cuda_kernels_emu", ["weak_oneshot", "weak_twoshot"])
 
 # name: (file, text, replacement, test, why it must be caught); text may be a list of
 # (text, replacement) pairs, then replacement is None.
+COPY_TEST = ("test_cuda_kernels_emu", ["test_copy"])
+COPY_FAILURES = ("test_cuda_kernels_emu", ["test_copy_failures"])
+
 MUTATIONS = {
+    "copy_one_inbox_slot": (
+        "csrc/cuda/p2p.h", "constexpr int kCopyDepth = 2;", "constexpr int kCopyDepth = 1;", COPY_TEST,
+        "a sender overwrites the receiver's only slot for it while the receiver still folds it"),
+    "copy_release_all_ones": (
+        "csrc/cuda/p2p.h", "constexpr uint64_t kReleased = uint64_t{1} << 62;",
+        "constexpr uint64_t kReleased = ~uint64_t{0};", COPY_FAILURES,
+        "released stream waits never pass the driver's cyclic compare: the ranks hang"),
+    "copy_headers_unchecked": (
+        KERNEL, "      const uint32_t cause = check_header(got, mine);\n      if (cause != kOk) {\n        stop = abort_word(cause, r);",
+        "      const uint32_t cause = kOk;\n      if (cause != kOk) {\n        stop = abort_word(cause, r);",
+        COPY_FAILURES, "mismatched calls fold each other's pieces silently, or wait forever"),
+    "copy_watchdog_never_fires": (
+        "csrc/cuda/p2p_copy.cpp",
+        "  if (now - watch_.since < std::chrono::duration<double>(opt_.timeout_s)) return;",
+        "  return;", COPY_FAILURES, "a rank that never calls leaves its peers' streams waiting forever"),
+    "copy_kernel_skips_abort_word": (
+        KERNEL, "    uint32_t stop = ld_relaxed_sys(&a.self->abort);\n    bool local = stop && abort_rank(stop) == r;",
+        "    uint32_t stop = 0;\n    bool local = false;", COPY_FAILURES,
+        "a rank whose waits were released (a peer timed out or aborted) folds stale inboxes as a result"),
     "error_records_for_ring_blocks_only": (
         "csrc/cuda/p2p.h",
         "  alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index",

@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -889,6 +890,46 @@ cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* user_data)
   EMU_ENTER();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   enqueue(s, [fn, user_data] { fn(user_data); });
+  return cudaSuccess;
+}
+
+// ---- stream memory operations (driver entry points) -----------------------------------------------------
+namespace {
+constexpr int kCuSuccess = 0, kCuInvalidValue = 1, kCuInvalidHandle = 400;  // CUresult values
+
+int write_value64(cudaStream_t s, unsigned long long at, unsigned long long value, unsigned flags) {
+  if (sticky(tl_device)) return 999;
+  if (!valid_stream(s)) return kCuInvalidHandle;
+  if (flags != 0 || !at || at % 8) return kCuInvalidValue;
+  auto* p = reinterpret_cast<uint64_t*>(at);
+  // CU_STREAM_WRITE_VALUE_DEFAULT: earlier work of the stream lands first (it has: stream order).
+  enqueue(s, [p, value] { __atomic_store_n(p, value, __ATOMIC_SEQ_CST); });
+  return kCuSuccess;
+}
+
+int wait_value64(cudaStream_t s, unsigned long long at, unsigned long long value, unsigned flags) {
+  if (sticky(tl_device)) return 999;
+  if (!valid_stream(s)) return kCuInvalidHandle;
+  if (flags != 0 || !at || at % 8) return kCuInvalidValue;  // GEQ only
+  auto* p = reinterpret_cast<const uint64_t*>(at);
+  const int dev = resolve(s)->device;
+  enqueue(s, [p, value, dev] {
+    while (static_cast<int64_t>(__atomic_load_n(p, __ATOMIC_ACQUIRE) - value) < 0 && !sticky(dev))
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  });
+  return kCuSuccess;
+}
+}  // namespace
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned,
+                                             unsigned long long,
+                                             cudaDriverEntryPointQueryResult* status) {
+  if (!symbol || !fn) return fail(cudaErrorInvalidValue);
+  const std::string name = symbol;
+  *fn = name == "cuStreamWriteValue64"  ? reinterpret_cast<void*>(&write_value64)
+        : name == "cuStreamWaitValue64" ? reinterpret_cast<void*>(&wait_value64)
+                                        : nullptr;
+  if (status) *status = *fn ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
   return cudaSuccess;
 }
 

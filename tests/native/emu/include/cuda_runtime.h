@@ -50,6 +50,16 @@ enum cudaMemcpyKind {
   cudaMemcpyDefault = 4,
 };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+// The runtime's version as CUDA 13.0 states it (csrc/cuda/ picks APIs by it).
+#ifndef CUDART_VERSION
+#define CUDART_VERSION 13000
+#endif
+enum cudaDriverEntryPointQueryResult {
+  cudaDriverEntryPointSuccess = 0,
+  cudaDriverEntryPointSymbolNotFound = 1,
+  cudaDriverEntryPointVersionNotSufficent = 2,
+};
+constexpr unsigned long long cudaEnableDefault = 0;
 enum cudaStreamCaptureStatus {
   cudaStreamCaptureStatusNone = 0,
   cudaStreamCaptureStatusActive = 1,
@@ -124,6 +134,12 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* statu
 // This thread's capture mode, swapped with *mode (the emulator keeps it and does nothing else).
 cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode);
 cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* user_data);
+// Driver entry points: the stream memory operations cuStreamWriteValue64 and cuStreamWaitValue64
+// (CU_STREAM_WAIT_VALUE_GEQ only, compared cyclically as the driver does), as stream work of the
+// emulated device; any other symbol is not found. A wait never times out, as on a GPU.
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned version,
+                                             unsigned long long flags,
+                                             cudaDriverEntryPointQueryResult* status);
 
 cudaError_t cudaEventCreate(cudaEvent_t* e);
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags);

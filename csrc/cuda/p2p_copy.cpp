@@ -1,0 +1,188 @@
+// The copy algorithm of the p2p transport (Algo::Copy): for ranks that share a GPU without MPS,
+// whose contexts take turns in time slices, so that a kernel spinning on another rank's flag holds
+// its slice while the other rank cannot run. Here no kernel waits: per piece, each rank copies its
+// part into every peer's inbox (cudaMemcpyAsync into the IPC mapping), writes the piece's header
+// and then its count into the peer's memory (cuStreamWriteValue64, which fences the copy before
+// it), waits on its own counters until every peer's part is there (cuStreamWaitValue64: the GPU's
+// front end waits, no SM spins), and folds with a kernel that only checks headers and computes.
+// Two inbox slots per source, reused safely by stream order alone (kCopyDepth says why).
+// Stream waits never time out, so the watchdog (copy_tick) fails a piece waited on past the
+// timeout and releases the waits; a kernel that stops releases them too (record_stop).
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "cuda/kernels.h"
+#include "cuda/p2p.h"
+
+namespace ringreduce::cuda::p2p {
+namespace {
+
+// The driver's stream memory operations, found at run time through the runtime (no link against
+// libcuda). CUresult, CUstream and CUdeviceptr as the driver API defines them: an enum, the
+// runtime's stream handle, a 64-bit address.
+using StreamValue64 = int (*)(cudaStream_t, unsigned long long, unsigned long long, unsigned);
+constexpr unsigned kWaitGeq = 0;       // CU_STREAM_WAIT_VALUE_GEQ
+constexpr unsigned kWriteFenced = 0;   // CU_STREAM_WRITE_VALUE_DEFAULT: earlier work lands first
+
+struct MemOps {
+  StreamValue64 write = nullptr, wait = nullptr;
+  std::string missing;  // why not, or ""
+};
+
+const MemOps& mem_ops() {
+  static const MemOps ops = [] {
+    MemOps m;
+    auto find = [&](const char* name, StreamValue64* fn) {
+      void* p = nullptr;
+      cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+      const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q);
+#else
+      const cudaError_t e = cudaGetDriverEntryPoint(name, &p, cudaEnableDefault, &q);
+#endif
+      if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !p) {
+        cudaGetLastError();
+        m.missing += std::string(m.missing.empty() ? "" : ", ") + name;
+        return;
+      }
+      *fn = reinterpret_cast<StreamValue64>(p);
+    };
+    find("cuStreamWriteValue64", &m.write);
+    find("cuStreamWaitValue64", &m.wait);
+    return m;
+  }();
+  return ops;
+}
+
+void check(int result, const char* what) {
+  if (result != 0)
+    throw RingError(std::string("ringreduce: ") + what + " failed (CUresult " + std::to_string(result) +
+                    "); stream memory operations may be off in this driver");
+}
+
+unsigned long long addr(const void* p) { return reinterpret_cast<unsigned long long>(p); }
+
+}  // namespace
+
+void Ring::copy_check(cudaStream_t stream) {
+  if (!copies())
+    throw RingError("ringreduce: the copy algorithm needs its inbox (RINGREDUCE_CUDA_ALGO=copy or "
+                    "ranks sharing a GPU without MPS, at most " + std::to_string(kMaxPeers) + " ranks)");
+  if (!mem_ops().missing.empty())
+    throw RingError("ringreduce: the copy algorithm (ranks sharing a GPU without MPS) needs the "
+                    "driver's stream memory operations, and this driver lacks " + mem_ops().missing +
+                    "; start MPS (nvidia-cuda-mps-control -d) or use one GPU per rank");
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
+  if (st != cudaStreamCaptureStatusNone)
+    throw RingError("ringreduce: a CUDA graph cannot capture the copy algorithm, which ranks sharing "
+                    "a GPU without MPS run (its stream waits name each call's counts); start MPS "
+                    "(nvidia-cuda-mps-control -d) or use one GPU per rank to capture collectives");
+}
+
+void Ring::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
+  const MemOps& m = mem_ops();
+  const int n = opt_.nranks, r = opt_.rank;
+  const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
+  const int64_t span = c.coll == Coll::AllReduce ? c.numel : c.numel / n;
+  const size_t stride = slot_stride(opt_.copy_slot_bytes);
+  Args a = args(c);
+  Area* self = reinterpret_cast<Area*>(area_);
+  auto write = [&](const uint64_t* at, uint64_t v) { check(m.write(s, addr(at), v, kWriteFenced), "cuStreamWriteValue64"); };
+  auto wait = [&](const uint64_t* at, uint64_t v) { check(m.wait(s, addr(at), v, kWaitGeq), "cuStreamWaitValue64"); };
+  for (int64_t k = 0; k < p.steps; ++k) {
+    const uint64_t piece = pieces_ + static_cast<uint64_t>(k);
+    const int slot = static_cast<int>(piece % kCopyDepth);
+    const int64_t begin = k * p.slice_elems, count = std::min(p.slice_elems, span - begin);
+    const size_t bytes = static_cast<size_t>(count * es);
+    const size_t shift = static_cast<size_t>(begin * es) & (kVecBytes - 1);  // as the fold expects
+    write(&ctl_dev_->copy_call, op_seq_);
+    write(&ctl_dev_->copy_reached, piece + 1);
+    MsgHeader h{};
+    h.op_seq = op_seq_;
+    h.numel = c.numel;
+    h.nbytes = bytes;
+    h.index = static_cast<uint32_t>(k);
+    h.coll = static_cast<uint8_t>(c.coll);
+    h.dtype = static_cast<uint8_t>(c.dtype);
+    h.op = static_cast<uint8_t>(c.op);
+    h.algo = static_cast<uint8_t>(Algo::Copy);
+    uint64_t words[sizeof h / 8];
+    std::memcpy(words, &h, sizeof h);
+    if (k == 0) {
+      std::lock_guard<std::mutex> lk(mu_);
+      copy_calls_[op_seq_ % 64] = CopyCall{h, piece};
+    }
+    for (int j = 1; j < n; ++j) {  // from the next rank on, so that the ranks start on different peers
+      const int q = (r + j) % n;
+      Area* peer = reinterpret_cast<Area*>(peers_[q]);
+      const char* src = static_cast<const char*>(c.in) +
+                        (c.coll == Coll::ReduceScatter ? q * span + begin : begin) * es;
+      char* dst = peers_[q] + copy_offset() + (static_cast<size_t>(slot) * n + r) * stride + shift;
+      if (bytes) RR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+      const uint64_t* hw = reinterpret_cast<const uint64_t*>(&peer->copy_hdr[slot][r]);
+      for (size_t w = 0; w < sizeof h / 8; ++w) write(hw + w, words[w]);
+      write(&peer->copy.arrived[r].value, piece + 1);
+    }
+    for (int j = 1; j < n; ++j) wait(&self->copy.arrived[(r + j) % n].value, piece + 1);
+    a.piece_begin = begin;
+    a.piece_count = count;
+    a.piece_index = static_cast<uint32_t>(k);
+    a.copy_slot = slot;
+    launch_copy(a, copy_blocks(count * es), s);  // before the next piece's copies: the slots' reuse depends on it
+    write(&ctl_dev_->copy_done, piece + 1);
+  }
+  pieces_ += static_cast<uint64_t>(p.steps);
+}
+
+void Ring::release_copy_waits_locked() {
+  if (!released_src_ || !area_) return;
+  DeviceScope scope(device_);
+  for (char* area : peers_)
+    if (area)
+      cudaMemcpyAsync(area + offsetof(Area, copy), released_src_, sizeof(CopyFlags),
+                      cudaMemcpyHostToDevice, side_);
+  cudaGetLastError();
+}
+
+void Ring::copy_tick() {
+  const auto now = std::chrono::steady_clock::now();
+  const bool broken = !failure().empty();
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!ctl_) return;
+  const volatile HostCtl* ctl = ctl_;
+  const uint64_t done = ctl->copy_done, reached = ctl->copy_reached;
+  if (done >= reached || reached != watch_.reached || done != watch_.done) {
+    watch_ = Watch{reached, done, now};  // idle, or moving
+    if (done >= reached) return;
+  }
+  // A piece this rank's stream waits on (or folds): once the group is broken every wait is
+  // released, again each time (a peer's later count may have lowered a released counter).
+  if (broken) {
+    release_copy_waits_locked();
+    return;
+  }
+  if (now - watch_.since < std::chrono::duration<double>(opt_.timeout_s)) return;
+  const uint64_t call = ctl->copy_call;
+  char t[32];
+  std::snprintf(t, sizeof t, "%g", opt_.timeout_s);
+  const CopyCall& cc = copy_calls_[call % 64];
+  const bool known = cc.call.op_seq == call;
+  const std::string what = known ? call_text(cc.call) : std::string("call");
+  const std::string why = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + what + " #" +
+                          std::to_string(call) + " (copy algorithm, piece " +
+                          (known ? std::to_string(reached - 1 - cc.first_piece) : "?") + ") timed out after " + t +
+                          " s waiting for its peers' data (RINGREDUCE_TIMEOUT; did "
+                          "every rank make the same call?)";
+  if (failure_.empty()) failure_ = why;
+  if (abort_seq_ == 0 || call < abort_seq_) abort_seq_ = call;
+  abort_locked(why, kTimeout);  // the abort word to every peer, then the waits released
+  release_copy_waits_locked();
+}
+
+}  // namespace ringreduce::cuda::p2p
