@@ -13,6 +13,9 @@
 #include "cuda/kernels.h"
 #include "cuda/p2p.h"
 #include "emu.h"
+#include "shm/segment.h"
+
+#include <unistd.h>
 
 namespace rr = ringreduce;
 namespace p2p = ringreduce::cuda::p2p;
@@ -56,6 +59,14 @@ int main(int argc, char** argv) {
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(r));
       rings[r]->connect(handles);
+    }
+    if (rings[0]->copies()) {  // the copy algorithm's counters, shared as the torch binding does
+      const std::string name = "/rr-cost-copy-" + std::to_string(getpid());
+      for (int r = 0; r < n; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(r));
+        rings[r]->copy_attach(name, r == 0);
+      }
+      rr::shm::Comm::unlink(name);
     }
     for (int i = 4; i < argc; ++i) {
       const int64_t numel = (std::atoll(argv[i]) / 4 / n) * n;

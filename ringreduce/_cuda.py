@@ -30,6 +30,7 @@ import logging
 import os
 import sysconfig
 import threading
+import uuid
 import warnings
 
 import torch
@@ -327,6 +328,8 @@ class Communicator(_lifecycle.Communicator):
             up, down = (r - 1) % n, (r + 1) % n
             native.connect([b"" if q == r or not (direct or q in (up, down)) else
                             setup.get(f"handle/{q}", f"rank {q}'s IPC handle") for q in range(n)])
+            if native.copies():
+                self._attach_copy_counters(native)
         except BaseException:
             native.close(False)  # the others may have mapped our memory already
             raise
@@ -337,6 +340,30 @@ class Communicator(_lifecycle.Communicator):
                   max_blocks, (f"time-sliced: copy algorithm in pieces of {k['copy_bytes']} B"
                                if sliced else "not time-sliced"), self.timeout)
         return native
+
+    def _attach_copy_counters(self, native):
+        """The copy algorithm's counters and abort word live in host memory every rank maps (POSIX
+        shared memory, registered with CUDA), so that the watchdog and an abort release a stream
+        wait with CPU stores: no release can queue behind the wait it releases. Rank 0 makes the
+        segment; its name goes once every rank mapped it (or on any failure)."""
+        setup, r = self._setup, self.rank
+        name = None
+        try:
+            if r == 0:
+                name = "/ringreduce-copy-%d-%s" % (os.getpid(), uuid.uuid4().hex[:12])
+                native.copy_attach(name, True)
+                setup.set("copy-counters", name)
+            else:
+                name = setup.get("copy-counters", "rank 0's copy-algorithm counters").decode()
+                native.copy_attach(name, False)
+            if not setup.count("copy-mapped", self.world_size, self.timeout):
+                raise RingReduceError(
+                    f"ringreduce: rank {r}: communicator setup timed out after {self.timeout:g} s "
+                    f"waiting for every rank to map the copy algorithm's counters "
+                    f"({_lifecycle.SETUP_HINT})")
+        finally:
+            if r == 0 and name is not None:
+                _C.shm_unlink(name)
 
     def _warn_if_sharing(self):
         per_device = sum(1 for b in self._bus_ids if b == self._bus_ids[self.rank])

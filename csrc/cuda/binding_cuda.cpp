@@ -559,6 +559,13 @@ void register_cuda(py::module_& m) {
         c.ring().connect(h);
       }, py::arg("handles"))
       .def("direct", [](P2pComm& c) { return c.ring().direct(); })
+      // The copy algorithm (ranks sharing a GPU without MPS): whether this ring has it, and its
+      // counters' shared memory (rank 0 creates the segment, the others map it).
+      .def("copies", [](P2pComm& c) { return c.ring().copies(); })
+      .def("copy_attach", [](P2pComm& c, const std::string& name, bool create) {
+        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device()));
+        c.ring().copy_attach(name, create);
+      }, py::arg("name"), py::arg("create"))
       // Shared buffers (ringreduce.shared_empty on CUDA; p2p::Ring::reg_alloc).
       .def("reg_alloc", [](P2pComm& c, size_t nbytes) {
         c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device()));

@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "cuda/kernels.h"
+#include "shm/segment.h"
 
 namespace ringreduce::cuda::p2p {
 namespace {
@@ -232,11 +233,6 @@ Ring::Ring(const Options& opt) : opt_(opt) {
     RR_CUDA_CHECK(cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocPortable));
     abort_src_ = static_cast<uint32_t*>(p);
     *abort_src_ = 0;
-    if (copies()) {
-      RR_CUDA_CHECK(cudaHostAlloc(&p, sizeof(CopyFlags), cudaHostAllocPortable));
-      released_src_ = static_cast<CopyFlags*>(p);
-      for (int q = 0; q < kMaxPeers; ++q) released_src_->arrived[q].value = kReleased;
-    }
     // Counters, flags and abort word start at zero; data needs no initialisation.
     RR_CUDA_CHECK(cudaMemsetAsync(area_, 0, data_offset(), side_));
     RR_CUDA_CHECK(cudaStreamSynchronize(side_));
@@ -447,9 +443,15 @@ void Ring::run(const Call& c, cudaStream_t stream) {
     return;
   }
   if (!peers_[up_] || !peers_[down_]) throw RingError("ringreduce: p2p ring is not connected");
-  if (p.algo == Algo::Copy)
-    run_copy(c, p, stream);
-  else
+  if (p.algo == Algo::Copy) {
+    try {
+      run_copy(c, p, stream);
+    } catch (const std::exception& e) {
+      // Part of the call may be enqueued, and peers may hold some of its pieces: stop everyone.
+      abort(std::string("the copy algorithm could not enqueue a call: ") + e.what());
+      throw;
+    }
+  } else
     launch(args(c), stream);
 }
 
@@ -486,6 +488,7 @@ Args Ring::args(const Call& c) const {
   a.dtype = static_cast<uint8_t>(c.dtype);
   a.op = static_cast<uint8_t>(c.op);
   a.algo = static_cast<uint8_t>(p.algo);
+  a.cctl = cctl_dev_;
   if (p.algo == Algo::Copy) {
     a.self_data = area_ + copy_offset();
     a.slot_stride = slot_stride(opt_.copy_slot_bytes);
@@ -616,10 +619,10 @@ void Ring::abort_locked(const std::string& why, uint32_t cause) {
         cudaMemcpyAsync(area + offsetof(Area, abort), abort_src_, sizeof(uint32_t),
                         cudaMemcpyHostToDevice, side_);
     cudaGetLastError();
-    // Then the copy algorithm's stream waits, here and at every peer (after the abort word, on the
-    // same stream: a released stream's next kernel sees why).
-    release_copy_waits_locked();
   }
+  // Then the copy algorithm's stream waits, here and at every peer (after the group's abort word:
+  // a released stream's next kernel sees why).
+  release_copy_waits_locked(abort_word(cause, opt_.rank));
   if (failure_.empty()) failure_ = "ringreduce: rank " + std::to_string(opt_.rank) + ": aborted: " + why;
 }
 
@@ -697,8 +700,13 @@ void Ring::close(bool peers_done) {
   ctl_ = ctl_dev_ = nullptr;
   if (abort_src_ && !replayable) cudaFreeHost(abort_src_);
   abort_src_ = nullptr;
-  if (released_src_) cudaFreeHost(released_src_);  // the side stream's copies are done
-  released_src_ = nullptr;
+  // The copy counters: unregistered and unmapped, unless this rank's stream may still write them
+  // (then kept until exit, as the area is).
+  if (cctl_ && !keep) {
+    cudaHostUnregister(cctl_);
+    shm::pool_unmap(reinterpret_cast<char*>(cctl_), sizeof(CopyCtl));
+  }
+  cctl_ = cctl_dev_ = nullptr;
   if (side_) cudaStreamDestroy(side_);
   side_ = nullptr;
   cudaGetLastError();

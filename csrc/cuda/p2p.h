@@ -95,15 +95,19 @@ struct DirectFlags {
   Counter seq;          // rounds this block has run (own)
   Arrivals arrived[2];  // phase 0: inputs (one-shot) or chunks to reduce (two-shot); 1: results
 };
-// The copy algorithm's counters (Algo::Copy), in the receiver's memory, written by the senders'
-// streams (cuStreamWriteValue64) and waited on by this rank's (cuStreamWaitValue64). Such a wait
-// never times out: the host's watchdog (Ring::copy_tick) and a stopping kernel release it by
-// writing kReleased, after the abort word that says why. The driver compares cyclically
+// The copy algorithm's counters (Algo::Copy) and the group's abort word for it: one block in host
+// memory every rank maps (POSIX shared memory registered with CUDA; Ring::copy_attach). The ranks'
+// streams write the counters (cuStreamWriteValue64) and wait on them (cuStreamWaitValue64). Such a
+// wait never times out, and a release written by a stream could queue behind the very wait it is
+// to end (streams share the GPU's hardware queues), so the host's watchdog (Ring::copy_tick) and an
+// abort release every wait with CPU stores of kReleased, after the abort word that says why; a
+// stopping kernel does the same from the device. The driver compares cyclically
 // ((int64_t)(*addr - value) >= 0 for GEQ), so kReleased is 2^62, which passes any count in use
 // (all ones would pass none).
 constexpr uint64_t kReleased = uint64_t{1} << 62;
-struct CopyFlags {
-  Counter arrived[kMaxPeers];  // from rank q: pieces q has copied into this rank's inbox
+struct CopyCtl {
+  uint32_t abort;  // abort_word of the first stop seen by any rank's copy path (sticky)
+  alignas(kLine) Counter arrived[kMaxPeers][kMaxPeers];  // [receiver][sender]: pieces sent
 };
 // Inbox slots per source. Two are enough, with no "slot free" count: a rank enqueues piece p + 1
 // (its copies into the peers) after its fold of piece p, so when sender q copies piece p + 2 into
@@ -129,7 +133,6 @@ struct alignas(kLine) Area {
   DirectFlags direct[kMaxDirectBlocks];
   MsgHeader ring_hdr[kMaxChannels][kSlots];                  // written with each message
   MsgHeader direct_hdr[kDirectDepth][2][kMaxDirectBlocks][kMaxPeers];  // [slot][phase][block][source]
-  CopyFlags copy;
   MsgHeader copy_hdr[kCopyDepth][kMaxPeers];  // [slot][source]: the piece each source copied there
 };
 
@@ -197,6 +200,7 @@ struct Args {
   // Copy: this piece's elements (from piece_begin of the span it cuts: the tensor for all_reduce,
   // a chunk for the others), its index in the call, and its inbox slot (self_data: the inbox;
   // slot_stride: bytes per slot).
+  CopyCtl* cctl;  // the group's copy counters as the device sees them (null: none)
   int64_t piece_begin, piece_count;
   uint32_t piece_index;
   int copy_slot;
@@ -358,6 +362,10 @@ class Ring {
   }
   // Whether this ring has the copy algorithm's inbox (Options::time_sliced or a forced copy).
   bool copies() const { return copy_bytes() > 0; }
+  // The copy algorithm's counters (CopyCtl), shared by the group: rank 0 creates the POSIX shared
+  // memory segment `name`, the others map it (after rank 0 made it); every rank registers it with
+  // CUDA. The creator unlinks the name once all have mapped it. Before the first call.
+  void copy_attach(const std::string& name, bool create);
   // Unmaps the peers and frees. Idempotent; no kernel of this ring may be running.
   // peers_done=false: a peer may still read or write this rank's area (the close barrier failed,
   // or the ring broke): the area is marked aborted, so their waits stop, and kept until the
@@ -396,7 +404,9 @@ class Ring {
   void copy_check(cudaStream_t stream);  // throws where the copy algorithm cannot run
   void run_copy(const Call& c, const Plan& p, cudaStream_t stream);
   void copy_tick();
-  void release_copy_waits_locked();
+  // Every copy wait of the group released by CPU stores, after `word` (if not 0) became the
+  // group's abort word.
+  void release_copy_waits_locked(uint32_t word);
 
   Options opt_;
   int device_ = 0;
@@ -408,7 +418,8 @@ class Ring {
   HostCtl* ctl_ = nullptr;  // host-mapped (cudaHostAlloc)
   HostCtl* ctl_dev_ = nullptr;  // the same memory as the device sees it
   uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the areas
-  CopyFlags* released_src_ = nullptr;  // pinned, every counter kReleased (copy algorithm)
+  CopyCtl* cctl_ = nullptr;      // the group's copy counters (shared memory, registered)
+  CopyCtl* cctl_dev_ = nullptr;  // the same as the device sees them
   cudaStream_t side_ = nullptr;  // for that copy, beside a kernel that may be spinning
   std::atomic<uint64_t> op_seq_{0};
   CallLog calls_;

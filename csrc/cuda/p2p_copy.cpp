@@ -6,8 +6,9 @@
 // it), waits on its own counters until every peer's part is there (cuStreamWaitValue64: the GPU's
 // front end waits, no SM spins), and folds with a kernel that only checks headers and computes.
 // Two inbox slots per source, reused safely by stream order alone (kCopyDepth says why).
-// Stream waits never time out, so the watchdog (copy_tick) fails a piece waited on past the
-// timeout and releases the waits; a kernel that stops releases them too (record_stop).
+// The counters live in host memory every rank maps (CopyCtl): stream waits never time out, so the
+// watchdog (copy_tick) fails a piece waited on past the timeout and releases the waits with CPU
+// stores; a kernel that stops releases them too (record_stop).
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -18,6 +19,7 @@
 
 #include "cuda/kernels.h"
 #include "cuda/p2p.h"
+#include "shm/segment.h"
 
 namespace ringreduce::cuda::p2p {
 namespace {
@@ -39,13 +41,18 @@ const MemOps& mem_ops() {
     MemOps m;
     auto find = [&](const char* name, StreamValue64* fn) {
       void* p = nullptr;
+#if CUDART_VERSION >= 12000
       cudaDriverEntryPointQueryResult q{};
 #if CUDART_VERSION >= 12050
       const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q);
 #else
       const cudaError_t e = cudaGetDriverEntryPoint(name, &p, cudaEnableDefault, &q);
 #endif
-      if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !p) {
+      const bool found = e == cudaSuccess && q == cudaDriverEntryPointSuccess && p;
+#else
+      const bool found = false;  // CUDA 11: not looked up (the copy algorithm refuses to run)
+#endif
+      if (!found) {
         cudaGetLastError();
         m.missing += std::string(m.missing.empty() ? "" : ", ") + name;
         return;
@@ -73,16 +80,47 @@ void Ring::copy_check(cudaStream_t stream) {
   if (!copies())
     throw RingError("ringreduce: the copy algorithm needs its inbox (RINGREDUCE_CUDA_ALGO=copy or "
                     "ranks sharing a GPU without MPS, at most " + std::to_string(kMaxPeers) + " ranks)");
+  if (!cctl_) throw RingError("ringreduce: the copy algorithm's counters are not attached (copy_attach)");
   if (!mem_ops().missing.empty())
     throw RingError("ringreduce: the copy algorithm (ranks sharing a GPU without MPS) needs the "
                     "driver's stream memory operations, and this driver lacks " + mem_ops().missing +
                     "; start MPS (nvidia-cuda-mps-control -d) or use one GPU per rank");
+  // The driver's CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS (the runtime names it
+  // cudaDevAttrReserved122): 64-bit stream waits and writes.
+  int ops64 = 0;
+  if (cudaDeviceGetAttribute(&ops64, static_cast<cudaDeviceAttr>(122), device_) != cudaSuccess || !ops64) {
+    cudaGetLastError();
+    throw RingError("ringreduce: the copy algorithm (ranks sharing a GPU without MPS) needs 64-bit "
+                    "stream memory operations, which this GPU or driver does not offer; start MPS "
+                    "(nvidia-cuda-mps-control -d) or use one GPU per rank");
+  }
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
   if (st != cudaStreamCaptureStatusNone)
     throw RingError("ringreduce: a CUDA graph cannot capture the copy algorithm, which ranks sharing "
                     "a GPU without MPS run (its stream waits name each call's counts); start MPS "
                     "(nvidia-cuda-mps-control -d) or use one GPU per rank to capture collectives");
+}
+
+void Ring::copy_attach(const std::string& name, bool create) {
+  if (!copies()) throw RingError("ringreduce: copy_attach: this ring has no copy algorithm");
+  if (cctl_) throw RingError("ringreduce: copy_attach: the counters are attached already");
+  char* p = create ? shm::pool_create(name, sizeof(CopyCtl)) : shm::pool_map(name, sizeof(CopyCtl));
+  if (create) std::memset(p, 0, sizeof(CopyCtl));
+  DeviceScope scope(device_);
+  const cudaError_t e = cudaHostRegister(p, sizeof(CopyCtl), cudaHostRegisterMapped | cudaHostRegisterPortable);
+  void* dev = nullptr;
+  if (e != cudaSuccess || cudaHostGetDevicePointer(&dev, p, 0) != cudaSuccess) {
+    const cudaError_t err = e != cudaSuccess ? e : cudaGetLastError();
+    if (e == cudaSuccess) cudaHostUnregister(p);
+    cudaGetLastError();
+    shm::pool_unmap(p, sizeof(CopyCtl));
+    throw RingError(std::string("ringreduce: the copy algorithm's counters (shared memory ") + name +
+                    ") cannot be registered with CUDA: " + cudaGetErrorString(err));
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  cctl_ = reinterpret_cast<CopyCtl*>(p);
+  cctl_dev_ = static_cast<CopyCtl*>(dev);
 }
 
 void Ring::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
@@ -92,7 +130,6 @@ void Ring::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
   const int64_t span = c.coll == Coll::AllReduce ? c.numel : c.numel / n;
   const size_t stride = slot_stride(opt_.copy_slot_bytes);
   Args a = args(c);
-  Area* self = reinterpret_cast<Area*>(area_);
   auto write = [&](const uint64_t* at, uint64_t v) { check(m.write(s, addr(at), v, kWriteFenced), "cuStreamWriteValue64"); };
   auto wait = [&](const uint64_t* at, uint64_t v) { check(m.wait(s, addr(at), v, kWaitGeq), "cuStreamWaitValue64"); };
   for (int64_t k = 0; k < p.steps; ++k) {
@@ -127,9 +164,9 @@ void Ring::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
       if (bytes) RR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
       const uint64_t* hw = reinterpret_cast<const uint64_t*>(&peer->copy_hdr[slot][r]);
       for (size_t w = 0; w < sizeof h / 8; ++w) write(hw + w, words[w]);
-      write(&peer->copy.arrived[r].value, piece + 1);
+      write(&cctl_dev_->arrived[q][r].value, piece + 1);
     }
-    for (int j = 1; j < n; ++j) wait(&self->copy.arrived[(r + j) % n].value, piece + 1);
+    for (int j = 1; j < n; ++j) wait(&cctl_dev_->arrived[r][(r + j) % n].value, piece + 1);
     a.piece_begin = begin;
     a.piece_count = count;
     a.piece_index = static_cast<uint32_t>(k);
@@ -140,21 +177,20 @@ void Ring::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
   pieces_ += static_cast<uint64_t>(p.steps);
 }
 
-void Ring::release_copy_waits_locked() {
-  if (!released_src_ || !area_) return;
-  DeviceScope scope(device_);
-  for (char* area : peers_)
-    if (area)
-      cudaMemcpyAsync(area + offsetof(Area, copy), released_src_, sizeof(CopyFlags),
-                      cudaMemcpyHostToDevice, side_);
-  cudaGetLastError();
+void Ring::release_copy_waits_locked(uint32_t word) {
+  if (!cctl_) return;
+  uint32_t none = 0;
+  if (word) __atomic_compare_exchange_n(&cctl_->abort, &none, word, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  for (int q = 0; q < opt_.nranks; ++q)
+    for (int s = 0; s < opt_.nranks; ++s) __atomic_store_n(&cctl_->arrived[q][s].value, kReleased, __ATOMIC_SEQ_CST);
 }
 
 void Ring::copy_tick() {
   const auto now = std::chrono::steady_clock::now();
-  const bool broken = !failure().empty();
+  bool broken = !failure().empty();
   std::lock_guard<std::mutex> lk(mu_);
-  if (!ctl_) return;
+  if (!ctl_ || !cctl_) return;
+  broken = broken || __atomic_load_n(&cctl_->abort, __ATOMIC_ACQUIRE) != 0;
   const volatile HostCtl* ctl = ctl_;
   const uint64_t done = ctl->copy_done, reached = ctl->copy_reached;
   if (done >= reached || reached != watch_.reached || done != watch_.done) {
@@ -164,7 +200,7 @@ void Ring::copy_tick() {
   // A piece this rank's stream waits on (or folds): once the group is broken every wait is
   // released, again each time (a peer's later count may have lowered a released counter).
   if (broken) {
-    release_copy_waits_locked();
+    release_copy_waits_locked(0);
     return;
   }
   if (now - watch_.since < std::chrono::duration<double>(opt_.timeout_s)) return;
@@ -182,7 +218,6 @@ void Ring::copy_tick() {
   if (failure_.empty()) failure_ = why;
   if (abort_seq_ == 0 || call < abort_seq_) abort_seq_ = call;
   abort_locked(why, kTimeout);  // the abort word to every peer, then the waits released
-  release_copy_waits_locked();
 }
 
 }  // namespace ringreduce::cuda::p2p

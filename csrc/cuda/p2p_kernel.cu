@@ -109,9 +109,13 @@ __device__ void notify(Area* peer, uint32_t word) {
   if (peer) atomicCAS_system(&peer->abort, 0u, word);
 }
 
-__device__ void release_copy_waits(Area* area, int n) {
-  if (!area) return;
-  for (int q = 0; q < n && q < kMaxPeers; ++q) st_relaxed_sys(&area->copy.arrived[q].value, kReleased);
+// The copy algorithm's stream waits of the whole group, released after the group's abort word.
+__device__ void release_copy_waits(const Args& a, uint32_t word) {
+  if (!a.cctl) return;
+  atomicCAS_system(&a.cctl->abort, 0u, word);
+  __threadfence_system();
+  for (int q = 0; q < a.nranks && q < kMaxPeers; ++q)
+    for (int s = 0; s < a.nranks && s < kMaxPeers; ++s) st_relaxed_sys(&a.cctl->arrived[q][s].value, kReleased);
 }
 
 // Thread 0: records the first stop of this block for the host and writes the abort word into
@@ -127,14 +131,10 @@ __device__ void record_stop(const Args& a, uint32_t word, bool local, int peer, 
     notify(a.down, word);
     for (int q = 0; q < a.nranks && q < kMaxPeers; ++q)
       if (q != a.rank) notify(a.peer[q], word);
+    // Then every copy-algorithm wait of the group (stream waits never time out): a stream released
+    // sees the abort word in its next kernel. Not after close: the counters may be unmapped.
+    release_copy_waits(a, word);
   }
-  // Then release every copy-algorithm wait (stream waits on these counters never time out): a
-  // stream released sees the abort word above in its next kernel.
-  __threadfence_system();
-  release_copy_waits(a.self, a.nranks);
-  if (ld_relaxed_sys(&a.ctl->abort) != kCtlClosed)
-    for (int q = 0; q < a.nranks && q < kMaxPeers; ++q)
-      if (q != a.rank) release_copy_waits(a.peer[q], a.nranks);
   volatile ErrorRecord* e = &a.ctl->err[blockIdx.x];
   if (e->word) return;
   e->local = local;
@@ -608,6 +608,7 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(Args a) {
     MsgHeader got{};
     int peer = -1;
     uint32_t stop = ld_relaxed_sys(&a.self->abort);
+    if (!stop && a.cctl) stop = ld_relaxed_sys(&a.cctl->abort);
     bool local = stop && abort_rank(stop) == r;
     if (!stop && ld_relaxed_sys(&a.ctl->abort)) {
       stop = abort_word(kHostAbort, r);
@@ -648,12 +649,26 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(Args a) {
       if (src != dst)
         span_op<T, RedOp::Sum, false>(dst, nullptr, src, nullptr, P.count, 1, threadIdx.x, blockDim.x);
     }
-    return;
+  } else {
+    const T* mine = in + (rs ? r * m : 0) + at;
+    T* dst[1] = {out + at};
+    span_fold<T, Op>(dst, 1, [&](int q) { return q == r ? mine : inbox(q); }, n, P.count, a.divisor,
+                     threadIdx.x, blockDim.x);
   }
-  const T* mine = in + (rs ? r * m : 0) + at;
-  T* dst[1] = {out + at};
-  span_fold<T, Op>(dst, 1, [&](int q) { return q == r ? mine : inbox(q); }, n, P.count, a.divisor,
-                   threadIdx.x, blockDim.x);
+  // A release (host abort, dead peer, timeout elsewhere) lets the peers' streams go on and copy
+  // their next pieces into this rank's slots, perhaps while this block read them: the abort word
+  // is written before any release, so a stop seen now marks this piece (and call) failed rather
+  // than done with mixed data.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    uint32_t w = ld_relaxed_sys(&a.self->abort);
+    if (!w && a.cctl) w = ld_relaxed_sys(&a.cctl->abort);
+    if (!w && ld_relaxed_sys(&a.ctl->abort)) w = abort_word(kHostAbort, r);
+    if (w)
+      record_stop(a, w, abort_rank(w) == r, -1, Where{2, 0, a.piece_index}, false,
+                  my_header(a, a.piece_count * es, a.piece_index), nullptr);
+  }
 }
 
 }  // namespace

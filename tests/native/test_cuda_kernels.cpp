@@ -23,6 +23,7 @@
 #include "cuda_check.h"
 #include "deterministic_check.h"
 #include "host/recorder.h"
+#include "shm/segment.h"
 #ifdef RINGREDUCE_EMU
 #include "emu.h"
 #endif
@@ -161,6 +162,17 @@ struct Group {
 #else
       rings[r]->connect_local(all);
 #endif
+    }
+    // The copy algorithm's counters, as the torch binding attaches them: rank 0 makes the shared
+    // memory segment, the others map it, the name goes.
+    if (rings[0]->copies()) {
+      static std::atomic<int> made{0};
+      const std::string name = "/rr-test-copy-" + std::to_string(getpid()) + "-" + std::to_string(made++);
+      for (int r = 0; r < n; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+        rings[r]->copy_attach(name, r == 0);
+      }
+      rr::shm::Comm::unlink(name);
     }
   }
   ~Group() {

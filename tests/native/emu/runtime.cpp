@@ -540,6 +540,7 @@ struct HostAlloc {
   char* base;     // of the mapping, guard page included
   size_t mapped;
   size_t bytes;   // asked for, from the pointer handed out
+  bool registered = false;  // cudaHostRegister'ed memory of the caller's (not ours to unmap)
 };
 std::map<uintptr_t, HostAlloc> g_host;       // pinned host allocations by the pointer handed out
 uint64_t g_next_id = 1;
@@ -645,6 +646,10 @@ cudaError_t cudaSetDevice(int device) {
 }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
   if (device < 0 || device >= emu::g_devices.load()) return fail(cudaErrorInvalidDevice);
+  if (static_cast<int>(attr) == 122) {  // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+    *value = 1;
+    return cudaSuccess;
+  }
   if (attr != cudaDevAttrMultiProcessorCount) return fail(cudaErrorInvalidValue);
   *value = emu::g_sms;
   return cudaSuccess;
@@ -757,11 +762,29 @@ cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned) {
   return cudaSuccess;
 }
 
+cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
+  EMU_ENTER();
+  if (!p || !bytes) return fail(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (g_host.count(a)) return fail(cudaErrorInvalidValue);  // CUDA: already registered
+  g_host[a] = HostAlloc{static_cast<char*>(p), bytes, bytes, true};
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostUnregister(void* p) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  auto it = g_host.find(reinterpret_cast<uintptr_t>(p));
+  if (it == g_host.end() || !it->second.registered) return fail(cudaErrorInvalidValue);
+  g_host.erase(it);
+  return cudaSuccess;
+}
+
 cudaError_t cudaFreeHost(void* p) {
   if (!p) return cudaSuccess;
   std::lock_guard<std::mutex> lk(g_mem_mu);
   auto it = g_host.find(reinterpret_cast<uintptr_t>(p));
-  if (it == g_host.end()) return fail(cudaErrorInvalidValue);
+  if (it == g_host.end() || it->second.registered) return fail(cudaErrorInvalidValue);
   munmap(it->second.base, it->second.mapped);
   g_host.erase(it);
   return cudaSuccess;

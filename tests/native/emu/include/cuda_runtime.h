@@ -117,6 +117,11 @@ cudaError_t cudaFree(void* p);
 cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned flags);
 cudaError_t cudaMallocHost(void** p, size_t bytes);
 cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned flags);
+// Pins memory the caller mapped (page-locked for the device): cudaHostGetDevicePointer then gives
+// its device address (the same); cudaHostUnregister forgets it.
+constexpr unsigned cudaHostRegisterPortable = 1, cudaHostRegisterMapped = 2;
+cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned flags);
+cudaError_t cudaHostUnregister(void* p);
 cudaError_t cudaFreeHost(void* p);
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind);
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
