@@ -68,8 +68,9 @@ constexpr size_t kLine = 128;
 // in every rank's copy directly; chosen by plan_of(), never forced.
 // Copy: no kernel waits for another rank (ranks sharing a GPU without MPS take turns in time
 // slices, so spinning kernels wait a slice per handshake): each piece of the data goes by
-// cudaMemcpyAsync into every peer's inbox, ordered by stream memory operations on counters in the
-// receivers' memory (cuStreamWriteValue64 / cuStreamWaitValue64, waited by the GPU's front end),
+// cudaMemcpyAsync into every peer's inbox, ordered by stream memory operations on counters in
+// host memory the group shares (cuStreamWriteValue64 / cuStreamWaitValue64, waited by the GPU's
+// front end; CopyCtl),
 // then a kernel that never waits folds the pieces in rank order (csrc/cuda/p2p_copy.cpp).
 enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3, Registered = 4, Copy = 5 };
 const char* algo_name(Algo a);

@@ -2,8 +2,8 @@
 // whose contexts take turns in time slices, so that a kernel spinning on another rank's flag holds
 // its slice while the other rank cannot run. Here no kernel waits: per piece, each rank copies its
 // part into every peer's inbox (cudaMemcpyAsync into the IPC mapping), writes the piece's header
-// and then its count into the peer's memory (cuStreamWriteValue64, which fences the copy before
-// it), waits on its own counters until every peer's part is there (cuStreamWaitValue64: the GPU's
+// into the peer's memory and then its count for that peer (cuStreamWriteValue64, which fences the
+// copy before it), waits on its own counts until every peer's part is there (cuStreamWaitValue64: the GPU's
 // front end waits, no SM spins), and folds with a kernel that only checks headers and computes.
 // Two inbox slots per source, reused safely by stream order alone (kCopyDepth says why).
 // The counters live in host memory every rank maps (CopyCtl): stream waits never time out, so the

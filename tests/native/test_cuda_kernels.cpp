@@ -349,6 +349,27 @@ static void test_copy_failures() {
     EXPECT(contains(f1, "stopped because rank 0 was aborted"), "copy: rank 1: '%s'", f1.c_str());
   }
 #ifdef RINGREDUCE_EMU
+  // One hardware queue per device (CUDA_DEVICE_MAX_CONNECTIONS=1): each ring's side stream runs
+  // behind its rank's stream, which is stuck in a wait that never ends. The watchdog's release and
+  // an abort must not need any stream: CPU stores into the shared counters.
+  for (bool abort : {false, true}) {
+    emu_set_connections(1);
+    DevBuf buf(4096 * 4);
+    Group g = copy_group(3, 1024, abort ? 30.0 : 1.0);
+    emu_set_connections(0);
+    for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto t0 = Clock::now();
+    if (abort) g.rings[0]->abort("test abort");
+    for (int r = 0; r < 2; ++r) RR_CUDA_CHECK(cudaStreamSynchronize(g.ranks[r].stream));
+    EXPECT(seconds_since(t0) < 5, "copy, one queue per device: %s took %.1f s", abort ? "abort" : "timeout",
+           seconds_since(t0));
+    const std::string f1 = g.rings[1]->failure();
+    EXPECT(abort ? contains(f1, "stopped because rank 0 was aborted") : contains(f1, "timed out"),
+           "copy, one queue per device: rank 1: '%s'", f1.c_str());
+    g.rings[2]->abort("the test ends");  // its side stream is not stuck: let the others' go
+    sync_all(g);
+  }
   {  // capture refused before the call is counted, on every rank alike
     DevBuf buf(64 * 4);
     Group g = copy_group(2, 1024);
@@ -362,6 +383,39 @@ static void test_copy_failures() {
   }
 #endif
 }
+
+#ifdef RINGREDUCE_EMU
+// The emulator's hardware queues (emu_set_connections): with one per device, a stream waiting
+// (cuStreamWaitValue64 on a host word) holds back another stream's later work; with a queue each
+// it does not. What makes test_copy_failures' one-queue cases mean something.
+static void test_emulated_hardware_queues() {
+  using Fn = int (*)(cudaStream_t, unsigned long long, unsigned long long, unsigned);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  RR_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000, cudaEnableDefault, &q));
+  for (int k : {1, 0}) {
+    RR_CUDA_CHECK(cudaSetDevice(0));
+    emu_set_connections(k);
+    cudaStream_t a, b;
+    RR_CUDA_CHECK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+    RR_CUDA_CHECK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+    emu_set_connections(0);
+    uint64_t word = 0;
+    DevBuf d(64);
+    EXPECT(reinterpret_cast<Fn>(fn)(a, reinterpret_cast<unsigned long long>(&word), 1, 0) == 0, "wait enqueued");
+    RR_CUDA_CHECK(cudaMemsetAsync(d.p, 0, 64, b));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const cudaError_t later = cudaStreamQuery(b);
+    EXPECT(later == (k == 1 ? cudaErrorNotReady : cudaSuccess), "%d queue(s): the other stream's memset is %s",
+           k, later == cudaSuccess ? "done" : "held back");
+    __atomic_store_n(&word, 1, __ATOMIC_SEQ_CST);
+    RR_CUDA_CHECK(cudaStreamSynchronize(a));
+    RR_CUDA_CHECK(cudaStreamSynchronize(b));
+    cudaStreamDestroy(a);
+    cudaStreamDestroy(b);
+  }
+}
+#endif
 
 // (2b) registered buffers: a buffer of `bytes` allocated by every rank of g and mapped by all, as
 // ringreduce.shared_empty does on CUDA (IPC handles under the emulator); every rank's copy.
@@ -1188,6 +1242,9 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_ranks_share_a_device", [&] { test_ranks_share_a_device(); });
     run_test(argc, argv, "test_copy", [&] { test_copy(); });
     run_test(argc, argv, "test_copy_failures", [&] { test_copy_failures(); });
+#ifdef RINGREDUCE_EMU
+    run_test(argc, argv, "test_emulated_hardware_queues", [&] { test_emulated_hardware_queues(); });
+#endif
     run_test(argc, argv, "test_registered", [&] { test_registered(); });
     run_test(argc, argv, "test_registered_mismatch", [&] { test_registered_mismatch(); });
     run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_registered_result_in_stream_order(); });

@@ -41,12 +41,17 @@ MUTATIONS = {
         KERNEL, "      const uint32_t cause = check_header(got, mine);\n      if (cause != kOk) {\n        stop = abort_word(cause, r);",
         "      const uint32_t cause = kOk;\n      if (cause != kOk) {\n        stop = abort_word(cause, r);",
         COPY_FAILURES, "mismatched calls fold each other's pieces silently, or wait forever"),
+    "copy_watchdog_releases_nothing": (
+        "csrc/cuda/p2p_copy.cpp",
+        "    for (int s = 0; s < opt_.nranks; ++s) __atomic_store_n(&cctl_->arrived[q][s].value, kReleased, __ATOMIC_SEQ_CST);",
+        "    (void)q;", COPY_FAILURES,
+        "a timed-out or aborted rank leaves every stream waiting (no kernel runs to release them)"),
     "copy_watchdog_never_fires": (
         "csrc/cuda/p2p_copy.cpp",
         "  if (now - watch_.since < std::chrono::duration<double>(opt_.timeout_s)) return;",
         "  return;", COPY_FAILURES, "a rank that never calls leaves its peers' streams waiting forever"),
     "copy_kernel_skips_abort_word": (
-        KERNEL, "    uint32_t stop = ld_relaxed_sys(&a.self->abort);\n    bool local = stop && abort_rank(stop) == r;",
+        KERNEL, "    uint32_t stop = ld_relaxed_sys(&a.self->abort);\n    if (!stop && a.cctl) stop = ld_relaxed_sys(&a.cctl->abort);\n    bool local = stop && abort_rank(stop) == r;",
         "    uint32_t stop = 0;\n    bool local = false;", COPY_FAILURES,
         "a rank whose waits were released (a peer timed out or aborted) folds stale inboxes as a result"),
     "error_records_for_ring_blocks_only": (

@@ -344,9 +344,18 @@ struct Progress {
 // there until someone waits for the stream (a synchronize, a dependent op) or kLegacyLag passes,
 // so that host-asynchronous calls (cudaMemset, cudaMemcpy from pageable memory) land late, as they
 // may on a GPU, and code that forgets to order them shows it.
+// A hardware queue shared by streams (emu_set_connections): its ops run in enqueue order, one at a
+// time, across the streams on it (each op waits for its ticket).
+struct Connection {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t next = 0, serving = 0;
+};
+
 struct CUstream_st {
   enum Kind { kLegacy, kBlocking, kNonBlocking };
   int device = 0;
+  std::shared_ptr<Connection> conn;  // null: a queue of its own
   Kind kind;
   uint64_t clock = 0;  // the cost model's clock: where the last kernel on this stream ended
   std::atomic<bool> capturing{false};  // emu_set_capturing
@@ -396,6 +405,25 @@ struct CUstream_st {
     uint64_t n;
     {
       std::lock_guard<std::mutex> lk(mu);
+      if (conn) {  // the ticket is taken under this stream's lock: its ops keep their order
+        uint64_t t;
+        {
+          std::lock_guard<std::mutex> clk(conn->mu);
+          t = conn->next++;
+        }
+        op = [c = conn, t, dev = device, op = std::move(op)] {
+          {
+            std::unique_lock<std::mutex> clk(c->mu);
+            while (c->serving != t && !sticky(dev)) c->cv.wait_for(clk, emu::kPoll);
+          }
+          op();
+          {
+            std::lock_guard<std::mutex> clk(c->mu);
+            ++c->serving;
+          }
+          c->cv.notify_all();
+        };
+      }
       q.push_back(std::move(op));
       n = ++pushed;
     }
@@ -446,6 +474,9 @@ struct EventState {
 
 std::mutex g_streams_mu;
 std::set<CUstream_st*> g_streams;
+std::atomic<int> g_connections{0};  // emu_set_connections; g_queues, g_queue_next under g_streams_mu
+std::map<int, std::vector<std::shared_ptr<Connection>>> g_queues;
+std::map<int, uint64_t> g_queue_next;
 CUstream_st* g_null[emu::kMaxDevices];
 std::mutex g_order_mu;  // a push and the dependencies it takes are one step (no cycles)
 
@@ -841,6 +872,14 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
   auto* st = new CUstream_st(tl_device, flags & cudaStreamNonBlocking ? CUstream_st::kNonBlocking
                                                                       : CUstream_st::kBlocking);
   std::lock_guard<std::mutex> lk(g_streams_mu);
+  if (const int k = g_connections.load()) {  // round robin over the device's k queues
+    auto& queues = g_queues[st->device];
+    if (queues.size() != static_cast<size_t>(k)) {
+      queues.clear();
+      for (int i = 0; i < k; ++i) queues.push_back(std::make_shared<Connection>());
+    }
+    st->conn = queues[g_queue_next[st->device]++ % k];
+  }
   g_streams.insert(st);
   *s = st;
   return cudaSuccess;
@@ -1087,6 +1126,12 @@ cudaError_t emu_inject_fault(cudaStream_t s, cudaError_t e) {
   return cudaSuccess;
 }
 void emu_clear_fault(int device) { emu::g_sticky[device] = cudaSuccess; }
+void emu_set_connections(int k) {
+  std::lock_guard<std::mutex> lk(g_streams_mu);
+  g_connections.store(k > 0 ? k : 0);
+  g_queues.clear();  // streams keep the queues they have
+  g_queue_next.clear();
+}
 void emu_set_capturing(cudaStream_t stream, int capturing) { stream->capturing = capturing != 0; }
 int emu_block_threads() { return emu::g_block_threads; }
 uint64_t emu_launches() { return emu::g_launches.load(); }

@@ -27,6 +27,11 @@ int emu_block_threads();
 void emu_set_weak(uint64_t seed);
 // Kernel launches executed so far.
 uint64_t emu_launches();
+// Hardware queues per device for the streams created from now on (CUDA_DEVICE_MAX_CONNECTIONS):
+// k > 0 puts every new stream of a device on queue (its index mod k), and streams sharing a queue
+// run their work in the order it was enqueued, so an op that waits blocks every later op of every
+// stream on that queue, as on a GPU; 0 (the default) gives every stream a queue of its own.
+void emu_set_connections(int k);
 
 // The cost model (tests/native/emu/cost.cpp): what each device did since the last reset.
 struct EmuCost {
