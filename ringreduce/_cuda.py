@@ -302,7 +302,8 @@ class Communicator(_lifecycle.Communicator):
         max_blocks = resident_blocks(self._where)
         if k["blocks_cap"]:
             max_blocks = min(max_blocks, k["blocks_cap"])
-        sliced = time_sliced(self._where)
+        # Only where every rank maps every other (one host): the copy algorithm needs that.
+        sliced = time_sliced(self._where) and direct
         native = _C.P2pComm(self.device.index, self.rank, self.world_size, channels, slice_bytes,
                             self.timeout, algo, slot_bytes, max_blocks, k["ahead"], sliced,
                             k["copy_bytes"])
@@ -328,7 +329,7 @@ class Communicator(_lifecycle.Communicator):
             up, down = (r - 1) % n, (r + 1) % n
             native.connect([b"" if q == r or not (direct or q in (up, down)) else
                             setup.get(f"handle/{q}", f"rank {q}'s IPC handle") for q in range(n)])
-            if native.copies():
+            if native.copies() and native.direct():  # one host: the counters are shared memory
                 self._attach_copy_counters(native)
         except BaseException:
             native.close(False)  # the others may have mapped our memory already

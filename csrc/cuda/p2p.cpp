@@ -554,6 +554,10 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
                " (an all_reduce of a ringreduce.shared_empty tensor needs the same buffer and "
                "offset on every rank)";
       }
+      if (e.got.nbytes == e.mine.nbytes)  // the right size, but another round or piece
+        return me + where + ": message #" + std::to_string(e.got.index) + " from rank " +
+               std::to_string(e.peer) + " where #" + std::to_string(e.mine.index) +
+               " was expected (inconsistent schedules)";
       return me + where + ": message of " + std::to_string(e.got.nbytes) + " bytes from rank " +
              std::to_string(e.peer) + " where " + std::to_string(e.mine.nbytes) +
              " were expected (inconsistent schedules)";
