@@ -210,11 +210,18 @@ void Ring::copy_tick() {
   const CopyCall& cc = copy_calls_[call % 64];
   const bool known = cc.call.op_seq == call;
   const std::string what = known ? call_text(cc.call) : std::string("call");
+  // The peers whose count for this piece has not come: the ranks that did not make the call (or
+  // made it later, or died).
+  std::string missing;
+  for (int q = 0; q < opt_.nranks; ++q)
+    if (q != opt_.rank && __atomic_load_n(&cctl_->arrived[opt_.rank][q].value, __ATOMIC_ACQUIRE) < reached)
+      missing += (missing.empty() ? "" : ", ") + std::to_string(q);
+  const std::string from = missing.find(',') == std::string::npos ? "rank " + missing : "ranks " + missing;
   const std::string why = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + what + " #" +
                           std::to_string(call) + " (copy algorithm, piece " +
                           (known ? std::to_string(reached - 1 - cc.first_piece) : "?") + ") timed out after " + t +
-                          " s waiting for its peers' data (RINGREDUCE_TIMEOUT; did "
-                          "every rank make the same call?)";
+                          " s waiting for data from " + (missing.empty() ? std::string("its peers") : from) +
+                          " (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
   if (failure_.empty()) failure_ = why;
   if (abort_seq_ == 0 || call < abort_seq_) abort_seq_ = call;
   abort_locked(why, kTimeout);  // the abort word to every peer, then the waits released

@@ -453,7 +453,12 @@ __global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
   __syncthreads();
   const uint64_t seq0 = s_seq;  // round i of this call is round seq0 + 1 + i of this block
   T* dst[kMaxSpanPtrs];
-  const T* src[kMaxSpanPtrs];
+  auto only = [](const T* p) { return SlotSources<T>{p, nullptr, 0, 0}; };
+  // Every rank's data for phase ph of round seq at begin: this rank's own at r, else the slots.
+  auto ranks = [&](uint64_t seq, int ph, int64_t begin, const T* own) {
+    return SlotSources<T>{own, reinterpret_cast<const char*>(dslot<T>(a, a.self_data, seq, ph, 0, begin)),
+                          a.slot_stride, r};
+  };
 
   auto send = [&](int64_t i) {
     const uint64_t seq = seq0 + 1 + i;
@@ -462,16 +467,14 @@ __global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
       int nd = 0;
       for (int p = 0; p < n; ++p)
         if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], seq, 0, r, P.begin);
-      src[0] = in + P.begin;
-      span_multi<T, RedOp::Sum>(dst, nd, src, 1, P.count, 1, tid, nt);
+      span_multi<T, RedOp::Sum>(dst, nd, only(in + P.begin), 1, P.count, 1, tid, nt);
       post_all(a, 0, seq, i, [&](int) { return P.count * es; });
     } else if (scatter) {
       for (int p = 0; p < n; ++p) {
         if (p == r) continue;
         const ring::Span sp = part(p, i);
         dst[0] = dslot<T>(a, a.peer_data[p], seq, 0, r, sp.begin);
-        src[0] = in + sp.begin;
-        span_multi<T, RedOp::Sum>(dst, 1, src, 1, sp.count, 1, tid, nt);
+        span_multi<T, RedOp::Sum>(dst, 1, only(in + sp.begin), 1, sp.count, 1, tid, nt);
       }
       post_all(a, 0, seq, i, [&](int p) { return part(p, i).count * es; });
     } else {  // all-gather alone: this rank's chunk from its input to every peer and its own output
@@ -481,8 +484,7 @@ __global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
       for (int p = 0; p < n; ++p)
         if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], seq, 1, r, mine.begin);
       if (s0 != out + mine.begin) dst[nd++] = out + mine.begin;
-      src[0] = s0;
-      span_multi<T, RedOp::Sum>(dst, nd, src, 1, mine.count, 1, tid, nt);
+      span_multi<T, RedOp::Sum>(dst, nd, only(s0), 1, mine.count, 1, tid, nt);
       post_all(a, 1, seq, i, [&](int) { return mine.count * es; });
     }
   };
@@ -491,22 +493,19 @@ __global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
     if (oneshot) {  // all n inputs in rank order
       const ring::Span P = part(0, i);
       if (!wait_all(a, 0, seq, i, [&](int) { return P.count * es; })) return false;
-      for (int q = 0; q < n; ++q) src[q] = q == r ? in + P.begin : dslot<T>(a, a.self_data, seq, 0, q, P.begin);
       dst[0] = out + P.begin;
-      span_multi<T, Op>(dst, 1, src, n, P.count, a.divisor, tid, nt);
+      span_multi<T, Op>(dst, 1, ranks(seq, 0, P.begin, in + P.begin), n, P.count, a.divisor, tid, nt);
       return true;
     }
     // Chunk r reduced in rank order, into the output and (all-reduce) every peer's phase 1.
     const ring::Span mine = part(r, i);
     if (!wait_all(a, 0, seq, i, [&](int) { return mine.count * es; })) return false;
-    for (int q = 0; q < n; ++q)
-      src[q] = q == r ? in + mine.begin : dslot<T>(a, a.self_data, seq, 0, q, mine.begin);
     int nd = 0;
     dst[nd++] = out + (mine.begin - out_shift);
     if (gather)
       for (int p = 0; p < n; ++p)
         if (p != r) dst[nd++] = dslot<T>(a, a.peer_data[p], seq, 1, r, mine.begin);
-    span_multi<T, Op>(dst, nd, src, n, mine.count, a.divisor, tid, nt);
+    span_multi<T, Op>(dst, nd, ranks(seq, 0, mine.begin, in + mine.begin), n, mine.count, a.divisor, tid, nt);
     if (gather) post_all(a, 1, seq, i, [&](int) { return mine.count * es; });
     return true;
   };
@@ -517,8 +516,7 @@ __global__ void __launch_bounds__(kThreads) direct_kernel(Args a) {
       if (q == r) continue;
       const ring::Span sp = part(q, i);
       dst[0] = out + sp.begin;
-      src[0] = dslot<T>(a, a.self_data, seq, 1, q, sp.begin);
-      span_multi<T, RedOp::Sum>(dst, 1, src, 1, sp.count, 1, tid, nt);
+      span_multi<T, RedOp::Sum>(dst, 1, only(dslot<T>(a, a.self_data, seq, 1, q, sp.begin)), 1, sp.count, 1, tid, nt);
     }
     return true;
   };
@@ -578,7 +576,7 @@ __global__ void __launch_bounds__(kThreads) reg_kernel(Args a) {
   post_all(a, 0, seq, 0, tag);
   if (wait_all(a, 0, seq, 0, tag)) {
     // The copies computed from the kernel's parameters where they are used: no pointer array in
-    // local memory (the direct kernels' src[]/dst[] are one).
+    // local memory (the direct kernels' dst[] is one).
     const Copies<T> copies{a, P.begin};
     span_fold<T, Op>(copies, n, [&](int q) { return copies[q]; }, n, P.count, a.divisor,
                      threadIdx.x, blockDim.x);

@@ -267,12 +267,28 @@ __device__ void span_fold(Dst dst, int nd, Src src, int ns, int64_t n, int div, 
   }
 }
 
-// span_fold over an array of at most kMaxSpanPtrs sources (the p2p direct kernels).
+// The sources of a direct kernel's fold, computed where they are loaded (registers) rather than
+// kept in an array (local memory, one more dependent load before each source's data): source q is
+// `own` at q == own_at, else base + q * stride bytes (the slots of this rank's buffer).
+template <class T>
+struct SlotSources {
+  const T* own;
+  const char* base;
+  uint64_t stride;
+  int own_at;
+  __device__ const T* operator()(int q) const {
+    return q == own_at ? own : reinterpret_cast<const T*>(base + static_cast<uint64_t>(q) * stride);
+  }
+};
+
+// span_fold for the p2p direct kernels, out of line (inlined at their call sites, the fold's
+// unrolled body made the kernels' file the build's longest step): up to kMaxSpanPtrs
+// destinations, from an array.
 constexpr int kMaxSpanPtrs = 17;  // a rank's own output plus kMaxPeers destinations
 template <class T, RedOp Op>
-__device__ RR_NOINLINE void span_multi(T* const* dst, int nd, const T* const* src, int ns,
+__device__ RR_NOINLINE void span_multi(T* const* dst, int nd, SlotSources<T> src, int ns,
                                        int64_t n, int div, int tid, int nthreads) {
-  span_fold<T, Op>(dst, nd, [src](int q) { return src[q]; }, ns, n, div, tid, nthreads);
+  span_fold<T, Op>(dst, nd, src, ns, n, div, tid, nthreads);
 }
 
 // Host-side dispatch: f(T{}) for the element type of t.

@@ -30,6 +30,12 @@ COPY_TEST = ("test_cuda_kernels_emu", ["test_copy"])
 COPY_FAILURES = ("test_cuda_kernels_emu", ["test_copy_failures"])
 
 MUTATIONS = {
+    "direct_own_source_at_rank_0": (
+        "csrc/cuda/reduce.cuh", "    return q == own_at ? own :", "    return q == 0 ? own :", P2P_TEST,
+        "the direct kernels' fold takes the rank's own input as rank 0's and the slots for the rest"),
+    "copy_timeout_names_no_peer": (
+        "csrc/cuda/p2p_copy.cpp", "__ATOMIC_ACQUIRE) < reached)", "__ATOMIC_ACQUIRE) > reached)",
+        COPY_FAILURES, "the copy algorithm's timeout names no rank (or the wrong one) as missing"),
     "copy_one_inbox_slot": (
         "csrc/cuda/p2p.h", "constexpr int kCopyDepth = 2;", "constexpr int kCopyDepth = 1;", COPY_TEST,
         "a sender overwrites the receiver's only slot for it while the receiver still folds it"),
@@ -101,13 +107,13 @@ MUTATIONS = {
         P2P_TEST, "two-shot copies the gathered chunks before they have arrived"),
     "twoshot_gather_into_wrong_chunk": (
         KERNEL,
-        "      dst[0] = out + sp.begin;\n      src[0] = dslot<T>(a, a.self_data, seq, 1, q, sp.begin);",
-        "      dst[0] = out + part(r, i).begin;\n      src[0] = dslot<T>(a, a.self_data, seq, 1, q, sp.begin);",
+        "      dst[0] = out + sp.begin;\n      span_multi<T, RedOp::Sum>(dst, 1, only(dslot<T>(a, a.self_data, seq, 1, q, sp.begin))",
+        "      dst[0] = out + part(r, i).begin;\n      span_multi<T, RedOp::Sum>(dst, 1, only(dslot<T>(a, a.self_data, seq, 1, q, sp.begin))",
         P2P_TEST, "every gathered chunk lands on this rank's own chunk"),
     "oneshot_skips_last_rank": (
         KERNEL,
-        "      span_multi<T, Op>(dst, 1, src, n, P.count, a.divisor, tid, nt);",
-        "      span_multi<T, Op>(dst, 1, src, n - 1, P.count, a.divisor, tid, nt);",
+        "      span_multi<T, Op>(dst, 1, ranks(seq, 0, P.begin, in + P.begin), n, P.count, a.divisor, tid, nt);",
+        "      span_multi<T, Op>(dst, 1, ranks(seq, 0, P.begin, in + P.begin), n - 1, P.count, a.divisor, tid, nt);",
         P2P_TEST, "one-shot leaves the last rank's input out of the sum"),
     "flag_without_system_fence": (
         KERNEL,
