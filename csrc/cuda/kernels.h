@@ -19,11 +19,12 @@ void check(cudaError_t e, const char* what);
 // keeps 16-byte loads of a whole block in flight (512 x 16 B x unroll 4 = 32 KiB per round).
 constexpr int kThreads = 512;
 // 16-byte loads each thread has in flight in the data loops (reduce.cuh), for elements of 4 bytes:
-// the ring's span_op loads kUnroll of both its inputs, span_fold (direct algorithms) kUnroll of one
-// source at a time. By Little's law a block moves at most kThreads x loads x 16 B per load latency.
+// the ring's span_op loads kUnroll of both its inputs, span_fold (direct algorithms) kUnroll of two
+// sources at a time (of one where it copies). By Little's law a block moves at most kThreads x
+// loads x 16 B per load latency.
 constexpr int kUnroll = 4;
 constexpr int kRingLoadsInFlight = 2 * kUnroll;
-constexpr int kFoldLoadsInFlight = kUnroll;
+constexpr int kFoldLoadsInFlight = 2 * kUnroll;
 
 // dst[i] = a[i] op b[i] (AVG: SUM, then divided by divisor when divisor > 1), i < n. fp16/bf16 are
 // computed in fp32 and rounded once; integer SUM/PROD wrap; integer AVG truncates toward zero.

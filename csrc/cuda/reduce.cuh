@@ -210,7 +210,9 @@ __device__ void span_fold(Dst dst, int nd, Src src, int ns, int64_t n, int div, 
   for (int64_t i = head + nv * K + tid; i < n; i += nthreads) one(i);
   // U vector indices per thread per pass: U independent 16-byte loads of each source are in flight
   // before their arithmetic (one at a time left every load's latency exposed: the direct kernels
-  // read peers' memory, whose latency is a link's). U keeps the accumulators near 32 registers.
+  // read peers' memory, whose latency is a link's), and those of source q + 1 are issued before
+  // source q is folded: 2U loads in flight, one load latency per pass and source rather than two.
+  // U keeps the accumulators near 32 registers.
   constexpr int U = K >= 16 ? kUnroll / 2 : kUnroll;
   auto finish = [&](C (&acc)[K]) {
     T x[K];
@@ -234,11 +236,15 @@ __device__ void span_fold(Dst dst, int nd, Src src, int ns, int64_t n, int div, 
     bool in[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) in[u] = i + u * static_cast<int64_t>(nthreads) < nv;
-    C acc[U][K];
-    uint4 v[U];
-    const uint4* s0 = vsrc(0);
+    auto load = [&](uint4 (&x)[U], int q) {
+      const uint4* sq = vsrc(q);
 #pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = in[u] ? __ldcg(s0 + i + u * nthreads) : uint4{};
+      for (int u = 0; u < U; ++u) x[u] = in[u] ? __ldcg(sq + i + u * nthreads) : uint4{};
+    };
+    C acc[U][K];
+    uint4 v[U], w[U];
+    load(v, 0);
+    if (ns > 1) load(w, 1);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       T x[K];
@@ -246,10 +252,10 @@ __device__ void span_fold(Dst dst, int nd, Src src, int ns, int64_t n, int div, 
 #pragma unroll
       for (int k = 0; k < K; ++k) acc[u][k] = N::up(x[k]);
     }
-    for (int q = 1; q < ns; ++q) {
-      const uint4* sq = vsrc(q);
+    for (int q = 1; q < ns; ++q) {  // w: source q, in flight
 #pragma unroll
-      for (int u = 0; u < U; ++u) v[u] = in[u] ? __ldcg(sq + i + u * nthreads) : uint4{};
+      for (int u = 0; u < U; ++u) v[u] = w[u];
+      if (q + 1 < ns) load(w, q + 1);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         T x[K];

@@ -33,6 +33,9 @@ MUTATIONS = {
     "direct_own_source_at_rank_0": (
         "csrc/cuda/reduce.cuh", "    return q == own_at ? own :", "    return q == 0 ? own :", P2P_TEST,
         "the direct kernels' fold takes the rank's own input as rank 0's and the slots for the rest"),
+    "fold_prefetch_skips_last_source": (
+        "csrc/cuda/reduce.cuh", "      if (q + 1 < ns) load(w, q + 1);", "      if (q + 2 < ns) load(w, q + 1);",
+        P2P_TEST, "with three or more sources the fold's last source is never loaded (the one before counts twice)"),
     "copy_timeout_names_no_peer": (
         "csrc/cuda/p2p_copy.cpp", "__ATOMIC_ACQUIRE) < reached)", "__ATOMIC_ACQUIRE) > reached)",
         COPY_FAILURES, "the copy algorithm's timeout names no rank (or the wrong one) as missing"),
