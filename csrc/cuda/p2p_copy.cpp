@@ -211,7 +211,8 @@ void Ring::copy_tick() {
   const bool known = cc.call.op_seq == call;
   const std::string what = known ? call_text(cc.call) : std::string("call");
   // The peers whose count for this piece has not come: the ranks that did not make the call (or
-  // made it later, or died).
+  // made it later, are stuck in an earlier piece, or died). None: the data came, the stream did
+  // not get through its fold (time slices, a shared hardware queue).
   std::string missing;
   for (int q = 0; q < opt_.nranks; ++q)
     if (q != opt_.rank && __atomic_load_n(&cctl_->arrived[opt_.rank][q].value, __ATOMIC_ACQUIRE) < reached)
@@ -220,7 +221,8 @@ void Ring::copy_tick() {
   const std::string why = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + what + " #" +
                           std::to_string(call) + " (copy algorithm, piece " +
                           (known ? std::to_string(reached - 1 - cc.first_piece) : "?") + ") timed out after " + t +
-                          " s waiting for data from " + (missing.empty() ? std::string("its peers") : from) +
+                          (missing.empty() ? std::string(" s: every peer's data came, its fold did not finish")
+                                           : " s waiting for data from " + from) +
                           " (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
   if (failure_.empty()) failure_ = why;
   if (abort_seq_ == 0 || call < abort_seq_) abort_seq_ = call;

@@ -173,8 +173,8 @@ __device__ RR_NOINLINE void span_op(T* d0, T* d1, const T* a, const T* b, int64_
 //   v[i] = src(0)[i] op src(1)[i] op ... op src(ns-1)[i], in that order, accumulated in the compute
 //   type and rounded once (divided by div when div > 1); ns == 1 copies. v[i] is stored to every
 //   dst[0..nd). Sources in rank order give every rank the same bits, whatever the slicing.
-// src: a callable, q -> const T* (so that any number of sources fits: the nccl transport computes
-// them from a slot layout, the p2p kernels pass an array). dst may be one of the sources (the same
+// src: a callable, q -> const T* (so that any number of sources fits, computed where loaded: the
+// nccl transport's from its slot layout, the p2p kernels' SlotSources and lambdas). dst may be one of the sources (the same
 // address: each element is read before it is written, by the same thread), never a partial overlap.
 // Vectorized (16 bytes) where every pointer has the same alignment mod 16, else element by element.
 // dst: anything that dst[d] gives the d-th destination of (an array, or an object that computes
@@ -211,7 +211,8 @@ __device__ void span_fold(Dst dst, int nd, Src src, int ns, int64_t n, int div, 
   // U vector indices per thread per pass: U independent 16-byte loads of each source are in flight
   // before their arithmetic (one at a time left every load's latency exposed: the direct kernels
   // read peers' memory, whose latency is a link's), and those of source q + 1 are issued before
-  // source q is folded: 2U loads in flight, one load latency per pass and source rather than two.
+  // source q is folded: 2U loads in flight, two sources' loads per wait where there was one (nvcc
+  // unrolls the loop by two and hoists both loads; sm_90 SASS checked). A copy (ns == 1) keeps U.
   // U keeps the accumulators near 32 registers.
   constexpr int U = K >= 16 ? kUnroll / 2 : kUnroll;
   auto finish = [&](C (&acc)[K]) {

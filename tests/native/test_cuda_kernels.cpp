@@ -950,7 +950,7 @@ static void test_can_map() {
 // (5) deterministic mode.
 
 // launch_reduce_ranks against the host's rank-order fold: every dtype and op, up to 20 ranks (more
-// than span_multi's pointer array), the own piece at any rank and alignment, in place.
+// than the direct kernels' kMaxSpanPtrs), the own piece at any rank and alignment, in place.
 static void test_reduce_ranks() {
   const int64_t sizes[] = {0, 1, 17, 4099};
   const int worlds[] = {1, 2, 3, 5, 20};
