@@ -137,7 +137,10 @@ void Ring::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
     const int slot = static_cast<int>(piece % kCopyDepth);
     const int64_t begin = k * p.slice_elems, count = std::min(p.slice_elems, span - begin);
     const size_t bytes = static_cast<size_t>(count * es);
-    const size_t shift = static_cast<size_t>(begin * es) & (kVecBytes - 1);  // as the fold expects
+    // The slot's offset mod 16: that of the element in the fold's destination (all_gather: this
+    // rank's chunk of the output), so that the receiver's copy or fold runs on 16-byte vectors.
+    const int64_t at_out = c.coll == Coll::AllGather ? r * span + begin : begin;
+    const size_t shift = static_cast<size_t>(at_out * es) & (kVecBytes - 1);
     write(&ctl_dev_->copy_call, op_seq_);
     write(&ctl_dev_->copy_reached, piece + 1);
     MsgHeader h{};

@@ -634,8 +634,11 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(Args a) {
   const bool rs = a.coll == static_cast<uint8_t>(Coll::ReduceScatter);
   const ring::Span P = ring::channel_part(ring::Span{0, a.piece_count}, gridDim.x, blockIdx.x);
   const int64_t at = a.piece_begin + P.begin;  // in the span the pieces cut
-  const uint64_t shift = (static_cast<uint64_t>(a.piece_begin) * sizeof(T)) & (kVecBytes - 1);
+  // Each source's slot is aligned as its destination (Ring::run_copy): all_gather's chunks may
+  // start anywhere mod 16 in the output.
   auto inbox = [&](int q) {
+    const int64_t at_out = ag ? q * m + a.piece_begin : a.piece_begin;
+    const uint64_t shift = (static_cast<uint64_t>(at_out) * sizeof(T)) & (kVecBytes - 1);
     return reinterpret_cast<const T*>(a.self_data + (a.copy_slot * n + q) * a.slot_stride + shift) + P.begin;
   };
   const T* in = static_cast<const T*>(a.in);

@@ -36,6 +36,10 @@ MUTATIONS = {
     "fold_prefetch_skips_last_source": (
         "csrc/cuda/reduce.cuh", "      if (q + 1 < ns) load(w, q + 1);", "      if (q + 2 < ns) load(w, q + 1);",
         P2P_TEST, "with three or more sources the fold's last source is never loaded (the one before counts twice)"),
+    "copy_allgather_slot_misaligned": (
+        "csrc/cuda/p2p_copy.cpp", "const int64_t at_out = c.coll == Coll::AllGather ? r * span + begin : begin;",
+        "const int64_t at_out = begin;", COPY_TEST,
+        "all_gather's sender puts a piece where the receiver does not look when chunks are not 16-byte multiples"),
     "copy_timeout_names_no_peer": (
         "csrc/cuda/p2p_copy.cpp", "__ATOMIC_ACQUIRE) < reached)", "__ATOMIC_ACQUIRE) > reached)",
         COPY_FAILURES, "the copy algorithm's timeout names no rank (or the wrong one) as missing"),
