@@ -112,7 +112,11 @@ class _Server:
                 if msg is None:
                     self.dead = True
                 elif msg[0] == "started":
+                    # The kernel reuses pids (pid_max 32768; threads take them too): an earlier
+                    # child's exit code under this pid is not this one's. The server reports a
+                    # child's start before its exit, so dropping it here is safe.
                     self.pids[msg[1]] = msg[2]
+                    self.exits.pop(msg[2], None)
                 else:
                     self.exits[msg[1]] = msg[2]
                 self.cond.notify_all()

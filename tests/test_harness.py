@@ -119,3 +119,38 @@ def test_ranks_get_the_settings_ringreduce_reads_at_import():
     assert on == [(True, logging.DEBUG)] * 2, on
     off = run_ranks(2, settings_worker, env={"RINGREDUCE_DETERMINISTIC": "0"})
     assert [d for d, _ in off] == [False, False], off
+
+
+def test_a_reused_pid_does_not_inherit_an_old_exit_code():
+    """The prefork server reports ("started", job, pid) and ("exited", pid, code); when the kernel
+    gives a new rank the pid of a child that exited earlier in the session, that rank is alive,
+    not "exited with status 0 without reporting a result" (a CI failure of session 18)."""
+    import threading
+    from dist_utils import _Forked, _Server
+    from prefork import read_msg, write_msg
+    r, w = os.pipe()
+    server = object.__new__(_Server)
+    server.cond, server.pids, server.exits, server.dead = threading.Condition(), {}, {}, False
+
+    class Out:
+        def fileno(self):
+            return r
+
+    server.proc = type("P", (), {"stdout": Out()})()
+    reader = threading.Thread(target=server._read, args=(read_msg,), daemon=True)
+    reader.start()
+    write_msg(w, ("started", 0, 4242))
+    write_msg(w, ("exited", 4242, 0))   # the first child with that pid ends
+    write_msg(w, ("started", 1, 4242))  # a new child gets the same pid
+    with server.cond:
+        assert server.cond.wait_for(lambda: 1 in server.pids, timeout=10)
+    rank = object.__new__(_Forked)
+    rank.server, rank.pid = server, 4242
+    assert rank.is_alive() and rank.exitcode is None
+    write_msg(w, ("exited", 4242, -9))
+    rank.join(timeout=10)
+    assert rank.exitcode == -9
+    os.close(w)
+    reader.join(timeout=10)
+    assert server.dead
+    os.close(r)
