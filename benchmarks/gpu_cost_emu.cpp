@@ -50,8 +50,8 @@ int main(int argc, char** argv) {
       o.nranks = n;
       o.algo = algo;
       o.timeout_s = 600;
-      // As the torch binding reads it: rounds a direct block writes ahead (1: lock step).
-      if (const char* v = std::getenv("RINGREDUCE_CUDA_DIRECT_AHEAD")) o.direct_ahead = std::atoi(v);
+      // As the torch binding reads it: the workspace's piece size.
+      if (const char* v = std::getenv("RINGREDUCE_CUDA_CHUNK_BYTES")) o.chunk_bytes = std::atoll(v);
       rings.push_back(std::make_unique<p2p::Ring>(o));
       handles.push_back(rings.back()->handle());
       RR_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
@@ -123,21 +123,22 @@ int main(int argc, char** argv) {
                                                   : rr::cuda::kFoldLoadsInFlight;
       std::printf("{\"world\": %d, \"coll\": \"%s\", \"algo\": \"%s\", \"bytes\": %lld, \"blocks\": %d, "
                   "\"slice_bytes\": %lld, \"steps\": %lld, \"threads\": %d, \"loads_in_flight\": %d, "
-                  "\"ranks\": [",
+                  "\"device_bytes\": %zu, \"ranks\": [",
                   n, coll_s.c_str(), p2p::algo_name(p.algo), static_cast<long long>(numel * 4), p.blocks,
                   static_cast<long long>(p.slice_elems * 4), static_cast<long long>(p.steps),
-                  rr::cuda::kThreads, loads);
+                  rr::cuda::kThreads, loads, rings[0]->area_bytes());
       for (int r = 0; r < n; ++r) {
         EmuCost c;
         emu_cost_get(r, &c);
         std::printf("%s{\"remote_read\": %llu, \"remote_write\": %llu, \"local_read\": %llu, "
                     "\"local_write\": %llu, \"remote_waits\": %llu, \"local_waits\": %llu, "
-                    "\"remote_posts\": %llu, \"launches\": %llu, \"half_round_trips\": %llu}",
+                    "\"remote_posts\": %llu, \"launches\": %llu, \"half_round_trips\": %llu, "
+                    "\"thread_waits\": %llu}",
                     r ? ", " : "", (unsigned long long)c.remote_read, (unsigned long long)c.remote_write,
                     (unsigned long long)c.local_read, (unsigned long long)c.local_write,
                     (unsigned long long)c.remote_waits, (unsigned long long)c.local_waits,
                     (unsigned long long)c.remote_posts, (unsigned long long)c.launches,
-                    (unsigned long long)c.half_round_trips);
+                    (unsigned long long)c.half_round_trips, (unsigned long long)c.max_thread_waits);
       }
       std::printf("]}\n");
       std::fflush(stdout);

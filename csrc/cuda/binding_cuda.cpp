@@ -522,8 +522,8 @@ void register_cuda(py::module_& m) {
 
   py::class_<P2pComm> p2p(m, "P2pComm");
   p2p.def(py::init([](int device, int rank, int nranks, int channels, size_t slice_bytes,
-                      double timeout_s, const std::string& algo, size_t direct_slot_bytes,
-                      int max_blocks, int direct_ahead, bool time_sliced, size_t copy_slot_bytes) {
+                      double timeout_s, const std::string& algo, size_t chunk_bytes,
+                      int max_blocks, bool direct, bool time_sliced, size_t copy_slot_bytes) {
            c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
            rc::p2p::Options o;
            o.rank = rank;
@@ -531,9 +531,9 @@ void register_cuda(py::module_& m) {
            o.channels = channels;
            o.slice_bytes = slice_bytes;
            o.timeout_s = timeout_s;
-           o.direct_slot_bytes = direct_slot_bytes;
+           o.chunk_bytes = chunk_bytes;
            o.max_blocks = max_blocks;
-           o.direct_ahead = direct_ahead;
+           o.direct = direct;
            o.time_sliced = time_sliced;
            o.copy_slot_bytes = copy_slot_bytes;
            o.algo = algo == "auto"      ? rc::p2p::Algo::Auto
@@ -548,8 +548,8 @@ void register_cuda(py::module_& m) {
          }),
          py::arg("device"), py::arg("rank"), py::arg("nranks"), py::arg("channels"),
          py::arg("slice_bytes"), py::arg("timeout_s"), py::arg("algo") = "auto",
-         py::arg("direct_slot_bytes") = rc::p2p::kDefaultDirectSlotBytes, py::arg("max_blocks") = 0,
-         py::arg("direct_ahead") = rc::p2p::kDefaultDirectAhead, py::arg("time_sliced") = false,
+         py::arg("chunk_bytes") = rc::p2p::kDefaultChunkBytes, py::arg("max_blocks") = 0,
+         py::arg("direct") = true, py::arg("time_sliced") = false,
          py::arg("copy_slot_bytes") = rc::p2p::kDefaultCopySlotBytes)
       .def("handle", [](P2pComm& c) { return py::bytes(c.ring().handle()); })
       .def("connect", [](P2pComm& c, const std::vector<py::bytes>& handles) {
@@ -559,6 +559,8 @@ void register_cuda(py::module_& m) {
         c.ring().connect(h);
       }, py::arg("handles"))
       .def("direct", [](P2pComm& c) { return c.ring().direct(); })
+      // Device memory the communicator holds (p2p::Ring::area_bytes), for the log.
+      .def("device_bytes", [](P2pComm& c) { return c.ring().area_bytes(); })
       // The copy algorithm (ranks sharing a GPU without MPS): whether this ring has it, and its
       // counters' shared memory (rank 0 creates the segment, the others map it).
       .def("copies", [](P2pComm& c) { return c.ring().copies(); })
@@ -594,9 +596,9 @@ void register_cuda(py::module_& m) {
           delete mem;
         }, opts);
       }, py::arg("id"), py::arg("numel"), py::arg("like"))
-      .def("set_thresholds", [](P2pComm& c, size_t oneshot_max, size_t twoshot_max) {
-        c.ring().set_thresholds(oneshot_max, twoshot_max);
-      }, py::arg("oneshot_max"), py::arg("twoshot_max"))
+      .def("set_threshold", [](P2pComm& c, size_t oneshot_max) {
+        c.ring().set_threshold(oneshot_max);
+      }, py::arg("oneshot_max"))
       .def("algorithm", [](P2pComm& c, const std::string& coll, int64_t numel, int dtype_bytes) {
         // The plan of a float-like call of this size (for logs and tests of the choice).
         const rr::Coll k = coll == "all_reduce" ? rr::Coll::AllReduce

@@ -55,12 +55,12 @@ const char* algo_name(Algo a) {
 // remote round trip, and the bandwidth of one direction of a GPU's links.
 constexpr double kModelRttS = 1e-6;
 constexpr double kModelLinkBytesPerS = 450e9;
-// Direct algorithms: a block per this many bytes of the tensor.
-constexpr size_t kDirectBytesPerBlock = 64 << 10;
+// The copy algorithm's kernel: a block per this many bytes of a piece.
+constexpr size_t kCopyBytesPerBlock = 64 << 10;
 
 size_t oneshot_max_bytes(int n) {
-  // One-shot writes (n-1) x size per rank against two-shot's 2(n-1)/n x size, and saves one of
-  // two-shot's two dependent hops (half a round trip each): worth it while
+  // One-shot reads (n-1) x size per rank against two-shot's 2(n-1)/n x size, and saves one of
+  // two-shot's two barriers (half a round trip each): worth it while
   // (n-1)(n-2)/n x size / bandwidth < half a round trip. Rounded down to a power of two.
   constexpr size_t kCap = 1 << 20;
   if (n <= 2) return kCap;
@@ -71,20 +71,19 @@ size_t oneshot_max_bytes(int n) {
 }
 
 int copy_blocks(int64_t piece_bytes) {
-  // A block per kDirectBytesPerBlock, as the direct algorithms; these never wait for another
-  // rank's, so no residency cap.
+  // These blocks never wait for another rank's, so no residency cap.
   return static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(kMaxBlocks, piece_bytes / static_cast<int64_t>(kDirectBytesPerBlock))));
+      1, std::min<int64_t>(kMaxBlocks, piece_bytes / static_cast<int64_t>(kCopyBytesPerBlock))));
 }
 
 Plan plan(const Call& c, const Options& o, bool direct) {
   const int n = o.nranks;
   const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
   const size_t bytes = static_cast<size_t>(c.numel) * es;
-  // Deterministic reductions: only the direct algorithms reduce in rank order (the ring starts each
-  // chunk at another rank), so a forced ring and the ring of large sizes give way to them; where
-  // they cannot run, the call fails rather than run the ring with other bits. direct is the same
-  // on every rank, so every rank throws alike.
+  // Deterministic reductions: only the symmetric workspace algorithms reduce in rank order (the
+  // ring starts each chunk at another rank), so a forced ring gives way to them; where they cannot
+  // run, the call fails rather than run the ring with other bits. direct is the same on every
+  // rank, so every rank throws alike.
   const bool det = deterministic() && c.coll != Coll::AllGather && n > 1;
   if (det && !direct)
     throw RingError(
@@ -100,28 +99,24 @@ Plan plan(const Call& c, const Options& o, bool direct) {
   Algo algo = o.algo;
   if (det && algo == Algo::Ring) algo = Algo::Auto;
   const size_t oneshot_max = o.tuned ? o.oneshot_max : oneshot_max_bytes(n);
-  const size_t twoshot_max = o.tuned ? o.twoshot_max : kTwoShotMaxBytes;
-  // Ranks sharing a GPU without MPS: no kernel may wait for another rank's (a time slice each).
-  if (algo == Algo::Auto && o.time_sliced && direct && n <= kMaxPeers) algo = Algo::Copy;
   if (algo == Algo::Auto)
-    algo = !direct ? Algo::Ring
-           : c.coll == Coll::AllReduce && bytes <= oneshot_max ? Algo::OneShot
-           : bytes <= twoshot_max || det ? Algo::TwoShot : Algo::Ring;
+    algo = c.coll == Coll::AllReduce && bytes <= oneshot_max ? Algo::OneShot : Algo::TwoShot;
   // One-shot of a reduce-scatter or an all-gather is two-shot's half of it.
   if (algo == Algo::OneShot && c.coll != Coll::AllReduce) algo = Algo::TwoShot;
   if (!direct) algo = Algo::Ring;
   const int64_t max_chunk = c.coll == Coll::AllReduce ? (c.numel + n - 1) / n : c.numel / n;
   auto div_up = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
   Plan p{algo, 1, 1, 1};
-  if (algo == Algo::Copy) {  // pieces of the span: the tensor (all_reduce) or a chunk
-    const int64_t span = c.coll == Coll::AllReduce ? c.numel : c.numel / n;
+  // The span the pieces cut: the tensor (all_reduce) or one chunk.
+  const int64_t span = c.coll == Coll::AllReduce ? c.numel : c.numel / n;
+  if (algo == Algo::Copy) {
     p.slice_elems = std::max<int64_t>(1, static_cast<int64_t>(o.copy_slot_bytes) / es);
     p.steps = div_up(span, p.slice_elems);
     p.blocks = copy_blocks(std::min(span, p.slice_elems) * es);  // of the largest piece's kernel
     return p;
   }
   // Every block resident beside the peers' (Options::max_blocks); 0: no cap known.
-  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxChannels + kMaxDirectBlocks;
+  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;
   if (algo == Algo::Ring) {
     int64_t slice = static_cast<int64_t>(o.slice_bytes);
     const int channels = std::min(o.channels, resident);
@@ -138,15 +133,22 @@ Plan plan(const Call& c, const Options& o, bool direct) {
     p.steps = ring::num_slices(div_up(max_chunk, p.blocks), p.slice_elems);
     return p;
   }
-  const int cap = std::min(kMaxDirectBlocks, resident);
-  if (o.exact)
+  // The symmetric workspace: pieces of at most chunk_bytes per rank (reduce_scatter: a piece of
+  // each of the n chunks), a block per kSymBytesPerBlock of a piece. A piece is a multiple of 16
+  // bytes, so that every piece of a call lies in the workspace at the same offset mod 16 and each
+  // block's share of a half is the same bytes in every piece (sym_kernel.cu).
+  const int64_t rs_bytes = std::max<int64_t>(kVecBytes, static_cast<int64_t>(o.chunk_bytes / n / kVecBytes * kVecBytes));
+  p.slice_elems = (c.coll == Coll::ReduceScatter ? rs_bytes : static_cast<int64_t>(o.chunk_bytes)) / es;
+  p.steps = std::max<int64_t>(1, div_up(span, p.slice_elems));
+  const int cap = std::min(kMaxSymBlocks, resident);
+  if (o.exact) {
     p.blocks = std::min(o.channels, cap);
-  else
+  } else {
+    const int64_t piece_bytes = static_cast<int64_t>(std::min(bytes, o.chunk_bytes));
     p.blocks = static_cast<int>(std::max<int64_t>(
-        1, std::min<int64_t>(cap, static_cast<int64_t>(bytes / kDirectBytesPerBlock))));
-  p.slice_elems = std::max<int64_t>(1, static_cast<int64_t>(o.direct_slot_bytes) / es);
-  const int64_t span = algo == Algo::OneShot ? c.numel : max_chunk;
-  p.steps = ring::num_slices(div_up(span, p.blocks), p.slice_elems);
+        1, std::min<int64_t>(std::min(cap, kDefaultSymBlocks),
+                             piece_bytes / static_cast<int64_t>(kSymBytesPerBlock))));
+  }
   return p;
 }
 
@@ -173,14 +175,20 @@ bool can_map(const std::string& bus_id, std::string* why) {
   return can != 0;
 }
 
-size_t Ring::fifo_bytes() const {
-  return static_cast<size_t>(opt_.channels) * kSlots * slot_stride(opt_.slice_bytes);
+bool Ring::ring_fifo() const {
+  return opt_.nranks > 1 && (!opt_.direct || opt_.nranks > kMaxPeers || opt_.algo == Algo::Ring);
 }
 
-size_t Ring::direct_bytes() const {
-  return opt_.nranks <= kMaxPeers ? static_cast<size_t>(kDirectDepth * 2 * direct_blocks()) *
-                                        opt_.nranks * slot_stride(opt_.direct_slot_bytes)
-                                  : 0;
+size_t Ring::fifo_bytes() const {
+  return ring_fifo() ? static_cast<size_t>(opt_.channels) * kSlots * slot_stride(opt_.slice_bytes) : 0;
+}
+
+size_t Ring::ws_half_bytes() const {
+  // A piece of chunk_bytes laid out as the tensor mod 16; reduce_scatter's n regions each start
+  // on 16 bytes (sym_kernel.cu's Layout): 32 bytes of slack per region.
+  return opt_.nranks > 1 && opt_.direct && opt_.nranks <= kMaxPeers
+             ? round_up(opt_.chunk_bytes + 2 * kVecBytes * kMaxPeers, 256)
+             : 0;
 }
 
 size_t Ring::copy_bytes() const {
@@ -190,7 +198,9 @@ size_t Ring::copy_bytes() const {
              : 0;
 }
 
-size_t Ring::area_bytes() const { return data_offset() + fifo_bytes() + direct_bytes() + copy_bytes(); }
+size_t Ring::area_bytes() const {
+  return opt_.nranks > 1 ? copy_offset() + copy_bytes() : 0;
+}
 
 Ring::Ring(const Options& opt) : opt_(opt) {
   if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
@@ -202,18 +212,15 @@ Ring::Ring(const Options& opt) : opt_(opt) {
   if (opt.slice_bytes < kVecBytes || opt.slice_bytes % kVecBytes)
     throw std::invalid_argument("ringreduce: p2p slice_bytes must be a positive multiple of 16, got " +
                                 std::to_string(opt.slice_bytes));
-  if (opt.direct_slot_bytes < kVecBytes || opt.direct_slot_bytes % kVecBytes)
-    throw std::invalid_argument("ringreduce: p2p direct_slot_bytes must be a positive multiple of 16, got " +
-                                std::to_string(opt.direct_slot_bytes));
+  if (opt.chunk_bytes < kVecBytes || opt.chunk_bytes % kVecBytes)
+    throw std::invalid_argument("ringreduce: p2p chunk_bytes must be a positive multiple of 16, got " +
+                                std::to_string(opt.chunk_bytes));
   if (opt.max_blocks < 0)
     throw std::invalid_argument("ringreduce: p2p max_blocks must be >= 0 (0: this device's SM count), got " +
                                 std::to_string(opt.max_blocks));
   if (opt.copy_slot_bytes < kVecBytes || opt.copy_slot_bytes % kVecBytes)
     throw std::invalid_argument("ringreduce: p2p copy_slot_bytes must be a positive multiple of 16, got " +
                                 std::to_string(opt.copy_slot_bytes));
-  if (opt.direct_ahead < 1 || 2 * opt.direct_ahead > kDirectDepth)
-    throw std::invalid_argument("ringreduce: p2p direct_ahead must be 1.." + std::to_string(kDirectDepth / 2) +
-                                ", got " + std::to_string(opt.direct_ahead));
   RR_CUDA_CHECK(cudaGetDevice(&device_));
   if (opt_.max_blocks == 0) opt_.max_blocks = sm_count();
   up_ = ring::mod(opt.rank - 1, opt.nranks);
@@ -221,10 +228,12 @@ Ring::Ring(const Options& opt) : opt_(opt) {
   try {
     RR_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     void* p = nullptr;
-    RR_CUDA_CHECK(cudaMalloc(&p, area_bytes()));
-    area_ = static_cast<char*>(p);
     peers_.assign(opt.nranks, nullptr);
-    peers_[opt.rank] = area_;
+    if (opt.nranks > 1) {  // world 1: no device memory (a call is a copy at most)
+      RR_CUDA_CHECK(cudaMalloc(&p, area_bytes()));
+      area_ = static_cast<char*>(p);
+      peers_[opt.rank] = area_;
+    }
     RR_CUDA_CHECK(cudaHostAlloc(&p, sizeof(HostCtl), cudaHostAllocMapped | cudaHostAllocPortable));
     ctl_ = static_cast<HostCtl*>(p);
     std::memset(static_cast<void*>(ctl_), 0, sizeof(HostCtl));
@@ -234,7 +243,7 @@ Ring::Ring(const Options& opt) : opt_(opt) {
     abort_src_ = static_cast<uint32_t*>(p);
     *abort_src_ = 0;
     // Counters, flags and abort word start at zero; data needs no initialisation.
-    RR_CUDA_CHECK(cudaMemsetAsync(area_, 0, data_offset(), side_));
+    if (area_) RR_CUDA_CHECK(cudaMemsetAsync(area_, 0, data_offset(), side_));
     RR_CUDA_CHECK(cudaStreamSynchronize(side_));
     if (copies())
       copy_watch_ = std::make_unique<host::Ticker>(std::chrono::milliseconds(50), [this] { copy_tick(); });
@@ -252,7 +261,8 @@ Ring::~Ring() {
 }
 
 std::string Ring::handle() const {
-  if (!area_) throw RingError("ringreduce: p2p ring is closed");
+  if (closed_) throw RingError("ringreduce: p2p ring is closed");
+  if (!area_) return "";  // world 1
   cudaIpcMemHandle_t h;
   RR_CUDA_CHECK(cudaIpcGetMemHandle(&h, area_));
   return std::string(reinterpret_cast<const char*>(&h), sizeof h);
@@ -266,14 +276,14 @@ void Ring::connect(const std::vector<std::string>& handles) {
                     " IPC handles for " + std::to_string(n) + " ranks");
   DeviceScope scope(device_);
   ipc_ = true;
-  bool all = n <= kMaxPeers;
+  const bool all = opt_.direct && n <= kMaxPeers;
   for (int q = 0; q < n; ++q) {
     if (q == opt_.rank) continue;
     const std::string& bytes = handles[q];
     if (bytes.empty()) {
-      if (q == up_ || q == down_)
-        throw RingError("ringreduce: p2p bootstrap: no IPC handle of neighbour rank " + std::to_string(q));
-      all = false;
+      if (q == up_ || q == down_ || all)
+        throw RingError("ringreduce: p2p bootstrap: no IPC handle of rank " + std::to_string(q) +
+                        (all ? " (every rank's is needed: Options::direct)" : " (a neighbour)"));
       continue;
     }
     if (bytes.size() != sizeof(cudaIpcMemHandle_t))
@@ -298,16 +308,16 @@ void Ring::connect(const std::vector<std::string>& handles) {
 void Ring::connect_local(const std::vector<const Ring*>& rings) {
   for (int q = 0; q < opt_.nranks; ++q)
     if (q != opt_.rank) peers_[q] = rings[q]->area_;
-  direct_ = opt_.nranks <= kMaxPeers;
+  direct_ = opt_.direct && opt_.nranks <= kMaxPeers;
 }
 
 Plan Ring::plan_of(const Call& c) const {
   const size_t es = dtype_size(c.dtype);
   const size_t bytes = static_cast<size_t>(c.numel) * es;
-  // Up to auto's one-shot threshold one-shot stays: one handshake against the registered
-  // kernel's two, and its staging copy is small.
+  // Up to auto's one-shot threshold one-shot stays: one barrier against the registered kernel's
+  // two, and its copy into the workspace is small.
   const size_t oneshot_max = opt_.tuned ? opt_.oneshot_max : oneshot_max_bytes(opt_.nranks);
-  if (opt_.algo == Algo::Auto && !opt_.time_sliced && c.coll == Coll::AllReduce && c.in == c.out &&
+  if (opt_.algo == Algo::Auto && direct_ && c.coll == Coll::AllReduce && c.in == c.out &&
       c.numel > 0 && opt_.nranks > 1 && bytes > oneshot_max) {
     const char* p = static_cast<const char*>(c.in);
     std::lock_guard<std::mutex> lk(reg_mu_);
@@ -315,12 +325,11 @@ Plan Ring::plan_of(const Call& c) const {
       const Reg& g = regs_[k];
       const char* base = g.own.get();
       if (!g.mapped || p < base || p + bytes > base + g.bytes) continue;
-      // A block per kDirectBytesPerBlock of the tensor, as the direct algorithms: a block reads
-      // its part of chunk r from all n copies, n x (size / n / blocks) bytes.
-      const int64_t want = static_cast<int64_t>(bytes / kDirectBytesPerBlock);
-      Plan r{Algo::Registered, static_cast<int>(std::max<int64_t>(
-                                   1, std::min<int64_t>(want, direct_blocks()))),
-             1, 1};
+      // Blocks as the workspace's two-shot: a block reads its part of chunk r from all n copies.
+      Plan r = plan({c.coll, c.dtype, c.op, c.numel, nullptr, nullptr}, opt_, direct_);
+      r.algo = Algo::Registered;
+      r.slice_elems = c.numel;
+      r.steps = 1;
       r.reg = static_cast<int>(k);
       r.reg_offset = static_cast<uint64_t>(p - base);
       return r;
@@ -330,7 +339,7 @@ Plan Ring::plan_of(const Call& c) const {
 }
 
 int Ring::reg_alloc(size_t bytes, std::string* handle) {
-  if (!area_) throw RingError("ringreduce: p2p communicator is closed");
+  if (closed_) throw RingError("ringreduce: p2p communicator is closed");
   if (opt_.nranks > 1 && !direct_)
     throw RingError("ringreduce: shared buffers need every rank of the group to map every other "
                     "rank's memory through CUDA IPC (and at most " + std::to_string(kMaxPeers) +
@@ -422,7 +431,7 @@ std::shared_ptr<char> Ring::reg_memory(int id) const {
 }
 
 void Ring::run(const Call& c, cudaStream_t stream) {
-  if (!area_) throw RingError("ringreduce: p2p communicator is closed");
+  if (closed_) throw RingError("ringreduce: p2p communicator is closed");
   const std::string failed = failure();
   if (!failed.empty())
     throw RingError("ringreduce: communicator is broken by an earlier failure: " + failed);
@@ -443,61 +452,90 @@ void Ring::run(const Call& c, cudaStream_t stream) {
     return;
   }
   if (!peers_[up_] || !peers_[down_]) throw RingError("ringreduce: p2p ring is not connected");
-  if (p.algo == Algo::Copy) {
-    try {
+  try {
+    if (p.algo == Algo::Copy)
       run_copy(c, p, stream);
-    } catch (const std::exception& e) {
-      // Part of the call may be enqueued, and peers may hold some of its pieces: stop everyone.
-      abort(std::string("the copy algorithm could not enqueue a call: ") + e.what());
-      throw;
-    }
-  } else
-    launch(args(c), stream);
+    else if (p.algo == Algo::Ring)
+      launch(args(c, p), stream);
+    else
+      launch_sym(sym_args(c, p), stream);
+  } catch (const std::exception& e) {
+    // The peers may be waiting for this call's kernel (or hold some of its pieces): stop everyone.
+    abort(std::string("could not enqueue call #") + std::to_string(op_seq_) + ": " + e.what());
+    throw;
+  }
 }
 
-Args Ring::args(const Call& c) const {
-  const int n = opt_.nranks;
+void Ring::launch_again(const Call& c, cudaStream_t stream) const {
   const Plan p = plan_of(c);
-  const bool direct = p.algo != Algo::Ring;
-  Args a{};
-  a.self = reinterpret_cast<Area*>(area_);
-  a.self_data = area_ + data_offset() + (direct ? fifo_bytes() : 0);
-  for (int q = 0; q < n && q < kMaxPeers; ++q) {
-    a.peer[q] = reinterpret_cast<Area*>(peers_[q]);
-    a.peer_data[q] = peers_[q] ? peers_[q] + data_offset() + fifo_bytes() : nullptr;
-  }
-  a.up = reinterpret_cast<Area*>(peers_[up_]);
-  a.down = reinterpret_cast<Area*>(peers_[down_]);
-  a.down_data = peers_[down_] ? peers_[down_] + data_offset() : nullptr;
-  a.ctl = ctl_dev_;
+  if (p.algo == Algo::Ring)
+    launch(args(c, p), stream);
+  else if (p.algo != Algo::Copy)
+    launch_sym(sym_args(c, p), stream);
+  else
+    throw std::invalid_argument("ringreduce: the copy algorithm's calls are not launched again");
+}
+
+// What every kernel reads: this rank's and the peers' areas, the stop words and the call.
+static void fill_base(KernelBase& a, const Call& c, const Plan& p, const std::vector<char*>& peers,
+                      int up, int down) {
+  const int n = static_cast<int>(peers.size());
+  for (int q = 0; q < n && q < kMaxPeers; ++q) a.peer[q] = reinterpret_cast<Area*>(peers[q]);
+  a.up = reinterpret_cast<Area*>(peers[up]);
+  a.down = reinterpret_cast<Area*>(peers[down]);
   a.in = c.in;
   a.out = c.out;
   a.numel = c.numel;
-  a.slice_elems = p.slice_elems;
-  a.steps = p.steps;
-  a.op_seq = op_seq_;
-  a.timeout_ns = static_cast<uint64_t>(opt_.timeout_s * 1e9);
-  a.slot_stride = slot_stride(direct ? opt_.direct_slot_bytes : opt_.slice_bytes);
-  a.rank = opt_.rank;
   a.nranks = n;
   a.blocks = p.blocks;
-  a.direct_blocks = direct_blocks();
-  a.direct_ahead = opt_.direct_ahead;
   a.divisor = c.op == RedOp::Avg ? n : 1;
   a.coll = static_cast<uint8_t>(c.coll);
   a.dtype = static_cast<uint8_t>(c.dtype);
   a.op = static_cast<uint8_t>(c.op);
   a.algo = static_cast<uint8_t>(p.algo);
+}
+
+Args Ring::args(const Call& c, const Plan& p) const {
+  Args a{};
+  fill_base(a, c, p, peers_, up_, down_);
+  a.self = reinterpret_cast<Area*>(area_);
+  a.ctl = ctl_dev_;
   a.cctl = cctl_dev_;
+  a.op_seq = op_seq_;
+  a.timeout_ns = static_cast<uint64_t>(opt_.timeout_s * 1e9);
+  a.rank = opt_.rank;
+  a.self_data = area_ + data_offset();
+  a.down_data = peers_[down_] ? peers_[down_] + data_offset() : nullptr;
+  a.slice_elems = p.slice_elems;
+  a.steps = p.steps;
+  a.slot_stride = slot_stride(opt_.slice_bytes);
   if (p.algo == Algo::Copy) {
     a.self_data = area_ + copy_offset();
     a.slot_stride = slot_stride(opt_.copy_slot_bytes);
   }
+  return a;
+}
+
+SymArgs Ring::sym_args(const Call& c, const Plan& p) const {
+  SymArgs a{};
+  fill_base(a, c, p, peers_, up_, down_);
+  a.self = reinterpret_cast<Area*>(area_);
+  a.ctl = ctl_dev_;
+  a.cctl = cctl_dev_;
+  a.op_seq = op_seq_;
+  a.timeout_ns = static_cast<uint64_t>(opt_.timeout_s * 1e9);
+  a.rank = opt_.rank;
+  a.half_bytes = ws_half_bytes();
+  a.chunk_elems = p.slice_elems;
+  a.pieces = p.steps;
+  const int n = opt_.nranks;
   if (p.algo == Algo::Registered) {
     std::lock_guard<std::mutex> lk(reg_mu_);
     const Reg& g = regs_[p.reg];
-    for (int q = 0; q < n; ++q) a.peer_data[q] = g.at[q] + p.reg_offset;
+    for (int q = 0; q < n; ++q) a.data[q] = g.at[q] + p.reg_offset;
     a.reg_tag = (static_cast<uint64_t>(p.reg) + 1) << kRegTagShift | p.reg_offset;
+  } else {
+    for (int q = 0; q < n; ++q) a.data[q] = peers_[q] ? peers_[q] + ws_offset() : nullptr;
   }
   return a;
 }
@@ -519,9 +557,10 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
                   coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
                   static_cast<long long>(e.slice), channel);
   else
-    std::snprintf(where, sizeof where, "%s #%llu (%s phase %d, round %lld, block %d)",
+    std::snprintf(where, sizeof where, "%s #%llu (%s, %s barrier of piece %lld, block %d)",
                   coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
-                  algo_name(Algo(e.mine.algo)), e.phase - 2, static_cast<long long>(e.slice), channel);
+                  algo_name(Algo(e.mine.algo)), e.phase == 2 ? "start" : e.phase == 3 ? "middle" : "end",
+                  static_cast<long long>(e.slice), channel);
   const std::string me = "ringreduce: rank " + std::to_string(opt_.rank) + ": ";
   if (!e.local)
     return me + where + " stopped because rank " + std::to_string(who) + " " + cause_text(cause) +
@@ -530,9 +569,11 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
     case kTimeout: {
       char t[32];
       std::snprintf(t, sizeof t, "%g", opt_.timeout_s);
+      const bool ring = e.phase >= 0 && e.phase < 2;
       return me + where + " timed out after " + t + " s waiting for " +
-             (e.waiting_for_slot ? "a free slot, consumed by rank " : "a message from rank ") +
-             std::to_string(e.peer) + " (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
+             (!ring ? "rank " : e.waiting_for_slot ? "a free slot, consumed by rank " : "a message from rank ") +
+             std::to_string(e.peer) + (!ring ? " at the barrier" : "") +
+             " (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
     }
     case kMismatch:
       return "ringreduce: mismatched collective calls: rank " + std::to_string(e.peer) + " called " +
@@ -554,7 +595,7 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
                " (an all_reduce of a ringreduce.shared_empty tensor needs the same buffer and "
                "offset on every rank)";
       }
-      if (e.got.nbytes == e.mine.nbytes)  // the right size, but another round or piece
+      if (e.got.nbytes == e.mine.nbytes)  // the right size, but another piece
         return me + where + ": message #" + std::to_string(e.got.index) + " from rank " +
                std::to_string(e.peer) + " where #" + std::to_string(e.mine.index) +
                " was expected (inconsistent schedules)";
@@ -700,6 +741,7 @@ void Ring::close(bool peers_done) {
     cudaFree(area_);
   }
   area_ = nullptr;
+  closed_ = true;
   if (ctl_ && !replayable) cudaFreeHost(ctl_);
   ctl_ = ctl_dev_ = nullptr;
   if (abort_src_ && !replayable) cudaFreeHost(abort_src_);

@@ -41,22 +41,23 @@ constexpr size_t kDefaultSliceBytes = 512 << 10;
 constexpr size_t kChannelBytes = 128 << 10;
 constexpr int kSlicesInFlight = 4;
 constexpr size_t kMinSliceBytes = 4 << 10;
-// Direct algorithms (one-shot, two-shot) write into every peer's memory: up to this many ranks.
+// The symmetric workspace algorithms (one-shot, two-shot, registered) read every peer's memory:
+// up to this many ranks.
 constexpr int kMaxPeers = 16;
-// Thread blocks of the direct algorithms: at most this many (a call's count comes from plan(): by
-// size, capped at Options::max_blocks), and the bytes one block moves per source and round (its
-// slot in each peer's direct buffer).
-constexpr int kMaxDirectBlocks = 64;
+// Their thread blocks: at most kMaxSymBlocks, by default at most kDefaultSymBlocks (torch's
+// SymmetricMemory launches ~24, vLLM's custom all-reduce 36; not measured here: no GPU lent since
+// this kernel was written), one per kSymBytesPerBlock of a piece below that (a 4 KiB call runs one).
+// Every block spins on its peers' blocks, so all must be resident: Options::max_blocks caps them.
+constexpr int kMaxSymBlocks = 32;
+constexpr int kDefaultSymBlocks = 24;
+constexpr size_t kSymBytesPerBlock = 32 << 10;
 // The most blocks of either kernel (one error record each).
-constexpr int kMaxBlocks = kMaxChannels > kMaxDirectBlocks ? kMaxChannels : kMaxDirectBlocks;
-constexpr size_t kDefaultDirectSlotBytes = 32 << 10;
-// A direct block writes its data of round i + ahead into the peers before it waits for round i + 1,
-// so that the peers' posts of the next rounds land while it works (Options::direct_ahead, 1: lock
-// step). Every (phase, block, source) slot has kDirectDepth copies: direct_kernel shows why
-// 2 x ahead is enough.
-constexpr int kDirectDepth = 4;
-constexpr int kDefaultDirectAhead = 2;
-static_assert(2 * kDefaultDirectAhead <= kDirectDepth, "write-ahead needs 2 x ahead slots");
+constexpr int kMaxBlocks = kMaxChannels > kMaxSymBlocks ? kMaxChannels : kMaxSymBlocks;
+// The workspace: two halves of this many bytes per rank (plus alignment slack), pieces of a call
+// alternating between them, so that a rank copies piece k + 1 into one half while its peers may
+// still read piece k from the other. One barrier (two-shot: two) per piece: a 256 MiB all_reduce
+// runs 16 pieces. 32 MiB per rank in all, the budget being 64 MiB at world 2.
+constexpr size_t kDefaultChunkBytes = 16 << 20;
 // Slot data starts at the slice's byte offset mod 16 in the tensor, so that a 16-byte aligned tensor
 // and the slot have the same alignment and the vector path applies; a slot is this much larger.
 constexpr size_t kVecBytes = 16;
@@ -89,12 +90,10 @@ struct RingFlags {
   Counter sent;      // this rank's own counts, read at each launch (CUDA graph replays go on
   Counter received;  // from where the FIFO stands)
 };
-struct alignas(kLine) Arrivals {
-  uint64_t from[kMaxPeers];  // the last round whose data rank q has written here
-};
-struct DirectFlags {
-  Counter seq;          // rounds this block has run (own)
-  Arrivals arrived[2];  // phase 0: inputs (one-shot) or chunks to reduce (two-shot); 1: results
+// One block's barrier words of the symmetric workspace algorithms (csrc/cuda/sym_kernel.cu).
+struct SymFlags {
+  Counter epoch;  // own: pieces run by this rank's blocks so far (every entry equal between calls)
+  alignas(kLine) uint64_t arrived[kMaxPeers];  // [q]: written by rank q's block, the barrier it reached
 };
 // The copy algorithm's counters (Algo::Copy) and the group's abort word for it: one block in host
 // memory every rank maps (POSIX shared memory registered with CUDA; Ring::copy_attach). The ranks'
@@ -127,13 +126,15 @@ struct MsgHeader {
   uint8_t coll, dtype, op, algo;
 };
 
-// The start of every rank's area; FIFO and direct data follow at data_offset().
+// The start of every rank's area; the ring's FIFO, the workspace and the copy inbox follow at
+// data_offset().
 struct alignas(kLine) Area {
   uint32_t abort;  // 0, or abort_word(cause, rank): why and where the group stopped (sticky)
   alignas(kLine) RingFlags ring[kMaxChannels];
-  DirectFlags direct[kMaxDirectBlocks];
+  SymFlags sym[kMaxSymBlocks];
   MsgHeader ring_hdr[kMaxChannels][kSlots];                  // written with each message
-  MsgHeader direct_hdr[kDirectDepth][2][kMaxDirectBlocks][kMaxPeers];  // [slot][phase][block][source]
+  // [epoch parity][block][source]: the call of a piece, written by the source with its start barrier
+  MsgHeader sym_hdr[2][kMaxSymBlocks][kMaxPeers];
   MsgHeader copy_hdr[kCopyDepth][kMaxPeers];  // [slot][source]: the piece each source copied there
 };
 
@@ -150,8 +151,8 @@ struct ErrorRecord {
   uint32_t word;   // abort_word of the cause (its rank may be another one: propagated)
   uint32_t local;  // 1: this block saw the cause itself (timeout/mismatch/host abort here)
   int32_t peer;    // the rank waited on
-  int32_t phase;   // 0 reduce-scatter, 1 all-gather (ring); 2 direct phase 0, 3 direct phase 1;
-                   // -1 not started (stopped before the call)
+  int32_t phase;   // 0 reduce-scatter, 1 all-gather (ring); 2 + barrier (symmetric workspace:
+                   // 0 start, 1 middle, 2 end; copy: 2); -1 not started (stopped before the call)
   int32_t step;
   int32_t waiting_for_slot;  // 1: a free slot at downstream, 0: a message from a peer
   int64_t slice;
@@ -173,39 +174,50 @@ struct HostCtl {
   alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index
 };
 
-// The kernel arguments of one call (both kernels).
-struct Args {
+// What every kernel of the transport reads: the group's areas and stop words, and the call.
+struct KernelBase {
   Area* self;
-  char* self_data;              // this rank's FIFO (ring) or direct buffer
-  Area* peer[kMaxPeers];        // every rank's area by rank (direct; null when not mapped)
-  char* peer_data[kMaxPeers];   // their direct buffers
-  Area* up;                     // ring neighbours' areas
+  Area* peer[kMaxPeers];  // every rank's area by rank (null where not mapped)
+  Area* up;               // ring neighbours' areas
   Area* down;
-  char* down_data;              // downstream's FIFO
   HostCtl* ctl;
+  CopyCtl* cctl;  // the group's copy counters as the device sees them (null: none)
   const void* in;
   void* out;
   int64_t numel;
-  int64_t slice_elems;  // ring: slice; direct: elements per block, source and round
-  int64_t steps;        // ring: slices per channel; direct: rounds
   uint64_t op_seq;
   uint64_t timeout_ns;
-  uint64_t slot_stride;
   int rank, nranks, blocks, divisor;
-  int direct_blocks;  // blocks the direct buffers are laid out for (Ring::direct_blocks())
-  int direct_ahead;   // rounds a direct block writes ahead (1 .. kDirectDepth / 2)
-  // Registered: (buffer index + 1) << 40 | the tensor's byte offset in it, the headers' nbytes, so
-  // that ranks whose tensors sit in other buffers or at other offsets stop with kBadSize. Then
-  // in == out is this rank's copy and peer_data[q] rank q's, at that offset.
-  uint64_t reg_tag;
+  uint8_t coll, dtype, op, algo;
+};
+
+// The ring's and the copy algorithm's kernel arguments.
+struct Args : KernelBase {
+  char* self_data;  // this rank's FIFO (ring) or inbox (copy)
+  char* down_data;  // downstream's FIFO
+  int64_t slice_elems;  // ring: slice
+  int64_t steps;        // ring: slices per channel
+  uint64_t slot_stride;
   // Copy: this piece's elements (from piece_begin of the span it cuts: the tensor for all_reduce,
-  // a chunk for the others), its index in the call, and its inbox slot (self_data: the inbox;
-  // slot_stride: bytes per slot).
-  CopyCtl* cctl;  // the group's copy counters as the device sees them (null: none)
+  // a chunk for the others), its index in the call, and its inbox slot (slot_stride: bytes per slot).
   int64_t piece_begin, piece_count;
   uint32_t piece_index;
   int copy_slot;
-  uint8_t coll, dtype, op, algo;
+};
+
+// The symmetric workspace kernel's arguments (csrc/cuda/sym_kernel.cu): the call's tensor goes in
+// pieces of at most chunk_elems elements (sym_piece()), each through one half of every rank's
+// workspace; registered: the tensor lies in a buffer every rank maps (data[q]: rank q's copy at the
+// tensor's offset), nothing is copied, one piece.
+struct SymArgs : KernelBase {
+  char* data[kMaxPeers];  // every rank's workspace (or registered copy), by rank
+  uint64_t half_bytes;    // bytes between the workspace's two halves
+  int64_t chunk_elems;    // elements per piece (all_reduce, all_gather: of the tensor / input;
+                          // reduce_scatter: of each chunk, chunk_elems / n rounded down, >= 1)
+  int64_t pieces;
+  // Registered: (buffer index + 1) << 40 | the tensor's byte offset in it, carried in the headers'
+  // nbytes, so that ranks whose tensors sit in other buffers or at other offsets stop with kBadSize.
+  uint64_t reg_tag;
 };
 constexpr int kRegTagShift = 40;
 
@@ -215,9 +227,11 @@ constexpr int kRegTagShift = 40;
 std::string device_bus_id();
 bool can_map(const std::string& bus_id, std::string* why);
 
-// Launches the kernel of a.algo (Ring or OneShot/TwoShot) with a.blocks blocks; torch-free
-// (csrc/cuda/p2p_kernel.cu).
+// Launches the ring kernel with a.blocks blocks; torch-free (csrc/cuda/p2p_kernel.cu).
 void launch(const Args& a, cudaStream_t stream);
+// Launches the symmetric workspace kernel of a.algo (OneShot, TwoShot, Registered); torch-free
+// (csrc/cuda/sym_kernel.cu).
+void launch_sym(const SymArgs& a, cudaStream_t stream);
 // The copy algorithm's kernel for one piece (checks the headers, then folds or copies), with
 // `blocks` blocks that never wait.
 void launch_copy(const Args& a, int blocks, cudaStream_t stream);
@@ -231,60 +245,59 @@ inline size_t data_offset() { return round_up(sizeof(Area), 256); }
 struct Options {
   int rank = 0;
   int nranks = 1;
+  // Whether every rank will map every other (Ring::connect gets every handle) and the group has at
+  // most kMaxPeers ranks: the symmetric workspace algorithms, and the workspace; else the ring
+  // only. The same on every rank.
+  bool direct = true;
   int channels = kDefaultChannels;  // the most ring channels a call uses
   size_t slice_bytes = kDefaultSliceBytes;  // the largest ring slice (a FIFO slot)
-  size_t direct_slot_bytes = kDefaultDirectSlotBytes;  // per block, source and round
+  // The largest piece of a symmetric workspace call (bytes per rank and half of the workspace).
+  // Test knob: a tiny value makes many pieces (barriers, halves reused) per call.
+  size_t chunk_bytes = kDefaultChunkBytes;
   // The most blocks one call's kernel may use: every block of every rank's kernel spins until its
   // peers' blocks run, so all must be resident at once. One block of these kernels fills an SM
-  // (512 threads of 110-128 registers), so: the SM count over the ranks sharing a device, the
+  // (512 threads of up to 128 registers), so: the SM count over the ranks sharing a device, the
   // least over the group (the same on every rank: plans must agree). 0: unknown; Ring takes this
-  // device's SM count (one rank per device) and plan() no cap beyond kMaxChannels and
-  // kMaxDirectBlocks.
+  // device's SM count (one rank per device).
   int max_blocks = 0;
-  // Rounds a direct block writes ahead of the one it waits for (RINGREDUCE_CUDA_DIRECT_AHEAD):
-  // 1 .. kDirectDepth / 2; 1 is the lock step of the first GPU runs.
-  int direct_ahead = kDefaultDirectAhead;
-  // Test knob: every ring call uses exactly `channels` and `slice_bytes` (no plan by size), so that
-  // tiny slices force many pipeline steps at every size.
+  // Test knob: every ring call uses exactly `channels` and `slice_bytes`, and every symmetric
+  // workspace call min(channels, kMaxSymBlocks) blocks (no plan by size), so that tiny slices force
+  // many pipeline steps at every size.
   bool exact = false;
   Algo algo = Algo::Auto;  // RINGREDUCE_CUDA_ALGO
-  // Auto's thresholds (bytes of the full tensor): one-shot up to oneshot_max (all_reduce), two-shot
-  // up to twoshot_max, the ring above; used when `tuned` (0 then means never), else the model's
-  // (oneshot_max_bytes(), kTwoShotMaxBytes). Set from a table measured on a GPU
-  // (benchmarks/gpu_tune.py, ringreduce/gpu_tuning.json).
+  // Auto's threshold (bytes of the full tensor): one-shot up to oneshot_max (all_reduce), two-shot
+  // above; used when `tuned` (0 then means never), else the model's (oneshot_max_bytes()). Set
+  // from a table measured on a GPU (benchmarks/gpu_tune.py, ringreduce/gpu_tuning.json).
   bool tuned = false;
   size_t oneshot_max = 0;
-  size_t twoshot_max = 0;
   double timeout_s = 300.0;  // RINGREDUCE_TIMEOUT: per wait
-  // Ranks share a GPU without MPS somewhere in the group (the same on every rank): Auto runs the
-  // copy algorithm, whose kernels never wait for another rank.
+  // Ranks share a GPU without MPS somewhere in the group (the same on every rank): the copy
+  // algorithm's inbox is allocated, for RINGREDUCE_CUDA_ALGO=copy (auto does not pick it: no GPU
+  // has shown it faster than the symmetric workspace there yet).
   bool time_sliced = false;
   size_t copy_slot_bytes = kDefaultCopySlotBytes;  // RINGREDUCE_CUDA_COPY_BYTES: the largest piece
 };
 
-// How one call runs: the algorithm, its blocks, and its slice/round size in elements.
+// How one call runs: the algorithm, its blocks, and its slice/piece size in elements.
 struct Plan {
   Algo algo;
   int blocks;
-  int64_t slice_elems;
-  int64_t steps;  // ring: slices per channel; direct: rounds
+  int64_t slice_elems;  // ring: slice; symmetric workspace: piece (SymArgs::chunk_elems); copy: piece
+  int64_t steps;        // ring: slices per channel; symmetric workspace and copy: pieces
   int reg = -1;          // Registered: the buffer's index
   uint64_t reg_offset = 0;  // and the tensor's byte offset in it
 };
-// The same inputs give the same plan on every rank. direct: the direct algorithms are possible (every
-// rank maps every other, nranks <= kMaxPeers); a forced one-shot/two-shot falls back to the ring
-// where impossible (one-shot: all-reduce only). Deterministic mode (ringreduce::deterministic()):
-// an all_reduce or reduce_scatter gets one-shot or two-shot (the rank-order fold; a forced ring
-// runs as Auto, and Auto does not pick the ring at large sizes), and where they are impossible
-// (!direct) plan throws RingError saying why and what to use instead.
+// The same inputs give the same plan on every rank. direct: the symmetric workspace algorithms are
+// possible (every rank maps every other, nranks <= kMaxPeers); where they are not, every call runs
+// the ring. Auto: one-shot up to the threshold (all_reduce), else two-shot; the ring only when
+// forced. Deterministic mode (ringreduce::deterministic()): an all_reduce or reduce_scatter never
+// runs the ring (a forced ring runs as Auto); where the others are impossible (!direct) plan throws
+// RingError saying why and what to use instead.
 Plan plan(const Call& c, const Options& o, bool direct);
-// Auto thresholds (bytes of the full tensor) from the alpha-beta model of benchmarks/gpu_cost.py
-// (not from GPU timings: none was lent): one-shot while its extra remote bytes, (n-1) x size
-// against two-shot's 2(n-1)/n x size, cost less than the half round trip it saves.
+// Auto's one-shot threshold (bytes of the full tensor) from the alpha-beta model of
+// benchmarks/gpu_cost.py (not from GPU timings): one-shot while its extra remote bytes, (n-1) x
+// size against two-shot's 2(n-1)/n x size, cost less than the barrier it saves.
 size_t oneshot_max_bytes(int nranks);
-// Two-shot up to here; the ring above (its pipeline keeps every slice moving, where two-shot waits
-// for a whole round before gathering it).
-constexpr size_t kTwoShotMaxBytes = 16 << 20;
 
 // One rank's side of the group, on the device current at construction.
 class Ring {
@@ -294,23 +307,27 @@ class Ring {
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
 
-  // This rank's area as cudaIpcMemHandle_t bytes, for the other ranks.
+  // This rank's area as cudaIpcMemHandle_t bytes, for the other ranks ("" at world 1: no area).
   std::string handle() const;
   // Maps the other ranks' areas: handles[q] from handle() on rank q (this rank's own is ignored).
-  // The neighbours' are required; the direct algorithms run only when every rank of the group
-  // passed every handle (an empty string: not mappable) and the group has <= kMaxPeers ranks.
+  // The neighbours' are required; with Options::direct every rank's (an empty string: not
+  // mappable, an error then).
   void connect(const std::vector<std::string>& handles);
   // Native tests only: ranks as streams of one process, the others' areas used directly.
   void connect_local(const std::vector<const Ring*>& rings);
   // Enqueues one collective on stream (ordered after what is already there). Throws RingError when
-  // the ring is broken, or when deterministic mode needs the direct algorithms and the group cannot
-  // run them (see plan()); a failure inside the kernel is seen later by failure(). Capture-safe (CUDA
-  // graphs): no host synchronisation, and the kernels take where each FIFO and round counter
-  // stands from device memory, so a replayed launch continues where the group is.
+  // the ring is broken, or when deterministic mode needs the symmetric workspace and the group
+  // cannot run it (see plan()); a failure inside the kernel is seen later by failure().
+  // Capture-safe (CUDA graphs): no host synchronisation, and the kernels take where each FIFO and
+  // epoch counter stands from device memory, so a replayed launch continues where the group is.
   void run(const Call& c, cudaStream_t stream);
-  // The kernel arguments of call c as run() launches them (after run() counted the call): a CUDA
-  // graph replays exactly these; the native tests launch them again to play a replay.
-  Args args(const Call& c) const;
+  // Native tests: launches call c's kernel again with the arguments run() gave it (after run()
+  // counted the call), as a CUDA graph replays a captured launch. Ring and symmetric workspace.
+  void launch_again(const Call& c, cudaStream_t stream) const;
+  // The kernel arguments of call c under plan p as run() launches them (after run() counted the
+  // call): ring and copy; the symmetric workspace.
+  Args args(const Call& c, const Plan& p) const;
+  SymArgs sym_args(const Call& c, const Plan& p) const;
   // plan(), except that an all_reduce in place of a tensor in a registered buffer runs
   // Algo::Registered when the algorithm is Auto (a forced one keeps its meaning) and the tensor is
   // larger than auto's one-shot threshold.
@@ -335,15 +352,12 @@ class Ring {
     return static_cast<int>(regs_.size());
   }
   // Auto's thresholds (see Options); the same on every rank, before the first call.
-  void set_thresholds(size_t oneshot_max, size_t twoshot_max) {
+  // Auto's one-shot threshold (see Options); the same on every rank, before the first call.
+  void set_threshold(size_t oneshot_max) {
     opt_.tuned = true;
     opt_.oneshot_max = oneshot_max;
-    opt_.twoshot_max = twoshot_max;
   }
   bool direct() const { return direct_; }
-  // Blocks the direct buffers are laid out for: the most a direct call uses (the same on every
-  // rank, as Options::max_blocks is).
-  int direct_blocks() const { return std::min(kMaxDirectBlocks, opt_.max_blocks); }
   // The first failure the device recorded, formatted, or "" while there is none.
   std::string failure();
   bool broken() { return !failure().empty(); }
@@ -383,21 +397,27 @@ class Ring {
   void* graph_pin();
   static void release_graph_pin(void* pin);
   int graph_pins() const { return pins_->load(); }
-  bool closed() const { return area_ == nullptr; }
+  bool closed() const { return closed_; }
   uint64_t op_seq() const { return op_seq_; }
   // Which calls have finished on the device (the flight recorder reads it without blocking).
   CallLog& calls() { return calls_; }
   int device() const { return device_; }
+  // Device memory this rank's communicator holds (its area: flags, the ring's FIFO where the ring
+  // can run, the workspace where the symmetric algorithms can, the copy inbox where asked for);
+  // 0 at world 1. Registered buffers are the user's and not counted.
   size_t area_bytes() const;
 
  private:
   std::string describe(const ErrorRecord& e, int block) const;
   // cause: what the abort word written into every area says (the peers' errors name it).
   void abort_locked(const std::string& why, uint32_t cause = kHostAbort);
-  size_t fifo_bytes() const;
-  size_t direct_bytes() const;
+  bool ring_fifo() const;     // whether the ring can run (its FIFO is allocated)
+  size_t fifo_bytes() const;  // 0 where the ring cannot run (Options::direct, no forced ring)
+  size_t ws_half_bytes() const;  // one half of the workspace; 0 without one
+  size_t ws_offset() const { return data_offset() + fifo_bytes(); }
   size_t copy_bytes() const;  // the inbox: kCopyDepth x nranks slots; 0 without the copy algorithm
-  size_t copy_offset() const { return data_offset() + fifo_bytes() + direct_bytes(); }
+  size_t copy_offset() const { return ws_offset() + 2 * ws_half_bytes(); }
+
   // The copy algorithm (csrc/cuda/p2p_copy.cpp): enqueues call c's pieces on stream; and the
   // watchdog's look (every 50 ms) at where the stream stands: a piece waited on for longer than
   // the timeout fails the group (stream waits never time out), and a broken group's waits are
@@ -416,6 +436,7 @@ class Ring {
   std::vector<char*> peers_;  // every rank's area by rank (own included; null: not mapped)
   bool ipc_ = false;  // peers_ are IPC mappings (closed on close())
   bool direct_ = false;
+  bool closed_ = false;
   HostCtl* ctl_ = nullptr;  // host-mapped (cudaHostAlloc)
   HostCtl* ctl_dev_ = nullptr;  // the same memory as the device sees it
   uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the areas

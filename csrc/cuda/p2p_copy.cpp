@@ -129,7 +129,7 @@ void Ring::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
   const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
   const int64_t span = c.coll == Coll::AllReduce ? c.numel : c.numel / n;
   const size_t stride = slot_stride(opt_.copy_slot_bytes);
-  Args a = args(c);
+  Args a = args(c, p);
   auto write = [&](const uint64_t* at, uint64_t v) { check(m.write(s, addr(at), v, kWriteFenced), "cuStreamWriteValue64"); };
   auto wait = [&](const uint64_t* at, uint64_t v) { check(m.wait(s, addr(at), v, kWaitGeq), "cuStreamWaitValue64"); };
   for (int64_t k = 0; k < p.steps; ++k) {

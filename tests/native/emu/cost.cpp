@@ -28,6 +28,7 @@ namespace emu {
 
 std::atomic<bool> cost_enabled{false};
 void cost_reset_stream_clocks();  // runtime.cpp
+int current_fiber();              // runtime.cpp: the calling thread's index in its block, or -1
 
 namespace {
 
@@ -43,11 +44,11 @@ std::vector<Range> g_ranges;  // sorted by begin
 std::atomic<uint64_t> g_ranges_ver{1};
 
 struct Counters {
-  std::atomic<uint64_t> v[9];
+  std::atomic<uint64_t> v[10];
 };
 Counters g_dev[kMaxDevices];
 enum { kRemoteRead, kRemoteWrite, kLocalRead, kLocalWrite, kRemoteWaits, kLocalWaits, kRemotePosts,
-       kLaunches, kClock };
+       kLaunches, kClock, kThreadWaits };
 
 std::mutex g_stamps_mu;
 std::unordered_map<uint64_t, uint64_t> g_stamps;  // flag (allocation id, offset) -> landing time
@@ -59,6 +60,7 @@ struct Block {
   uint64_t read_at = ~0ull;  // the clock at which the last remote load returned
   bool remote_written = false;
   uint64_t n[kClock] = {};
+  std::vector<uint32_t> waits;  // completed waits by thread (fiber) of the block
   uint64_t hit_ver = 0;
   Range hit[4]{};  // the last ranges found (a kernel's accesses alternate between a few)
   int next = 0;
@@ -152,6 +154,11 @@ void cost_wait(const void* p) {
     auto it = g_stamps.find(key(*r, p));
     if (it != g_stamps.end()) s = it->second;
   }
+  const int f = current_fiber();
+  if (f >= 0) {
+    if (tl.waits.size() <= static_cast<size_t>(f)) tl.waits.resize(f + 1);
+    ++tl.waits[f];
+  }
   if (r->device != tl.device) {
     ++tl.n[kRemoteWaits];
     tl.clock = std::max(tl.clock + 2, s + 1);
@@ -167,6 +174,7 @@ void cost_block_begin(int device, uint64_t clock) {
   tl.read_at = ~0ull;
   tl.remote_written = false;
   std::memset(tl.n, 0, sizeof tl.n);
+  tl.waits.clear();
 }
 
 uint64_t cost_block_end() {
@@ -174,6 +182,13 @@ uint64_t cost_block_end() {
   Counters& c = g_dev[tl.device];
   for (int i = 0; i < kClock; ++i)
     if (tl.n[i]) c.v[i].fetch_add(tl.n[i], std::memory_order_relaxed);
+  // The most waits one thread of the block made: a barrier is one wait per thread and peer, so a
+  // kernel whose thread q waits for peer q counts its barriers here.
+  uint64_t most = 0;
+  for (uint32_t w : tl.waits) most = std::max<uint64_t>(most, w);
+  uint64_t cur = c.v[kThreadWaits].load();
+  while (cur < most && !c.v[kThreadWaits].compare_exchange_weak(cur, most)) {
+  }
   tl.device = -1;
   return tl.clock;
 }
@@ -222,6 +237,7 @@ void emu_cost_get(int device, EmuCost* out) {
   out->remote_posts = v[emu::kRemotePosts];
   out->launches = v[emu::kLaunches];
   out->half_round_trips = v[emu::kClock];
+  out->max_thread_waits = v[emu::kThreadWaits];
 }
 
 }  // extern "C"

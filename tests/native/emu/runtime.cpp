@@ -157,6 +157,7 @@ struct Fiber {
   void* stack = nullptr;
   const char* file = nullptr;  // the __syncthreads() it waits at (kBarrier)
   int line = 0;
+  unsigned or_calls = 0;  // __syncthreads_or() calls made
 };
 
 struct Block {
@@ -165,6 +166,9 @@ struct Block {
   Fiber* cur = nullptr;
   const std::function<void()>* body = nullptr;
   bool yielded = false;
+  // __syncthreads_or's votes, by call number mod 3: a thread clears the word of the call after
+  // next, which no thread can still be reading (all have passed this call's barrier) or writing.
+  int or_votes[3] = {};
 };
 
 thread_local Block* tl_block = nullptr;
@@ -311,6 +315,17 @@ void syncthreads(const char* file, int line) {
   f->file = file;
   f->line = line;
   switch_to(f->ctx, b->sched);
+}
+
+int syncthreads_or(int pred, const char* file, int line) {
+  Block* b = tl_block;
+  if (!b) return pred != 0;
+  const unsigned call = b->cur->or_calls++;
+  b->or_votes[call % 3] |= pred != 0;
+  syncthreads(file, line);
+  const int any = b->or_votes[call % 3];
+  b->or_votes[(call + 2) % 3] = 0;
+  return any;
 }
 
 void spin_hint() {

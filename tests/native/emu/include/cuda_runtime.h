@@ -21,6 +21,7 @@
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define __shared__ static thread_local
 
 // Values as in the CUDA runtime, so that names and numbers read the same in messages.
@@ -175,6 +176,8 @@ extern thread_local dim3 block_idx, block_dim, grid_dim;
 // control flow around a barrier: undefined behaviour in CUDA, a hang or a silent mismatch on a GPU)
 // aborts the process naming both places.
 void syncthreads(const char* file = nullptr, int line = 0);
+// __syncthreads_or(pred): the same barrier, returning whether pred was non-zero on any thread.
+int syncthreads_or(int pred, const char* file, int line);
 // In spin loops: lets the block's other fibers and the other OS threads run (2 cores, many blocks).
 void spin_hint();
 // Enqueues body on stream to run grid x block times; a bad configuration sets the last error.
@@ -206,6 +209,7 @@ inline void weak_fence() {  // acq_rel: what came before lands, what comes after
 #define gridDim (::emu::grid_dim)
 
 #define __syncthreads() ::emu::syncthreads(__FILE__, __LINE__)
+#define __syncthreads_or(pred) ::emu::syncthreads_or((pred), __FILE__, __LINE__)
 inline void __threadfence() {
   ::emu::weak_fence();
   __atomic_thread_fence(__ATOMIC_SEQ_CST);

@@ -41,6 +41,7 @@ struct EmuCost {
   uint64_t remote_posts;               // flag stores into another device's memory
   uint64_t launches;                   // kernels
   uint64_t half_round_trips;           // the latest clock a kernel of this device ended at
+  uint64_t max_thread_waits;           // the most completed waits of one thread of one block
 };
 void emu_cost_enable(int on);
 // Zero every count, clock and flag stamp (streams restart at time 0).

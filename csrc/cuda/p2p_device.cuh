@@ -1,0 +1,137 @@
+// Device code shared by the transport's kernels (csrc/cuda/p2p_kernel.cu: ring and copy;
+// csrc/cuda/sym_kernel.cu: the symmetric workspace): call headers, stop records, the abort words.
+// Included by those .cu files only.
+#pragma once
+#include "cuda/kernels.h"
+#include "cuda/p2p.h"
+#include "cuda/platform.cuh"
+
+namespace ringreduce::cuda::p2p {
+namespace {
+
+// Flag polls between checks of the abort words and the clock (NCCL checks its abort flag every few
+// hundred spins; these checks read local and host-mapped memory).
+constexpr uint32_t kPollsPerCheck = 64;
+
+// Where a block is in the schedule (for error records).
+struct Where {
+  int phase, step;
+  int64_t slice;
+};
+
+__device__ MsgHeader my_header(const KernelBase& a, uint64_t nbytes, uint32_t index) {
+  MsgHeader h;
+  h.op_seq = a.op_seq;
+  h.numel = a.numel;
+  h.nbytes = nbytes;
+  h.index = index;
+  h.coll = a.coll;
+  h.dtype = a.dtype;
+  h.op = a.op;
+  h.algo = a.algo;
+  return h;
+}
+
+// Headers move as two 16-byte words through L2, like the data (the emulator counts them as data).
+static_assert(sizeof(MsgHeader) == 32, "MsgHeader is two 16-byte words");
+__device__ void put_header(MsgHeader* dst, const MsgHeader& h) {
+  uint4 w[2];
+  __builtin_memcpy(w, &h, sizeof h);
+  __stcg(reinterpret_cast<uint4*>(dst), w[0]);
+  __stcg(reinterpret_cast<uint4*>(dst) + 1, w[1]);
+}
+__device__ MsgHeader get_header(const MsgHeader* src) {
+  uint4 w[2];
+  w[0] = __ldcg(reinterpret_cast<const uint4*>(src));
+  w[1] = __ldcg(reinterpret_cast<const uint4*>(src) + 1);
+  MsgHeader h;
+  __builtin_memcpy(&h, w, sizeof h);
+  return h;
+}
+
+// Whether upstream runs this very call (op_seq) as the ring while this rank runs a direct
+// algorithm: its first message sits unconsumed in this rank's channel-0 FIFO. The ranks' plans
+// differ (different sizes, or a shared_empty tensor on one rank only); the ring side would wait on
+// a neighbour that never posts, and this side for posts that never come, until the timeout. Some
+// ring rank's downstream runs a direct algorithm, so one rank sees it and stops every rank. A
+// message of a later call is no mismatch: upstream may have finished this call already.
+__device__ bool ring_runs_this_call(const KernelBase& a, MsgHeader* got) {
+  const uint64_t received = ld_relaxed_sys(&a.self->ring[0].received.value);
+  if (ld_relaxed_sys(&a.self->ring[0].posted.value) <= received) return false;
+  fence_acq_rel_sys();  // the header was written before the count
+  *got = get_header(&a.self->ring_hdr[0][received % kSlots]);
+  return got->op_seq == a.op_seq && got->algo == static_cast<uint8_t>(Algo::Ring);
+}
+
+__device__ void notify(Area* peer, uint32_t word) {
+  if (peer) atomicCAS_system(&peer->abort, 0u, word);
+}
+
+// The copy algorithm's stream waits of the whole group, released after the group's abort word.
+__device__ void release_copy_waits(const KernelBase& a, uint32_t word) {
+  if (!a.cctl) return;
+  atomicCAS_system(&a.cctl->abort, 0u, word);
+  __threadfence_system();
+  for (int q = 0; q < a.nranks && q < kMaxPeers; ++q)
+    for (int s = 0; s < a.nranks && s < kMaxPeers; ++s) st_relaxed_sys(&a.cctl->arrived[q][s].value, kReleased);
+}
+
+// Thread 0: records the first stop of this block for the host and writes the abort word into
+// every peer this rank can reach, so that their waits (on their own memory) stop too.
+__device__ void record_stop(const KernelBase& a, uint32_t word, bool local, int peer, const Where& w,
+                            bool slot, const MsgHeader& mine, const MsgHeader* got) {
+  // System scope: the peers poll these words from other GPUs.
+  atomicCAS_system(&a.self->abort, 0u, word);
+  // A graph replaying this launch after the ring closed (kCtlClosed): the peers may have freed
+  // their memory, so nothing is written into it.
+  if (ld_relaxed_sys(&a.ctl->abort) != kCtlClosed) {
+    notify(a.up, word);
+    notify(a.down, word);
+    for (int q = 0; q < a.nranks && q < kMaxPeers; ++q)
+      if (q != a.rank) notify(a.peer[q], word);
+    // Then every copy-algorithm wait of the group (stream waits never time out): a stream released
+    // sees the abort word in its next kernel. Not after close: the counters may be unmapped.
+    release_copy_waits(a, word);
+  }
+  volatile ErrorRecord* e = &a.ctl->err[blockIdx.x];
+  if (e->word) return;
+  e->local = local;
+  e->peer = peer;
+  e->phase = w.phase;
+  e->step = w.step;
+  e->waiting_for_slot = slot;
+  e->slice = w.slice;
+  *const_cast<MsgHeader*>(&e->mine) = mine;
+  if (got) *const_cast<MsgHeader*>(&e->got) = *got;
+  __threadfence_system();
+  e->word = word;
+}
+
+// Thread 0: the cause (kOk, kMismatch, kBadSize) of a header that should describe `mine`.
+__device__ uint32_t check_header(const MsgHeader& got, const MsgHeader& mine) {
+  if (got.op_seq != mine.op_seq || got.coll != mine.coll || got.dtype != mine.dtype ||
+      got.op != mine.op || got.numel != mine.numel || got.algo != mine.algo)
+    return kMismatch;
+  if (got.nbytes != mine.nbytes || got.index != mine.index) return kBadSize;
+  return kOk;
+}
+
+// A group broken before this kernel started stops it here, and records that this call failed too
+// (the host tells a call's success by the first failed op_seq). Every thread returns the verdict.
+__device__ bool broken_at_start(const KernelBase& a) {
+  __shared__ uint32_t s_broken;
+  if (threadIdx.x == 0) {
+    const uint32_t word = ld_relaxed_sys(&a.self->abort);
+    s_broken = word | ld_relaxed_sys(&a.ctl->abort);
+    if (s_broken) {
+      const uint32_t w = word ? word : abort_word(kHostAbort, a.rank);
+      record_stop(a, w, abort_rank(w) == a.rank, -1, Where{-1, 0, 0}, false, my_header(a, 0, 0),
+                  nullptr);
+    }
+  }
+  __syncthreads();
+  return s_broken != 0;
+}
+
+}  // namespace
+}  // namespace ringreduce::cuda::p2p

@@ -1,0 +1,284 @@
+// The symmetric workspace kernel of the p2p transport: every rank maps every other rank's
+// workspace, so a call copies its input into its own workspace, meets its peers once, and then
+// pulls what it needs from theirs with 16-byte loads, folding in rank order (every rank gets the
+// same bits, whatever the sizes). Barriers per piece of a call (Ring::sym_args cuts the pieces):
+//   one-shot all_reduce:  copy in, start barrier, fold all n inputs into the output.        1
+//   two-shot all_reduce:  copy in, start barrier, fold chunk r into the output and the workspace,
+//                         middle barrier, copy the other chunks from their owners.          2
+//   reduce_scatter:       copy in, start barrier, fold chunk r into the output.              1
+//   all_gather:           copy in, start barrier, copy every peer's chunk into the output.   1
+//   registered (an all_reduce of a tensor in a buffer every rank maps: nothing copied): start
+//                         barrier, fold chunk r from the n copies into all n, end barrier.   2
+// No end barrier where the workspace is ours: pieces alternate between its two halves (by epoch
+// parity), and a rank writes a half again only after a start barrier with every peer that came
+// after the peers' reads of it. Within a call, block b touches only part b of each piece on every
+// rank (the same cut everywhere), so per-block barriers order all of it; across calls, a peer's
+// block at the next call's start barrier means that peer's previous kernel has ended (stream order).
+// A registered tensor is the user's: its end barrier keeps the peers' reads before our return.
+#include "cuda/p2p_device.cuh"
+#include "cuda/reduce.cuh"
+
+namespace ringreduce::cuda::p2p {
+namespace {
+
+enum Barrier : int { kStart = 0, kMiddle = 1, kEnd = 2 };
+// The value a block's barrier b of piece `epoch` writes into its peers' arrived words: increasing
+// through a block's pieces and barriers, call after call, so a poll compares with >= and a peer
+// already one barrier further passes it too.
+__device__ __forceinline__ uint64_t barrier_value(uint64_t epoch, int b) { return epoch * 4 + b + 1; }
+
+// Thread t: waits until *flag (this rank's memory) >= target. Returns 0 or the abort word that
+// ended the wait (*local: this thread saw the cause itself). The abort word a host writes is
+// mirrored into this rank's area (Ring::abort), so the poll reads device memory; the host flag
+// (HostCtl::abort, across PCIe) only every 16th check, for a host abort whose mirror is stuck
+// behind a spinning kernel on a shared hardware queue. ring_call: also kMismatch when upstream
+// runs this call as the ring (ring_runs_this_call).
+__device__ uint32_t sym_wait(const SymArgs& a, const uint64_t* flag, uint64_t target, bool* local,
+                             MsgHeader* ring_call) {
+  *local = true;
+  if (ld_relaxed_sys(flag) < target) {
+    const uint64_t t0 = globaltimer_ns();
+    for (uint32_t polls = 1;; ++polls) {
+      if (ld_relaxed_sys(flag) >= target) break;
+      spin_hint();
+      if (polls % kPollsPerCheck) continue;
+      const uint32_t w = ld_relaxed_sys(&a.self->abort);
+      if (w) {
+        *local = abort_rank(w) == a.rank && abort_cause(w) == kHostAbort;
+        return w;
+      }
+      if ((polls / kPollsPerCheck) % 16 == 0 && ld_relaxed_sys(&a.ctl->abort))
+        return abort_word(kHostAbort, a.rank);
+      if (globaltimer_ns() - t0 > a.timeout_ns) return abort_word(kTimeout, a.rank);
+      if (ring_call && ring_runs_this_call(a, ring_call)) return abort_word(kMismatch, a.rank);
+    }
+  }
+  fence_acq_rel_sys();  // acquire: the peer's data before its flag
+  note_wait(flag);
+  return 0;
+}
+
+// Barrier b of piece `epoch` (its index `piece` in the call) between this block and the same block
+// of every peer. Thread t serves peers t, t + blockDim.x, ...: it tells each (the call's header
+// first, at a start barrier), then waits for each, and checks their headers. The __syncthreads
+// before orders the block's accesses (its copy in, its reads of the peers) before the flags; the
+// one after, the peers' data before the block's reads. Every thread returns false to stop: some
+// wait failed, and one thread of the block recorded why (claim: the block's record is written once).
+__device__ bool barrier(const SymArgs& a, uint64_t epoch, int b, int64_t piece, uint64_t nbytes,
+                        unsigned* claim) {
+  const int n = a.nranks, r = a.rank, k = blockIdx.x;
+  const uint32_t index = static_cast<uint32_t>(piece);
+  const MsgHeader mine = my_header(a, nbytes, index);
+  const uint64_t v = barrier_value(epoch, b);
+  __syncthreads();
+  for (int q = threadIdx.x; q < n; q += blockDim.x) {
+    if (q == r) continue;
+    if (b == kStart) put_header(&a.peer[q]->sym_hdr[epoch & 1][k][r], mine);
+  }
+  // Release (the block's earlier accesses, ordered before by the barrier, and the headers), then
+  // the flags: by the threads that raise one.
+  if (static_cast<int>(threadIdx.x) < n) fence_acq_rel_sys();
+  for (int q = threadIdx.x; q < n; q += blockDim.x)
+    if (q != r) st_relaxed_sys(&a.peer[q]->sym[k].arrived[r], v);
+  uint32_t stop = 0;
+  for (int q = threadIdx.x; q < n && !stop; q += blockDim.x) {
+    if (q == r) continue;
+    const bool up = q == (r + n - 1) % n;  // a ring message would come from upstream
+    MsgHeader ring_call;
+    ring_call.op_seq = 0;
+    bool local = true;
+    const MsgHeader* got = nullptr;
+    MsgHeader theirs;
+    stop = sym_wait(a, &a.self->sym[k].arrived[q], v, &local, up ? &ring_call : nullptr);
+    if (stop && local && abort_cause(stop) == kMismatch) {
+      got = &ring_call;  // upstream's ring message names its call
+    } else if (!stop && b == kStart) {
+      theirs = get_header(&a.self->sym_hdr[epoch & 1][k][q]);
+      const uint32_t cause = check_header(theirs, mine);
+      if (cause != kOk) {
+        stop = abort_word(cause, r);
+        got = &theirs;
+      }
+    }
+    if (stop && atomicCAS(claim, 0u, 1u) == 0u)
+      record_stop(a, stop, local, q, Where{2 + b, q, piece}, false, mine, got);
+  }
+  return __syncthreads_or(stop != 0) == 0;
+}
+
+// Where each rank keeps element i (of the span the pieces cut, whose piece starts at `begin`) in
+// its workspace half: laid out as the tensor is mod 16 (global: the element's index in the full
+// tensor), so that 16-byte aligned tensors and the workspace share their alignment and every copy
+// and fold runs on 16-byte vectors.
+struct Layout {
+  uint64_t half;    // byte offset of the piece's half
+  int64_t begin;    // the piece's first element in the span
+  int64_t global;   // the element index in the full tensor of the span's element `begin`
+  uint64_t region;  // reduce_scatter: bytes per chunk region (0: one region)
+  __device__ uint64_t at(int64_t i, int region_index, uint64_t es) const {
+    return half + region_index * region + ((static_cast<uint64_t>(global) * es) & (kVecBytes - 1)) +
+           static_cast<uint64_t>(i - begin) * es;
+  }
+};
+
+// Every rank's copy of one element range, computed where loaded (no pointer array): source q is
+// `own` at q == own_at, else rank q's memory at byte offset `off`.
+template <class T>
+struct Sources {
+  const T* own;
+  int own_at;
+  char* const* data;
+  uint64_t off;
+  __device__ const T* operator()(int q) const {
+    return q == own_at ? own : reinterpret_cast<const T*>(data[q] + off);
+  }
+};
+// Destinations: out (if set) and then this rank's memory at off; or, without out, every rank's.
+template <class T>
+struct Targets {
+  T* out;
+  char* const* data;
+  uint64_t off;
+  int rank;
+  __device__ T* operator[](int d) const {
+    return out ? (d == 0 ? out : reinterpret_cast<T*>(data[rank] + off))
+               : reinterpret_cast<T*>(data[d] + off);
+  }
+};
+
+// The fold, out of line: one body per type and operator for every call site.
+template <class T, RedOp Op>
+__device__ RR_NOINLINE void fold(Targets<T> dst, int nd, Sources<T> src, int ns, int64_t n, int div) {
+  span_fold<T, Op>(dst, nd, src, ns, n, div, threadIdx.x, blockDim.x);
+}
+template <class T>
+__device__ __forceinline__ void copy(T* dst, const T* src, int64_t n) {
+  if (dst != src) span_op<T, RedOp::Sum, false>(dst, nullptr, src, nullptr, n, 1, threadIdx.x, blockDim.x);
+}
+
+template <class T, RedOp Op>
+__global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ SymArgs a) {
+  const int n = a.nranks, r = a.rank, tid = threadIdx.x, nb = gridDim.x;
+  const Coll coll = static_cast<Coll>(a.coll);
+  const Algo algo = static_cast<Algo>(a.algo);
+  const uint64_t es = sizeof(T);
+  __shared__ unsigned s_claim;
+  __shared__ uint64_t s_epoch;
+  if (tid == 0) {
+    s_claim = 0;
+    s_epoch = ld_relaxed_sys(&a.self->sym[blockIdx.x].epoch.value);
+  }
+  if (broken_at_start(a)) return;  // its barrier publishes s_claim and s_epoch too
+  const uint64_t e0 = s_epoch;
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  const int64_t m = a.numel / n;
+  int64_t pieces = a.pieces;
+  if (algo == Algo::Registered) {
+    pieces = 1;
+    const ring::Span P = ring::channel_part(ring::chunk(a.numel, n, r), nb, blockIdx.x);
+    if (barrier(a, e0 + 1, kStart, 0, a.reg_tag, &s_claim)) {
+      const uint64_t off = static_cast<uint64_t>(P.begin) * es;
+      fold<T, Op>(Targets<T>{nullptr, a.data, off, r}, n, Sources<T>{nullptr, -1, a.data, off}, n,
+                  P.count, a.divisor);
+      barrier(a, e0 + 1, kEnd, 0, a.reg_tag, &s_claim);
+    }
+  } else {
+    const int64_t C = a.chunk_elems;
+    const uint64_t nbytes = static_cast<uint64_t>(C) * es;
+    const int64_t span = coll == Coll::AllReduce ? a.numel : m;
+    // Two-shot's chunks of a piece: of S elements, the same cut in every piece (the last may be short).
+    const int64_t S = (C + n - 1) / n;
+    for (int64_t j = 0; j < pieces; ++j) {
+      const uint64_t e = e0 + 1 + j;
+      const int64_t begin = j * C;
+      const int64_t count = ring::min64(C, span - begin);
+      const uint64_t half = (e & 1) * a.half_bytes;
+      // This block's elements of [lo, lo + len) of the piece (lo relative to it), as absolute
+      // indices of the span: a cut of the full piece, the same in every piece of the call and
+      // clipped to this one, so that a block ahead of another (blocks do not wait for each other)
+      // never writes where that one may still read in a piece two back, in the same half.
+      auto mine = [&](int64_t lo, int64_t len) {
+        const ring::Span p = ring::channel_part(ring::Span{lo, len}, nb, blockIdx.x);
+        const int64_t b = ring::min64(p.begin, count), f = ring::min64(p.begin + p.count, count);
+        return ring::Span{begin + b, f - b};
+      };
+      bool ok = true;
+      if (coll == Coll::AllReduce) {
+        const Layout L{half, begin, begin, 0};
+        const bool one = algo == Algo::OneShot;
+        auto cpart = [&](int c) { return one ? mine(0, C) : mine(c * S, S); };
+        for (int c = 0; c < (one ? 1 : n); ++c) {
+          if (c == r && !one) continue;  // this rank's own chunk is folded from its input
+          const ring::Span P = cpart(c);
+          copy(reinterpret_cast<T*>(a.data[r] + L.at(P.begin, 0, es)), in + P.begin, P.count);
+        }
+        if (!(ok = barrier(a, e, kStart, j, nbytes, &s_claim))) break;
+        const ring::Span P = cpart(one ? 0 : r);
+        const uint64_t off = L.at(P.begin, 0, es);
+        fold<T, Op>(Targets<T>{out + P.begin, a.data, off, r}, one ? 1 : 2,
+                    Sources<T>{in + P.begin, r, a.data, off}, n, P.count, a.divisor);
+        if (one) continue;
+        if (!(ok = barrier(a, e, kMiddle, j, nbytes, &s_claim))) break;
+        for (int c = 0; c < n; ++c) {
+          if (c == r) continue;
+          const ring::Span Q = cpart(c);
+          copy(out + Q.begin, reinterpret_cast<const T*>(a.data[c] + L.at(Q.begin, 0, es)), Q.count);
+        }
+      } else if (coll == Coll::ReduceScatter) {
+        // Region c of the half holds this piece of chunk c; the output is chunk r alone.
+        const uint64_t region = nbytes + kVecBytes;
+        const ring::Span P = mine(0, C);
+        for (int c = 0; c < n; ++c) {
+          if (c == r) continue;
+          const Layout L{half, begin, c * m + begin, region};
+          copy(reinterpret_cast<T*>(a.data[r] + L.at(P.begin, c, es)), in + c * m + P.begin, P.count);
+        }
+        if (!(ok = barrier(a, e, kStart, j, nbytes, &s_claim))) break;
+        const Layout L{half, begin, r * m + begin, region};
+        const uint64_t off = L.at(P.begin, r, es);
+        fold<T, Op>(Targets<T>{out + P.begin, a.data, off, r}, 1,
+                    Sources<T>{in + r * m + P.begin, r, a.data, off}, n, P.count, a.divisor);
+      } else {  // all_gather: the input is this rank's chunk of the output
+        const ring::Span P = mine(0, C);
+        const Layout own{half, begin, r * m + begin, 0};
+        copy(reinterpret_cast<T*>(a.data[r] + own.at(P.begin, 0, es)), in + P.begin, P.count);
+        copy(out + r * m + P.begin, in + P.begin, P.count);
+        if (!(ok = barrier(a, e, kStart, j, nbytes, &s_claim))) break;
+        for (int q = 0; q < n; ++q) {
+          if (q == r) continue;
+          const Layout L{half, begin, q * m + begin, 0};
+          copy(out + q * m + P.begin, reinterpret_cast<const T*>(a.data[q] + L.at(P.begin, 0, es)), P.count);
+        }
+      }
+    }
+  }
+  // This rank's epochs, every block's entry (the next call may run another number of blocks): all
+  // equal, and every rank ends a call at the same epoch (a stopped call leaves the group broken).
+  __syncthreads();
+  if (tid == 0)
+    for (int k = blockIdx.x; k < kMaxSymBlocks; k += nb) a.self->sym[k].epoch.value = e0 + pieces;
+}
+
+}  // namespace
+
+void launch_sym(const SymArgs& a, cudaStream_t stream) {
+  const Algo algo = static_cast<Algo>(a.algo);
+  if (a.nranks < 2 || a.nranks > kMaxPeers || a.blocks < 1 || a.blocks > kMaxSymBlocks ||
+      (algo != Algo::OneShot && algo != Algo::TwoShot && algo != Algo::Registered) ||
+      (algo == Algo::OneShot && a.coll != static_cast<uint8_t>(Coll::AllReduce)) ||
+      (algo == Algo::Registered && (a.coll != static_cast<uint8_t>(Coll::AllReduce) || a.in != a.out)) ||
+      (algo != Algo::Registered && (a.chunk_elems < 1 || a.pieces < 1)))
+    throw std::invalid_argument("ringreduce: p2p symmetric workspace launch: bad algorithm, block, "
+                                "rank or piece count");
+  dispatch_dtype(static_cast<DType>(a.dtype), [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_op(static_cast<RedOp>(a.op), [&](auto optag) {
+      constexpr auto kernel = &sym_kernel<T, decltype(optag)::value>;
+      RR_LAUNCH(kernel, a.blocks, kThreads, stream, a);
+    });
+  });
+  RR_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace ringreduce::cuda::p2p
