@@ -47,14 +47,12 @@ RingReduceError = _C.RingReduceError
 # also the test-only knob: a tiny value (e.g. 256) forces many pipeline steps per chunk.
 DEFAULT_CHANNELS = 16
 DEFAULT_SLICE_BYTES = 512 << 10  # the largest slice; each call's plan cuts smaller ones by size
-# Bytes per block, source and round of the one-shot/two-shot algorithms (RINGREDUCE_CUDA_SLOT_BYTES;
-# a tiny value forces many rounds, as RINGREDUCE_CUDA_SLICE_BYTES does for the ring).
-DEFAULT_SLOT_BYTES = 32 << 10
-# Rounds a one-/two-shot block writes ahead of the one it waits for (RINGREDUCE_CUDA_DIRECT_AHEAD):
-# 2 overlaps the peers' posts with this rank's work; 1 is the lock step of the first GPU runs.
-DEFAULT_DIRECT_AHEAD = 2
-MAX_DIRECT_AHEAD = 2  # csrc/cuda/p2p.h: kDirectDepth / 2
-# copy: no kernel waits for another rank (ranks sharing a GPU without MPS; csrc/cuda/p2p_copy.cpp).
+# The symmetric workspace's largest piece, bytes per rank (RINGREDUCE_CUDA_CHUNK_BYTES; the
+# workspace is two of them; csrc/cuda/p2p.h): one barrier (two-shot: two) per piece. A tiny value
+# forces many pieces per call, as RINGREDUCE_CUDA_SLICE_BYTES does slices for the ring.
+DEFAULT_CHUNK_BYTES = 16 << 20
+# copy: no kernel waits for another rank (for ranks sharing a GPU without MPS; opt-in, unmeasured;
+# csrc/cuda/p2p_copy.cpp).
 ALGOS = ("auto", "ring", "oneshot", "twoshot", "copy")
 # The copy algorithm's largest piece (RINGREDUCE_CUDA_COPY_BYTES; csrc/cuda/p2p.h): each piece is a
 # handshake, i.e. time slices, between ranks sharing a GPU without MPS.
@@ -190,9 +188,9 @@ def mps_active():
 
 def time_sliced(where):
     """Whether some device of the group is shared by ranks without MPS (where[q]: rank q's
-    (host, PCI bus id, SM count, MPS active)): their contexts take turns in time slices, so no
-    kernel of ours may wait for another rank's; the p2p transport then runs its copy algorithm.
-    The same answer on every rank."""
+    (host, PCI bus id, SM count, MPS active)): their contexts take turns in time slices, so each
+    wait of a kernel of ours for another rank's waits for a slice (logged; the copy algorithm,
+    RINGREDUCE_CUDA_ALGO=copy, avoids such waits). The same answer on every rank."""
     per_device = {}
     for host, bus, _, _ in where:
         per_device[(host, bus)] = per_device.get((host, bus), 0) + 1
@@ -211,7 +209,7 @@ def resident_blocks(where):
 
 
 # The knobs' names in p2p_knobs()["config"] and in the error when ranks disagree.
-P2P_KNOBS = ("channels", "slice_bytes", "slot_bytes", "algo", "blocks_cap", "ahead", "copy_bytes")
+P2P_KNOBS = ("channels", "slice_bytes", "chunk_bytes", "algo", "blocks_cap", "copy_bytes")
 
 
 def p2p_knobs():
@@ -219,12 +217,11 @@ def p2p_knobs():
     (knobs["config"]) must come from every rank, since every call's plan depends on them."""
     k = dict(channels=env_int("RINGREDUCE_CUDA_CHANNELS", DEFAULT_CHANNELS),
              slice_bytes=env_int("RINGREDUCE_CUDA_SLICE_BYTES", DEFAULT_SLICE_BYTES),
-             slot_bytes=env_int("RINGREDUCE_CUDA_SLOT_BYTES", DEFAULT_SLOT_BYTES),
+             chunk_bytes=env_int("RINGREDUCE_CUDA_CHUNK_BYTES", DEFAULT_CHUNK_BYTES),
              algo=os.environ.get("RINGREDUCE_CUDA_ALGO", "auto").strip().lower() or "auto",
              # 0: as many as every rank's kernel can keep resident (resident_blocks); fewer leave
              # SMs to the model's kernels (as NCCL_MAX_CTAS does), and measure what blocks buy.
              blocks_cap=env_int("RINGREDUCE_CUDA_MAX_BLOCKS", 0),
-             ahead=env_int("RINGREDUCE_CUDA_DIRECT_AHEAD", DEFAULT_DIRECT_AHEAD),
              copy_bytes=env_int("RINGREDUCE_CUDA_COPY_BYTES", DEFAULT_COPY_BYTES))
     if k["copy_bytes"] < 16 or k["copy_bytes"] % 16:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_COPY_BYTES must be a positive multiple of "
@@ -232,9 +229,9 @@ def p2p_knobs():
     if k["blocks_cap"] < 0:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_MAX_BLOCKS must be >= 0 (0: from the "
                          f"device); got {k['blocks_cap']}")
-    if not 1 <= k["ahead"] <= MAX_DIRECT_AHEAD:
-        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_DIRECT_AHEAD must be 1..{MAX_DIRECT_AHEAD} "
-                         f"(rounds written ahead); got {k['ahead']}")
+    if k["chunk_bytes"] < 16 or k["chunk_bytes"] % 16:
+        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_CHUNK_BYTES must be a positive multiple of "
+                         f"16 (the symmetric workspace's largest piece); got {k['chunk_bytes']}")
     if k["algo"] not in ALGOS:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_ALGO must be one of {', '.join(ALGOS)}; "
                          f"got {k['algo']!r}")
@@ -250,10 +247,10 @@ def sharing_warning(ranks_per_device, device, mps):
     if ranks_per_device < 2 or mps:
         return None
     return (f"ringreduce: {ranks_per_device} ranks share {device} and no MPS daemon was found: "
-            f"their contexts take turns in time slices, so ringreduce runs its copy algorithm "
-            f"(copies and stream waits, no kernel that waits for another rank), and each call "
-            f"still waits for slices. Start MPS before the job (nvidia-cuda-mps-control -d; "
-            f"RINGREDUCE_CUDA_MPS=1 if its pipe is elsewhere) or use one GPU per rank for speed.")
+            f"their contexts take turns in time slices, so every barrier between them waits for "
+            f"one. Start MPS before the job (nvidia-cuda-mps-control -d; RINGREDUCE_CUDA_MPS=1 if "
+            f"its pipe is elsewhere) or use one GPU per rank for speed. RINGREDUCE_CUDA_ALGO=copy "
+            f"runs no kernel that waits for another rank (copies and stream waits; unmeasured).")
 
 
 _warned_sharing = set()
@@ -294,19 +291,20 @@ class Communicator(_lifecycle.Communicator):
 
     def _bootstrap_p2p(self):
         k = p2p_knobs()
-        channels, slice_bytes, slot_bytes, algo = (k["channels"], k["slice_bytes"],
-                                                   k["slot_bytes"], k["algo"])
+        channels, slice_bytes, chunk_bytes, algo = (k["channels"], k["slice_bytes"],
+                                                    k["chunk_bytes"], k["algo"])
         # Whether every rank maps every other (the direct algorithms), and how many blocks a call
         # may use so that the kernels of all ranks sharing a device are resident together.
         direct = self._direct_possible()
         max_blocks = resident_blocks(self._where)
         if k["blocks_cap"]:
             max_blocks = min(max_blocks, k["blocks_cap"])
-        # Only where every rank maps every other (one host): the copy algorithm needs that.
-        sliced = time_sliced(self._where) and direct
+        sliced = time_sliced(self._where)
+        if algo == "copy" and not direct:  # its counters are one host's shared memory
+            raise ValueError("ringreduce: RINGREDUCE_CUDA_ALGO=copy needs every rank to map every "
+                             "other rank's memory (one host, peer access); this group cannot")
         native = _C.P2pComm(self.device.index, self.rank, self.world_size, channels, slice_bytes,
-                            self.timeout, algo, slot_bytes, max_blocks, k["ahead"], sliced,
-                            k["copy_bytes"])
+                            self.timeout, algo, chunk_bytes, max_blocks, direct, k["copy_bytes"])
         try:
             # The plan of every call must be the same on every rank: so must these.
             config = k["config"].encode()
@@ -318,9 +316,9 @@ class Communicator(_lifecycle.Communicator):
                     raise ValueError(
                         f"ringreduce: rank {r} has p2p {'/'.join(P2P_KNOBS)} {config.decode()} "
                         f"but rank {peer} has {theirs.decode()}; set RINGREDUCE_CUDA_CHANNELS, "
-                        f"RINGREDUCE_CUDA_SLICE_BYTES, RINGREDUCE_CUDA_SLOT_BYTES, "
+                        f"RINGREDUCE_CUDA_SLICE_BYTES, RINGREDUCE_CUDA_CHUNK_BYTES, "
                         f"RINGREDUCE_CUDA_ALGO, RINGREDUCE_CUDA_MAX_BLOCKS, "
-                        f"RINGREDUCE_CUDA_DIRECT_AHEAD and RINGREDUCE_CUDA_COPY_BYTES alike on "
+                        f"and RINGREDUCE_CUDA_COPY_BYTES alike on "
                         f"every rank")
             # Every rank's handle when every rank can map every other, else the neighbours' only:
             # the same choice on every rank.
@@ -334,12 +332,14 @@ class Communicator(_lifecycle.Communicator):
         except BaseException:
             native.close(False)  # the others may have mapped our memory already
             raise
-        log.debug("rank %d/%d: p2p ready on %s (algorithm %s, direct algorithms %s, at most %d "
-                  "channels and %d B slices, direct slots %d B written %d rounds ahead, at most %d "
-                  "blocks a call, %s, timeout %g s)", self.rank, self.world_size, self.device, algo,
-                  "on" if native.direct() else "off", channels, slice_bytes, slot_bytes, k["ahead"],
-                  max_blocks, (f"time-sliced: copy algorithm in pieces of {k['copy_bytes']} B"
-                               if sliced else "not time-sliced"), self.timeout)
+        log.debug("rank %d/%d: p2p ready on %s: algorithm %s, %s, at most %d blocks a call, "
+                  "%.1f MiB of device memory (ring FIFO: %d channels of %d B slices where the ring "
+                  "runs; workspace: two halves of %d B where every rank maps every other), %s, "
+                  "timeout %g s", self.rank, self.world_size, self.device, algo,
+                  "symmetric workspace" if native.direct() else "ring only (not every rank maps "
+                  "every other)", max_blocks, native.device_bytes() / 2**20, channels, slice_bytes,
+                  chunk_bytes, "time-sliced (ranks share a GPU without MPS)" if sliced else
+                  "not time-sliced", self.timeout)
         return native
 
     def _attach_copy_counters(self, native):
@@ -385,9 +385,9 @@ class Communicator(_lifecycle.Communicator):
             self._setup.set("tuning", f"{one}|{two}|{source}")
         one, two, source = self._setup.get("tuning", "rank 0's algorithm thresholds").decode().split("|", 2)
         if int(one) >= 0:
-            native.set_thresholds(int(one), int(two))
-        log.debug("rank %d: p2p auto thresholds: %s", self.rank,
-                  (f"one-shot <= {one} B, two-shot <= {two} B, " if int(one) >= 0 else "") + source)
+            native.set_threshold(int(one))
+        log.debug("rank %d: p2p auto: one-shot <= %s, two-shot above (%s)", self.rank,
+                  f"{one} B" if int(one) >= 0 else "the model's threshold", source)
 
     def _direct_possible(self):
         """Whether every rank can map every other rank's memory (the one-shot and two-shot

@@ -112,7 +112,7 @@ def test_ranks_sharing_a_gpu_without_mps_are_warned():
     assert sharing_warning(2, "cuda:0", mps=True) is None
     msg = sharing_warning(2, "cuda:0", mps=False)
     assert "2 ranks share cuda:0" in msg and "nvidia-cuda-mps-control -d" in msg
-    assert "copy algorithm" in msg
+    assert "RINGREDUCE_CUDA_ALGO=copy" in msg and "nvidia-cuda-mps-control -d" in msg
 
 
 def test_blocks_per_call_leave_room_for_every_rank_on_a_device():
@@ -195,24 +195,23 @@ def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
     """The p2p knobs every rank must set alike: their defaults, the string ranks compare, and a
     clear error for a value the kernels cannot run (no GPU needed: read before CUDA is touched)."""
     from ringreduce._cuda import p2p_knobs
-    for name in ("RINGREDUCE_CUDA_CHANNELS", "RINGREDUCE_CUDA_SLICE_BYTES", "RINGREDUCE_CUDA_SLOT_BYTES",
-                 "RINGREDUCE_CUDA_ALGO", "RINGREDUCE_CUDA_MAX_BLOCKS", "RINGREDUCE_CUDA_DIRECT_AHEAD",
-                 "RINGREDUCE_CUDA_COPY_BYTES"):
+    for name in ("RINGREDUCE_CUDA_CHANNELS", "RINGREDUCE_CUDA_SLICE_BYTES", "RINGREDUCE_CUDA_CHUNK_BYTES",
+                 "RINGREDUCE_CUDA_ALGO", "RINGREDUCE_CUDA_MAX_BLOCKS", "RINGREDUCE_CUDA_COPY_BYTES"):
         monkeypatch.delenv(name, raising=False)
     k = p2p_knobs()
-    assert (k["ahead"], k["blocks_cap"], k["algo"]) == (2, 0, "auto")
-    assert k["config"] == "16/524288/32768/auto/0/2/8388608"
-    monkeypatch.setenv("RINGREDUCE_CUDA_DIRECT_AHEAD", "1")
+    assert (k["chunk_bytes"], k["blocks_cap"], k["algo"]) == (16 << 20, 0, "auto")
+    assert k["config"] == "16/524288/16777216/auto/0/8388608"
+    monkeypatch.setenv("RINGREDUCE_CUDA_CHUNK_BYTES", "4096")
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", " OneShot ")
-    assert p2p_knobs()["config"] == "16/524288/32768/oneshot/0/1/8388608"  # lock step differs from the default
-    for value in ("0", "3"):
-        monkeypatch.setenv("RINGREDUCE_CUDA_DIRECT_AHEAD", value)
-        with pytest.raises(ValueError, match=f"RINGREDUCE_CUDA_DIRECT_AHEAD must be 1..2 .*got {value}"):
+    assert p2p_knobs()["config"] == "16/524288/4096/oneshot/0/8388608"
+    for value in ("0", "24"):
+        monkeypatch.setenv("RINGREDUCE_CUDA_CHUNK_BYTES", value)
+        with pytest.raises(ValueError, match=f"RINGREDUCE_CUDA_CHUNK_BYTES must be a positive multiple of 16 .*got {value}"):
             p2p_knobs()
-    monkeypatch.setenv("RINGREDUCE_CUDA_DIRECT_AHEAD", "two")
-    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_DIRECT_AHEAD must be an integer, got 'two'"):
+    monkeypatch.setenv("RINGREDUCE_CUDA_CHUNK_BYTES", "two")
+    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_CHUNK_BYTES must be an integer, got 'two'"):
         p2p_knobs()
-    monkeypatch.setenv("RINGREDUCE_CUDA_DIRECT_AHEAD", "2")
+    monkeypatch.setenv("RINGREDUCE_CUDA_CHUNK_BYTES", "4096")
     monkeypatch.setenv("RINGREDUCE_CUDA_MAX_BLOCKS", "-1")
     with pytest.raises(ValueError, match="RINGREDUCE_CUDA_MAX_BLOCKS must be >= 0"):
         p2p_knobs()

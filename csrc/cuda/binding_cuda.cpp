@@ -523,7 +523,7 @@ void register_cuda(py::module_& m) {
   py::class_<P2pComm> p2p(m, "P2pComm");
   p2p.def(py::init([](int device, int rank, int nranks, int channels, size_t slice_bytes,
                       double timeout_s, const std::string& algo, size_t chunk_bytes,
-                      int max_blocks, bool direct, bool time_sliced, size_t copy_slot_bytes) {
+                      int max_blocks, bool direct, size_t copy_slot_bytes) {
            c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
            rc::p2p::Options o;
            o.rank = rank;
@@ -534,7 +534,6 @@ void register_cuda(py::module_& m) {
            o.chunk_bytes = chunk_bytes;
            o.max_blocks = max_blocks;
            o.direct = direct;
-           o.time_sliced = time_sliced;
            o.copy_slot_bytes = copy_slot_bytes;
            o.algo = algo == "auto"      ? rc::p2p::Algo::Auto
                     : algo == "ring"    ? rc::p2p::Algo::Ring
@@ -549,7 +548,7 @@ void register_cuda(py::module_& m) {
          py::arg("device"), py::arg("rank"), py::arg("nranks"), py::arg("channels"),
          py::arg("slice_bytes"), py::arg("timeout_s"), py::arg("algo") = "auto",
          py::arg("chunk_bytes") = rc::p2p::kDefaultChunkBytes, py::arg("max_blocks") = 0,
-         py::arg("direct") = true, py::arg("time_sliced") = false,
+         py::arg("direct") = true,
          py::arg("copy_slot_bytes") = rc::p2p::kDefaultCopySlotBytes)
       .def("handle", [](P2pComm& c) { return py::bytes(c.ring().handle()); })
       .def("connect", [](P2pComm& c, const std::vector<py::bytes>& handles) {

@@ -192,8 +192,7 @@ size_t Ring::ws_half_bytes() const {
 }
 
 size_t Ring::copy_bytes() const {
-  const bool copy = opt_.time_sliced || opt_.algo == Algo::Copy;
-  return copy && opt_.nranks > 1 && opt_.nranks <= kMaxPeers
+  return opt_.algo == Algo::Copy && opt_.nranks > 1 && opt_.nranks <= kMaxPeers
              ? static_cast<size_t>(kCopyDepth) * opt_.nranks * slot_stride(opt_.copy_slot_bytes)
              : 0;
 }

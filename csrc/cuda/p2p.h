@@ -271,10 +271,6 @@ struct Options {
   bool tuned = false;
   size_t oneshot_max = 0;
   double timeout_s = 300.0;  // RINGREDUCE_TIMEOUT: per wait
-  // Ranks share a GPU without MPS somewhere in the group (the same on every rank): the copy
-  // algorithm's inbox is allocated, for RINGREDUCE_CUDA_ALGO=copy (auto does not pick it: no GPU
-  // has shown it faster than the symmetric workspace there yet).
-  bool time_sliced = false;
   size_t copy_slot_bytes = kDefaultCopySlotBytes;  // RINGREDUCE_CUDA_COPY_BYTES: the largest piece
 };
 
@@ -375,7 +371,8 @@ class Ring {
     if (watcher_) watcher_->stop();
     if (copy_watch_) copy_watch_->stop();
   }
-  // Whether this ring has the copy algorithm's inbox (Options::time_sliced or a forced copy).
+  // Whether this ring has the copy algorithm's inbox (RINGREDUCE_CUDA_ALGO=copy: opt-in, for ranks
+  // sharing a GPU without MPS; auto does not pick it, no GPU has shown it faster yet).
   bool copies() const { return copy_bytes() > 0; }
   // The copy algorithm's counters (CopyCtl), shared by the group: rank 0 creates the POSIX shared
   // memory segment `name`, the others map it (after rank 0 made it); every rank registers it with

@@ -49,20 +49,6 @@ __device__ MsgHeader get_header(const MsgHeader* src) {
   return h;
 }
 
-// Whether upstream runs this very call (op_seq) as the ring while this rank runs a direct
-// algorithm: its first message sits unconsumed in this rank's channel-0 FIFO. The ranks' plans
-// differ (different sizes, or a shared_empty tensor on one rank only); the ring side would wait on
-// a neighbour that never posts, and this side for posts that never come, until the timeout. Some
-// ring rank's downstream runs a direct algorithm, so one rank sees it and stops every rank. A
-// message of a later call is no mismatch: upstream may have finished this call already.
-__device__ bool ring_runs_this_call(const KernelBase& a, MsgHeader* got) {
-  const uint64_t received = ld_relaxed_sys(&a.self->ring[0].received.value);
-  if (ld_relaxed_sys(&a.self->ring[0].posted.value) <= received) return false;
-  fence_acq_rel_sys();  // the header was written before the count
-  *got = get_header(&a.self->ring_hdr[0][received % kSlots]);
-  return got->op_seq == a.op_seq && got->algo == static_cast<uint8_t>(Algo::Ring);
-}
-
 __device__ void notify(Area* peer, uint32_t word) {
   if (peer) atomicCAS_system(&peer->abort, 0u, word);
 }

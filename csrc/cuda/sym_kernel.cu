@@ -31,10 +31,8 @@ __device__ __forceinline__ uint64_t barrier_value(uint64_t epoch, int b) { retur
 // ended the wait (*local: this thread saw the cause itself). The abort word a host writes is
 // mirrored into this rank's area (Ring::abort), so the poll reads device memory; the host flag
 // (HostCtl::abort, across PCIe) only every 16th check, for a host abort whose mirror is stuck
-// behind a spinning kernel on a shared hardware queue. ring_call: also kMismatch when upstream
-// runs this call as the ring (ring_runs_this_call).
-__device__ uint32_t sym_wait(const SymArgs& a, const uint64_t* flag, uint64_t target, bool* local,
-                             MsgHeader* ring_call) {
+// behind a spinning kernel on a shared hardware queue.
+__device__ uint32_t sym_wait(const SymArgs& a, const uint64_t* flag, uint64_t target, bool* local) {
   *local = true;
   if (ld_relaxed_sys(flag) < target) {
     const uint64_t t0 = globaltimer_ns();
@@ -50,7 +48,6 @@ __device__ uint32_t sym_wait(const SymArgs& a, const uint64_t* flag, uint64_t ta
       if ((polls / kPollsPerCheck) % 16 == 0 && ld_relaxed_sys(&a.ctl->abort))
         return abort_word(kHostAbort, a.rank);
       if (globaltimer_ns() - t0 > a.timeout_ns) return abort_word(kTimeout, a.rank);
-      if (ring_call && ring_runs_this_call(a, ring_call)) return abort_word(kMismatch, a.rank);
     }
   }
   fence_acq_rel_sys();  // acquire: the peer's data before its flag
@@ -80,19 +77,17 @@ __device__ bool barrier(const SymArgs& a, uint64_t epoch, int b, int64_t piece, 
   if (static_cast<int>(threadIdx.x) < n) fence_acq_rel_sys();
   for (int q = threadIdx.x; q < n; q += blockDim.x)
     if (q != r) st_relaxed_sys(&a.peer[q]->sym[k].arrived[r], v);
+  // Every flag raised before any wait: a thread serving several peers (or, on the emulated
+  // device, a thread whose wait ends first) must not hold back a post another block waits on.
+  __syncthreads();
   uint32_t stop = 0;
   for (int q = threadIdx.x; q < n && !stop; q += blockDim.x) {
     if (q == r) continue;
-    const bool up = q == (r + n - 1) % n;  // a ring message would come from upstream
-    MsgHeader ring_call;
-    ring_call.op_seq = 0;
     bool local = true;
     const MsgHeader* got = nullptr;
     MsgHeader theirs;
-    stop = sym_wait(a, &a.self->sym[k].arrived[q], v, &local, up ? &ring_call : nullptr);
-    if (stop && local && abort_cause(stop) == kMismatch) {
-      got = &ring_call;  // upstream's ring message names its call
-    } else if (!stop && b == kStart) {
+    stop = sym_wait(a, &a.self->sym[k].arrived[q], v, &local);
+    if (!stop && b == kStart) {
       theirs = get_header(&a.self->sym_hdr[epoch & 1][k][q]);
       const uint32_t cause = check_header(theirs, mine);
       if (cause != kOk) {

@@ -119,7 +119,7 @@ struct Group {
   Group(int n, int channels, size_t slice_bytes, double timeout_s,
         rc::p2p::Algo algo = rc::p2p::Algo::Auto, bool exact = false,
         size_t chunk_bytes = rc::p2p::kDefaultChunkBytes, bool neighbours_only = false,
-        int max_blocks = 0, bool one_device = false, bool time_sliced = false, size_t copy_slot_bytes = rc::p2p::kDefaultCopySlotBytes) {
+        int max_blocks = 0, bool one_device = false, size_t copy_slot_bytes = rc::p2p::kDefaultCopySlotBytes) {
     auto device_of = [&](int r) { return one_device ? 0 : ::device_of(r); };
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
@@ -134,7 +134,6 @@ struct Group {
       o.algo = algo;
       o.exact = exact;
       o.chunk_bytes = chunk_bytes;
-      o.time_sliced = time_sliced;
       o.copy_slot_bytes = copy_slot_bytes;
       rings.push_back(std::make_unique<rc::p2p::Ring>(o));
       Rank k;
@@ -250,7 +249,7 @@ static void test_ranks_share_a_device() {
 static void sync_all(Group& g);
 static Group copy_group(int n, size_t piece_bytes, double timeout_s = 20.0, bool one_device = false) {
   return Group(n, 2, 4096, timeout_s, rc::p2p::Algo::Copy, false, rc::p2p::kDefaultChunkBytes,
-               false, 0, one_device, false, piece_bytes);
+               false, 0, one_device, piece_bytes);
 }
 
 static void test_copy() {
@@ -265,11 +264,11 @@ static void test_copy() {
       cases += sweep(g.ranks, {0, 1, n - 1, n + 1, 100 * n + 7}, what, shift);
       if (g_failures) return;
     }
-    // Time-sliced ranks (sharing a GPU without MPS): the copy algorithm is there, opt-in; auto
-    // runs the symmetric workspace (no GPU has shown the copy algorithm faster yet).
+    // Ranks sharing a device: auto runs the symmetric workspace (the copy algorithm is opt-in: no
+    // GPU has shown it faster there yet), and allocates no copy inbox.
     Group g(n, 2, 4096, 20.0, Algo::Auto, false, rc::p2p::kDefaultChunkBytes, false,
-            std::max(1, rc::sm_count() / n), true, true, 4096);
-    EXPECT(g.rings[0]->copies(), "time-sliced n=%d: no copy inbox", n);
+            std::max(1, rc::sm_count() / n), true, 4096);
+    EXPECT(!g.rings[0]->copies(), "auto n=%d: a copy inbox", n);
     DevBuf any(16);
     for (int64_t numel : {int64_t{1}, int64_t{1} << 24}) {
       const rc::p2p::Plan p = g.rings[0]->plan_of(g.call(numel, any));
@@ -867,7 +866,7 @@ static void weak_sweep(rc::p2p::Algo algo, bool registered = false) {
   for (uint64_t seed : {1, 2, 3}) {
     WeakScope weak(seed);
     for (int n = 2; n <= 3; ++n) {
-      Group g(n, 2, 64, 20.0, algo, true, 64, false, 0, false, false, 64);  // copy: pieces of 64 B
+      Group g(n, 2, 64, 20.0, algo, true, 64, false, 0, false, 64);  // copy: pieces of 64 B
       const std::vector<char*> reg = registered ? register_all(g, 1 << 16) : std::vector<char*>();
       char what[96];
       std::snprintf(what, sizeof what, "weak seed=%llu p2p n=%d %s", (unsigned long long)seed, n,
@@ -997,7 +996,7 @@ static void test_deterministic() {
   for (int n = 2; n <= 5; ++n)
     for (Algo algo : {Algo::Ring, Algo::OneShot, Algo::TwoShot, Algo::Auto, Algo::Copy}) {
       // The copy algorithm in pieces of 64 B: its fold runs per piece.
-      Group g(n, 3, 64, 20.0, algo, algo != Algo::Auto, 64, false, 0, false, false, 64);
+      Group g(n, 3, 64, 20.0, algo, algo != Algo::Auto, 64, false, 0, false, 64);
       char what[96];
       std::snprintf(what, sizeof what, "deterministic p2p n=%d %s slot=64", n, rc::p2p::algo_name(algo));
       {
