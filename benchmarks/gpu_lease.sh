@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
 # BUDGET_S seconds (default 570): the build, the GPU smoke tests and the torchrun exit-status tests,
-# the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py), the direct algorithms in
-# lock step (AHEAD_SWEEP) against the default write-ahead, the cost of one handshake by mechanism
+# the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py; torch's SymmetricMemory
+# one-/two-shot in the same bench runs as auto and registered, those runs first), the direct
+# algorithms in lock step (AHEAD_SWEEP) against the default write-ahead, the cost of one handshake by mechanism
 # (benchmarks/gpu_handshake.cu, MPS off and on), two-shot at 16 blocks (BLOCKS_SWEEP), the direct
 # algorithms with larger rounds (SLOT_SWEEP) and the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU
 # tests under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
@@ -40,11 +41,15 @@ log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
 
 log "roofline"
 # At least 60 s (timeout 0 would mean none); otherwise 180 s left for write-ahead and handshakes.
+# --timeout is per backend (the auto and registered runs carry the peer's two ops: 3 backends);
+# batches of >= 20 ms (the bench's default 50) keep those near a minute (estimated, not measured).
 roof_s=$(( $(left) - 180 )); [ "$roof_s" -lt 60 ] && roof_s=60
 timeout -k 10 "$roof_s" "$PY" benchmarks/gpu_roofline.py --worlds 2 \
-    --sizes 4K,16K,64K,256K,1M,4M,16M,64M,256M --sizes-off 4K,1M,16M --bench-args "-n 10 -w 3" \
+    --sizes 4K,16K,64K,256K,1M,4M,16M,64M,256M --sizes-off 4K,1M,16M \
+    --bench-args "-n 10 -w 3 --batch_ms 20" \
     --timeout 40 --out "$OUT/roofline.md" --json "$OUT/roofline.json" > "$OUT/roofline.log" 2>&1
 log "roofline exit $?"
+grep "skipped\|bench exited\|killed at" "$OUT/roofline.log" | tee -a "$OUT/steps.txt"
 
 mps_off
 nvidia-cuda-mps-control -d && sleep 1
@@ -110,7 +115,7 @@ done
 if [ "$(left)" -gt 40 ]; then
   log "the other GPU tests (MPS), $(( $(left) - 10 )) s"
   timeout -k 5 $(( $(left) - 10 )) "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" \
-      -k "not $EXITS" tests/test_cuda.py --durations=10 -rfE > "$OUT/rest.log" 2>&1
+      -k "not $EXITS" tests/test_bench_symm.py tests/test_cuda.py --durations=10 -rfE > "$OUT/rest.log" 2>&1
   log "rest exit $?: $(tail -1 "$OUT/rest.log")"
 fi
 mps_off

@@ -11,11 +11,17 @@ Prints, and writes as markdown to --out (default gpu_roofline.md) to paste into 
    float32 all_reduce in place: the median us per
    call from `python -m ringreduce.bench`, the fraction of the HBM limit (an all_reduce of S bytes
    per rank on one GPU reads N inputs and writes N outputs: 2NS bytes at the copy bandwidth), and
-   the time without MPS as a multiple of the time with it.
+   the time without MPS as a multiple of the time with it;
+4. the peer in the same bench runs (issue 50 item 6; --peers off leaves it out): torch's
+   SymmetricMemory one-/two-shot all-reduces (torch.ops.symm_mem) beside auto on ordinary tensors
+   (copied into its buffer, as vLLM does) and beside registered on its symmetric tensors, as rows
+   of their own with the same fraction of the HBM limit, and a table of the faster peer's time over
+   ours at each size (> 1: ours faster; the issue's target is >= 1 everywhere).
 MPS is started with `nvidia-cuda-mps-control -d` and stopped with `quit` (needs root); --mps off
-or on runs one of the two (MPS on first). Each bench run has a time limit (--timeout) and keeps the
-sizes it finished; the report is rewritten after each run, so a lease that ends early keeps what
-ran. --json writes every median for `gpu_tune.py --from`. Nothing here runs without a GPU except the table arithmetic, which
+or on runs one of the two (MPS on first). Each bench run has a time limit (--timeout per backend in
+it) and keeps the sizes it finished; the runs with the peer go first (--algos), and the report is
+rewritten after each run, so a lease that ends early keeps what ran. --json writes every median and
+its fraction of the limit, for `gpu_tune.py --from`. Nothing here runs without a GPU except the table arithmetic, which
 tests/test_gpu_tools.py checks.
 """
 import argparse
@@ -32,6 +38,11 @@ import time
 # registered: all_reduce of ringreduce.shared_empty tensors (ringreduce/p2p-shared; algorithm auto);
 # copy: copies and stream waits, what auto runs without MPS (RINGREDUCE_CUDA_ALGO=copy)
 ALGOS = ("auto", "ring", "oneshot", "twoshot", "registered", "copy")
+# The peer's labels (ringreduce.bench backends) run in the same bench run as these algorithms.
+PEERS = {"auto": ("torch/symm-oneshot", "torch/symm-twoshot"),
+         "registered": ("torch/symm-oneshot-sym", "torch/symm-twoshot-sym")}
+# Runs with the peer first: a lease cut short keeps the comparison the issue's targets need.
+DEFAULT_ORDER = ("auto", "registered", "ring", "oneshot", "twoshot", "copy")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -55,15 +66,21 @@ def hbm_limit_us(world, size_bytes, copy_GBps):
     return 2 * world * size_bytes / (copy_GBps * 1e9) * 1e6
 
 
+def row_names():
+    """Every algorithm and peer label in table order, each peer after the algorithm it runs with."""
+    return [x for algo in ALGOS for x in (algo,) + PEERS.get(algo, ())]
+
+
 def table(results, copy_GBps, sizes):
-    """Markdown rows from results[(mps, world, algo)] = {size: us}: per world, size and algorithm,
-    the time with MPS, its fraction of the HBM limit, the time without MPS and its ratio."""
+    """Markdown rows from results[(mps, world, algo)] = {size: us} (algo: ours, or a peer's label):
+    per world, size and row, the time with MPS, its fraction of the HBM limit, the time without MPS
+    and its ratio."""
     lines = ["| world | size | algorithm | us, MPS | fraction of HBM limit | us, no MPS | no MPS / MPS |",
              "|---:|---:|---|---:|---:|---:|---:|"]
     worlds = sorted({w for _, w, _ in results})
     for w in worlds:
         for s in sizes:
-            for algo in ALGOS:
+            for algo in row_names():
                 on = results.get(("on", w, algo), {}).get(s)
                 off = results.get(("off", w, algo), {}).get(s)
                 if on is None and off is None:
@@ -74,6 +91,32 @@ def table(results, copy_GBps, sizes):
                 ratio = f"{off / on:.1f}x" if on and off else "-"
                 lines.append(f"| {w} | {human(s)} | {algo} | {cell(on)} | {frac:.2f} | {cell(off)} | {ratio} |")
     return "\n".join(lines)
+
+
+def peer_table(results, sizes):
+    """Markdown rows: per MPS mode, world and size, ours (auto; registered) against the faster of
+    the peer's ops on the same tensors in the same run, and its time over ours (> 1: ours faster)."""
+    lines = ["| MPS | world | size | auto | faster torch symm op | it / auto | registered | "
+             "faster torch symm op, symmetric | it / registered |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cell = lambda v: f"{v:,.1f}" if v is not None else "-"  # noqa: E731
+    any_row = False
+    for m in ("on", "off"):
+        for w in sorted({w for mode, w, _ in results if mode == m}):
+            for s in sizes:
+                cells, seen = [], False
+                for algo, peers in PEERS.items():
+                    ours = results.get((m, w, algo), {}).get(s)
+                    times = [(results.get((m, w, p), {}).get(s), p) for p in peers]
+                    best = min(((t, p) for t, p in times if t is not None), default=(None, None))
+                    seen = seen or best[0] is not None
+                    ratio = f"{best[0] / ours:.2f}" if ours and best[0] else "-"
+                    name = f"{cell(best[0])} ({best[1].split('-')[1]})" if best[0] else "-"
+                    cells += [cell(ours), name, ratio]
+                if seen:
+                    any_row = True
+                    lines.append(f"| {m} | {w} | {human(s)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if any_row else ""
 
 
 # -- on the GPU --------------------------------------------------------------------------------
@@ -134,14 +177,14 @@ def set_mps(on):
         time.sleep(2.0)
 
 
-def parse_rows(text):
+def parse_rows(text, backend=None):
     """{size_bytes: in-place us} of the all_reduce data rows a ringreduce.bench run printed (the
-    nccl-tests-style table; a run stopped at its time limit keeps the rows it finished). Rows
-    with wrong elements are not times."""
+    nccl-tests-style table; a run stopped at its time limit keeps the rows it finished), of one
+    backend's label or of every row. Rows with wrong elements are not times."""
     times = {}
     for line in text.splitlines():
         f = line.split()
-        if not f or line.startswith("#") or len(f) != 13:
+        if not f or line.startswith("#") or len(f) != 13 or backend not in (None, f[4]):
             continue
         try:
             size, us, wrong = int(f[0]), float(f[9]), f[12]
@@ -153,40 +196,61 @@ def parse_rows(text):
 
 
 def run_bench(world, algo, sizes, timeout, bench_args=()):
-    """{size: median us} of world ranks running algo (RINGREDUCE_CUDA_ALGO), in place, float32.
-    The run is a process group of its own: at the time limit every rank is killed with it (a rank
-    left spinning would skew every later run) and the rows printed so far are kept."""
+    """{size: median us} of world ranks running algo (RINGREDUCE_CUDA_ALGO), in place, float32."""
+    return run_bench_rows(world, algo, sizes, timeout, bench_args)[algo]
+
+
+def run_bench_rows(world, algo, sizes, timeout, bench_args=(), peers=()):
+    """{algo or peer label: {size: median us}}: algo and the peer's labels in one bench run, the
+    backends alternated iteration by iteration; timeout is per backend. The run is a process group
+    of its own: at the time limit every rank is killed with it (a rank left spinning would skew
+    every later run) and the rows printed so far are kept."""
     registered = algo == "registered"
+    ours = "ringreduce/p2p-shared" if registered else "ringreduce/p2p"
+    timeout *= 1 + len(peers)
     cmd = [sys.executable, "-m", "ringreduce.bench", "--nranks", str(world), "--backends",
-           "ringreduce/p2p-shared" if registered else "ringreduce/p2p", "--collectives",
+           ",".join((ours,) + tuple(peers)), "--collectives",
            "all_reduce", "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", *bench_args]
     env = {**os.environ, "RINGREDUCE_CUDA_ALGO": "auto" if registered else algo,
            "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryFile("w+") as out:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
+
+        def stopped(signum, frame):  # timeout(1) ends this script: the ranks must not outlive it
+            os.killpg(p.pid, signal.SIGKILL)
+            raise SystemExit(128 + signum)
+        before = signal.signal(signal.SIGTERM, stopped)
         try:
             code = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
             code = f"killed at its {timeout:.0f} s limit"
+        finally:
+            signal.signal(signal.SIGTERM, before)
         out.seek(0)
         text = out.read()
+    for line in text.splitlines():  # a peer the bench dropped, and why
+        if line.startswith("# note:") and "skipped" in line:
+            print(f"# world {world} {algo}: {line[2:]}", flush=True)
     if code != 0:
         print(f"# world {world} {algo}: bench {code if isinstance(code, str) else f'exited {code}'}"
               f"\n{text[-2000:]}", flush=True)
-    return {s: v for s, v in parse_rows(text).items() if s in sizes}
+    return {label: {s: v for s, v in parse_rows(text, backend).items() if s in sizes}
+            for label, backend in ((algo, ours),) + tuple((p, p) for p in peers)}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--sizes", default="4K,64K,1M,16M,256M")
-    p.add_argument("--algos", default=",".join(ALGOS))
+    p.add_argument("--algos", default=",".join(DEFAULT_ORDER), help="in the order run")
+    p.add_argument("--peers", choices=("on", "off"), default="on",
+                   help="torch's SymmetricMemory all-reduces in the auto and registered runs")
     p.add_argument("--mps", choices=("both", "on", "off"), default="both")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per bench run (then it "
-                   "is killed and keeps the sizes it finished)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per backend of a bench "
+                   "run (then it is killed and keeps the sizes it finished)")
     p.add_argument("--sizes-off", default="", help="sizes of the runs without MPS (default --sizes)")
     p.add_argument("--bench-args", default="", help="more arguments for ringreduce.bench, e.g. '-n 10'")
     p.add_argument("--out", default="gpu_roofline.md")
@@ -237,7 +301,9 @@ def main(argv=None):
             for algo in algos:
                 t0 = time.monotonic()
                 run_sizes = sizes if mode == "on" or not a.sizes_off else sizes_off
-                results[(mode, w, algo)] = run_bench(w, algo, run_sizes, a.timeout, a.bench_args.split())
+                peers = PEERS.get(algo, ()) if a.peers == "on" else ()
+                rows = run_bench_rows(w, algo, run_sizes, a.timeout, a.bench_args.split(), peers)
+                results.update({(mode, w, x): ts for x, ts in rows.items()})
                 print(f"# MPS {mode}, world {w}, {algo}: {time.monotonic() - t0:.0f} s", flush=True)
                 write_out(a, report, results, copy, sorted(set(sizes) | set(sizes_off)), doc)
     if a.mps == "both":
@@ -247,15 +313,29 @@ def main(argv=None):
 
 def write_out(a, report, results, copy, sizes, doc):
     """Writes the markdown report (and --json) as it stands; a run cut short keeps what it has."""
-    text = "\n".join(report + ["", table(results, copy, sizes)])
+    peer = peer_table(results, sizes)
+    text = "\n".join(report + ["", table(results, copy, sizes)] + (["", peer] if peer else []))
     with open(a.out, "w") as f:
         f.write(text + "\n")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({**doc, "results": [{"mps": m, "world": w, "algo": x,
-                                           "median_us": {str(s): v for s, v in ts.items()}}
-                                          for (m, w, x), ts in results.items()]}, f, indent=1)
+            json.dump({**doc, "results": json_results(results, copy)}, f, indent=1)
     return text
+
+
+def json_results(results, copy_GBps):
+    """One entry per (mps, world, algo or peer label): medians and fractions of the HBM limit by
+    size; a peer's entry names the algorithm it ran beside (peer_of)."""
+    peer_of = {p: algo for algo, peers in PEERS.items() for p in peers}
+    out = []
+    for (m, w, x), ts in results.items():
+        e = {"mps": m, "world": w, "algo": x, "median_us": {str(s): v for s, v in ts.items()},
+             "fraction_of_hbm_limit": {str(s): round(hbm_limit_us(w, s, copy_GBps) / v, 4)
+                                       for s, v in ts.items() if v > 0}}
+        if x in peer_of:
+            e["peer_of"] = peer_of[x]
+        out.append(e)
+    return out
 
 if __name__ == "__main__":
     main()

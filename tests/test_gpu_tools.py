@@ -219,3 +219,102 @@ def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", "tree")
     with pytest.raises(ValueError, match="RINGREDUCE_CUDA_ALGO must be one of auto, ring, oneshot, twoshot, copy; got 'tree'"):
         p2p_knobs()
+
+
+# -- the peer in the roofline: torch's SymmetricMemory all-reduces (issue 50 item 6) -------------
+PRINTED_WITH_PEER = "\n".join([
+    "# note: torch/symm-oneshot-sym skipped: rendezvous refused",
+    "        4096         1024    float    sum   ringreduce/p2p        25.0    0.164    0.164      0        20.0    0.205    0.205      0",
+    "        4096         1024    float    sum   torch/symm-oneshot        12.0    0.341    0.341      0        11.0    0.372    0.372      0",
+    "        4096         1024    float    sum   torch/symm-twoshot        14.0    0.293    0.293      0        13.0    0.315    0.315      2",
+    "     1048576       262144    float    sum   torch/symm-twoshot        44.0    23.83    23.83      0        40.0    26.21    26.21      0",
+])
+
+
+def test_rows_parsed_per_backend():
+    assert roof.parse_rows(PRINTED_WITH_PEER, "ringreduce/p2p") == {4096: 20.0}
+    assert roof.parse_rows(PRINTED_WITH_PEER, "torch/symm-oneshot") == {4096: 11.0}
+    assert roof.parse_rows(PRINTED_WITH_PEER, "torch/symm-twoshot") == {1 << 20: 40.0}  # 4 KiB wrong
+    assert roof.parse_rows(PRINTED_WITH_PEER, "torch/symm-oneshot-sym") == {}
+    assert roof.parse_rows(PRINTED_WITH_PEER) == {4096: 11.0, 1 << 20: 40.0}  # every row, as before
+
+
+def test_the_peer_runs_beside_auto_and_registered_first():
+    assert roof.PEERS == {"auto": ("torch/symm-oneshot", "torch/symm-twoshot"),
+                          "registered": ("torch/symm-oneshot-sym", "torch/symm-twoshot-sym")}
+    assert roof.DEFAULT_ORDER[:2] == ("auto", "registered")
+    assert sorted(roof.DEFAULT_ORDER) == sorted(roof.ALGOS)
+    names = roof.row_names()
+    assert names.index("torch/symm-twoshot") == names.index("auto") + 2
+    assert names.index("torch/symm-oneshot-sym") == names.index("registered") + 1
+
+
+def test_peer_rows_with_their_fraction_of_the_limit():
+    s = 256 << 20
+    results = {("on", 2, "auto"): {s: 740.4}, ("on", 2, "torch/symm-twoshot"): {s: 1480.8},
+               ("off", 2, "torch/symm-twoshot"): {s: 4442.4}, ("on", 2, "registered"): {s: 500.0}}
+    rows = [line for line in roof.table(results, 2900, [s]).splitlines() if line.startswith("| 2 |")]
+    assert rows == ["| 2 | 256 MiB | auto | 740.4 | 0.50 | - | - |",
+                    "| 2 | 256 MiB | torch/symm-twoshot | 1,480.8 | 0.25 | 4,442.4 | 3.0x |",
+                    "| 2 | 256 MiB | registered | 500.0 | 0.74 | - | - |"]
+
+
+def test_peer_table_takes_the_faster_op_over_ours():
+    K = 1 << 10
+    results = {("on", 2, "auto"): {4 * K: 20.0, 64 * K: 30.0},
+               ("on", 2, "torch/symm-oneshot"): {4 * K: 10.0, 64 * K: 45.0},
+               ("on", 2, "torch/symm-twoshot"): {4 * K: 12.0, 64 * K: 60.0},
+               ("on", 2, "registered"): {4 * K: 8.0},
+               ("on", 2, "torch/symm-twoshot-sym"): {4 * K: 16.0},
+               ("off", 2, "auto"): {4 * K: 2000.0}}  # no peer without MPS: no row
+    lines = roof.peer_table(results, [4 * K, 64 * K]).splitlines()
+    assert lines[2:] == ["| on | 2 | 4 KiB | 20.0 | 10.0 (oneshot) | 0.50 | 8.0 | 16.0 (twoshot) | 2.00 |",
+                         "| on | 2 | 64 KiB | 30.0 | 45.0 (oneshot) | 1.50 | - | - | - |"]
+    assert roof.peer_table({("on", 2, "auto"): {4 * K: 20.0}}, [4 * K]) == ""  # --peers off
+
+
+def test_json_gives_each_row_its_fraction_and_the_peer_what_it_ran_beside():
+    s = 256 << 20
+    out = roof.json_results({("on", 2, "auto"): {s: 740.4},
+                             ("on", 2, "torch/symm-oneshot-sym"): {s: 370.2}}, 2900)
+    assert out[0] == {"mps": "on", "world": 2, "algo": "auto", "median_us": {str(s): 740.4},
+                      "fraction_of_hbm_limit": {str(s): pytest.approx(0.5, abs=1e-3)}}
+    assert out[1]["peer_of"] == "registered"
+    assert out[1]["fraction_of_hbm_limit"] == {str(s): pytest.approx(1.0, abs=1e-3)}
+
+
+def test_a_stopped_roofline_takes_the_bench_ranks_with_it(tmp_path):
+    """timeout(1) ends gpu_roofline.py with SIGTERM while a bench run (a session of its own) is
+    going: its processes go too, not left spinning on the GPU into the lease's next step."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    pidfile = tmp_path / "pid"
+    fake = tmp_path / "fake_python"  # stands for the bench: a child that would outlive it
+    fake.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {pidfile}\nwait\n")
+    fake.chmod(0o755)
+    script = (f"import importlib.util, types\n"
+              f"spec = importlib.util.spec_from_file_location('r', {str(spec.origin)!r})\n"
+              f"r = importlib.util.module_from_spec(spec); spec.loader.exec_module(r)\n"
+              f"r.sys = types.SimpleNamespace(executable={str(fake)!r})\n"
+              f"r.run_bench_rows(2, 'auto', [4096], 60, peers=r.PEERS['auto'])\n")
+    p = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    for _ in range(100):  # gone, or a zombie waiting for init
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the bench's child outlived the roofline")

@@ -25,7 +25,13 @@ Backends
     (parameter server from torch.distributed ops: all_reduce = reduce to rank 0 + broadcast,
     reduce_scatter = reduce to rank 0 + scatter, all_gather = gather to rank 0 + broadcast; rank 0
     moves 2(N-1) tensors where a ring rank moves 2(N-1)/N, so the gap grows with N). torch and ps
-    skip integer ``avg`` (torch.distributed has none), with a note.
+    skip integer ``avg`` (torch.distributed has none), with a note. ``torch/symm`` (GPU only;
+    without one a note says so and the run goes on): torch's SymmetricMemory all-reduces, the peer
+    that runs two ranks on one GPU (the launcher sets TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+    where ranks share a GPU), as four rows: torch/symm-oneshot and -twoshot on ordinary tensors
+    (copied into a symmetric buffer, as vLLM calls them), -oneshot-sym and -twoshot-sym on
+    symmetric tensors (beside ringreduce/p2p-shared); all_reduce, sum, float and bfloat16 only
+    (other cases skip with a note).
 
 Definitions (nccl-tests)
     bytes = the full tensor (all_reduce: the tensor; reduce_scatter: the input; all_gather: the

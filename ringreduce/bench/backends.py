@@ -149,6 +149,102 @@ class TorchOnRingreduce(Torch):
         _all_gather(out, inp, group=self.group)
 
 
+def _symm_mem():
+    import torch.distributed._symmetric_memory as symm_mem  # a test replaces this function
+    return symm_mem
+
+
+class TorchSymm:
+    """torch's SymmetricMemory all-reduces (torch.ops.symm_mem), the peer that, unlike NCCL 2.28,
+    runs two ranks on one GPU (TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1, set by the launcher).
+
+      torch/symm-oneshot, -twoshot          an ordinary tensor, as vLLM calls it: copied into a
+                                            symmetric buffer (one per size, kept until release),
+                                            then one_shot_all_reduce_out into the tensor, or
+                                            two_shot_all_reduce_ and a copy back
+      torch/symm-oneshot-sym, -twoshot-sym  the symmetric buffer itself (own_tensor), beside
+                                            ringreduce/p2p-shared: two_shot_all_reduce_ in place;
+                                            one-shot writes another tensor (result_tensor), as its
+                                            kernel reads every rank's input while it writes
+
+    Schemas and API checked on torch 2.11.0+cu130 and 2.14.1+cu130 (same in both):
+    symm_mem.empty(n, dtype=, device=), symm_mem.rendezvous(tensor, group_name),
+    one_shot_all_reduce_out(Tensor input, str reduce_op, str group_name, Tensor(a!) out),
+    two_shot_all_reduce_(Tensor(a!) input, str reduce_op, str group_name). Their kernels take
+    reduce_op "sum", are built for float and bfloat16 only, and need sizes in multiples of 4 B."""
+
+    DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self, label, op, rank, world):
+        self.label, self.op_name, self.symm_mem = label, op, _symm_mem()
+        variant = label.split("/", 1)[1]
+        self.oneshot = variant.startswith("symm-oneshot")
+        self.symmetric = variant.endswith("-sym")
+        self.group_name = dist.group.WORLD.group_name
+        self.ops = torch.ops.symm_mem
+        self._buffers = {}  # (numel, dtype) -> rendezvoused symmetric tensor
+        self._out = None    # one-shot -sym: where the result goes
+
+    def supports(self, collective, dtype):
+        if collective != "all_reduce":
+            return "torch.ops.symm_mem's one-/two-shot ops are all-reduces"
+        if self.op_name != "sum":
+            return "torch.ops.symm_mem's all-reduces sum only"
+        if dtype not in self.DTYPES:
+            return f"torch.ops.symm_mem's kernels are built for float and bfloat16, not " \
+                   f"{str(dtype).replace('torch.', '')}"
+        return None
+
+    def _buffer(self, numel, dtype, device):
+        """A symmetric tensor of numel elements (collective the first time: every rank asks for the
+        same sizes in the same order, as the sweep does)."""
+        key = (numel, dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self.symm_mem.empty(numel, dtype=dtype, device=device)
+            self.symm_mem.rendezvous(buf, self.group_name)
+            self._buffers[key] = buf
+        return buf
+
+    def own_tensor(self, like):
+        """The tensor the sweep reduces: the symmetric one (-sym) or like, whose staging buffer is
+        made here, outside the timed calls."""
+        buf = self._buffer(like.numel(), like.dtype, like.device)
+        return buf.view(like.shape) if self.symmetric else like
+
+    def result_tensor(self, t):
+        """Where all_reduce(t) leaves the result."""
+        if not (self.symmetric and self.oneshot):
+            return t
+        if self._out is None or self._out.shape != t.shape or self._out.dtype != t.dtype:
+            self._out = torch.empty_like(t)
+        return self._out
+
+    def all_reduce(self, t):
+        if self.symmetric:
+            if self.oneshot:
+                self.ops.one_shot_all_reduce_out(t, "sum", self.group_name, self.result_tensor(t))
+            else:
+                self.ops.two_shot_all_reduce_(t, "sum", self.group_name)
+            return
+        flat = t.view(-1)
+        buf = self._buffer(flat.numel(), t.dtype, t.device)
+        buf.copy_(flat)
+        if self.oneshot:
+            self.ops.one_shot_all_reduce_out(buf, "sum", self.group_name, flat)
+        else:
+            self.ops.two_shot_all_reduce_(buf, "sum", self.group_name)
+            flat.copy_(buf)
+
+    def release(self):
+        """After a size (every rank's kernels are done: each op ends with a barrier across ranks
+        and the sweep synchronized the device): its buffers go."""
+        self._buffers.clear()
+        self._out = None
+
+    close = release
+
+
 class ParameterServer(Torch):
     """Rank 0 as a parameter server, from torch.distributed point-to-root ops."""
 
@@ -296,6 +392,8 @@ def remove_shm(prefix, rank=None):
 def make(label, op, rank, world):
     if label == "torch/ringreduce":
         return TorchOnRingreduce(label, op, rank, world)
+    if label.startswith("torch/symm-"):
+        return TorchSymm(label, op, rank, world)
     kind = label.split("/", 1)[0]
     cls = {"ringreduce": RingReduce, "torch": Torch, "ps": ParameterServer, "mpi": Mpi,
            "deepspeed": DeepSpeed}[kind]

@@ -28,8 +28,14 @@ OPS = ("sum", "prod", "min", "max", "avg")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot",
             "ringreduce/twoshot", "ringreduce/cma", "ringreduce/pool", "ringreduce/hier",
-            "ringreduce/p2p", "ringreduce/p2p-shared", "ringreduce/nccl", "torch", "torch/ringreduce", "ps", "mpi",
-            "mpi/openmpi", "mpi/mpich", "deepspeed")
+            "ringreduce/p2p", "ringreduce/p2p-shared", "ringreduce/nccl", "torch", "torch/ringreduce",
+            "torch/symm", "torch/symm-oneshot", "torch/symm-twoshot", "torch/symm-oneshot-sym",
+            "torch/symm-twoshot-sym", "ps", "mpi", "mpi/openmpi", "mpi/mpich", "deepspeed")
+# torch/symm: torch's SymmetricMemory all-reduces on ordinary tensors (copied into its buffer) and
+# on its symmetric tensors (-sym, beside ringreduce/p2p-shared); CUDA only
+SYMM_LABELS = ("torch/symm-oneshot", "torch/symm-twoshot", "torch/symm-oneshot-sym",
+               "torch/symm-twoshot-sym")
+SYMM_OPS = ("one_shot_all_reduce_out", "two_shot_all_reduce_")
 PEERS_HINT = "pip install '.[peers]'"
 MPI_HINT = ("--backends mpi needs mpi4py and an MPI launcher: apt-get install openmpi-bin "
             f"libopenmpi-dev (and/or mpich), then {PEERS_HINT}")
@@ -126,10 +132,12 @@ def build_parser():
     p.add_argument("--collectives", type=_choice_list(COLLECTIVES, "collective"),
                    default=list(COLLECTIVES), help="comma list (default all)")
     p.add_argument("--backends", type=_choice_list(BACKENDS, "backend"),
-                   default=["ringreduce", "torch", "torch/ringreduce", "ps"],
+                   default=["ringreduce", "torch", "torch/ringreduce", "torch/symm", "ps"],
                    help="comma list of ringreduce[/shm|/ring|/oneshot|/twoshot|/cma|/pool|/p2p|/p2p-shared|/nccl] (ringreduce on "
                         "the CPU: auto, ring and one-shot algorithms), torch (Gloo or NCCL), "
-                        "torch/ringreduce (torch.distributed calls on ringreduce's backend), ps, "
+                        "torch/ringreduce (torch.distributed calls on ringreduce's backend), "
+                        "torch/symm[-oneshot|-twoshot][-sym] (GPU: torch's SymmetricMemory "
+                        "all-reduces; skipped without a GPU), ps, "
                         "mpi[/openmpi|/mpich] (mpi4py; every MPI installed, or one; the suite starts "
                         "the ranks with that MPI's mpirun), deepspeed (its "
                         "shm all-reduce, float32 sum) (default: all but mpi and deepspeed)")
@@ -192,9 +200,13 @@ def parse_args(argv=None):
     if a.hosts > min(a.nranks):
         parser.error(f"--hosts {a.hosts}: more simulated hosts than ranks (--nranks "
                      f"{','.join(map(str, a.nranks))})")
-    a.backends = expand_backends(a.backends, a.device, parser, a.hosts)
+    a.skipped = []  # one line per command-line name left out here, with the reason
+    a.backends = expand_backends(a.backends, a.device, parser, a.hosts, a.skipped)
+    if not a.backends:
+        parser.error("no backend to run: " + "; ".join(a.skipped))
     if a.corrupt_for_test in BACKENDS:  # a command-line name: the first label it stands for
-        a.corrupt_for_test = expand_backends([a.corrupt_for_test], a.device, parser, a.hosts)[0]
+        a.corrupt_for_test = (expand_backends([a.corrupt_for_test], a.device, parser, a.hosts, [])
+                              or [a.corrupt_for_test])[0]
     if a.corrupt_for_test and a.corrupt_for_test not in a.backends:
         parser.error(f"--corrupt-for-test {a.corrupt_for_test}: not one of the backends run "
                      f"({', '.join(a.backends)})")
@@ -233,11 +245,34 @@ def mpi_launcher():
     return next(iter(mpi_launchers().items()), None)
 
 
-def expand_backends(names, device, parser, hosts=1):
-    """Command-line names -> labels shown in the table, e.g. ringreduce -> ringreduce/shm."""
+def symm_unavailable(device):
+    """Why torch's SymmetricMemory all-reduces cannot run here, or None."""
+    if device != "cuda":
+        return "no GPU"
+    ops = getattr(torch.ops, "symm_mem", None)
+    missing = [op for op in SYMM_OPS if ops is None or not hasattr(ops, op)]
+    if missing:
+        return f"torch {torch.__version__} has no torch.ops.symm_mem.{missing[0]}"
+    return None
+
+
+def expand_backends(names, device, parser, hosts=1, skipped=None):
+    """Command-line names -> labels shown in the table, e.g. ringreduce -> ringreduce/shm. Names
+    that cannot run here but are not errors (torch/symm without a GPU) add a line to skipped."""
     base = "nccl" if device == "cuda" else "gloo"
     out = []
     for name in names:
+        if name.startswith("torch/symm"):
+            why = symm_unavailable(device)
+            if why is None:
+                out += list(SYMM_LABELS) if name == "torch/symm" else [name]
+            elif name == "torch/symm":
+                if skipped is not None:
+                    skipped.append(f"torch/symm-* skipped: {why}")
+            else:
+                parser.error(f"--backends {name}: {why} (torch's SymmetricMemory moves CUDA "
+                             f"tensors)")
+            continue
         if name == "ringreduce":
             out += ["ringreduce/p2p", "ringreduce/nccl"] if device == "cuda" else \
                 ["ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot"] + \

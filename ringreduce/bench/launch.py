@@ -27,7 +27,8 @@ GRACE_S = 3.0  # after one rank fails, how long the others get to report before 
 
 
 def _device_setup(device_kind, local_rank, local_world):
-    """Threads per rank, this rank's GPU, and NCCL's consent to share a GPU between ranks."""
+    """Threads per rank, this rank's GPU, and NCCL's and SymmetricMemory's consent to share a
+    GPU between ranks."""
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, local_world)))
     if device_kind != "cuda":
         return torch.device("cpu")
@@ -36,6 +37,9 @@ def _device_setup(device_kind, local_rank, local_world):
     torch.cuda.set_device(device)
     if local_world > count:  # several ranks per GPU (DESIGN.md, "Machines and builds")
         os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        # torch's SymmetricMemory refuses a rendezvous of ranks on one device without it (read
+        # at each rendezvous, so setting it here, before any, is enough)
+        os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
         if torch.cuda.nccl.version() < (2, 30):  # older NCCL: pretend to be hosts, use sockets
             os.environ.setdefault("NCCL_HOSTID", f"ringreduce-bench-{local_rank}")
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")

@@ -51,16 +51,20 @@ class Buffers:
         if self.collective == "all_reduce":
             own = getattr(backend, "own_tensor", None)  # ringreduce/pool: its shared buffer
             t = own(self.out) if own else self.out
+            # torch/symm-oneshot-sym: the result lands in another tensor
+            res = backend.result_tensor(t) if hasattr(backend, "result_tensor") else t
+            if res is not t:
+                res.fill_(self.sentinel)
             if inplace:
                 t.copy_(self.ref.input)
-                return (lambda: backend.all_reduce(t)), t
+                return (lambda: backend.all_reduce(t)), res
             self.inp.copy_(self.ref.input)
             t.fill_(self.sentinel)
 
             def out_of_place():  # all_reduce is in place only: the copy is part of the call
                 t.copy_(self.inp)
                 backend.all_reduce(t)
-            return out_of_place, t
+            return out_of_place, res
         if self.collective == "reduce_scatter":
             self.inp.copy_(self.ref.input)
             if inplace:
@@ -84,6 +88,8 @@ class Context:
         bk.HOSTS = args.hosts
         self.notes = []
         self.tty = sys.stderr.isatty()
+        for line in getattr(args, "skipped", ()):  # names the command line left out here
+            self.note(line)
         self.backends = [bk.make(label, args.op, rank, world) for label in args.backends]
         for b in self.backends:  # the peers' versions, with the numbers they produce
             if getattr(b, "library", None):
@@ -144,16 +150,23 @@ def peak_membw(ctx):
 
 
 def probe_backends(ctx):
-    """Drops ringreduce GPU transports that fail a tiny call on any rank (e.g. not built yet)."""
+    """Drops ringreduce GPU transports and torch's SymmetricMemory backends that fail a tiny call
+    on any rank (e.g. not built yet, or a rendezvous refused)."""
     keep = []
     for b in ctx.backends:
         error = None
-        if isinstance(b, bk.RingReduce) and ctx.cuda:
+        if isinstance(b, (bk.RingReduce, bk.TorchSymm)) and ctx.cuda:
             try:
-                b.all_reduce(torch.ones(ctx.world, device=ctx.device))
+                t = torch.ones(ctx.world, device=ctx.device)
+                if isinstance(b, bk.TorchSymm):
+                    t = b.own_tensor(t)
+                    t.fill_(1)
+                b.all_reduce(t)
                 ctx.sync()
             except Exception as e:  # the transport's own error, reported as a note
                 error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if isinstance(b, bk.TorchSymm):
+                b.release()
         ok = torch.tensor([0 if error else 1])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.ctrl)
         if ok.item():
