@@ -2,11 +2,10 @@
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
 # BUDGET_S seconds (default 570): the build, the GPU smoke tests and the torchrun exit-status tests,
 # the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py; torch's SymmetricMemory
-# one-/two-shot in the same bench runs as auto and registered, those runs first), the direct
-# algorithms in lock step (AHEAD_SWEEP) against the default write-ahead, the cost of one handshake by mechanism
-# (benchmarks/gpu_handshake.cu, MPS off and on), two-shot at 16 blocks (BLOCKS_SWEEP), the direct
-# algorithms with larger rounds (SLOT_SWEEP) and the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU
-# tests under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
+# one-/two-shot in the same bench runs as auto and registered, those runs first), the cost of one
+# handshake by mechanism (benchmarks/gpu_handshake.cu, MPS off and on), the symmetric workspace's
+# blocks (BLOCKS_SWEEP, below the default 24) and piece sizes (CHUNK_SWEEP, around the default
+# 16 MiB), the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU tests under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
 # lines printed are the summary. Afterwards, where there is no GPU:
 #   python benchmarks/gpu_tune.py --from OUT/roofline.json     # auto's thresholds from the medians
 # tests/gpu_suite.sh is the whole plan (native nvcc test too) for a longer lease.
@@ -35,12 +34,12 @@ EXITS="test_processes_exit_cleanly_under_torchrun"
 log "smoke, the copy algorithm and exit statuses (no MPS)"
 timeout -k 10 260 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
     test_transport_choice_logged or test_world_one_moves_nothing or test_shared_buffers or \
-    p2p_copy-2 or test_time_sliced_ranks_run_the_copy_algorithm or $EXITS" tests/test_cuda.py \
+    p2p_copy-2 or test_time_sliced_ranks_are_warned or $EXITS" tests/test_cuda.py \
     --durations=10 -rfE > "$OUT/smoke.log" 2>&1
 log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
 
 log "roofline"
-# At least 60 s (timeout 0 would mean none); otherwise 180 s left for write-ahead and handshakes.
+# At least 60 s (timeout 0 would mean none); otherwise 180 s left for the handshakes and sweeps.
 # --timeout is per backend (the auto and registered runs carry the peer's two ops: 3 backends);
 # batches of >= 20 ms (the bench's default 50) keep those near a minute (estimated, not measured).
 roof_s=$(( $(left) - 180 )); [ "$roof_s" -lt 60 ] && roof_s=60
@@ -61,15 +60,6 @@ bench_p2p() {
       --collectives all_reduce -b "$from" -e "$to" -f "$factor" -n 10 -w 3 \
       2>&1 | grep -v "^#\|^\[bench\]" | sed "s/^/$label /" | tee -a "$OUT/rounds.log"
 }
-# Session 15's write-ahead (RINGREDUCE_CUDA_DIRECT_AHEAD, default 2: the peers' posts land while a
-# block works) against the lock step (1) of the earlier runs. AHEAD_SWEEP= skips it.
-for ahead in ${AHEAD_SWEEP-1}; do
-  for algo in oneshot twoshot; do
-    [ "$(left)" -lt 100 ] && break 2
-    log "write-ahead: $algo, ahead $ahead"
-    bench_p2p "$algo ahead=$ahead" 1M 256M 16 RINGREDUCE_CUDA_DIRECT_AHEAD=$ahead RINGREDUCE_CUDA_ALGO=$algo
-  done
-done
 # What one cross-process handshake costs on this GPU by mechanism (a spinning kernel, stream memory
 # operations, a copy plus memops), without MPS and with it: the design question of issue 36 item 3.
 if [ "$(left)" -ge 100 ]; then
@@ -87,23 +77,20 @@ if [ "$(left)" -ge 100 ]; then
 fi
 mps_off
 nvidia-cuda-mps-control -d && sleep 1
-# The blocks of session 14 (up to 64 per call, from the SM count) against session 12's 16: what
-# more blocks buy. BLOCKS_SWEEP= skips it.
-for blocks in ${BLOCKS_SWEEP-16}; do
+# The symmetric workspace's blocks (default 24, unmeasured: SymmetricMemory ~24, vLLM 36) against
+# fewer: what blocks buy. BLOCKS_SWEEP= skips it.
+for blocks in ${BLOCKS_SWEEP-8 16}; do
   [ "$(left)" -lt 180 ] && break
   log "blocks: twoshot, at most $blocks"
   bench_p2p "twoshot max_blocks=$blocks" 1M 256M 16 RINGREDUCE_CUDA_MAX_BLOCKS=$blocks \
       RINGREDUCE_CUDA_ALGO=twoshot
 done
-# The direct algorithms' cost per round (~7-8 us in lock step on the H200 run, BENCHMARKS.md
-# section 6): the same calls with larger rounds (RINGREDUCE_CUDA_SLOT_BYTES, bytes per block,
-# source and round). SLOT_SWEEP= (empty) skips it.
-for slot in ${SLOT_SWEEP-32768 131072 524288}; do
-  for algo in oneshot twoshot; do
-    [ "$(left)" -lt 150 ] && break 2
-    log "rounds: $algo, slot $slot B"
-    bench_p2p "$algo slot=$slot" 1M 256M 16 RINGREDUCE_CUDA_SLOT_BYTES=$slot RINGREDUCE_CUDA_ALGO=$algo
-  done
+# The workspace's piece (RINGREDUCE_CUDA_CHUNK_BYTES, default 16 MiB: one barrier, two-shot two,
+# per piece; two halves per rank) smaller and larger. CHUNK_SWEEP= (empty) skips it.
+for chunk in ${CHUNK_SWEEP-4194304 67108864}; do
+  [ "$(left)" -lt 150 ] && break
+  log "pieces: twoshot, chunk $chunk B"
+  bench_p2p "twoshot chunk=$chunk" 1M 256M 16 RINGREDUCE_CUDA_CHUNK_BYTES=$chunk RINGREDUCE_CUDA_ALGO=twoshot
 done
 # The ring's staging FIFO (16 channels x 8 slots x slice bytes: 64 MiB per rank at the default
 # 512 KiB, more than the L2 for two ranks) with smaller slices. RING_SWEEP= skips it.

@@ -197,6 +197,33 @@ def time_sliced(where):
     return any(per_device[(host, bus)] > 1 and not mps for host, bus, _, mps in where)
 
 
+def mps_sm_share(device_index):
+    """The percentage of the device's SMs this process may use: the MPS client's execution
+    affinity (cuCtxGetExecAffinity, CUDA 11.4+), else CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, else 100."""
+    try:
+        import ctypes
+        cuda = ctypes.CDLL("libcuda.so.1")
+        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        # CUexecAffinityParam {CUexecAffinityType type; union {struct {unsigned val;} smCount;}}
+        param = (ctypes.c_uint * 2)()
+        if cuda.cuCtxGetExecAffinity(param, 0) == 0 and 0 < param[1] <= sms:  # 0: SM count
+            return max(1, 100 * param[1] // sms)
+    except (OSError, AttributeError):
+        pass
+    pct = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+    try:
+        return min(100, max(1, int(float(pct)))) if pct else 100
+    except ValueError:
+        return 100
+
+
+def usable_sms(sms, share_pct, live_comms):
+    """SMs one communicator's kernels may keep resident in this process: the MPS share of the
+    device, split between this communicator and the live ones already on it (their kernels may
+    spin at the same time: a DDP hook's bucket beside another group's call)."""
+    return max(1, sms * share_pct // 100 // (1 + live_comms))
+
+
 def resident_blocks(where):
     """The most thread blocks one p2p call may use, the same on every rank: where[q] is rank q's
     (host, PCI bus id, SM count). Every block of every rank's kernel spins until its peers' blocks
@@ -393,7 +420,9 @@ class Communicator(_lifecycle.Communicator):
         """Whether every rank can map every other rank's memory (the one-shot and two-shot
         algorithms write into all of them); the same answer on every rank."""
         n, r = self.world_size, self.rank
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        sms = usable_sms(torch.cuda.get_device_properties(self.device).multi_processor_count,
+                         mps_sm_share(self.device.index),
+                         len(REGISTRY.live(("cuda", self.device.index))))
         me = f"{host_id()}|{_C.cuda_bus_id(self.device.index)}|{sms}|{int(mps_active())}"
         self._setup.set(f"bus/{r}", me)
         where = [v.decode().rsplit("|", 3) for v in self._setup.all("bus", n, "host and device")]

@@ -129,6 +129,23 @@ def test_blocks_per_call_leave_room_for_every_rank_on_a_device():
     assert resident_blocks([("a", "0:1", 2)] * 4) == 1  # never below one block
 
 
+def test_blocks_leave_room_for_mps_shares_and_other_communicators(monkeypatch):
+    """A communicator's SMs: the MPS share of the device (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE where
+    the driver cannot say), split with the communicators already live on it."""
+    from ringreduce._cuda import mps_sm_share, usable_sms
+    assert usable_sms(132, 100, 0) == 132
+    assert usable_sms(132, 50, 0) == 66
+    assert usable_sms(132, 100, 1) == 66  # a second communicator on the device
+    assert usable_sms(132, 50, 2) == 22
+    assert usable_sms(4, 10, 3) == 1  # never below one
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")
+    assert mps_sm_share(0) == 25  # no driver here: the variable
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "lots")
+    assert mps_sm_share(0) == 100
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    assert mps_sm_share(0) == 100
+
+
 def test_time_sliced_where_ranks_share_a_gpu_without_mps():
     """The copy algorithm (no kernel waits for another rank) where some GPU of the group is
     shared by ranks and MPS does not run; where[q] = (host, bus id, SMs, MPS active)."""

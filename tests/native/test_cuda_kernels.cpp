@@ -242,6 +242,54 @@ static void test_ranks_share_a_device() {
   std::printf("ranks sharing a device: %d cases (%.1f s)\n", cases, seconds_since(t0));
 }
 
+// Two communicators per rank on one shared device, their calls in flight at once (a DDP hook's
+// bucket beside another group's call): the torch binding gives each the SMs over the ranks and the
+// live communicators of the device (ringreduce/_cuda.py: usable_sms, resident_blocks), so every
+// block of all four kernels is resident together. The emulator holds EMU_CUDA_SMS blocks at once;
+// with more per kernel some would wait for blocks that never end (the mutation
+// plan_ignores_resident_blocks).
+static void test_two_communicators_share_a_device() {
+  const int n = 2, comms = 2;
+  const int max_blocks = std::max(1, rc::sm_count() / (n * comms));
+  const int64_t numel = 3 * 65536 + 5;
+  std::vector<std::unique_ptr<Group>> groups;
+  for (int k = 0; k < comms; ++k)
+    groups.push_back(std::make_unique<Group>(n, rc::p2p::kMaxChannels, rc::p2p::kDefaultSliceBytes, 5.0,
+                                             rc::p2p::Algo::TwoShot, false, 64 << 10, false, max_blocks, true));
+  DevBuf any(16);
+  const int planned = groups[0]->rings[0]->plan_of(groups[0]->call(numel, any)).blocks;
+  EXPECT(planned == std::min(max_blocks, rc::p2p::kDefaultSymBlocks), "a plan of %d blocks, cap %d", planned, max_blocks);
+  std::vector<std::unique_ptr<DevBuf>> bufs;
+  for (int round = 0; round < 3; ++round) {
+    bufs.clear();
+    for (int k = 0; k < comms; ++k)
+      for (int r = 0; r < n; ++r) {
+        bufs.push_back(std::make_unique<DevBuf>(numel * 4));
+        const std::vector<float> h(numel, static_cast<float>(k * 10 + r + 1));
+        fill_on(groups[k]->ranks[r].stream, bufs.back()->p,
+                std::vector<char>(reinterpret_cast<const char*>(h.data()), reinterpret_cast<const char*>(h.data() + numel)));
+      }
+    for (int r = 0; r < n; ++r)  // interleaved: rank r of both communicators, then the next rank
+      for (int k = 0; k < comms; ++k)
+        groups[k]->rings[r]->run(groups[k]->call(numel, *bufs[k * n + r]), groups[k]->ranks[r].stream);
+    for (int k = 0; k < comms; ++k)
+      for (int r = 0; r < n; ++r) RR_CUDA_CHECK(cudaStreamSynchronize(groups[k]->ranks[r].stream));
+    for (int k = 0; k < comms; ++k)
+      for (int r = 0; r < n; ++r) {
+        EXPECT(groups[k]->rings[r]->failure().empty(), "communicator %d rank %d: %s", k, r,
+               groups[k]->rings[r]->failure().c_str());
+        std::vector<float> h(numel);
+        RR_CUDA_CHECK(cudaMemcpy(h.data(), bufs[k * n + r]->p, numel * 4, cudaMemcpyDeviceToHost));
+        const float want = static_cast<float>(2 * k * 10 + 3);
+        int bad = 0;
+        for (float v : h) bad += v != want;
+        EXPECT(bad == 0, "communicator %d rank %d round %d: %d elements are not %g (e.g. %g)", k, r, round, bad, want, h[0]);
+      }
+    if (g_failures) return;
+  }
+  std::printf("two communicators on one device: %d blocks each\n", planned);
+}
+
 // (2a) the copy algorithm (ranks sharing a GPU without MPS): copies into the peers' inboxes and
 // stream waits on counters, a kernel that never waits. Forced, with tiny pieces (many per call, so
 // that the inbox slots are reused while peers still fold: the "freed" counts), unaligned too; then
@@ -1207,6 +1255,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_avg_wide_divisor", [&] { test_avg_wide_divisor(); });
     run_test(argc, argv, "test_ring", [&] { test_ring(); });
     run_test(argc, argv, "test_ranks_share_a_device", [&] { test_ranks_share_a_device(); });
+    run_test(argc, argv, "test_two_communicators_share_a_device", [&] { test_two_communicators_share_a_device(); });
     run_test(argc, argv, "test_copy", [&] { test_copy(); });
     run_test(argc, argv, "test_copy_failures", [&] { test_copy_failures(); });
 #ifdef RINGREDUCE_EMU

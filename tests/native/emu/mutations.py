@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 BUILD = ROOT / "cbuild"
 
 KERNEL = "csrc/cuda/p2p_kernel.cu"
+SYM = "csrc/cuda/sym_kernel.cu"
 STANDIN = "tests/native/emu/nccl_standin.cpp"
 P2P_TEST = ("test_cuda_kernels_emu", ["test_ring", "test_timeout", "test_mismatch"])
 NCCL_TEST = ("test_nccl_ring_emu", ["test_sweep"])
@@ -75,16 +76,10 @@ MUTATIONS = {
         "direct blocks past the 32nd record their stops past the end of the host-mapped records"),
     "plan_ignores_resident_blocks": (
         "csrc/cuda/p2p.cpp",
-        "  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxChannels + kMaxDirectBlocks;",
-        "  const int resident = kMaxChannels + kMaxDirectBlocks;",
-        ("test_cuda_kernels_emu", ["test_ranks_share_a_device"]),
+        "  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;",
+        "  const int resident = kMaxBlocks;",
+        ("test_cuda_kernels_emu", ["test_ranks_share_a_device", "test_two_communicators_share_a_device"]),
         "ranks sharing a device launch more blocks than it holds: some wait for blocks that never end"),
-    "replay_after_close_notifies_peers": (
-        KERNEL,
-        "  if (ld_relaxed_sys(&a.ctl->abort) != kCtlClosed) {",
-        "  if (true) {",
-        ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
-        "a graph replayed after close writes its abort word into peers that may have freed it"),
     "close_frees_a_pinned_ring": (
         "csrc/cuda/p2p.cpp",
         "  const bool replayable = area_ && pins_->load() > 0;",
@@ -107,28 +102,6 @@ MUTATIONS = {
         "    if (recv) st_relaxed_sys(&a.up->ring[k].credits.value, c.received + 1);",
         "    if (recv && c.index < 2) st_relaxed_sys(&a.up->ring[k].credits.value, c.received + 1);",
         P2P_TEST, "the sender never gets its slots back: it waits until the timeout"),
-    "direct_no_wait_for_gather": (
-        KERNEL,
-        "    if (!wait_all(a, 1, seq, i, [&](int q) { return part(q, i).count * es; })) return false;",
-        "",
-        P2P_TEST, "two-shot copies the gathered chunks before they have arrived"),
-    "twoshot_gather_into_wrong_chunk": (
-        KERNEL,
-        "      dst[0] = out + sp.begin;\n      span_multi<T, RedOp::Sum>(dst, 1, only(dslot<T>(a, a.self_data, seq, 1, q, sp.begin))",
-        "      dst[0] = out + part(r, i).begin;\n      span_multi<T, RedOp::Sum>(dst, 1, only(dslot<T>(a, a.self_data, seq, 1, q, sp.begin))",
-        P2P_TEST, "every gathered chunk lands on this rank's own chunk"),
-    "oneshot_skips_last_rank": (
-        KERNEL,
-        "      span_multi<T, Op>(dst, 1, ranks(seq, 0, P.begin, in + P.begin), n, P.count, a.divisor, tid, nt);",
-        "      span_multi<T, Op>(dst, 1, ranks(seq, 0, P.begin, in + P.begin), n - 1, P.count, a.divisor, tid, nt);",
-        P2P_TEST, "one-shot leaves the last rank's input out of the sum"),
-    "flag_without_system_fence": (
-        KERNEL,
-        "    fence_acq_rel_sys();\n    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
-        "    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
-        WEAK_DIRECT, "one-/two-shot flags raised with a relaxed store and no fence: data and headers land after them"),
     "ring_post_without_fence": (
         KERNEL,
         "    fence_acq_rel_sys();\n    if (send) st_relaxed_sys(&a.down->ring[k].posted.value, c.sent + 1);",
@@ -140,41 +113,6 @@ MUTATIONS = {
         "  if (a.algo != static_cast<uint8_t>(Algo::Ring)) fence_acq_rel_sys();\n  note_wait(ctr);",
         WEAK_RING, "NOT expected: the weak mode's stale loads are cleared by the fence every step_end makes, so "
         "a missing acquire after the poll does not show (a limit of the model, README)"),
-    "oneshot_post_relaxed": (
-        KERNEL,
-        "    fence_acq_rel_sys();\n    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
-        "    if (a.algo != static_cast<uint8_t>(Algo::OneShot)) fence_acq_rel_sys();\n"
-        "    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
-        ("test_cuda_kernels_emu", ["weak_oneshot"]),
-        "one-shot's flags raised relaxed, without the fence: the inputs written into the peers land after them"),
-    "twoshot_gather_post_relaxed": (
-        KERNEL,
-        "    fence_acq_rel_sys();\n    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
-        "    if (ph == 0) fence_acq_rel_sys();\n    for (int p = 0; p < a.nranks; ++p)\n"
-        "      if (p != a.rank) st_relaxed_sys(&a.peer[p]->direct[blockIdx.x].arrived[ph].from[a.rank], seq);",
-        ("test_cuda_kernels_emu", ["weak_twoshot"]),
-        "two-shot's gather flags (phase 1) raised relaxed, without the fence: the reduced chunks land after them"),
-    "direct_write_ahead_past_depth": (
-        KERNEL,
-        [("(((seq % kDirectDepth) * 2 + ph)", "(((seq % 2) * 2 + ph)"),
-         ("direct_hdr[seq % kDirectDepth]", "direct_hdr[seq % 2]")],
-        None, P2P_TEST,
-        "two slots per source with rounds written two ahead: a round overwrites one a peer has not read yet"),
-    "allgather_sends_before_collecting": (
-        KERNEL,
-        "      ok = collect(i);\n      if (ok && i + W < a.steps) send(i + W);",
-        "      if (i + W < a.steps) send(i + W);\n      ok = collect(i);",
-        P2P_TEST,
-        "all-gather alone sends round i + 2 before it has read round i: needs 5 slots, has 4"),
-    "twoshot_collects_two_behind": (
-        KERNEL,
-        "  const int64_t W = a.direct_ahead, L = W - 1;",
-        "  const int64_t W = a.direct_ahead, L = W;",
-        P2P_TEST,
-        "two-shot collects round i - 2 after sending round i + 2: needs 5 slots, has 4"),
     "nccl_reduce_on_default_stream": (
         "csrc/cuda/nccl_ring.cpp",
         "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"
@@ -225,55 +163,12 @@ MUTATIONS = {
         None, ("test_cuda_kernels_emu", ["test_deterministic", "test_replayed"]),
         "the test's own race (issue 35): inputs and outputs filled on the legacy stream, which the "
         "ranks' non-blocking streams do not wait for"),
-    "registered_reads_before_handshake": (
-        KERNEL,
-        "  if (wait_all(a, 0, seq, 0, tag)) {",
-        "  if (true) {",
-        ("test_cuda_kernels_emu", ["test_registered"]),
-        "the registered all_reduce reads the peers' copies before they say their inputs are there"),
-    "registered_returns_before_peers_wrote": (
-        KERNEL,
-        "    post_all(a, 1, seq, 0, tag);\n    wait_all(a, 1, seq, 0, tag);",
-        "    post_all(a, 1, seq, 0, tag);",
-        ("test_cuda_kernels_emu", ["test_registered_result_in_stream_order"]),
-        "a rank's call ends while peers still write their results into its copy: the next call's "
-        "input is overwritten"),
-    "registered_tag_not_in_headers": (
-        KERNEL,
-        "  auto tag = [&](int) { return a.reg_tag; };",
-        "  auto tag = [&](int) { return uint64_t{0}; };",
-        ("test_cuda_kernels_emu", ["test_registered_mismatch"]),
-        "ranks whose tensors sit at other offsets read and write each other's wrong elements, "
-        "silently"),
     "registered_plan_past_the_end": (
         "csrc/cuda/p2p.cpp",
         "      if (!g.mapped || p < base || p + bytes > base + g.bytes) continue;",
         "      if (!g.mapped || p < base || p >= base + g.bytes) continue;",
         ("test_cuda_kernels_emu", ["test_registered"]),
         "a tensor that runs past its buffer's end is reduced in the peers' copies past theirs"),
-    "direct_ignores_ring_messages": (
-        KERNEL,
-        "      if (ring_call && ring_runs_this_call(a, ring_call)) return abort_word(kMismatch, a.rank);",
-        "",
-        ("test_cuda_kernels_emu", ["test_mismatch_direct_against_ring"]),
-        "a rank running the ring and one running a direct algorithm for the same call wait for each "
-        "other until the timeout"),
-    "ring_message_of_a_later_call_is_a_mismatch": (
-        KERNEL,
-        "  return got->op_seq == a.op_seq && got->algo == static_cast<uint8_t>(Algo::Ring);",
-        "  return got->algo == static_cast<uint8_t>(Algo::Ring);",
-        ("test_cuda_kernels_emu", ["test_ring", "test_registered"]),
-        "upstream, done with a direct call, starts the next call (the ring) while this rank still "
-        "waits in the direct one: no mismatch, but this check would call it one"),
-    "wait_outcome_for_thread0_only": (
-        KERNEL,
-        "        record_stop(a, stop, true, q, w, false, mine, &got);\n      }\n    }\n    s_stop = stop;\n"
-        "  }\n  __syncthreads();\n  return s_stop == 0;",
-        "        record_stop(a, stop, true, q, w, false, mine, &got);\n      }\n    }\n    s_stop = stop;\n"
-        "  }\n  __syncthreads();\n  return threadIdx.x != 0 || s_stop == 0;",
-        ("test_cuda_kernels_emu", ["test_mismatch"]),
-        "on a failed wait thread 0 stops and the other threads go on to the next barrier (the class of "
-        "session 15's outcome-word bug): divergent barriers, which the emulator now names"),
     "fold_rounds_every_step": (
         "csrc/cuda/reduce.cuh",
         "        for (int k = 0; k < K; ++k) acc[u][k] = apply<Op>(acc[u][k], N::up(x[k]));",
@@ -292,6 +187,56 @@ MUTATIONS = {
         "      for (int d = 0; d < nd; ++d) __stcg(reinterpret_cast<uint4*>(dst[d] + head) + i, r);",
         ("test_cuda_kernels_emu", ["test_ring"]),
         "the fold's unrolled body stores every lane's result at the first lane's index"),
+    # The symmetric workspace kernel (csrc/cuda/sym_kernel.cu, issue 50).
+    "sym_replay_after_close_notifies_peers": (
+        "csrc/cuda/p2p_device.cuh",
+        "  if (ld_relaxed_sys(&a.ctl->abort) != kCtlClosed) {",
+        "  if (true) {",
+        ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
+        "a graph replayed after close writes its abort word into peers that may have freed it"),
+    "sym_no_start_barrier_wait": (
+        SYM, "    stop = sym_wait(a, &a.self->sym[k].arrived[q], v, &local);",
+        "    stop = b == kStart ? 0 : sym_wait(a, &a.self->sym[k].arrived[q], v, &local);",
+        P2P_TEST, "a rank pulls the peers' pieces before they copied them in"),
+    "sym_no_middle_barrier": (
+        SYM, "        if (!(ok = barrier(a, e, kMiddle, j, nbytes, &s_claim))) break;", "", P2P_TEST,
+        "two-shot gathers the peers' reduced chunks before they wrote them"),
+    "sym_one_half": (
+        SYM, "      const uint64_t half = (e & 1) * a.half_bytes;", "      const uint64_t half = 0;",
+        P2P_TEST, "one workspace half: a rank copies piece k + 1 over piece k while its peers read it"),
+    "sym_cut_by_piece_length": (
+        SYM, "        const ring::Span p = ring::channel_part(ring::Span{lo, len}, nb, blockIdx.x);",
+        "        const ring::Span p = ring::channel_part(ring::Span{lo, ring::min64(len, count - lo)}, nb, blockIdx.x);",
+        P2P_TEST, "blocks cut a short piece their own way: a block ahead writes where another still reads "
+        "(the race found while writing the kernel)"),
+    "sym_no_barrier_before_post": (
+        SYM, "  const uint64_t v = barrier_value(epoch, b);\n  __syncthreads();",
+        "  const uint64_t v = barrier_value(epoch, b);", P2P_TEST,
+        "a thread raises the flag while others still copy the piece in"),
+    "sym_header_unchecked": (
+        SYM, "      const uint32_t cause = check_header(theirs, mine);",
+        "      const uint32_t cause = kOk;", ("test_cuda_kernels_emu", ["test_mismatch"]),
+        "ranks making different calls read each other's workspaces as if they matched"),
+    "sym_registered_tag_not_in_headers": (
+        SYM, "    if (barrier(a, e0 + 1, kStart, 0, a.reg_tag, &s_claim)) {",
+        "    if (barrier(a, e0 + 1, kStart, 0, 0, &s_claim)) {",
+        ("test_cuda_kernels_emu", ["test_registered_mismatch"]),
+        "ranks whose tensors sit at other offsets read and write each other's wrong elements, silently"),
+    "sym_registered_no_end_barrier": (
+        SYM, "      barrier(a, e0 + 1, kEnd, 0, a.reg_tag, &s_claim);", "",
+        ("test_cuda_kernels_emu", ["test_registered_result_in_stream_order"]),
+        "a rank's call ends while peers still write their results into its copy"),
+    "sym_epochs_of_own_blocks_only": (
+        SYM, "    for (int k = blockIdx.x; k < kMaxSymBlocks; k += nb) a.self->sym[k].epoch.value = e0 + pieces;",
+        "    a.self->sym[blockIdx.x].epoch.value = e0 + pieces;", P2P_TEST,
+        "blocks a call did not use keep old epochs: a later call with more blocks waits for values "
+        "its peers passed long ago, or passes barriers early"),
+    "sym_vote_thread0_only": (
+        SYM, "  return __syncthreads_or(stop != 0) == 0;",
+        "  return __syncthreads_or(0) == 0 && (threadIdx.x != 0 || stop == 0);",
+        ("test_cuda_kernels_emu", ["test_mismatch", "test_timeout"]),
+        "only the thread that failed stops; the others go on to the next barrier"),
+
 }
 
 
