@@ -643,6 +643,13 @@ class Communicator(_lifecycle.Communicator):
         does not wait for the others (they may be dead) and keeps its memory until exit."""
         if self._native is None:  # __init__ failed before the bootstrap finished
             return
+        # Under the lock the calls enqueue with: a thread that passed _check_open before close()
+        # set _closed finishes its launch first, and none launches on a ring being freed (the
+        # native run reads the peers' mappings without a lock of its own).
+        with self._lock:
+            self._close_native_locked()
+
+    def _close_native_locked(self):
         try:
             self._native.synchronize()
         except Exception:  # the failure was raised before, or no longer matters

@@ -560,6 +560,52 @@ def test_abort(env):
         assert name == "RingReduceError" and "rank 0" in msg and secs < 5, results[1]
 
 
+def close_race_worker(rank, world):
+    """Threads enqueue all_reduces while the main thread destroys the communicators (issue 51,
+    finding 1): every call either completes or raises "closed"; nothing launches on freed memory
+    (a sticky CUDA error would fail the device synchronize below and the process's exit)."""
+    import threading
+    import ringreduce as rr
+    from ringreduce import _lifecycle
+    dev = setup_rank(rank)
+    t = torch.ones(1 << 14, device=dev)
+    rr.all_reduce(t)  # the communicator exists on every rank
+    torch.cuda.synchronize()
+    outcomes, stop = [], threading.Event()
+
+    def caller():
+        x = torch.ones(1 << 14, device=dev)
+        while not stop.is_set():
+            try:
+                rr.all_reduce(x)
+            except Exception as e:  # noqa: BLE001
+                outcomes.append(type(e).__name__ + ": " + str(e)[:80])
+                return
+        outcomes.append("stopped")
+
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for th in threads:
+        th.start()
+    time.sleep(0.2)
+    comm = _lifecycle.REGISTRY.live(("cuda", dev.index))[0]
+    comm.close()  # the communicator the threads call on
+    stop.set()
+    for th in threads:
+        th.join(timeout=60)
+    torch.cuda.synchronize()  # raises a sticky error, had a launch used unmapped memory
+    finish()
+    return outcomes
+
+
+@pytest.mark.parametrize("env", [P2P_ENV], ids=["p2p"])
+def test_close_while_threads_enqueue(env):
+    results = run_ranks(2, close_race_worker, timeout=180, env={**env, "RINGREDUCE_TIMEOUT": "20"})
+    for rank, outcomes in enumerate(results):
+        assert len(outcomes) == 3, (rank, outcomes)
+        for o in outcomes:  # a broken ring (a peer closed mid-call) or a closed one, never a crash
+            assert o == "stopped" or "RingReduceError" in o, (rank, outcomes)
+
+
 def dead_peer_worker(rank, world):
     import ringreduce as rr
     dev = setup_rank(rank)

@@ -117,6 +117,7 @@ class CudaWork {
   bool is_completed() {
     if (!done_) return true;
     c10::cuda::CUDAGuard guard(device_);
+    rc::RelaxedCapture relaxed;  // another thread may be capturing a graph
     const cudaError_t e = cudaEventQuery(done_);
     if (e == cudaErrorNotReady) return false;
     C10_CUDA_CHECK(e);
@@ -129,6 +130,7 @@ class CudaWork {
     c10::cuda::CUDAGuard guard(device_);
     {
       py::gil_scoped_release nogil;
+      rc::RelaxedCapture relaxed;
       const cudaError_t e = cudaEventSynchronize(done_);
       comm_->poll();
       if (e != cudaSuccess) {

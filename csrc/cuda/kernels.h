@@ -45,6 +45,21 @@ void launch_reduce_ranks(DType t, RedOp op, void* dst, const void* own, int own_
 // Number of streaming multiprocessors of the current device (cached per device).
 int sm_count();
 
+// Relaxed stream capture mode for a scope: an event query or synchronize from this thread must not
+// invalidate a CUDA graph another thread captures (global mode is torch.cuda.graph's default: there,
+// such a call from any thread not in relaxed mode fails and invalidates the capture). PyTorch's
+// allocator skips its event queries during capture for the same reason.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 // Makes dev current for a scope (CUDA calls act on the calling thread's current device).
 class DeviceScope {
  public:

@@ -227,6 +227,7 @@ Ring::~Ring() {
 }
 
 uint64_t Ring::first_unfinished() {
+  RelaxedCapture relaxed;
   std::lock_guard<std::mutex> qlk(qmu_);
   uint64_t seq = 0;
   for (const Pending& p : inflight_)
@@ -246,6 +247,7 @@ uint64_t Ring::first_unretired() {
 }
 
 std::string Ring::retire_locked() {
+  RelaxedCapture relaxed;
   uint64_t upto = 0;
   {
     std::string mismatch;
@@ -659,6 +661,7 @@ void Ring::run_ring(const Call& c, cudaStream_t stream) {
 }
 
 void Ring::watch() {
+  RelaxedCapture relaxed;  // this thread's queries, for its whole life
   cudaSetDevice(device_);
   const auto timeout = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(opt_.timeout_s));

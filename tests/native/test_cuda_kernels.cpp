@@ -242,6 +242,31 @@ static void test_ranks_share_a_device() {
   std::printf("ranks sharing a device: %d cases (%.1f s)\n", cases, seconds_since(t0));
 }
 
+// Calls of different block counts on one communicator (a 4 KiB call runs one block, 1 MiB many):
+// every block's epoch entry, used or not, ends every call at the same value on every rank, so
+// that a later call's blocks (any number) agree on their barriers and workspace halves.
+static void test_epochs_stay_equal() {
+  const int n = 3;
+  Group g(n, 2, 4096, 20.0, rc::p2p::Algo::TwoShot);
+  std::vector<int> blocks;
+  for (int64_t numel : {int64_t{1} << 18, int64_t{1000}, int64_t{1} << 16, int64_t{7}}) {
+    DevBuf any(16);
+    blocks.push_back(g.rings[0]->plan_of(g.call(numel, any)).blocks);
+    check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, true,
+                     "epochs across block counts");
+    for (int r = 0; r < n; ++r) {
+      const rr::Call c = g.call(1, any);
+      const rc::p2p::SymArgs a = g.rings[r]->sym_args(c, g.rings[r]->plan_of(c));
+      rc::p2p::SymFlags f[rc::p2p::kMaxSymBlocks];
+      RR_CUDA_CHECK(cudaMemcpy(f, a.self->sym, sizeof f, cudaMemcpyDeviceToHost));
+      for (int k = 1; k < rc::p2p::kMaxSymBlocks; ++k)
+        EXPECT(f[k].epoch.value == f[0].epoch.value, "rank %d after %lld elements: block %d's epoch %llu, block 0's %llu",
+               r, (long long)numel, k, (unsigned long long)f[k].epoch.value, (unsigned long long)f[0].epoch.value);
+    }
+  }
+  EXPECT(blocks.front() > 1 && blocks[1] == 1, "the calls ran %d and %d blocks", blocks.front(), blocks[1]);
+}
+
 // Two communicators per rank on one shared device, their calls in flight at once (a DDP hook's
 // bucket beside another group's call): the torch binding gives each the SMs over the ranks and the
 // live communicators of the device (ringreduce/_cuda.py: usable_sms, resident_blocks), so every
@@ -1256,6 +1281,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_ring", [&] { test_ring(); });
     run_test(argc, argv, "test_ranks_share_a_device", [&] { test_ranks_share_a_device(); });
     run_test(argc, argv, "test_two_communicators_share_a_device", [&] { test_two_communicators_share_a_device(); });
+    run_test(argc, argv, "test_epochs_stay_equal", [&] { test_epochs_stay_equal(); });
     run_test(argc, argv, "test_copy", [&] { test_copy(); });
     run_test(argc, argv, "test_copy_failures", [&] { test_copy_failures(); });
 #ifdef RINGREDUCE_EMU

@@ -455,6 +455,29 @@ static void test_capture_refused() {
   check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 64, true, "after capture");
 }
 
+// Another thread captures a CUDA graph in global mode (torch.cuda.graph's default) while this
+// ring works: its calls and watchdog query their events (retire, timeouts) in relaxed capture mode,
+// so the capture survives (issue 51, finding 2; the emulator invalidates a capture on a query
+// from a thread in global mode, as CUDA does).
+static void test_watchdog_spares_a_capture() {
+  DevBuf buf(4096 * 4);
+  Group g(2, 4096, 5.0);
+  cudaStream_t capture;
+  RR_CUDA_CHECK(cudaSetDevice(g.ranks[0].device));
+  RR_CUDA_CHECK(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
+  emu_set_capturing(capture, 1);
+  for (int i = 0; i < 3; ++i) {
+    check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 4096, true,
+                     "beside another thread's capture");
+    std::this_thread::sleep_for(rc::nccl::kWatchPeriod * 2);  // the watchdog looks, several times
+  }
+  const int invalidated = emu_capture_invalidated(capture);
+  emu_set_capturing(capture, 0);
+  cudaGetLastError();
+  EXPECT(!invalidated, "an event query of the nccl transport invalidated another thread's graph capture");
+  cudaStreamDestroy(capture);
+}
+
 // (3) deterministic mode.
 
 // Worlds 2-5 (5: two ranks on device 0), every forced algorithm (the ring runs as auto) with 64
@@ -542,6 +565,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_dead_peer", [&] { test_dead_peer(); });
     run_test(argc, argv, "test_abort", [&] { test_abort(); });
     run_test(argc, argv, "test_capture_refused", [&] { test_capture_refused(); });
+    run_test(argc, argv, "test_watchdog_spares_a_capture", [&] { test_watchdog_spares_a_capture(); });
     run_test(argc, argv, "test_deterministic", [&] { test_deterministic(); });
     run_test(argc, argv, "test_deterministic_tiny_staging", [&] { test_deterministic_tiny_staging(); });
   } catch (const std::exception& e) {

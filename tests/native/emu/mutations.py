@@ -228,7 +228,7 @@ MUTATIONS = {
         "a rank's call ends while peers still write their results into its copy"),
     "sym_epochs_of_own_blocks_only": (
         SYM, "    for (int k = blockIdx.x; k < kMaxSymBlocks; k += nb) a.self->sym[k].epoch.value = e0 + pieces;",
-        "    a.self->sym[blockIdx.x].epoch.value = e0 + pieces;", P2P_TEST,
+        "    a.self->sym[blockIdx.x].epoch.value = e0 + pieces;", ("test_cuda_kernels_emu", ["test_epochs_stay_equal"]),
         "blocks a call did not use keep old epochs: a later call with more blocks waits for values "
         "its peers passed long ago, or passes barriers early"),
     "sym_vote_thread0_only": (
@@ -237,6 +237,10 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_mismatch", "test_timeout"]),
         "only the thread that failed stops; the others go on to the next barrier"),
 
+    "nccl_watchdog_queries_in_global_mode": (
+        "csrc/cuda/nccl_ring.cpp", "  RelaxedCapture relaxed;  // this thread's queries, for its whole life\n", "",
+        ("test_nccl_ring_emu", ["test_watchdog_spares_a_capture"]),
+        "the watchdog's event queries invalidate a CUDA graph another thread captures (issue 51, finding 2)"),
 }
 
 

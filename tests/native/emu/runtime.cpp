@@ -373,7 +373,8 @@ struct CUstream_st {
   std::shared_ptr<Connection> conn;  // null: a queue of its own
   Kind kind;
   uint64_t clock = 0;  // the cost model's clock: where the last kernel on this stream ended
-  std::atomic<bool> capturing{false};  // emu_set_capturing
+  std::atomic<bool> capturing{false};  // emu_set_capturing (global mode)
+  std::atomic<bool> capture_invalidated{false};
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::function<void()>> q;
@@ -956,10 +957,26 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* statu
   return cudaSuccess;
 }
 
+namespace {
+thread_local cudaStreamCaptureMode tl_capture_mode = cudaStreamCaptureModeGlobal;
+std::atomic<int> g_captures{0};  // streams capturing (global mode)
+
+// An event query or synchronize: unsafe while a stream captures in global mode, unless this
+// thread is in relaxed mode; then refused, and every capture in progress is invalidated.
+cudaError_t unsafe_call_during_capture() {
+  if (g_captures.load() == 0 || tl_capture_mode == cudaStreamCaptureModeRelaxed) return cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lk(g_streams_mu);
+    for (CUstream_st* s : g_streams)
+      if (s->capturing) s->capture_invalidated = true;
+  }
+  return fail(cudaErrorStreamCaptureImplicit);
+}
+}  // namespace
+
 cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
-  thread_local cudaStreamCaptureMode current = cudaStreamCaptureModeGlobal;
   if (!mode) return fail(cudaErrorInvalidValue);
-  std::swap(current, *mode);
+  std::swap(tl_capture_mode, *mode);
   return cudaSuccess;
 }
 
@@ -1042,6 +1059,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   if (!e) return fail(cudaErrorInvalidResourceHandle);
+  if (cudaError_t c = unsafe_call_during_capture()) return c;
   EventState& st = *e->st;
   if (cudaError_t s = sticky(st.device)) return fail(s);
   std::lock_guard<std::mutex> lk(st.mu);
@@ -1065,6 +1083,7 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   if (!e) return fail(cudaErrorInvalidResourceHandle);
+  if (cudaError_t c = unsafe_call_during_capture()) return c;
   std::shared_ptr<EventState> st = e->st;
   uint64_t target;
   {
@@ -1147,7 +1166,12 @@ void emu_set_connections(int k) {
   g_queues.clear();  // streams keep the queues they have
   g_queue_next.clear();
 }
-void emu_set_capturing(cudaStream_t stream, int capturing) { stream->capturing = capturing != 0; }
+void emu_set_capturing(cudaStream_t stream, int capturing) {
+  const bool was = stream->capturing.exchange(capturing != 0);
+  if (capturing && !was) stream->capture_invalidated = false;
+  if (was != (capturing != 0)) g_captures += capturing ? 1 : -1;
+}
+int emu_capture_invalidated(cudaStream_t stream) { return stream->capture_invalidated ? 1 : 0; }
 int emu_block_threads() { return emu::g_block_threads; }
 uint64_t emu_launches() { return emu::g_launches.load(); }
 

@@ -40,6 +40,7 @@ enum cudaError_t {
   cudaErrorNotReady = 600,
   cudaErrorIllegalAddress = 700,
   cudaErrorLaunchFailure = 719,
+  cudaErrorStreamCaptureImplicit = 906,
 };
 typedef cudaError_t cudaError;
 

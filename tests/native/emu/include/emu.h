@@ -16,6 +16,11 @@ cudaError_t emu_inject_fault(cudaStream_t stream, cudaError_t e);
 // Makes cudaStreamIsCapturing report stream as capturing a CUDA graph (or not): the emulator
 // captures nothing, this lets tests see what code does when it finds itself inside a capture.
 void emu_set_capturing(cudaStream_t stream, int capturing);
+// Whether that capture was invalidated (as cudaStreamEndCapture would report): while a stream
+// captures, as torch.cuda.graph does by default (global mode), an event query or synchronize from
+// a thread not in relaxed capture mode (cudaThreadExchangeStreamCaptureMode) is refused with
+// cudaErrorStreamCaptureImplicit and invalidates the capture, as CUDA does.
+int emu_capture_invalidated(cudaStream_t stream);
 // Clears a device's sticky error (cudaDeviceReset without freeing anything), for the next test.
 void emu_clear_fault(int device);
 // Threads per block that a launch actually runs (EMU_BLOCK_THREADS, default 8; the kernels stride
