@@ -12,7 +12,7 @@
   at exit, destroy_all() close every communicator, CPU and CUDA alike. A CPU communicator whose
   process group torch.distributed destroyed is closed at the next creation.
 
-The bottom layer of the package (README "Architecture", tests/test_layers.py): it imports no
+The bottom layer of the package (docs/development.md "Architecture", tests/test_layers.py): it imports no
 transport, API or backend module; the backend registers its own rings here (Registry.add_owner).
 """
 import atexit

@@ -80,21 +80,25 @@ def _report(tmp, q, out):
 
 class _Server:
     """The prefork server of this process (started at the first spawn) and the reader of its
-    answers: pids by job id, exit codes by pid."""
-    _instance = None
+    answers: pids by job id, exit codes by pid. preload: modules the server imports as well
+    (tests/test_snippets.py's ranks import lightning, accelerate, torch._dynamo: seconds each), one
+    server per tuple."""
+    _instances = {}
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls):
+    def get(cls, preload=()):
         with cls._lock:
-            if cls._instance is None or cls._instance.proc.poll() is not None:
-                cls._instance = cls()
-            return cls._instance
+            server = cls._instances.get(preload)
+            if server is None or server.proc.poll() is not None:
+                server = cls._instances[preload] = cls(preload)
+            return server
 
-    def __init__(self):
+    def __init__(self, preload=()):
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefork.py")
+        env = dict(os.environ, RR_PREFORK_PRELOAD=",".join(preload))
         self.proc = subprocess.Popen([sys.executable, path], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE)
+                                     stdout=subprocess.PIPE, env=env)
         self.cond, self.write_lock = threading.Condition(), threading.Lock()
         self.pids, self.exits, self.next_id, self.dead = {}, {}, 0, False
         from prefork import read_msg, write_msg

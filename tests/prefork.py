@@ -111,6 +111,19 @@ if __name__ == "__main__":
     import ringreduce  # noqa: F401
     import pytest  # noqa: F401  (every test module imports it)
     import dist_utils  # noqa: F401
+    preload = [n for n in os.environ.pop("RR_PREFORK_PRELOAD", "").split(",") if n]
+    if preload:  # what the jobs will import anyway (dist_utils._Server's preload)
+        import gc
+        import importlib
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+        # The imported objects out of the children's garbage collections: a child's exit then
+        # copies fewer of the server's pages (measured with this preload: 1.8 -> 0.5 s of CPU per
+        # exit on the 2-core machine).
+        gc.freeze()
     job = serve()
     if job is not None:
         sys.stdout.flush()

@@ -266,10 +266,10 @@ def test_lightning_ddp_comm_hook(runs, record_property):
 @needs_lightning
 @pytest.mark.launches("lightning/hook")
 def test_lightning_registers_ddp_comm_hook_only_on_cuda(runs):
-    """What the README says: on CPU, DDPStrategy(ddp_comm_hook=...) registers nothing (Lightning's
+    """What docs/frameworks.md says: on CPU, DDPStrategy(ddp_comm_hook=...) registers nothing (Lightning's
     DDPStrategy._register_ddp_hooks runs only when the root device is CUDA), with no warning, so
     a CPU job needs the backend, or a callback that registers the hook in on_fit_start. If this
-    fails, Lightning has started registering it on CPU: update the README."""
+    fails, Lightning has started registering it on CPU: update docs/frameworks.md."""
     for info in runs("lightning", "hook")["infos"]:
         assert info["hooks_registered_by_lightning"] == [], info
 
@@ -337,10 +337,10 @@ print("hook: registered", len(m.hooks))
 
 @needs_accelerate
 def test_accelerate_refuses_backend_and_hook_arguments():
-    """What the README says about Accelerate's own arguments: InitProcessGroupKwargs(
+    """What docs/frameworks.md says about Accelerate's own arguments: InitProcessGroupKwargs(
     backend="ringreduce") raises for CPU processes (Accelerate sets "gloo", or "mpi", and refuses
     any other), and DistributedDataParallelKwargs(comm_hook=rr.ddp.allreduce_hook) silently
-    registers nothing. If this fails, Accelerate has changed: update the README."""
+    registers nothing. If this fails, Accelerate has changed: update docs/frameworks.md."""
     res = subprocess.run([sys.executable, "-c", ACCELERATE_REFUSALS], capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stdout + res.stderr
