@@ -48,5 +48,12 @@ if(Python3_FOUND)
            --world 8 --sizes 4M --algo ring --bin $<TARGET_FILE:gpu_cost_emu> --check)
   add_test(NAME gpu_cost_targets_registered COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/benchmarks/gpu_cost.py
            --world 8 --sizes 256M --algo registered --bin $<TARGET_FILE:gpu_cost_emu> --check)
-  set_tests_properties(gpu_cost_targets gpu_cost_targets_ring gpu_cost_targets_registered PROPERTIES TIMEOUT 600)
+  # Issue 50's device memory: none at world 1, <= 64 MiB per rank at world 2; barriers per call.
+  add_test(NAME gpu_cost_targets_small_worlds COMMAND ${CMAKE_COMMAND} -E env ${Python3_EXECUTABLE}
+           ${CMAKE_CURRENT_SOURCE_DIR}/benchmarks/gpu_cost.py --world 2 --sizes 4K,16M --algo auto
+           --bin $<TARGET_FILE:gpu_cost_emu> --check)
+  add_test(NAME gpu_cost_targets_world1 COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/benchmarks/gpu_cost.py
+           --world 1 --sizes 4K --algo auto --bin $<TARGET_FILE:gpu_cost_emu> --check)
+  set_tests_properties(gpu_cost_targets gpu_cost_targets_ring gpu_cost_targets_registered
+                       gpu_cost_targets_small_worlds gpu_cost_targets_world1 PROPERTIES TIMEOUT 600)
 endif()

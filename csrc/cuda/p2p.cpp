@@ -629,7 +629,12 @@ std::string Ring::failure() {
 
 uint64_t Ring::failed_seq() {
   std::lock_guard<std::mutex> lk(mu_);
+  return failed_seq_locked();
+}
+
+uint64_t Ring::failed_seq_locked() const {
   uint64_t first = abort_seq_;
+  if (closed_failed_seq_ && (first == 0 || closed_failed_seq_ < first)) first = closed_failed_seq_;
   if (!ctl_) return first;
   for (int k = 0; k < kMaxBlocks; ++k) {
     const volatile ErrorRecord* e = &ctl_->err[k];
@@ -741,6 +746,9 @@ void Ring::close(bool peers_done) {
   }
   area_ = nullptr;
   closed_ = true;
+  // A Work whose call failed on the device may be waited on after this (the worker's join timed
+  // out): the first failed call must outlive the records it was read from.
+  closed_failed_seq_ = failed_seq_locked();
   if (ctl_ && !replayable) cudaFreeHost(ctl_);
   ctl_ = ctl_dev_ = nullptr;
   if (abort_src_ && !replayable) cudaFreeHost(abort_src_);

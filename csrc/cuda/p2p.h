@@ -360,6 +360,7 @@ class Ring {
   // The op_seq of the first call that failed, or 0: that call and every later one failed, every
   // earlier one completed. Final for a call once its kernel has finished.
   uint64_t failed_seq();
+  uint64_t failed_seq_locked() const;  // under mu_
   // Stops this rank's running and future kernels and tells every mapped peer.
   void abort(const std::string& why);
   // Watches the processes of these peers (every 50 ms): a dead one aborts the ring with
@@ -443,6 +444,7 @@ class Ring {
   std::atomic<uint64_t> op_seq_{0};
   CallLog calls_;
   uint64_t abort_seq_ = 0;  // op_seq_ + 1 at a host abort: the first call it can affect
+  uint64_t closed_failed_seq_ = 0;  // the device's first failed call, read at close (ctl_ is gone)
   // reason_ and failure_: abort() and failure() are called from other threads (Work.wait(),
   // Communicator.abort() hold the GIL) while run() calls failure() with the GIL released.
   std::mutex mu_;

@@ -664,6 +664,24 @@ const rc::p2p::Algo kAlgos[] = {rc::p2p::Algo::Ring, rc::p2p::Algo::OneShot, rc:
 
 // Rank n-1 never calls: the others stop within the timeout, saying why; the ring stays broken.
 // On each algorithm.
+// A call that failed on the device stays failed after close() (issue 51, finding 4): a Work
+// waited on after its communicator closed (the worker's join timed out) must not report success
+// because the error records went with the communicator.
+static void test_failed_call_survives_close() {
+  DevBuf buf(4096 * 4);
+  Group g(3, 2, 4096, 1.0, rc::p2p::Algo::TwoShot);
+  for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);  // rank 2 is silent
+  sync_all(g);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT(g.rings[r]->failed_seq() == 1, "rank %d before close: first failed call %llu", r,
+           (unsigned long long)g.rings[r]->failed_seq());
+    RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
+    g.rings[r]->close(false);
+    EXPECT(g.rings[r]->failed_seq() == 1, "rank %d after close: first failed call %llu, want 1", r,
+           (unsigned long long)g.rings[r]->failed_seq());
+  }
+}
+
 static void test_timeout() {
   for (rc::p2p::Algo algo : kAlgos) {
     DevBuf buf(4096 * 4);
@@ -1292,6 +1310,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_registered_result_in_stream_order(); });
     run_test(argc, argv, "test_registered_release", [&] { test_registered_release(); });
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
+    run_test(argc, argv, "test_failed_call_survives_close", [&] { test_failed_call_survives_close(); });
     run_test(argc, argv, "test_timeout_with_every_block", [&] { test_timeout_with_every_block(); });
     run_test(argc, argv, "test_mismatch", [&] { test_mismatch(); });
     run_test(argc, argv, "test_abort", [&] { test_abort(); });

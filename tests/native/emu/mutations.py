@@ -241,6 +241,10 @@ MUTATIONS = {
         "csrc/cuda/nccl_ring.cpp", "  RelaxedCapture relaxed;  // this thread's queries, for its whole life\n", "",
         ("test_nccl_ring_emu", ["test_watchdog_spares_a_capture"]),
         "the watchdog's event queries invalidate a CUDA graph another thread captures (issue 51, finding 2)"),
+    "close_forgets_failed_calls": (
+        "csrc/cuda/p2p.cpp", "  closed_failed_seq_ = failed_seq_locked();\n", "",
+        ("test_cuda_kernels_emu", ["test_failed_call_survives_close"]),
+        "a Work waited on after close reports success for a call that failed on the device (issue 51, finding 4)"),
 }
 
 
