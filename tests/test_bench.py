@@ -24,12 +24,15 @@ RUN_FIELDS = {"nranks", "device", "machine", "backends", "notes", "peak_membw_GB
               "membw_method", "rows", "summary"}
 
 
-def bench(*args, timeout=RUN_TIMEOUT, cwd=None):
+def bench(*args, timeout=RUN_TIMEOUT, cwd=None, results=False):
     env = {k: v for k, v in os.environ.items()  # never mistaken for a torchrun rank
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    # A run writes its results folder into the current folder: never the checkout's.
-    return subprocess.run([sys.executable, "-m", "ringreduce.bench", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=cwd or tempfile.mkdtemp())
+    # The results folder (its plots take seconds) only where a test looks at it; then in the
+    # current folder, never the checkout.
+    extra = [] if results else ["--no-results"]
+    return subprocess.run([sys.executable, "-m", "ringreduce.bench", *args, *extra],
+                          capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=cwd or tempfile.mkdtemp())
 
 
 def parse_rows(stdout):
@@ -51,7 +54,7 @@ def parse_rows(stdout):
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     res = bench("--quick", "--nranks", "2,3", "--json", str(out / "r.json"),
-                "--plot", str(out / "r.png"), cwd=out)
+                "--plot", str(out / "r.png"), cwd=out, results=True)
     return res, out
 
 
