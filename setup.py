@@ -202,7 +202,7 @@ class ninja_steps:
             if self.done:
                 text += "; %d of %d files compiled" % self.done
                 if self.done[1] == self.total and self.pending:  # a full build: these remain
-                    text += "; compiling " + ", ".join(self.pending[:3]) + (
+                    text += "; left: " + ", ".join(self.pending[:3]) + (
                         ", ..." if len(self.pending) > 3 else "")
             say(text + ")")
 
