@@ -24,8 +24,9 @@ LEGEND = {
     "torch/gloo": "torch.distributed on Gloo (the CPU baseline)",
     "torch/nccl": "torch.distributed on NCCL (the GPU baseline)",
     "torch/ringreduce": "torch.distributed's calls on ringreduce's backend: the same transport and "
-                        "algorithms as ringreduce/shm behind torch's dispatch (~2 us a call), so "
-                        "a gap at large sizes is run-to-run noise",
+                        "algorithms as ringreduce/shm, called from torch's C++ dispatch instead "
+                        "of ringreduce's Python API; at large sizes both do the same work, so a "
+                        "gap there is run-to-run noise",
     "ps": "parameter server from torch.distributed ops (reduce to rank 0, then broadcast or "
           "scatter): rank 0 moves 2(N-1) tensors",
     "mpi": "MPI's collectives through mpi4py, ranks started by that MPI's mpirun",
