@@ -27,7 +27,7 @@ mps_off() { echo quit | nvidia-cuda-mps-control > /dev/null 2>&1; sleep 1; }
 } 2>&1 | tee -a "$OUT/steps.txt"
 
 log "build"
-TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" -m pip install --no-build-isolation --no-deps -e . \
+RINGREDUCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" -m pip install --no-build-isolation --no-deps -e . \
     > "$OUT/build.log" 2>&1 || { log "build FAILED"; tail -40 "$OUT/build.log"; exit 1; }
 
 EXITS="test_processes_exit_cleanly_under_torchrun"

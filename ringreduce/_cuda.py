@@ -68,10 +68,24 @@ CLOSE_BARRIER_S = 30.0
 WANTED_CONNECTIONS = 32
 
 
+# How to build the CUDA kernels where the build left them out (setup.py: no GPU was visible).
+REBUILD = "RINGREDUCE_CUDA=1 pip install --no-build-isolation -e ."
+
+
+def no_cuda_message():
+    """What a build without CUDA says when it meets a CUDA tensor: why, and how to rebuild."""
+    if torch.version.cuda is None:
+        why = (f"it was built against torch {torch.__version__}, a CPU-only build; install a CUDA "
+               f"build of torch, then rebuild in ringreduce's source folder")
+    else:
+        why = ("it was built where no GPU was visible (or with RINGREDUCE_CUDA=0, or without a "
+               "CUDA toolkit); rebuild in ringreduce's source folder")
+    return f"ringreduce: this build has no CUDA kernels: {why}: {REBUILD}"
+
+
 def _require_cuda():
     if not getattr(_C, "cuda_compiled", False):
-        raise RuntimeError("ringreduce: this build has no CUDA support (built against a CPU-only "
-                           "torch or without a CUDA toolkit; see RINGREDUCE_CUDA in setup.py)")
+        raise RuntimeError(no_cuda_message())
 
 
 def _nccl_lib():

@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import re
+import shutil
 import socket
 import tempfile
 import threading
@@ -87,8 +88,42 @@ def trace_buffer():
 
 def trace_root():
     """Where flight recorder dumps go: RINGREDUCE_TRACE_DIR, else ringreduce-trace in the temp dir."""
-    return (os.environ.get("RINGREDUCE_TRACE_DIR", "").strip()
-            or os.path.join(tempfile.gettempdir(), "ringreduce-trace"))
+    return os.environ.get("RINGREDUCE_TRACE_DIR", "").strip() or default_trace_root()
+
+
+def default_trace_root():
+    return os.path.join(tempfile.gettempdir(), "ringreduce-trace")
+
+
+# Runs (one folder per communicator, <name>.<job>) the default trace folder keeps: failed runs
+# piled up there, one folder each. A RINGREDUCE_TRACE_DIR folder is the user's: never pruned.
+TRACE_KEEP = 20
+_RUN_FOLDER = re.compile(r".+\.\d{8}-\d{6}-[0-9a-f]{6}")  # the names _setup_trace gives
+
+
+def prune_traces(root, keep=TRACE_KEEP, exclude=None):
+    """Removes all but the `keep` most recently written run folders under root (only folders
+    named as ours; not `exclude`, the caller's own, which another rank may have written already);
+    returns the removed paths. Ranks may prune at once: what vanished is skipped."""
+    runs = []
+    try:
+        with os.scandir(root) as entries:
+            for e in entries:
+                if _RUN_FOLDER.fullmatch(e.name) and e.name != exclude and \
+                        e.is_dir(follow_symlinks=False):
+                    try:
+                        runs.append((e.stat(follow_symlinks=False).st_mtime, e.path))
+                    except OSError:
+                        pass
+    except OSError:  # no folder yet
+        return []
+    removed = [path for _, path in sorted(runs, reverse=True)[keep:]]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    if removed:
+        log.info("ringreduce: removed %d old flight recorder runs from %s (it keeps the %d most "
+                 "recent; RINGREDUCE_TRACE_DIR keeps every run)", len(removed), root, keep)
+    return removed
 
 
 def machine_id():
@@ -330,7 +365,10 @@ class Communicator:
                                       f"({e})") from None
             job = self.member.store.get(key).decode()
         name = re.sub(r"[^A-Za-z0-9_.@-]+", "-", prefix).strip("-")
-        self.trace_dir = os.path.join(trace_root(), f"{name}.{job}")
+        root = trace_root()
+        if not os.environ.get("RINGREDUCE_TRACE_DIR", "").strip():  # room for this run's folder
+            prune_traces(root, TRACE_KEEP - 1, exclude=f"{name}.{job}")
+        self.trace_dir = os.path.join(root, f"{name}.{job}")
         members = None
         if self.member.group is not None:
             try:

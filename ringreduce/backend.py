@@ -24,6 +24,7 @@ import datetime
 import logging
 import os
 import threading
+import warnings
 import weakref
 
 import torch
@@ -369,8 +370,25 @@ class RingBackend:
         self._comms.clear()
 
 
+def _warn_if_gpus_unserved():
+    """A build without CUDA registers the backend for CPU tensors only; where GPUs are visible, say
+    so once, and how to rebuild (a login node without GPUs built it for GPU nodes)."""
+    global _warned_no_cuda
+    if _warned_no_cuda or getattr(_C, "cuda_compiled", False) or torch.version.cuda is None:
+        return
+    _warned_no_cuda = True
+    if torch.cuda.device_count() > 0:  # NVML: starts no CUDA context, so forks stay safe
+        from ._cuda import no_cuda_message
+        warnings.warn(no_cuda_message() + " (until then the ringreduce backend moves CPU tensors "
+                      "only)", RuntimeWarning, stacklevel=3)
+
+
+_warned_no_cuda = False
+
+
 def _create(dist_opts, backend_opts):
     """torch's creator hook (extended API): one RingBackend per process group."""
+    _warn_if_gpus_unserved()
     slot = _C.BackendSlot()
     impl = RingBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
                        dist_opts.timeout, dist_opts.group_id, slot)

@@ -24,9 +24,11 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 from collections import Counter, defaultdict
 
 VERSION = 1
+TRACE_KEEP = 20  # runs the default trace folder keeps: ringreduce._lifecycle.TRACE_KEEP
 # Errors that follow from another rank's failure rather than cause one.
 _CONSEQUENCE = re.compile(r"aborted the group|broken by an earlier failure|communicator is closed|"
                          r"stopped because|was aborted|aborted on this rank")
@@ -374,6 +376,11 @@ def main(argv=None):
         raise _Usage(f"ringreduce.trace: no readable dumps (rank*.json) under {args.dir}")
     status, lines = diagnose(comms)
     print("\n".join(lines))
+    default = os.path.realpath(os.path.join(tempfile.gettempdir(), "ringreduce-trace"))
+    if os.path.commonpath([os.path.realpath(args.dir), default]) == default:
+        print(f"ringreduce.trace: note: {default} keeps the {TRACE_KEEP} most recent runs (a new "
+              f"communicator removes older ones); copy a folder to keep it, or set "
+              f"RINGREDUCE_TRACE_DIR, whose folders are never pruned", file=sys.stderr)
     if args.chrome:
         with open(args.chrome, "w") as f:
             json.dump(chrome(comms), f)

@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 
-from ringreduce.bench import cli, data
+from ringreduce.bench import cli, data, header, report
 
 RUN_TIMEOUT = 240
 ROW_FIELDS = {"collective", "backend", "nranks", "size_bytes", "count", "dtype", "op", "inplace",
@@ -23,11 +24,15 @@ RUN_FIELDS = {"nranks", "device", "machine", "backends", "notes", "peak_membw_GB
               "membw_method", "rows", "summary"}
 
 
-def bench(*args, timeout=RUN_TIMEOUT):
+def bench(*args, timeout=RUN_TIMEOUT, cwd=None, results=False):
     env = {k: v for k, v in os.environ.items()  # never mistaken for a torchrun rank
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    return subprocess.run([sys.executable, "-m", "ringreduce.bench", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    # The results folder (its plots take seconds) only where a test looks at it; then in the
+    # current folder, never the checkout.
+    extra = [] if results else ["--no-results"]
+    return subprocess.run([sys.executable, "-m", "ringreduce.bench", *args, *extra],
+                          capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=cwd or tempfile.mkdtemp())
 
 
 def parse_rows(stdout):
@@ -49,8 +54,81 @@ def parse_rows(stdout):
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     res = bench("--quick", "--nranks", "2,3", "--json", str(out / "r.json"),
-                "--plot", str(out / "r.png"))
+                "--plot", str(out / "r.png"), cwd=out, results=True)
     return res, out
+
+
+def test_quick_says_what_it_ran_and_left_out(quick_run):
+    res, _ = quick_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("# load average at start: ") and lines[0].endswith(
+        f"(1, 5, 15 min) on {cli.cores()} cores"), lines[0]
+    end = [i for i, line in enumerate(lines) if line.startswith("# load average at end: ")]
+    last_row = max(i for i, line in enumerate(lines) if line.strip() and line[0] != "#")
+    assert len(end) == 1 and end[0] > last_row, lines[-8:]
+    legend = section(lines, "# backends:")
+    for label in ("ringreduce/shm", "torch/gloo", "torch/ringreduce", "ps/gloo"):
+        assert any(line.split()[1] == label and header.legend(label).split()[0] in line
+                   for line in legend), (label, legend)
+    left = {line.split()[1]: line for line in section(lines, "# left out:")
+            if not line.startswith("#    ")}  # a label's first line, not its continuation
+    if not torch.cuda.is_available():
+        assert left["torch/nccl"].split()[2:] == ["no", "GPU"], left
+    assert {"torch/nccl", "mpi", "deepspeed/shm"} <= set(left), left
+    assert ("# note: 3 ranks on 2 cores" in res.stdout) == (cli.cores() == 2), res.stdout[:2000]
+    assert all(len(line) <= header.WIDTH for line in legend)
+
+
+def test_quick_results_folder(quick_run):
+    """Without --results the run writes bench-results/<date>-<time>/ in the current folder and
+    names it on its last line: the JSON, the markdown summary and the plots."""
+    res, out = quick_run
+    last = res.stdout.splitlines()[-1]
+    assert last.startswith("# results: bench-results" + os.sep), last
+    folder = out / last.split()[2]
+    assert folder.parent == out / cli.RESULTS_ROOT
+    assert last.endswith("(results.json, summary.md, busbw.png, time_vs_n.png)"), last
+    doc = json.loads((folder / "results.json").read_text())
+    assert [run["rows"] for run in doc["runs"]] == \
+        [run["rows"] for run in json.loads((out / "r.json").read_text())["runs"]]
+    start, end = doc["load_average"]["start"], doc["load_average"]["end"]
+    assert len(start) == 3 and len(end) == 3 and min(start + end) >= 0
+    assert "torch/nccl" in dict(doc["left_out"]) and "ps/gloo" in doc["legend"]
+    for name in ("busbw.png", "time_vs_n.png"):
+        assert (folder / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (folder / "summary.md").read_text()
+    for run in doc["runs"]:  # every in-place time, as printed, in its collective's table
+        for r in run["rows"]:
+            if not r["inplace"]:
+                continue
+            table = md[md.index(f"## {r['collective']}, {run['nranks']} ranks: time (us)"):]
+            cols = table.splitlines()[2].strip("| ").split(" | ")
+            row = next(line for line in table.splitlines()
+                       if line.startswith(f"| {report.human(r['size_bytes'])} |"))
+            assert row.strip("| ").split(" | ")[cols.index(r["backend"])] == f"{r['time_us']:.1f}"
+    assert "Wrong elements in total: 0." in md
+
+
+def section(lines, title):
+    """The indented lines under a header title ("#   label  text")."""
+    out = []
+    for line in lines[lines.index(title) + 1:]:
+        if not line.startswith("#   "):
+            break
+        out.append(line)
+    return out
+
+
+def test_default_rank_count_fits_the_cores():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU default (with a GPU the ranks follow the GPUs)")
+    a = cli.parse_args([])
+    assert a.nranks == [min(cli.DEFAULT_RANKS_CPU, max(2, cli.cores()))]
+    assert header.oversubscribed(a) is None or cli.cores() < 2
+    more = cli.parse_args(["--nranks", f"2,{cli.cores() + 1}"])
+    note = header.oversubscribed(more)
+    assert note.startswith(f"{cli.cores() + 1} ranks on {cli.cores()} cores: "), note
 
 
 def test_quick_table_parses_and_is_right(quick_run):
@@ -251,6 +329,9 @@ def test_missing_optional_packages_named(monkeypatch, capsys):
             cli.parse_args(flags)
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
+    left = dict(header.left_out(cli.parse_args(["--nranks", "2"])))
+    assert left["mpi"].startswith("not installed (needs an MPI and mpi4py"), left
+    assert left["deepspeed/shm"] == "not installed (pip install '.[peers]')", left
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -264,6 +345,7 @@ def test_missing_optional_packages_named(monkeypatch, capsys):
     (["-m", "0"], "must be >= 1"),
     (["--plot", "out.pdf"], "must end in .png"),
     (["--backends", "ringreduce/p2p-shared"], "transport p2p does not move CPU tensors"),
+    (["--results", "out", "--no-results"], "--results out and --no-results: choose one"),
 ])
 def test_bad_flags_rejected(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -280,12 +362,14 @@ def test_bad_flag_exits_2_from_the_command_line():
     assert not parse_rows(res.stdout)
 
 
-def test_torchrun():
+def test_torchrun(tmp_path):
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", "-m", "ringreduce.bench", "--quick", "-e", "1K",
-                          "--collectives", "all_gather"], capture_output=True, text=True,
-                         timeout=RUN_TIMEOUT)
+                          "--collectives", "all_gather", "--no-results"], capture_output=True,
+                         text=True, timeout=RUN_TIMEOUT, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert not os.listdir(tmp_path) and "# results:" not in res.stdout  # --no-results
+    assert res.stdout.count("# load average at start") == 1, res.stdout  # rank 0's header only
     rows = parse_rows(res.stdout)
     assert len(rows) == 4  # printed once, by rank 0
     assert all(r["oop"][3] == "0" and r["ip"][3] == "0" for r in rows)

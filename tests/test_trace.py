@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -275,6 +276,53 @@ def test_chrome_trace_and_plot(tmp_path):
     else:
         status, _ = analyze(tmp_path / "trace", "--plot", str(tmp_path / "t.png"))
         assert status == 0 and (tmp_path / "t.png").stat().st_size > 1000
+
+
+def default_folder_worker(rank, world, temp):
+    """A run whose dumps go to the default folder, ringreduce-trace in the temp dir (temp here)."""
+    tempfile.tempdir = temp
+    rr.all_reduce(torch.ones(8))
+    return rr.dump_trace()[0]
+
+
+def fake_runs(folder, n):
+    """n run folders named as a communicator names them, oldest first (a minute apart)."""
+    paths = []
+    for i in range(n):
+        run = folder / f"ringreduce-shm-0-1-0.20260101-10{i:02d}00-abcdef"
+        run.mkdir(parents=True)
+        (run / "rank0.json").write_text("{}")
+        os.utime(run, (1_700_000_000 + 60 * i,) * 2)
+        paths.append(run)
+    return paths
+
+
+def test_default_trace_folder_keeps_recent_runs(tmp_path, capsys, monkeypatch):
+    """The default folder keeps the TRACE_KEEP most recent runs, this one included, and leaves
+    what it did not name alone; a RINGREDUCE_TRACE_DIR folder keeps every run."""
+    from ringreduce import _lifecycle
+    default = tmp_path / "ringreduce-trace"
+    old = fake_runs(default, 25)
+    (default / "stacks").mkdir()
+    (default / "notes.20260101-100000-abcdef.txt").write_text("a file, not a run folder")
+    files = run_ranks(2, default_folder_worker, str(tmp_path))
+    assert files[0] == files[1].replace("rank1", "rank0")
+    new = os.path.dirname(files[0])
+    keep = _lifecycle.TRACE_KEEP
+    assert keep == ringreduce.trace.TRACE_KEEP
+    assert sorted(os.listdir(default)) == sorted(
+        [p.name for p in old[-(keep - 1):]] + [os.path.basename(new), "stacks",
+                                               "notes.20260101-100000-abcdef.txt"])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the analyzer's default folder
+    status, _ = analyze(new)
+    assert status == 0
+    assert f"{default} keeps the {keep} most recent runs" in capsys.readouterr().err
+    mine = tmp_path / "mine"
+    old = fake_runs(mine, 25)
+    run_ranks(2, default_folder_worker, str(tmp_path), env={"RINGREDUCE_TRACE_DIR": str(mine)})
+    assert len(os.listdir(mine)) == 26 and all(p.exists() for p in old)
+    status, _ = analyze(mine)
+    assert "keeps the" not in capsys.readouterr().err
 
 
 def test_analyzer_rejects_what_it_cannot_read(tmp_path):

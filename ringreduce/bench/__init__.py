@@ -11,12 +11,21 @@ then a summary: average busbw per backend and collective, the time ratio of each
 ringreduce per size, and the peak memory bandwidth measured in the same run (the physical limit).
 
 Where it runs
-    No arguments: with no GPU, 4 CPU ranks over shared memory; with two or more GPUs, one rank per
-    GPU; with one GPU, 4 ranks sharing it. CPU ranks are forked from the launcher (which imported
+    No arguments: with no GPU, one CPU rank per core (2 to 4) over shared memory; with two or more
+    GPUs, one rank per GPU; with one GPU, 4 ranks sharing it (at most one per core). More ranks
+    than cores (--nranks) run with a note: they wait for a core, and their ratios swing. CPU ranks are forked from the launcher (which imported
     torch and ran nothing of it), GPU ranks by a fork server that imported torch; all are joined
     by a Gloo group on a FileStore in a temporary directory (no ports). Under ``torchrun`` (RANK,
     WORLD_SIZE and MASTER_ADDR set) the process is one of the ranks and rank 0 prints.
     ringreduce/shm joins ranks of one host only; on several hosts use the GPU transports.
+
+What it says and writes
+    Before the tables: the load average, a legend of the backends it runs, and a line for each
+    peer it leaves out and why ("torch/nccl  no GPU", MPI or DeepSpeed not installed or not asked
+    for). After them: the load average again, then the results folder it wrote (default
+    bench-results/<date>-<time> in the current folder; --results DIR, --no-results):
+    results.json (every row, the machine, the flags), summary.md (the tables in markdown) and,
+    with matplotlib, busbw.png (and time_vs_n.png for several --nranks).
 
 Backends
     ``ringreduce`` (CPU: transport shm; GPU: p2p and nccl, each a backend of its own, chosen with
@@ -81,6 +90,6 @@ Peak memory bandwidth
 
 Defaults
     CPU: sizes 4 KiB .. 64 MiB, factor 4; 10 iterations after 2 warmup; about 3 minutes for 4
-    ranks on 2 cores. GPU: 4 KiB .. 256 MiB, factor 4, 20 iterations after 5 warmup. ``--quick``:
+    ranks on 2 cores (the default there is 2). GPU: 4 KiB .. 256 MiB, factor 4, 20 iterations after 5 warmup. ``--quick``:
     1 KiB .. 64 KiB, factor 8, 3 iterations after 1 warmup. Explicit flags override either.
 """

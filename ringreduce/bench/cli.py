@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 
 import torch
 
@@ -57,8 +58,11 @@ DEFAULTS_QUICK = (1 << 10, 64 << 10, 8, 3, 1)
 AGG_BYTES, AGG_MAX = 1 << 20, 32
 BATCH_MS = 50.0
 BATCH_CALLS_MAX = 1 << 20
+# Default rank counts, capped at the cores (at least 2): more ranks than cores wait for a core, and
+# their times swing (4 ranks on the 2-core dev machine measured 4 KiB at 292x Gloo, 2 ranks 28-34x).
 DEFAULT_RANKS_CPU = 4
 DEFAULT_RANKS_ONE_GPU = 4
+RESULTS_ROOT = "bench-results"  # default --results: RESULTS_ROOT/<date>-<time> in the current folder
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -127,8 +131,9 @@ def build_parser():
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float")
     p.add_argument("-o", "--op", choices=OPS, default="sum")
     p.add_argument("--nranks", type=_nranks,
-                   help="rank counts, comma list; the sweep runs once per count (default: CPU 4, "
-                        "one rank per GPU, or 4 on one GPU)")
+                   help="rank counts, comma list; the sweep runs once per count (default: CPU "
+                        "one per core, 2 to 4; one rank per GPU, or 4 on one GPU, at most one "
+                        "per core)")
     p.add_argument("--collectives", type=_choice_list(COLLECTIVES, "collective"),
                    default=list(COLLECTIVES), help="comma list (default all)")
     p.add_argument("--backends", type=_choice_list(BACKENDS, "backend"),
@@ -141,6 +146,10 @@ def build_parser():
                         "mpi[/openmpi|/mpich] (mpi4py; every MPI installed, or one; the suite starts "
                         "the ranks with that MPI's mpirun), deepspeed (its "
                         "shm all-reduce, float32 sum) (default: all but mpi and deepspeed)")
+    p.add_argument("--results", metavar="DIR",
+                   help="folder for results.json, busbw.png (needs matplotlib) and summary.md "
+                        f"(default: {RESULTS_ROOT}/<date>-<time> in the current folder)")
+    p.add_argument("--no-results", action="store_true", help="write no results folder")
     p.add_argument("--json", metavar="PATH", help="write every row and the machine to PATH")
     p.add_argument("--plot", metavar="PATH.png",
                    help="busbw vs size plot; with several --nranks also PATH-stem_vs_n.png")
@@ -194,7 +203,14 @@ def parse_args(argv=None):
         a.nranks = [world]
     elif a.nranks is None:
         count = torch.cuda.device_count() if gpu else 0
-        a.nranks = [count if count >= 2 else DEFAULT_RANKS_ONE_GPU if gpu else DEFAULT_RANKS_CPU]
+        n = DEFAULT_RANKS_ONE_GPU if gpu else DEFAULT_RANKS_CPU
+        a.nranks = [count if count >= 2 else min(n, max(2, cores()))]
+    if a.results is not None and a.no_results:
+        parser.error(f"--results {a.results} and --no-results: choose one")
+    if a.results is None and not a.no_results:
+        a.results = os.path.join(RESULTS_ROOT, time.strftime("%Y%m%d-%H%M%S"))
+        if os.path.exists(a.results):  # another run this second
+            a.results += f"-{os.getpid()}"
     if a.hosts > 1 and a.device != "cpu":
         parser.error("--hosts: simulated hosts split CPU groups only")
     if a.hosts > min(a.nranks):
@@ -216,6 +232,11 @@ def parse_args(argv=None):
         parser.error("--plot needs matplotlib: pip install matplotlib (or install ringreduce with "
                      "its [bench] extra: pip install '.[bench]')")
     return a
+
+
+def cores():
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
 
 
 def _launcher_kind(path):

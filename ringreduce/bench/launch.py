@@ -5,6 +5,7 @@ Exit status: 0 when every checked element was right, 1 when some were wrong or a
 2 for bad flags (argparse), 130 when interrupted.
 """
 import copy
+import importlib.util
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -20,7 +21,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import plot, report, runner
+from . import header, plot, report, runner
 from .cli import mpi_launchers, parse_args
 
 GRACE_S = 3.0  # after one rank fails, how long the others get to report before they are killed
@@ -273,11 +274,16 @@ def mpi_rank_main(tmpdir):
     _spawned_rank(int(rank), int(world), tmpdir, args)
 
 
-def _finish(args, runs):
+def _finish(args, runs, load_start):
     if len(runs) > 1:
         report.print_vs_n(runs)
+    load_end = header.load_average()
+    print(header.load_line("end", load_end))
+    extra = {"load_average": {"start": load_start, "end": load_end},
+             "left_out": header.left_out(args),
+             "legend": {b: header.legend(b) for b in args.backends}}
     if args.json:
-        report.write_json(args.json, args, runs[0]["machine"], runs)
+        report.write_json(args.json, args, runs[0]["machine"], runs, extra)
         print(f"# wrote {args.json}")
     if args.plot:
         plot.busbw_vs_size(args.plot, runs)
@@ -287,7 +293,30 @@ def _finish(args, runs):
             print(f"# wrote {plot.vs_n_path(args.plot)}")
     wrong = sum(r["wrong"] or 0 for run in runs for r in run["rows"])
     print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}", flush=True)
+    if args.results:
+        print(f"# results: {_write_results(args, runs, extra)}", flush=True)
     return 0 if wrong == 0 else 1
+
+
+def _write_results(args, runs, extra):
+    """results.json, summary.md and busbw.png (with matplotlib) in args.results; returns what was
+    written, for the last line."""
+    folder = args.results
+    os.makedirs(folder, exist_ok=True)
+    doc = report.write_json(os.path.join(folder, "results.json"), args, runs[0]["machine"], runs,
+                            extra)
+    with open(os.path.join(folder, "summary.md"), "w") as f:
+        f.write(report.markdown(doc))
+    wrote = ["results.json", "summary.md"]
+    if importlib.util.find_spec("matplotlib") is None:
+        wrote.append("no plot: matplotlib is not installed (pip install matplotlib)")
+    else:
+        plot.busbw_vs_size(os.path.join(folder, "busbw.png"), runs)
+        wrote.append("busbw.png")
+        if len(runs) > 1:
+            plot.time_vs_n(os.path.join(folder, "time_vs_n.png"), runs)
+            wrote.append("time_vs_n.png")
+    return f"{folder}{os.sep} ({', '.join(wrote)})"
 
 
 def _torchrun_main(args):
@@ -295,10 +324,13 @@ def _torchrun_main(args):
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = _device_setup(args.device, local_rank, local_world)
+    load = header.load_average()
+    if rank == 0:
+        print("\n".join(header.lines(args, load, local_world)), flush=True)
     dist.init_process_group(_backend(args.device), init_method="env://")
     try:
         run = run_rank(args, rank, world, device, local_world)
-        return _finish(args, [run]) if rank == 0 else 0
+        return _finish(args, [run], load) if rank == 0 else 0
     finally:
         _close_ringreduce()
         dist.destroy_process_group()
@@ -328,6 +360,9 @@ def main(argv=None):
         return _torchrun_main(args)
     runs = []
     ds_prefix = None
+    load = header.load_average()
+    # Flushed before any rank is forked: a forked rank would print what is still buffered.
+    print("\n".join(header.lines(args, load)), flush=True)
     try:
         if any(b.startswith("deepspeed/") for b in args.backends):
             ds_prefix = _prepare_deepspeed()
@@ -342,4 +377,4 @@ def main(argv=None):
         if ds_prefix:  # DeepSpeed never removes its segments; a rank that died left its own
             from .backends import remove_shm
             remove_shm(ds_prefix)
-    return _finish(args, runs)
+    return _finish(args, runs, load)

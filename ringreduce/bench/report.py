@@ -8,6 +8,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 
 import torch
 
@@ -181,10 +182,70 @@ def print_machine(info, args, world):
            f"them)" if args.hosts > 1 else ""), flush=True)
 
 
-def write_json(path, args, info, runs):
+def write_json(path, args, info, runs, extra=None):
+    """Writes the run's document (command, flags, machine, runs, and extra) to path; returns it."""
     keep = ("minbytes", "maxbytes", "stepfactor", "iters", "agg_iters", "batch_ms", "hosts", "warmup_iters", "check", "datatype",
-            "op", "nranks", "collectives", "backends", "quick", "device", "torchrun")
+            "op", "nranks", "collectives", "backends", "quick", "device", "torchrun", "results")
     doc = {"command": [os.path.basename(sys.executable), "-m", "ringreduce.bench"] + sys.argv[1:],
-           "args": {k: getattr(args, k) for k in keep}, "machine": info, "runs": runs}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           "args": {k: getattr(args, k, None) for k in keep}, "machine": info, "runs": runs,
+           **(extra or {})}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
+    return doc
+
+
+def markdown(doc):
+    """summary.md: the run in a few tables (in-place times per size and backend, average busbw)."""
+    m, a = doc["machine"], doc["args"]
+    load = doc.get("load_average") or {}
+    mem = human(m["memory_bytes"]) if m.get("memory_bytes") else "?"
+    out = [f"# ringreduce.bench, {doc.get('date', '')}", "",
+           f"`{' '.join(doc['command'])}`", "",
+           f"{m['cpu_model']}, {m['cpu_affinity']} cores, {mem}; python {m['python']}, torch "
+           f"{m['torch']}, ringreduce {m['ringreduce']}" +
+           (f"; {m['gpu_count']} x {m['gpu_name']}, NCCL {m['nccl_version']}" if m.get("gpu_name")
+            else "; no GPU") + ".",
+           f"Load average (1 min): {_load1(load.get('start'))} at start, "
+           f"{_load1(load.get('end'))} at end. Type {a['datatype']}, op {a['op']}, "
+           f"{a['iters']} timed iterations.", ""]
+    if doc.get("legend"):
+        out += ["Backends:", ""] + [f"- `{b}`: {text}" for b, text in doc["legend"].items()] + [""]
+    if doc.get("left_out"):
+        out += ["Left out:", ""] + [f"- `{b}`: {why}" for b, why in doc["left_out"]] + [""]
+    for run in doc["runs"]:
+        n = run["nranks"]
+        for c in dict.fromkeys(r["collective"] for r in run["rows"]):
+            rows = [r for r in run["rows"] if r["collective"] == c and r["inplace"]]
+            backends = list(dict.fromkeys(r["backend"] for r in rows))
+            t = {(r["size_bytes"], r["backend"]): r["time_us"] for r in rows}
+            out += [f"## {c}, {n} ranks: time (us), in-place", "",
+                    "| size | " + " | ".join(backends) + " |",
+                    "| ---: |" + " ---: |" * len(backends)]
+            for size in sorted(dict.fromkeys(r["size_bytes"] for r in rows)):
+                out.append(f"| {human(size)} | " + " | ".join(
+                    f"{t[(size, b)]:.1f}" if (size, b) in t else "-" for b in backends) + " |")
+            out.append("")
+        out += [f"## {n} ranks: average busbw (GB/s), both forms", "",
+                "| backend | " + " | ".join(_collectives(run)) + " |",
+                "| --- |" + " ---: |" * len(_collectives(run))]
+        for b, per in run["summary"]["avg_busbw_GBps"].items():
+            out.append(f"| {b} | " + " | ".join(f"{per[c]:.3f}" if c in per else "-"
+                                               for c in _collectives(run)) + " |")
+        out.append("")
+        if run.get("peak_membw_GBps"):
+            out += [f"Peak memory bandwidth ({run['membw_method']}): "
+                    f"{run['peak_membw_GBps']:.1f} GB/s.", ""]
+        if run.get("notes"):
+            out += ["Notes:", ""] + [f"- {note}" for note in run["notes"]] + [""]
+    wrong = sum(r["wrong"] or 0 for run in doc["runs"] for r in run["rows"])
+    out.append(f"Wrong elements in total: {wrong}.")
+    return "\n".join(out) + "\n"
+
+
+def _load1(load):
+    return "?" if not load else f"{load[0]:.2f}"
+
+
+def _collectives(run):
+    return list(dict.fromkeys(r["collective"] for r in run["rows"]))
