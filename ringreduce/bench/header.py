@@ -23,6 +23,12 @@ LEGEND = {
     "ringreduce/nccl": "ringreduce's ring over NCCL send/recv",
     "torch/gloo": "torch.distributed on Gloo (the CPU baseline)",
     "torch/nccl": "torch.distributed on NCCL (the GPU baseline)",
+    "torch/symm-oneshot": "torch's SymmetricMemory one-shot all-reduce, the tensor copied into its "
+                          "symmetric buffer first (as vLLM uses it)",
+    "torch/symm-twoshot": "torch's SymmetricMemory two-shot all-reduce, with the copies in and out",
+    "torch/symm-oneshot-sym": "SymmetricMemory one-shot on its own symmetric tensors (beside "
+                              "ringreduce/p2p-shared)",
+    "torch/symm-twoshot-sym": "SymmetricMemory two-shot on its own symmetric tensors, in place",
     "torch/ringreduce": "torch.distributed's calls on ringreduce's backend: the same transport and "
                         "algorithms as ringreduce/shm, called from torch's C++ dispatch instead "
                         "of ringreduce's Python API; at large sizes both do the same work, so a "
@@ -37,6 +43,7 @@ LEGEND = {
 PEERS = (("torch/gloo", "cpu", "torch"), ("ps/gloo", "cpu", "ps"),
          ("torch/nccl", "cuda", "torch"), ("ps/nccl", "cuda", "ps"),
          ("ringreduce/p2p", "cuda", "ringreduce"), ("ringreduce/nccl", "cuda", "ringreduce"),
+         ("torch/symm", "cuda", "torch/symm"),
          ("mpi", "cpu", "mpi"), ("deepspeed/shm", "cpu", "deepspeed"))
 
 
@@ -48,7 +55,7 @@ def left_out(a):
     """[(label, why)] for every peer of PEERS that this run does not run."""
     out = []
     for label, device, name in PEERS:
-        if any(b == label or b.startswith(label + "/") for b in a.backends):
+        if any(b == label or b.startswith((label + "/", label + "-")) for b in a.backends):
             continue
         if device != a.device:
             why = "no GPU" if device == "cuda" else "moves CPU tensors; this run is on the GPU"
