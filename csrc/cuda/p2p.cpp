@@ -144,7 +144,8 @@ Plan plan(const Call& c, const Options& o, bool direct) {
   if (o.exact) {
     p.blocks = std::min(o.channels, cap);
   } else {
-    const int64_t piece_bytes = static_cast<int64_t>(std::min(bytes, o.chunk_bytes));
+    // the bytes of a piece of the span each block's cut applies to (reduce_scatter: per chunk)
+    const int64_t piece_bytes = std::min(span, p.slice_elems) * es;
     p.blocks = static_cast<int>(std::max<int64_t>(
         1, std::min<int64_t>(std::min(cap, kDefaultSymBlocks),
                              piece_bytes / static_cast<int64_t>(kSymBytesPerBlock))));
@@ -594,6 +595,11 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
                " (an all_reduce of a ringreduce.shared_empty tensor needs the same buffer and "
                "offset on every rank)";
       }
+      if (e.got.nbytes == e.mine.nbytes && e.phase >= 2 && (e.got.index >> 24) != (e.mine.index >> 24))
+        return me + where + ": rank " + std::to_string(e.peer) + " cut the call between " +
+               std::to_string(e.got.index >> 24) + " blocks, this rank between " +
+               std::to_string(e.mine.index >> 24) +
+               " (inconsistent schedules: RINGREDUCE_CUDA_MAX_BLOCKS or the devices differ)";
       if (e.got.nbytes == e.mine.nbytes)  // the right size, but another piece
         return me + where + ": message #" + std::to_string(e.got.index) + " from rank " +
                std::to_string(e.peer) + " where #" + std::to_string(e.mine.index) +

@@ -49,8 +49,11 @@ __device__ MsgHeader get_header(const MsgHeader* src) {
   return h;
 }
 
+// A plain store, not an atomic: system-scope atomics on a peer's memory need native P2P atomics,
+// which PCIe peers may lack. The first cause usually stays (a word already there is kept); a race
+// between two causes keeps one of them, enough for the peer's waits to stop.
 __device__ void notify(Area* peer, uint32_t word) {
-  if (peer) atomicCAS_system(&peer->abort, 0u, word);
+  if (peer && ld_relaxed_sys(&peer->abort) == 0u) st_relaxed_sys(&peer->abort, word);
 }
 
 // The copy algorithm's stream waits of the whole group, released after the group's abort word.

@@ -46,6 +46,9 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
 __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -88,6 +91,7 @@ inline void st_relaxed_sys(uint64_t* p, uint64_t v) {
   __atomic_store_n(p, v, __ATOMIC_RELAXED);
   ::emu::cost_flag_store(p);
 }
+inline void st_relaxed_sys(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 inline uint32_t ld_relaxed_sys(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline uint64_t ld_relaxed_sys(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline void fence_acq_rel_sys() {  // fence.acq_rel.sys

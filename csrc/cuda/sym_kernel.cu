@@ -64,7 +64,9 @@ __device__ uint32_t sym_wait(const SymArgs& a, const uint64_t* flag, uint64_t ta
 __device__ bool barrier(const SymArgs& a, uint64_t epoch, int b, int64_t piece, uint64_t nbytes,
                         unsigned* claim) {
   const int n = a.nranks, r = a.rank, k = blockIdx.x;
-  const uint32_t index = static_cast<uint32_t>(piece);
+  // The piece and the block count: ranks that cut a piece between another number of blocks would
+  // read parts their peers' blocks have not written (kBadSize: inconsistent schedules).
+  const uint32_t index = static_cast<uint32_t>(piece & 0xffffff) | (static_cast<uint32_t>(gridDim.x) << 24);
   const MsgHeader mine = my_header(a, nbytes, index);
   const uint64_t v = barrier_value(epoch, b);
   __syncthreads();

@@ -119,7 +119,8 @@ struct Group {
   Group(int n, int channels, size_t slice_bytes, double timeout_s,
         rc::p2p::Algo algo = rc::p2p::Algo::Auto, bool exact = false,
         size_t chunk_bytes = rc::p2p::kDefaultChunkBytes, bool neighbours_only = false,
-        int max_blocks = 0, bool one_device = false, size_t copy_slot_bytes = rc::p2p::kDefaultCopySlotBytes) {
+        int max_blocks = 0, bool one_device = false, size_t copy_slot_bytes = rc::p2p::kDefaultCopySlotBytes,
+        const std::function<void(int, rc::p2p::Options&)>& tweak = nullptr) {
     auto device_of = [&](int r) { return one_device ? 0 : ::device_of(r); };
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
@@ -135,6 +136,7 @@ struct Group {
       o.exact = exact;
       o.chunk_bytes = chunk_bytes;
       o.copy_slot_bytes = copy_slot_bytes;
+      if (tweak) tweak(r, o);
       rings.push_back(std::make_unique<rc::p2p::Ring>(o));
       Rank k;
       k.device = device_of(r);
@@ -680,6 +682,22 @@ static void test_failed_call_survives_close() {
     EXPECT(g.rings[r]->failed_seq() == 1, "rank %d after close: first failed call %llu, want 1", r,
            (unsigned long long)g.rings[r]->failed_seq());
   }
+}
+
+// Ranks whose plans cut a call between different numbers of blocks (a per-rank block cap): every
+// rank stops with the cause, never reads parts its peers' blocks have not written.
+static void test_block_counts_must_agree() {
+  DevBuf buf(4096 * 4);
+  Group g(2, 4, 4096, 5.0, rc::p2p::Algo::TwoShot, true, rc::p2p::kDefaultChunkBytes, false, 0, false,
+          rc::p2p::kDefaultCopySlotBytes, [](int r, rc::p2p::Options& o) { o.channels = r ? 3 : 4; });
+  const auto t0 = Clock::now();
+  for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
+  sync_all(g);
+  EXPECT(seconds_since(t0) < 3, "blocks 4 against 3: stopped after %.1f s (timeout 5 s)", seconds_since(t0));
+  const std::string f = g.rings[0]->failure() + " | " + g.rings[1]->failure();
+  EXPECT(contains(f, "cut the call between 3 blocks, this rank between 4") ||
+             contains(f, "cut the call between 4 blocks, this rank between 3"),
+         "blocks 4 against 3: '%s'", f.c_str());
 }
 
 static void test_timeout() {
@@ -1310,6 +1328,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_registered_result_in_stream_order(); });
     run_test(argc, argv, "test_registered_release", [&] { test_registered_release(); });
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
+    run_test(argc, argv, "test_block_counts_must_agree", [&] { test_block_counts_must_agree(); });
     run_test(argc, argv, "test_failed_call_survives_close", [&] { test_failed_call_survives_close(); });
     run_test(argc, argv, "test_timeout_with_every_block", [&] { test_timeout_with_every_block(); });
     run_test(argc, argv, "test_mismatch", [&] { test_mismatch(); });

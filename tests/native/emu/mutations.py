@@ -245,6 +245,11 @@ MUTATIONS = {
         "csrc/cuda/p2p.cpp", "  closed_failed_seq_ = failed_seq_locked();\n", "",
         ("test_cuda_kernels_emu", ["test_failed_call_survives_close"]),
         "a Work waited on after close reports success for a call that failed on the device (issue 51, finding 4)"),
+    "sym_blocks_not_in_header": (
+        SYM, "static_cast<uint32_t>(piece & 0xffffff) | (static_cast<uint32_t>(gridDim.x) << 24);",
+        "static_cast<uint32_t>(piece & 0xffffff);",
+        ("test_cuda_kernels_emu", ["test_block_counts_must_agree"]),
+        "ranks that cut a call between other numbers of blocks read parts not yet written (review finding 1)"),
 }
 
 
