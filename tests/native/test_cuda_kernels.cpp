@@ -287,14 +287,16 @@ static void test_two_communicators_share_a_device() {
   const int planned = groups[0]->rings[0]->plan_of(groups[0]->call(numel, any)).blocks;
   EXPECT(planned == std::min(max_blocks, rc::p2p::kDefaultSymBlocks), "a plan of %d blocks, cap %d", planned, max_blocks);
   std::vector<std::unique_ptr<DevBuf>> bufs;
+  std::vector<std::vector<char>> hosts;  // the copies read them later (stream order): kept until the sync
   for (int round = 0; round < 3; ++round) {
     bufs.clear();
+    hosts.clear();
     for (int k = 0; k < comms; ++k)
       for (int r = 0; r < n; ++r) {
         bufs.push_back(std::make_unique<DevBuf>(numel * 4));
         const std::vector<float> h(numel, static_cast<float>(k * 10 + r + 1));
-        fill_on(groups[k]->ranks[r].stream, bufs.back()->p,
-                std::vector<char>(reinterpret_cast<const char*>(h.data()), reinterpret_cast<const char*>(h.data() + numel)));
+        hosts.emplace_back(reinterpret_cast<const char*>(h.data()), reinterpret_cast<const char*>(h.data() + numel));
+        fill_on(groups[k]->ranks[r].stream, bufs.back()->p, hosts.back());
       }
     for (int r = 0; r < n; ++r)  // interleaved: rank r of both communicators, then the next rank
       for (int k = 0; k < comms; ++k)
