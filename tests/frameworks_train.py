@@ -183,3 +183,12 @@ if __name__ == "__main__":
     assert variant in ("gloo", "ringreduce", "hook"), variant
     os.makedirs(out, exist_ok=True)
     {"lightning": run_lightning, "accelerate": run_accelerate}[framework](variant, out)
+    if variant == "gloo":
+        # The Gloo-only baseline (no ringreduce communicator) leaves without Python's finalization:
+        # DDP keeps torch's Gloo group, and its worker threads, alive past destroy_process_group,
+        # and such a process once ended in std::terminate at exit on a loaded CI machine
+        # ("terminate called without an active exception"; see pytorch/pytorch#190489). Its report
+        # is written; ringreduce's variants exit normally, since their exit is part of the test.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -74,7 +74,8 @@ def _start(framework, variant, out):
                SCRIPT, "accelerate", variant, str(out)]
     # One-shot up to 16 KiB (the default at 2 ranks is 1 KiB) so that DDP's two buckets take the
     # two all-reduce algorithms; a hung ring ends well inside RUN_TIMEOUT.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RINGREDUCE_TIMEOUT="60",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
+               RINGREDUCE_TIMEOUT="60",
                RINGREDUCE_ONESHOT_MAX_BYTES=str(16 << 10))
     log_path = out / "launch.log"
     with open(log_path, "w") as log:

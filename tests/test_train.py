@@ -57,7 +57,7 @@ def torchrun(workdir, args, restarts=0, monitor_interval=0.1, timeout=120):
            f"--max-restarts={restarts}", f"--monitor-interval={monitor_interval}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
            EXAMPLE, "--checkpoint", str(workdir / "ck.pt")] + args
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR",
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONFAULTHANDLER="1",
                RINGREDUCE_TRACE_DIR=str(workdir / "trace"),
                # a fresh store per attempt (see the example's docstring)
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -182,7 +182,7 @@ def nodes(workdir, args, nnodes="2", restarts=0, torchrun_args=(), stagger=0.0, 
                     EXAMPLE, "--checkpoint", str(workdir / "ck.pt")] + args
         script = ('mount -t tmpfs -o size=256m tmpfs /dev/shm && "$@"; rc=$?; '
                   'echo "leftover: $(ls /dev/shm)"; exit $rc')
-        env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR",
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONFAULTHANDLER="1",
                    RINGREDUCE_HOST_ID=f"node{k}", RINGREDUCE_TRACE_DIR=str(workdir / "trace"),
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         procs.append(subprocess.Popen(

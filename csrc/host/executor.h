@@ -23,7 +23,10 @@
 
 namespace ringreduce {
 
-class Executor {
+// Owned by a shared_ptr (as communicators own theirs), the worker holds a reference while it runs a
+// call: a done() callback may drop the last owner (Python code in a future's callback can free the
+// communicator). The executor then dies on its own worker after the call, detaching it.
+class Executor : public std::enable_shared_from_this<Executor> {
  public:
   // Whether a wait was asked to stop (Ctrl-C on the main thread): polled every 50 ms.
   using Interrupted = std::function<bool()>;
@@ -52,7 +55,10 @@ class Executor {
   Executor() = default;
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
-  ~Executor() { stop(); }
+  ~Executor() {
+    stop();
+    if (worker_.joinable()) worker_.detach();  // dying on the worker itself: nothing touches *this after
+  }
 
   // Claims the executor for one inline call if it is idle (nothing queued or running): true, and
   // the caller must call release() after running it. Never blocks.
@@ -94,7 +100,8 @@ class Executor {
       if (!stopped_) {
         last_made_ = job->made;
         queue_.push_back(job);
-        if (!worker_.joinable()) worker_ = std::thread([this] { work_loop(); });
+        if (!worker_.joinable())
+          worker_ = std::thread([this] { work_loop(); });
         if (worker_asleep_) wcv_.notify_one();
         return job;
       }
@@ -245,7 +252,13 @@ class Executor {
         }
         JobPtr next = take_locked();
         lk.unlock();
+        std::shared_ptr<Executor> keep = weak_from_this().lock();  // null if not shared-owned
+        const std::weak_ptr<Executor> self = keep;
         execute(next, nullptr);
+        if (keep) {
+          keep.reset();  // the last reference if done() dropped the owners: ~Executor runs here
+          if (self.expired()) return;  // *this is gone
+        }
         lk.lock();
         continue;
       }

@@ -140,7 +140,35 @@ void test_interrupt_and_stop() {
 
 }  // namespace
 
+// A done() callback that drops the last owner of the executor runs on the worker: the executor dies
+// there (a communicator freed by Python code in a future's callback). It must not join itself, nor
+// destroy a joinable std::thread (std::terminate), nor be touched after it is gone.
+void test_last_owner_dropped_on_the_worker() {
+  for (int k = 0; k < 20; ++k) {
+    auto ex = std::make_shared<Executor>();
+    std::atomic<bool> dropped{false};
+    std::atomic<bool> ran_on_worker{false};
+    const auto main_id = std::this_thread::get_id();
+    auto owner = std::make_shared<std::shared_ptr<Executor>>(ex);
+    std::weak_ptr<Executor> seen = ex;
+    ex->submit([](const Executor::Interrupted*) {},
+               [&, owner](const std::string& e) {
+                 CHECK(e.empty(), "%s", e.c_str());
+                 ran_on_worker = std::this_thread::get_id() != main_id;
+                 owner->reset();  // the last owner: ~Executor runs here, on the worker
+                 dropped = true;
+               });
+    ex.reset();  // the callback's copy is now the only owner
+    for (int i = 0; i < 5000 && !dropped; ++i) std::this_thread::sleep_for(1ms);
+    CHECK(dropped, "the job never finished");
+    CHECK(ran_on_worker, "the job ran on the main thread");
+    for (int i = 0; i < 5000 && !seen.expired(); ++i) std::this_thread::sleep_for(1ms);
+    CHECK(seen.expired(), "the executor outlived its last owner");
+  }
+}
+
 int main() {
+  test_last_owner_dropped_on_the_worker();
   test_order_and_help();
   test_sync_after_async_and_errors();
   test_interrupt_and_stop();
