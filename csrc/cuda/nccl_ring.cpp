@@ -373,6 +373,25 @@ void Ring::fail_locked(const std::string& why) {
   abort_requested_ = false;
 }
 
+std::string Ring::descs_if_seen(Pending& p) {
+  if (!p.descs || p.slot < 0) return "";
+  RelaxedCapture relaxed;
+  const cudaError_t q = cudaEventQuery(p.descs);
+  cudaGetLastError();
+  return q == cudaSuccess ? check_descs(p) : std::string();
+}
+
+std::string Ring::known_mismatch() {
+  {
+    std::lock_guard<std::mutex> qlk(qmu_);
+    for (Pending& p : inflight_) {
+      const std::string m = descs_if_seen(p);
+      if (!m.empty()) return m;
+    }
+  }
+  return descs_if_seen(next_);
+}
+
 void Ring::nccl_check(int res, const char* what) {
   if (res == ncclSuccess) return;
   const Api& nc = api(opt_.lib);
@@ -384,6 +403,9 @@ void Ring::nccl_check(int res, const char* what) {
     msg += ". If ranks of the group share a GPU: NCCL >= 2.30 accepts that with "
            "NCCL_MULTI_RANK_GPU_ENABLE=1 set on every rank; or use RINGREDUCE_TRANSPORT=p2p, which "
            "moves data between ranks on one GPU through CUDA IPC";
+  // Mismatched calls are the cause of a truncated message: say so where the descriptors show it.
+  const std::string mismatch = known_mismatch();
+  if (!mismatch.empty()) msg = mismatch;
   set_failure(msg, first_unretired());
   fail_locked(msg);
   throw RingError(msg);
@@ -408,8 +430,10 @@ void Ring::settle(const char* what) {
     if (state != ncclInProgress) nccl_check(state, what);
     const auto now = Clock::now();
     if (now > deadline) {
-      const std::string msg = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + what +
-                              " timed out after " + seconds(opt_.timeout_s) + " s (RINGREDUCE_TIMEOUT)";
+      std::string msg = known_mismatch();
+      if (msg.empty())
+        msg = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + what + " timed out after " +
+              seconds(opt_.timeout_s) + " s (RINGREDUCE_TIMEOUT)";
       fail_locked(msg);
       throw RingError(msg);
     }
@@ -422,34 +446,12 @@ void Ring::settle(const char* what) {
   }
 }
 
-void Ring::group(const std::vector<P2p>& ops, cudaStream_t stream) {
+void Ring::post(const std::vector<P2p>& ops, cudaStream_t stream, const char* what) {
   const Api& nc = api(opt_.lib);
-  // The call's first group: its descriptor to every peer this group exchanges data with, and
-  // theirs back (the ring's two neighbours, or every peer), posted before the data: NCCL runs a
-  // group's calls to one peer in order (its guide, "Point-to-point communication"), so these never
-  // meet data of the same call; the price is one small message ahead of the data. Both ways
-  // even where the data goes one way: the ring's rank before a mismatched one would otherwise
-  // finish its call without seeing it.
-  const bool descs = next_.slot >= 0 && !next_.descs;
-  const std::vector<P2p>* post = &ops;
-  if (descs) {
-    const DescSlot& ds = desc_slots_[next_.slot];
-    std::vector<char> seen(opt_.nranks, 0);
-    gops_.clear();
-    for (const P2p& o : ops) {
-      if (seen[o.peer]) continue;
-      seen[o.peer] = 1;
-      gops_.push_back({true, ds.dev + opt_.rank * sizeof(Desc), sizeof(Desc), o.peer});
-      gops_.push_back({false, ds.dev + o.peer * sizeof(Desc), sizeof(Desc), o.peer});
-      next_.from.push_back(o.peer);
-    }
-    gops_.insert(gops_.end(), ops.begin(), ops.end());
-    post = &gops_;
-  }
   nccl_check(nc.group_start(), "ncclGroupStart");
   const char* failed = nullptr;
   ncclResult_t r = ncclSuccess;
-  for (const P2p& o : *post) {
+  for (const P2p& o : ops) {
     failed = o.send ? "ncclSend" : "ncclRecv";
     r = o.send ? nc.send(o.buf, o.bytes, ncclInt8, o.peer, comm_, stream)
                : nc.recv(const_cast<void*>(o.buf), o.bytes, ncclInt8, o.peer, comm_, stream);
@@ -460,14 +462,32 @@ void Ring::group(const std::vector<P2p>& ops, cudaStream_t stream) {
   const ncclResult_t end = nc.group_end();
   if (r != ncclSuccess) nccl_check(r, failed);
   if (end != ncclInProgress) nccl_check(end, "ncclGroupEnd");
-  settle("ncclGroupEnd (send/recv with the peers)");
-  if (descs) {  // the host compares them when this copy is done (retire_locked)
+  settle(what);
+}
+
+void Ring::group(const std::vector<P2p>& ops, cudaStream_t stream) {
+  // The call's first group is preceded by a group of its own that exchanges the call's descriptor
+  // with every peer, whatever the algorithm: every rank posts the same sends and receives of the
+  // same size there, so it completes even when the calls differ, and its copy to the host (checked
+  // by retire_locked, the watchdog, and any NCCL error of the call) is not held back by a data
+  // group that mismatched calls block (ranks on different algorithms talking to different peers).
+  // The price: one more small group per call.
+  if (next_.slot >= 0 && !next_.descs) {
     const DescSlot& ds = desc_slots_[next_.slot];
+    gops_.clear();
+    for (int k = 1; k < opt_.nranks; ++k) {
+      const int to = (opt_.rank + k) % opt_.nranks, from = ring::mod(opt_.rank - k, opt_.nranks);
+      gops_.push_back({true, ds.dev + opt_.rank * sizeof(Desc), sizeof(Desc), to});
+      gops_.push_back({false, ds.dev + from * sizeof(Desc), sizeof(Desc), from});
+      next_.from.push_back(from);
+    }
+    post(gops_, stream, "ncclGroupEnd (call descriptors with the peers)");
     RR_CUDA_CHECK(cudaEventCreateWithFlags(&next_.descs, cudaEventDisableTiming));
     RR_CUDA_CHECK(cudaMemcpyAsync(ds.host, ds.dev, opt_.nranks * sizeof(Desc), cudaMemcpyDeviceToHost,
                                   stream));
     RR_CUDA_CHECK(cudaEventRecord(next_.descs, stream));
   }
+  post(ops, stream, "ncclGroupEnd (send/recv with the peers)");
 }
 
 void Ring::group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream) {
@@ -678,9 +698,11 @@ void Ring::watch() {
       const cudaError_t q = cudaEventQuery(p.done);
       if (q == cudaErrorNotReady) {
         if (Clock::now() - std::max(p.enqueued, prev_done) > timeout) {
-          why = "ringreduce: rank " + std::to_string(opt_.rank) + ": collective #" +
-                std::to_string(p.seq) + " on the nccl transport timed out after " +
-                seconds(opt_.timeout_s) + " s (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
+          why = descs_if_seen(p);  // mismatched calls, where the descriptors show it
+          if (why.empty())
+            why = "ringreduce: rank " + std::to_string(opt_.rank) + ": collective #" +
+                  std::to_string(p.seq) + " on the nccl transport timed out after " +
+                  seconds(opt_.timeout_s) + " s (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
           why_seq = p.seq;
         }
         break;

@@ -12,11 +12,12 @@
 // link flags. Torch-free.
 // Deterministic mode (ringreduce::deterministic()): all_reduce and reduce_scatter run one-shot or
 // two-shot only, whose fold gives the bits of the rank-order reduction at every size and slicing.
-// Mismatched calls: each call's first group also exchanges a 32-byte call descriptor with the
-// peers it talks to (Desc): every peer in one-shot and two-shot, the two neighbours in the ring. A
-// difference fails the call on each rank that sees it, which then aborts; in a ring of more than
-// three, a rank farther from the mismatch may finish the call and fails in its next one (NCCL's
-// error or the timeout). NCCL alone failed only the rank whose receive it truncated.
+// Mismatched calls: each call starts with a group of its own that exchanges a 32-byte call
+// descriptor (Desc) with every peer, whatever the algorithm, so that it completes even where the
+// calls' data groups block each other (one more group round trip per call: one-shot's 1 group is
+// 2, two-shot's 2 are 3, the ring's 2(N-1) are 2N-1). A difference fails the call on every rank, which then
+// aborts; an NCCL error or a timeout of a call whose descriptors differ is reported as the
+// mismatch. NCCL alone failed only the rank whose receive it truncated.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -153,8 +154,10 @@ class Ring {
     size_t bytes;
     int peer;
   };
-  // One group of sends and receives on stream, settled (enqueued) before it returns.
+  // One group of sends and receives on stream, settled (enqueued) before it returns; the call's
+  // first is preceded by the descriptor group.
   void group(const std::vector<P2p>& ops, cudaStream_t stream);
+  void post(const std::vector<P2p>& ops, cudaStream_t stream, const char* what);  // one group
   // The ring's step: send to the next rank, receive from the previous one.
   void group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream);
   void run_ring(const Call& c, cudaStream_t stream);
@@ -177,6 +180,8 @@ class Ring {
   // NCCL's async state read after those queries is clean; returns NCCL's error as a message, or "".
   std::string retire_locked();
   std::string check_descs(Pending& p);  // "" or the mismatch, as the p2p transport words it
+  std::string descs_if_seen(Pending& p);  // check_descs once p's descriptors reached the host
+  std::string known_mismatch();  // mu_ held, qmu_ not: the first mismatch seen (in flight, next_)
   int take_desc_slot();                 // mu_ held; grows the pool when every slot is in use
   void release_pending(Pending& p);     // qmu_ held: its events and slot
   void watch();

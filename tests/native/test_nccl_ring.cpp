@@ -50,7 +50,7 @@ struct Group {
   // Creation is collective (each constructor waits for the others), so each rank is built on a
   // thread of its own, on its device. devices: rank -> device (default rank r on device r).
   Group(int n, size_t staging, double timeout_s, std::vector<int> devices = {},
-        rc::nccl::Algo algo = rc::nccl::Algo::Auto) {
+        rc::nccl::Algo algo = rc::nccl::Algo::Auto, std::vector<rc::nccl::Algo> algos = {}) {
     if (devices.empty())
       for (int r = 0; r < n; ++r) devices.push_back(r);
     const std::string id = rc::nccl::unique_id(kLib);
@@ -67,7 +67,7 @@ struct Group {
           o.timeout_s = timeout_s;
           o.staging_bytes = staging;
           o.lib = kLib;
-          o.algo = algo;
+          o.algo = algos.empty() ? algo : algos[r];
           rings[r] = std::make_unique<rc::nccl::Ring>(o, id);
         } catch (const std::exception& e) {
           errors[r] = e.what();
@@ -237,8 +237,8 @@ static void test_plan() {
 
 // NCCL groups and reduce launches per rank per call, world 8 (two ranks per emulated device), at
 // 4 KiB and 4 MiB float32 all_reduce: auto (one-shot: 1 group; two-shot: 2) against the ring
-// (2(N-1) = 14); the ring's N-1 = 7 reduce launches against the direct algorithms' one (their
-// rank-order fold of all 8 pieces; one piece of the staging here).
+// (2(N-1) = 14), each plus the call descriptors' group; the ring's N-1 = 7 reduce launches against
+// the direct algorithms' one (their rank-order fold of all 8 pieces; one piece of the staging here).
 static void test_counts(const Hooks& hooks) {
   setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
   const int n = 8;
@@ -251,7 +251,7 @@ static void test_counts(const Hooks& hooks) {
       const double launches = double(emu_launches() - launches0) / n;
       const Algo used = rc::nccl::plan(g.call(numel, DevBuf(4)), {0, n});
       const Algo got = a == Algo::Ring ? Algo::Ring : used;
-      const double want_groups = got == Algo::Ring ? 2 * (n - 1) : got == Algo::TwoShot ? 2 : 1;
+      const double want_groups = 1 + (got == Algo::Ring ? 2 * (n - 1) : got == Algo::TwoShot ? 2 : 1);
       std::printf("world %d, %lld B float32 all_reduce, %s: %g NCCL groups, %g reduce launches per call\n",
                   n, (long long)numel * 4, rc::nccl::algo_name(got), groups, launches);
       EXPECT(groups == want_groups, "%s %lld: %g groups", rc::nccl::algo_name(got), (long long)numel, groups);
@@ -331,6 +331,34 @@ static void test_size_mismatch() {
     }
     EXPECT(named, "%s: no rank named the mismatched calls", what);
   }
+}
+
+// Four ranks, rank 1 forced onto the ring and the others on one-shot: their first groups
+// talk to different peers (the ring to its neighbours only) and block each other, as NCCL's
+// kernels wait for a receive nobody sends. The call descriptors travel in a group of their own,
+// with every peer, ahead of the data: every rank names the mismatch within a second or two, long
+// before the 30 s timeout (when they rode in the first data group, the blocked group held them
+// back and the timeout was the only error).
+static void test_mismatch_blocks_the_first_group() {
+  const int64_t numel = 64;
+  DevBuf buf(numel * 4);
+  Group g(4, 4096, 30.0, {}, Algo::Auto, {Algo::Auto, Algo::Ring, Algo::Auto, Algo::Auto});
+  const rc::nccl::Options o{0, 4, 30.0, 4096, "", Algo::Auto};
+  EXPECT(rc::nccl::plan(g.call(numel, buf), o) == Algo::OneShot, "auto is not one-shot");
+  for (int r = 0; r < 4; ++r) {
+    try {
+      g.run(r, numel, buf);
+    } catch (const rr::RingError&) {
+    }
+  }
+  const double took = g.await_failures({0, 1, 2, 3}, 20);
+  g.sync();
+  EXPECT(took < 10, "the ranks failed after %.1f s (timeout 30 s)", took);
+  for (int r = 0; r < 4; ++r) {
+    const std::string f = g.rings[r]->failure();
+    EXPECT(contains(f, "mismatched collective calls: rank "), "rank %d: '%s'", r, f.c_str());
+  }
+  std::printf("mismatch in the first group: rank 0 says: %s\n", g.rings[0]->failure().c_str());
 }
 
 // An NCCL call that fails inside the group: the ring raises, and the group is ended anyway (a group
@@ -559,6 +587,8 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_counts", [&] { test_counts(hooks); });
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
     run_test(argc, argv, "test_size_mismatch", [&] { test_size_mismatch(); });
+    run_test(argc, argv, "test_mismatch_blocks_the_first_group",
+             [&] { test_mismatch_blocks_the_first_group(); });
     run_test(argc, argv, "test_failure_inside_group", [&] { test_failure_inside_group(hooks); });
     run_test(argc, argv, "test_cuda_fault", [&] { test_cuda_fault(); });
     run_test(argc, argv, "test_shared_gpu", [&] { test_shared_gpu(); });

@@ -135,20 +135,27 @@ MUTATIONS = {
         ("test_nccl_ring_emu", ["test_size_mismatch"]),
         "a mismatched call fails only the ranks NCCL tells (the receiver of a truncated message): the "
         "sender's call succeeds"),
-    "nccl_descriptors_one_way": (
+    "nccl_descriptors_to_neighbours_only": (
         "csrc/cuda/nccl_ring.cpp",
-        "      gops_.push_back({true, ds.dev + opt_.rank * sizeof(Desc), sizeof(Desc), o.peer});\n"
-        "      gops_.push_back({false, ds.dev + o.peer * sizeof(Desc), sizeof(Desc), o.peer});\n"
-        "      next_.from.push_back(o.peer);",
-        "      if (o.send) {\n"
-        "        gops_.push_back({true, ds.dev + opt_.rank * sizeof(Desc), sizeof(Desc), o.peer});\n"
-        "      } else {\n"
-        "        gops_.push_back({false, ds.dev + o.peer * sizeof(Desc), sizeof(Desc), o.peer});\n"
-        "        next_.from.push_back(o.peer);\n"
-        "      }",
-        ("test_nccl_ring_emu", ["test_size_mismatch"]),
-        "descriptors go only where data goes: the ring's rank before the mismatched one finishes its "
-        "call without an error"),
+        "    for (int k = 1; k < opt_.nranks; ++k) {\n      const int to = (opt_.rank + k) % opt_.nranks, from",
+        "    for (int k = 1; k < opt_.nranks; k += std::max(1, opt_.nranks - 2)) {\n"
+        "      const int to = (opt_.rank + k) % opt_.nranks, from",
+        ("test_nccl_ring_emu", ["test_mismatch_blocks_the_first_group"]),
+        "descriptors go to the ring's neighbours only: a rank two steps from the mismatched one sees "
+        "none and learns of it by its timeout"),
+    "nccl_descriptors_in_the_data_group": (
+        "csrc/cuda/nccl_ring.cpp",
+        '    post(gops_, stream, "ncclGroupEnd (call descriptors with the peers)");',
+        '    gops_.insert(gops_.end(), ops.begin(), ops.end());\n'
+        '    post(gops_, stream, "ncclGroupEnd (call descriptors with the peers)");\n'
+        '    RR_CUDA_CHECK(cudaEventCreateWithFlags(&next_.descs, cudaEventDisableTiming));\n'
+        '    RR_CUDA_CHECK(cudaMemcpyAsync(ds.host, ds.dev, opt_.nranks * sizeof(Desc), '
+        'cudaMemcpyDeviceToHost, stream));\n'
+        '    RR_CUDA_CHECK(cudaEventRecord(next_.descs, stream));\n'
+        '    return;',
+        ("test_nccl_ring_emu", ["test_mismatch_blocks_the_first_group"]),
+        "the descriptors ride in the first data group (the design before): a group that mismatched "
+        "calls block holds them back, and the ranks fail by their timeout"),
     "nccl_wrong_staging_buffer": (
         "csrc/cuda/nccl_ring.cpp",
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];",
