@@ -771,6 +771,38 @@ static void test_mismatch() {
   }
 }
 
+// Rank 0's kernel launch is refused (issue 51, finding 6): run() throws there, and the group is
+// aborted, so ranks 1 and 2, already waiting in the call's kernel, stop at once instead of at
+// their timeout. On each algorithm.
+static void test_launch_failure_aborts_the_group() {
+  for (rc::p2p::Algo algo : kAlgos) {
+    DevBuf buf(4096 * 4);
+    Group g(3, 2, 4096, 30.0, algo);
+    for (int r = 1; r < 3; ++r) g.rings[r]->run(g.call(4096, buf), g.ranks[r].stream);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const auto t0 = Clock::now();
+    emu_fail_launches(1, cudaErrorLaunchOutOfResources);
+    std::string thrown;
+    try {
+      RR_CUDA_CHECK(cudaSetDevice(g.ranks[0].device));
+      g.rings[0]->run(g.call(4096, buf), g.ranks[0].stream);
+    } catch (const std::exception& e) {
+      thrown = e.what();
+    }
+    emu_fail_launches(0, cudaSuccess);
+    sync_all(g);
+    const char* name = rc::p2p::algo_name(algo);
+    EXPECT(contains(thrown, "cudaErrorLaunchOutOfResources"), "%s: rank 0 threw '%s'", name, thrown.c_str());
+    EXPECT(seconds_since(t0) < 5, "%s: the peers stopped after %.1f s (timeout 30 s)", name, seconds_since(t0));
+    EXPECT(contains(g.rings[0]->failure(), "could not enqueue call #1"), "%s rank 0: '%s'", name,
+           g.rings[0]->failure().c_str());
+    for (int r = 1; r < 3; ++r)
+      EXPECT(contains(g.rings[r]->failure(), "stopped because rank 0 was aborted"), "%s rank %d: '%s'",
+             name, r, g.rings[r]->failure().c_str());
+    std::printf("launch failure (%s): rank 1 says: %s\n", name, g.rings[1]->failure().c_str());
+  }
+}
+
 // Rank 0 aborts while the ring waits on a silent rank 2: rank 0 and rank 1 stop at once.
 static void test_abort() {
   DevBuf buf(4096 * 4);
@@ -1335,6 +1367,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_timeout_with_every_block", [&] { test_timeout_with_every_block(); });
     run_test(argc, argv, "test_mismatch", [&] { test_mismatch(); });
     run_test(argc, argv, "test_abort", [&] { test_abort(); });
+    run_test(argc, argv, "test_launch_failure_aborts_the_group", [&] { test_launch_failure_aborts_the_group(); });
     run_test(argc, argv, "test_abort_between_calls", [&] { test_abort_between_calls(); });
     run_test(argc, argv, "test_dead_peer", [&] { test_dead_peer(); });
     run_test(argc, argv, "test_call_log", [&] { test_call_log(); });

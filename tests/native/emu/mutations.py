@@ -156,6 +156,13 @@ MUTATIONS = {
         ("test_nccl_ring_emu", ["test_mismatch_blocks_the_first_group"]),
         "the descriptors ride in the first data group (the design before): a group that mismatched "
         "calls block holds them back, and the ranks fail by their timeout"),
+    "launch_failure_does_not_abort": (
+        "csrc/cuda/p2p.cpp",
+        '    abort(std::string("could not enqueue call #") + std::to_string(op_seq_) + ": " + e.what());\n',
+        "",
+        ("test_cuda_kernels_emu", ["test_launch_failure_aborts_the_group"]),
+        "a refused kernel launch throws on its rank only: the peers wait in the call's kernel until "
+        "their timeout"),
     "nccl_wrong_staging_buffer": (
         "csrc/cuda/nccl_ring.cpp",
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];",

@@ -70,6 +70,8 @@ std::atomic<int> g_devices{env_int("EMU_CUDA_DEVICES", 1, 1, kMaxDevices)};
 const int g_block_threads = env_int("EMU_BLOCK_THREADS", 8, 2, 1024);
 const int g_sms = env_int("EMU_CUDA_SMS", 8, 1, 1024);
 std::atomic<uint64_t> g_launches{0};
+std::atomic<int> g_failing_launches{0};  // emu_fail_launches: the next ones fail with this error
+std::atomic<int> g_launch_error{cudaSuccess};
 
 // Residency: a device runs at most g_sms blocks at once (one block of the p2p kernels fills an SM:
 // 512 threads of 110-128 registers); further blocks wait, in launch order, until one ends, as the
@@ -658,6 +660,8 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorNotReady: return "cudaErrorNotReady";
     case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorLaunchOutOfResources: return "cudaErrorLaunchOutOfResources";
+    case cudaErrorStreamCaptureImplicit: return "cudaErrorStreamCaptureImplicit";
   }
   return "cudaErrorUnknown";
 }
@@ -674,6 +678,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorNotReady: return "device not ready";
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
     default: return "emulated CUDA error";
   }
 }
@@ -1174,6 +1179,10 @@ void emu_set_capturing(cudaStream_t stream, int capturing) {
 int emu_capture_invalidated(cudaStream_t stream) { return stream->capture_invalidated ? 1 : 0; }
 int emu_block_threads() { return emu::g_block_threads; }
 uint64_t emu_launches() { return emu::g_launches.load(); }
+void emu_fail_launches(int n, cudaError_t e) {
+  emu::g_launch_error = e;
+  emu::g_failing_launches = n;
+}
 
 }  // extern "C"
 
@@ -1193,6 +1202,11 @@ void emu::launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void(
     fail(cudaErrorInvalidResourceHandle);
     return;
   }
+  for (int k = g_failing_launches.load(); k > 0;)
+    if (g_failing_launches.compare_exchange_weak(k, k - 1)) {
+      fail(static_cast<cudaError_t>(g_launch_error.load()));  // not sticky, as a launch refused
+      return;
+    }
   dim3 run = block;
   if (block.y == 1 && block.z == 1) run.x = std::min<unsigned>(block.x, g_block_threads);
   const uint64_t seed = ++g_launches * 0x9e3779b97f4a7c15ull;

@@ -32,6 +32,9 @@ int emu_block_threads();
 void emu_set_weak(uint64_t seed);
 // Kernel launches executed so far.
 uint64_t emu_launches();
+// The next n kernel launches, on any thread, are refused with error e (for cudaGetLastError, not
+// sticky), as a launch that asks for too many resources is on a GPU.
+void emu_fail_launches(int n, cudaError_t e);
 // Hardware queues per device for the streams created from now on (CUDA_DEVICE_MAX_CONNECTIONS):
 // k > 0 puts every new stream of a device on queue (its index mod k), and streams sharing a queue
 // run their work in the order it was enqueued, so an op that waits blocks every later op of every
