@@ -399,9 +399,15 @@ class CudaComm {
     C10_CUDA_CHECK(cudaEventRecord(ready_, cur));
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
     uint64_t seq = 0;
+    [[maybe_unused]] rc::p2p::Plan plan{};  // planned once per call: for the recorder and run()
+    [[maybe_unused]] bool planned = false;
     if (rec_ && rec_->on()) {  // started = enqueued; the device says when it ended
       const char* algo = "nccl";
-      if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) algo = rc::p2p::algo_name(ring.plan_of(c).algo);
+      if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
+        plan = ring.plan_of(c);
+        planned = true;
+        algo = rc::p2p::algo_name(plan.algo);
+      }
       const int64_t t = rr::host::now_ns();
       seq = rec_->begin(rr::coll_name(c.coll), rr::dtype_name(c.dtype), rr::op_name(c.op), algo, c.numel,
                         static_cast<uint64_t>(c.numel) * rr::dtype_size(c.dtype),
@@ -409,7 +415,10 @@ class CudaComm {
     }
     try {
       py::gil_scoped_release nogil;  // nccl: may poll NCCL until its calls are enqueued
-      ring.run(c, stream_);
+      if constexpr (std::is_same_v<Ring, rc::p2p::Ring>)
+        ring.run(c, stream_, planned ? &plan : nullptr);
+      else
+        ring.run(c, stream_);
     } catch (const rr::RingError& e) {  // broken by an earlier failure, or closed
       if (!seq) throw;
       rec_->failed(seq, e.what());
@@ -468,13 +477,16 @@ class CudaComm {
  public:
   // A Work whose event follows everything enqueued on our stream so far.
   py::object marker() {
+    // Closed: say so before an event exists (it would leak, recorded on the legacy stream).
+    const uint64_t seq = ring().op_seq();
+    if (!stream_) throw rr::RingError("ringreduce: communicator is closed");
     c10::cuda::CUDAGuard guard(device_);
     cudaEvent_t done = nullptr;
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     const cudaError_t e = cudaEventRecord(done, stream_);
     if (e != cudaSuccess) cudaEventDestroy(done);
     C10_CUDA_CHECK(e);
-    return py::cast(std::make_unique<CudaWork>(done, device_, shared_, ring().op_seq()));
+    return py::cast(std::make_unique<CudaWork>(done, device_, shared_, seq));
   }
 
  private:

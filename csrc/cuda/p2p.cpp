@@ -410,7 +410,8 @@ void Ring::reg_release(int id) {
   if (id < 0 || id >= static_cast<int>(regs_.size()) || !regs_[id].own) return;
   Reg& g = regs_[id];
   g.mapped = false;  // no plan picks it again
-  if (replayable || broke) {
+  if ((replayable || broke) && !g.kept) {
+    g.kept = true;
     new std::shared_ptr<char>(g.own);  // never deleted: freed by the process's exit
     std::lock_guard<std::mutex> klk(g_kept_mu);
     g_kept_bytes += g.bytes;
@@ -430,7 +431,7 @@ std::shared_ptr<char> Ring::reg_memory(int id) const {
   return regs_.at(id).own;
 }
 
-void Ring::run(const Call& c, cudaStream_t stream) {
+void Ring::run(const Call& c, cudaStream_t stream, const Plan* plan) {
   if (closed_) throw RingError("ringreduce: p2p communicator is closed");
   const std::string failed = failure();
   if (!failed.empty())
@@ -441,7 +442,7 @@ void Ring::run(const Call& c, cudaStream_t stream) {
                                 std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
   // Before the call is counted: a deterministic call the group cannot run throws here, on every
   // rank alike, and the ranks stay in step; so does a copy-algorithm call that cannot run.
-  const Plan p = n > 1 ? plan_of(c) : Plan{};
+  const Plan p = n < 2 ? Plan{} : plan ? *plan : plan_of(c);
   if (n > 1 && p.algo == Algo::Copy) copy_check(stream);
   ++op_seq_;
   LogOnReturn logged{calls_, op_seq_, stream};
@@ -734,7 +735,8 @@ void Ring::close(bool peers_done) {
   std::lock_guard<std::mutex> rlk(reg_mu_);
   for (Reg& g : regs_) {
     if (!g.own) continue;  // released
-    if (keep || replayable) {
+    if ((keep || replayable) && !g.kept) {  // a release under a graph pin kept it already
+      g.kept = true;
       new std::shared_ptr<char>(g.own);  // never deleted: freed by the process's exit
       std::lock_guard<std::mutex> klk(g_kept_mu);
       g_kept_bytes += g.bytes;

@@ -316,7 +316,8 @@ class Ring {
   // cannot run it (see plan()); a failure inside the kernel is seen later by failure().
   // Capture-safe (CUDA graphs): no host synchronisation, and the kernels take where each FIFO and
   // epoch counter stands from device memory, so a replayed launch continues where the group is.
-  void run(const Call& c, cudaStream_t stream);
+  // plan: plan_of(c) if the caller has it already (the binding's flight recorder), else computed.
+  void run(const Call& c, cudaStream_t stream, const Plan* plan = nullptr);
   // Native tests: launches call c's kernel again with the arguments run() gave it (after run()
   // counted the call), as a CUDA graph replays a captured launch. Ring and symmetric workspace.
   void launch_again(const Call& c, cudaStream_t stream) const;
@@ -457,6 +458,7 @@ class Ring {
     std::vector<char*> at;      // every rank's copy by rank (own included); null: not mapped yet
     bool mapped = false;        // every at[] is set: calls may use it
     bool ipc = false;           // at[] are IPC mappings (closed on close())
+    bool kept = false;          // own is kept until exit (counted once in g_kept_bytes)
   };
   std::vector<Reg> regs_;
   mutable std::mutex reg_mu_;  // regs_: a buffer may be registered while another thread calls

@@ -617,6 +617,26 @@ static void test_registered_release() {
          rc::p2p::Ring::kept_bytes() - kept);
 }
 
+// A buffer released while a CUDA graph pins the ring is kept until exit, and counted once: a
+// close() still under the pin keeps the area, not the buffer a second time (the review's nit:
+// g_kept_bytes counted it twice).
+static void test_pinned_release_counted_once() {
+  Group g(2, 2, 4096, 5.0);
+  register_all(g, 1 << 16);
+  void* pin = g.rings[0]->graph_pin();
+  const size_t kept = rc::p2p::Ring::kept_bytes();
+  g.rings[0]->reg_release(0);
+  EXPECT(rc::p2p::Ring::kept_bytes() == kept + (1 << 16), "a pinned release kept %zu bytes",
+         rc::p2p::Ring::kept_bytes() - kept);
+  const size_t area = g.rings[0]->area_bytes();
+  RR_CUDA_CHECK(cudaSetDevice(device_of(0)));
+  g.rings[0]->close(/*peers_done=*/true);
+  EXPECT(rc::p2p::Ring::kept_bytes() == kept + (1 << 16) + area,
+         "close() under the pin kept %zu bytes more, want the area's %zu",
+         rc::p2p::Ring::kept_bytes() - kept - (1 << 16), area);
+  rc::p2p::Ring::release_graph_pin(pin);
+}
+
 // A rank's registered all_reduce ends only when every peer has written its chunk into this rank's
 // copy: work after it on the rank's stream (here a device-to-device copy of the result, as torch's
 // next kernel would read it) sees the whole result. Large tensors and several ranks, so that the
@@ -1361,6 +1381,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_registered_mismatch", [&] { test_registered_mismatch(); });
     run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_registered_result_in_stream_order(); });
     run_test(argc, argv, "test_registered_release", [&] { test_registered_release(); });
+    run_test(argc, argv, "test_pinned_release_counted_once", [&] { test_pinned_release_counted_once(); });
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
     run_test(argc, argv, "test_block_counts_must_agree", [&] { test_block_counts_must_agree(); });
     run_test(argc, argv, "test_failed_call_survives_close", [&] { test_failed_call_survives_close(); });
