@@ -673,6 +673,14 @@ class Communicator(_lifecycle.Communicator):
         try:
             limit = 0.0 if broken else min(self.timeout, CLOSE_BARRIER_S)
             peers_done = self._setup.count("closed", self.world_size, limit) and not broken
+            if peers_done:
+                # Two phases: every rank unmaps the others' memory before any frees its own
+                # (freeing memory another process maps is undefined in CUDA). A rank whose ring a
+                # CUDA graph pins keeps its mappings: then every rank keeps its memory until exit.
+                if not self._native.unmap_peers():
+                    self._setup.add("mapped", 1)
+                peers_done = (self._setup.count("unmapped", self.world_size, limit)
+                              and self._setup.add("mapped", 0) == 0)
             if not peers_done:
                 log.debug("rank %d: closing %s without every rank of the group; its memory is "
                           "kept until exit", self.rank, "a broken ring" if broken else "a ring")

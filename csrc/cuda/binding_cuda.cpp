@@ -244,6 +244,19 @@ class CudaComm {
   }
   // Waits for the stream (collectives end by their deadline at the latest), then frees everything.
   // peers_done: every rank has stopped using this rank's memory (see p2p::Ring::close).
+  // The first half of the two-phase close (p2p; nothing to unmap on nccl): after the stream is
+  // idle, unmap the peers' memory; close(true) frees this rank's once every rank did this.
+  // False: this rank keeps mapping its peers (a CUDA graph pins the ring), so none may free.
+  bool unmap_peers() {
+    if (!stream_ || !shared_->ring) return true;
+    if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
+      c10::cuda::CUDAGuard guard(device_);
+      py::gil_scoped_release nogil;
+      cudaStreamSynchronize(stream_);
+      return shared_->ring->unmap_peers();
+    }
+    return true;
+  }
   void close(bool peers_done) {
     if (!stream_) return;
     if (rec_) rec_->set_device_probe(nullptr);  // waits for a dump reading the ring
@@ -515,6 +528,7 @@ void bind_common(py::class_<C>& cls) {
       .def("abort", &C::abort, py::arg("why"))
       .def("synchronize", &C::synchronize)
       .def("close", &C::close, py::arg("peers_done"))
+      .def("unmap_peers", &C::unmap_peers)
       .def("closed", &C::closed)
       .def("watch_peers", &C::watch_peers, py::arg("peers"))
       .def("failed_seq", &C::failed_seq)

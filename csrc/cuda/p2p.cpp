@@ -417,11 +417,13 @@ void Ring::reg_release(int id) {
     g_kept_bytes += g.bytes;
   }
   if (!replayable) {
+    // The peers' copies are unmapped here; this rank's own copy is not freed before close(): a
+    // peer may still map it (its tensor alive), and freeing memory another process maps is
+    // undefined in CUDA. close() frees it after every rank unmapped (unmap_peers, a barrier).
     DeviceScope scope(device_);
     if (g.ipc)
       for (char* p : g.at)
         if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);
-    g.own.reset();
     g.at.clear();
   }
 }
@@ -432,7 +434,7 @@ std::shared_ptr<char> Ring::reg_memory(int id) const {
 }
 
 void Ring::run(const Call& c, cudaStream_t stream, const Plan* plan) {
-  if (closed_) throw RingError("ringreduce: p2p communicator is closed");
+  if (closed_ || unmapped_) throw RingError("ringreduce: p2p communicator is closed");
   const std::string failed = failure();
   if (!failed.empty())
     throw RingError("ringreduce: communicator is broken by an earlier failure: " + failed);
@@ -710,6 +712,32 @@ void Ring::release_graph_pin(void* pin) {
   delete p;
 }
 
+bool Ring::unmap_peers() {
+  if (watcher_) watcher_->stop();  // they take mu_, and write into the peers' areas
+  if (copy_watch_) copy_watch_->stop();
+  std::lock_guard<std::mutex> lk(mu_);
+  if (maps_kept_) return false;
+  if (closed_ || unmapped_ || !area_) return true;
+  if (pins_->load() > 0) return false;
+  unmapped_ = true;
+  DeviceScope scope(device_);
+  if (side_) cudaStreamSynchronize(side_);  // abort words on their way into the peers' areas
+  for (char*& p : peers_) {
+    if (ipc_ && p && p != area_) cudaIpcCloseMemHandle(p);
+    if (p != area_) p = nullptr;
+  }
+  std::lock_guard<std::mutex> rlk(reg_mu_);
+  for (Reg& g : regs_) {
+    if (g.ipc)
+      for (char* p : g.at)
+        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);
+    g.at.clear();
+    g.mapped = false;
+  }
+  cudaGetLastError();
+  return true;
+}
+
 void Ring::close(bool peers_done) {
   if (watcher_) watcher_->stop();  // it takes mu_
   if (copy_watch_) copy_watch_->stop();  // and so does this one
@@ -726,6 +754,7 @@ void Ring::close(bool peers_done) {
     reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = kCtlClosed;
   }
   if (side_) cudaStreamSynchronize(side_);
+  if (replayable) maps_kept_ = true;
   if (ipc_ && !replayable)
     for (size_t q = 0; q < peers_.size(); ++q)
       if (peers_[q] && peers_[q] != area_) cudaIpcCloseMemHandle(peers_[q]);

@@ -385,6 +385,12 @@ class Ring {
   // or the ring broke): the area is marked aborted, so their waits stop, and kept until the
   // process exits, since freeing it could hand memory they still use to another allocation.
   void close(bool peers_done = true);
+  // The first half of a two-phase close: stops the watchers and unmaps the peers' areas and
+  // shared buffers (no call may run after it). Freeing memory another process still maps is
+  // undefined in CUDA, so every rank does this, then a barrier, then close(true) frees. False when
+  // the mappings stay (a CUDA graph pins the ring, or pinned it at close: its launches were
+  // captured with the peers' addresses): then no rank of the group may free its memory.
+  bool unmap_peers();
   // Areas kept by close(false) in this process (bytes), for tests and logs.
   static size_t kept_bytes();
   // A CUDA graph that captured a launch of this ring replays it with this ring's addresses. While
@@ -436,6 +442,8 @@ class Ring {
   bool ipc_ = false;  // peers_ are IPC mappings (closed on close())
   bool direct_ = false;
   bool closed_ = false;
+  bool unmapped_ = false;  // unmap_peers() ran: the ring runs nothing more
+  bool maps_kept_ = false;  // closed under a graph pin: the peers stay mapped until exit
   HostCtl* ctl_ = nullptr;  // host-mapped (cudaHostAlloc)
   HostCtl* ctl_dev_ = nullptr;  // the same memory as the device sees it
   uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the areas

@@ -156,6 +156,18 @@ MUTATIONS = {
         ("test_nccl_ring_emu", ["test_mismatch_blocks_the_first_group"]),
         "the descriptors ride in the first data group (the design before): a group that mismatched "
         "calls block holds them back, and the ranks fail by their timeout"),
+    "release_frees_a_mapped_copy": (
+        "csrc/cuda/p2p.cpp",
+        "        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);\n    g.at.clear();\n  }",
+        "        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);\n    g.at.clear();\n    g.own.reset();\n  }",
+        ("test_cuda_kernels_emu", ["test_registered_release", "test_close_frees_nothing_mapped"]),
+        "a released shared buffer's own copy is freed at once, while the peers still map it"),
+    "unmap_peers_does_nothing": (
+        "csrc/cuda/p2p.cpp",
+        "  if (pins_->load() > 0) return false;\n  unmapped_ = true;",
+        "  if (pins_->load() > 0) return false;\n  return true;\n  unmapped_ = true;",
+        ("test_cuda_kernels_emu", ["test_close_frees_nothing_mapped"]),
+        "the close's first phase unmaps nothing: every rank frees its workspace while the others map it"),
     "launch_failure_does_not_abort": (
         "csrc/cuda/p2p.cpp",
         '    abort(std::string("could not enqueue call #") + std::to_string(op_seq_) + ": " + e.what());\n',

@@ -585,6 +585,7 @@ std::mutex g_mem_mu;
 std::map<uintptr_t, Alloc> g_dev;            // device allocations by base
 std::map<uint64_t, uintptr_t> g_dev_by_id;
 std::map<uintptr_t, uint64_t> g_alias;       // IPC mapping -> allocation id
+std::atomic<uint64_t> g_frees_while_mapped{0};  // cudaFree of memory a peer still maps
 struct HostAlloc {
   char* base;     // of the mapping, guard page included
   size_t mapped;
@@ -773,6 +774,10 @@ cudaError_t cudaFree(void* p) {
   Alloc& a = it->second;
   emu::cost_unmap(a.base);
   if (a.opened > 0) {  // still mapped by a peer: it reads whatever the memory is reused for
+    // Undefined in CUDA (the documentation of cudaIpcOpenMemHandle): counted, and said.
+    ++g_frees_while_mapped;
+    std::fprintf(stderr, "emulator: cudaFree of %zu bytes of device %d that %d IPC mapping(s) still map\n",
+                 a.mapped, a.device, a.opened);
     std::memset(a.base, emu::kFreedByte, a.mapped);
     munmap(a.base, a.mapped);
     a.freed = true;
@@ -1179,6 +1184,7 @@ void emu_set_capturing(cudaStream_t stream, int capturing) {
 int emu_capture_invalidated(cudaStream_t stream) { return stream->capture_invalidated ? 1 : 0; }
 int emu_block_threads() { return emu::g_block_threads; }
 uint64_t emu_launches() { return emu::g_launches.load(); }
+uint64_t emu_frees_while_mapped() { return g_frees_while_mapped.load(); }
 void emu_fail_launches(int n, cudaError_t e) {
   emu::g_launch_error = e;
   emu::g_failing_launches = n;

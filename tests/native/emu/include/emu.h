@@ -32,6 +32,9 @@ int emu_block_threads();
 void emu_set_weak(uint64_t seed);
 // Kernel launches executed so far.
 uint64_t emu_launches();
+// cudaFree calls so far of device memory that IPC mappings still mapped (undefined in CUDA: the
+// owner must free only after every importer closed its handle). Each is also said on stderr.
+uint64_t emu_frees_while_mapped();
 // The next n kernel launches, on any thread, are refused with error e (for cudaGetLastError, not
 // sticky), as a launch that asks for too many resources is on a GPU.
 void emu_fail_launches(int n, cudaError_t e);
