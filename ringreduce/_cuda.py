@@ -677,6 +677,7 @@ class Communicator(_lifecycle.Communicator):
                 # Two phases: every rank unmaps the others' memory before any frees its own
                 # (freeing memory another process maps is undefined in CUDA). A rank whose ring a
                 # CUDA graph pins keeps its mappings: then every rank keeps its memory until exit.
+                peers_done = False  # until the second barrier passes (the store may fail)
                 if not self._native.unmap_peers():
                     self._setup.add("mapped", 1)
                 peers_done = (self._setup.count("unmapped", self.world_size, limit)
