@@ -17,8 +17,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <thread>
 
+#include "cuda/nccl_ring.h"
 #include "cuda/p2p.h"
 #include "cuda_check.h"
 #include "deterministic_check.h"
@@ -631,6 +633,45 @@ static void test_registered_release() {
 }
 
 #ifdef RINGREDUCE_EMU
+// The README's table of what runs where states the CUDA plan's numbers: checked against the code
+// (issue 50, item 5), so that a change of a default fails here until the README says it too.
+static std::string size_text(size_t b) {
+  char buf[32];
+  if (b >= (1u << 20)) std::snprintf(buf, sizeof buf, "%zu MiB", (b + (1u << 19)) >> 20);  // to the MiB
+  else std::snprintf(buf, sizeof buf, "%zu KiB", b >> 10);
+  return buf;
+}
+
+static void test_readme_table() {
+  std::ifstream f(std::string(RR_SOURCE_DIR) + "/README.md");
+  EXPECT(f.good(), "cannot read %s/README.md", RR_SOURCE_DIR);
+  std::string line, direct, ring, nccl;
+  while (std::getline(f, line)) {
+    if (line.rfind("| CUDA, every rank maps every other", 0) == 0) direct = line;
+    if (line.rfind("| CUDA, not every rank maps every other", 0) == 0) ring = line;
+    if (line.rfind("| CUDA across hosts", 0) == 0) nccl = line;
+  }
+  auto area = [](bool direct_on) {
+    rc::p2p::Options o;
+    o.rank = 0;
+    o.nranks = 2;
+    o.direct = direct_on;
+    RR_CUDA_CHECK(cudaSetDevice(0));
+    return rc::p2p::Ring(o).area_bytes();
+  };
+  const std::vector<std::string> want_direct = {
+      "one-shot up to " + size_text(rc::p2p::oneshot_max_bytes(2)) + " at world 2 (" +
+          size_text(rc::p2p::oneshot_max_bytes(4)) + " at 4, " + size_text(rc::p2p::oneshot_max_bytes(8)) + " at 8)",
+      "(" + size_text(area(true)) + " per rank",
+      "barriers per " + size_text(rc::p2p::kDefaultChunkBytes) + " piece"};
+  for (const std::string& w : want_direct)
+    EXPECT(contains(direct, w), "README's p2p row lacks '%s': %s", w.c_str(), direct.c_str());
+  const std::string want_ring = "(its FIFO: " + size_text(area(false)) + " per rank)";
+  EXPECT(contains(ring, want_ring), "README's ring row lacks '%s': %s", want_ring.c_str(), ring.c_str());
+  const std::string want_nccl = "two-shot (up to " + size_text(rc::nccl::kTwoShotMaxBytes) + ")";
+  EXPECT(contains(nccl, want_nccl), "README's nccl row lacks '%s': %s", want_nccl.c_str(), nccl.c_str());
+}
+
 // Freeing memory a peer still maps is undefined in CUDA (issue 51, finding 3): a released shared
 // buffer's own copy and a rank's workspace are freed only in the close's second phase, after every
 // rank has unmapped (unmap_peers, a barrier in the binding). The emulator counts each cudaFree of
@@ -1442,6 +1483,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_pinned_release_counted_once", [&] { test_pinned_release_counted_once(); });
 #ifdef RINGREDUCE_EMU
     run_test(argc, argv, "test_close_frees_nothing_mapped", [&] { test_close_frees_nothing_mapped(); });
+    run_test(argc, argv, "test_readme_table", [&] { test_readme_table(); });
 #endif
     run_test(argc, argv, "test_timeout", [&] { test_timeout(); });
     run_test(argc, argv, "test_block_counts_must_agree", [&] { test_block_counts_must_agree(); });
