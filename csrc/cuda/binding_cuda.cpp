@@ -242,8 +242,6 @@ class CudaComm {
     }
     raise_if(*shared_);
   }
-  // Waits for the stream (collectives end by their deadline at the latest), then frees everything.
-  // peers_done: every rank has stopped using this rank's memory (see p2p::Ring::close).
   // The first half of the two-phase close (p2p; nothing to unmap on nccl): after the stream is
   // idle, unmap the peers' memory; close(true) frees this rank's once every rank did this.
   // False: this rank keeps mapping its peers (a CUDA graph pins the ring), so none may free.
@@ -257,6 +255,8 @@ class CudaComm {
     }
     return true;
   }
+  // Waits for the stream (collectives end by their deadline at the latest), then frees everything.
+  // peers_done: every rank has stopped using this rank's memory (see p2p::Ring::close).
   void close(bool peers_done) {
     if (!stream_) return;
     if (rec_) rec_->set_device_probe(nullptr);  // waits for a dump reading the ring
