@@ -212,10 +212,28 @@ def test_ddp_gradients_do_not_move_with_bucket_cap(backend_group):
         local = [[g * torch.full_like(g, 1.0 / world) for g in gs] for gs in local]
     op = SUM if backend_group else AVG  # the hook averages in one pass
     want = [bits(fold([local[q][i] for q in range(world)], op)) for i in range(len(local[0]))]
-    for grads, _ in results:
+    for rank, (grads, _) in enumerate(results):
         for cap in caps:
             for i, g in enumerate(grads[cap]):
-                assert torch.equal(bits(torch.from_numpy(g)), want[i]), (cap, i)
+                got = torch.from_numpy(g)
+                assert torch.equal(bits(got), want[i]), \
+                    f"rank {rank}, cap {cap}, parameter {i}: " + explain(got, [local[q][i] for q in range(world)], op)
+
+
+def explain(got, xs, op):
+    """What a wrong result matches (this test failed once in CI, not reproduced since): how many
+    elements differ and by how much, and whether another order or a missing rank gives its bits."""
+    want = fold(xs, op)
+    bad = (bits(got) != bits(want)).view(-1)
+    rel = ((got.double() - want.double()).abs() / want.double().abs().clamp_min(1e-30)).view(-1)[bad]
+    text = f"{int(bad.sum())} of {bad.numel()} elements differ, largest relative {float(rel.max()):.3g}"
+    n = len(xs)
+    candidates = {f"order {list(reversed(range(n)))}": fold(xs, op, order=list(reversed(range(n))))}
+    for q in range(n):
+        rest = [x for k, x in enumerate(xs) if k != q]
+        candidates[f"rank {q} missing"] = fold(rest, op)
+    matches = [name for name, t in candidates.items() if torch.equal(bits(t), bits(got))]
+    return text + (f"; equals the fold with {', '.join(matches)}" if matches else "; matches no other fold tried")
 
 
 def toggle_worker(rank, world):
