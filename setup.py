@@ -111,7 +111,7 @@ import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
 cpu_sources = ["csrc/bindings.cpp", "csrc/backend.cpp", "csrc/shm_comm.cpp", "csrc/ops.cpp",
-               "csrc/cpu/reduce.cpp",
+               "csrc/cpu/reduce.cpp", "csrc/cpu/wire.cpp", "csrc/shm/wire_run.cpp",
                "csrc/shm/protocol.cpp", "csrc/shm/segment.cpp", "csrc/host/peers.cpp", "csrc/host/recorder.cpp"]
 cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
 with_cuda, why = cuda_choice(flag, torch.version.cuda, cuda_home, cuda_sources,

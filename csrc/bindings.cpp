@@ -167,9 +167,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pool_create", &ShmComm::pool_create, py::arg("name"), py::arg("bytes"))
       .def("pool_attach", &ShmComm::pool_attach, py::arg("names"))
       .def("pool_drop", &ShmComm::pool_drop)
-      .def("all_reduce", [](ShmComm& c, const at::Tensor& t, int op, bool async_op) {
-        return start(c, c.all_reduce(t, op), async_op, "allreduce");
-      }, py::arg("tensor"), py::arg("op"), py::arg("async_op") = false)
+      .def("all_reduce", [](ShmComm& c, const at::Tensor& t, int op, bool async_op, int wire) {
+        return start(c, c.all_reduce(t, op, wire), async_op, "allreduce");
+      }, py::arg("tensor"), py::arg("op"), py::arg("async_op") = false, py::arg("wire") = 0)
       .def("try_all_reduce", [](ShmComm& c, py::handle t, int op) { return c.try_all_reduce(t.ptr(), op); },
            py::arg("tensor"), py::arg("op"))
       .def("fast_all_reduce", [](ShmPtr self, const std::vector<py::object>& ops) {
@@ -177,9 +177,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }, py::arg("ops"), "A function fast(tensor, op) -> bool running try_all_reduce; ops[code] is "
          "the ReduceOp object of each op code")
       .def("reduce_scatter", [](ShmComm& c, const at::Tensor& out, const at::Tensor& in, int op,
-                                bool async_op) {
-        return start(c, c.reduce_scatter(out, in, op), async_op, "_reduce_scatter_base");
-      }, py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op") = false)
+                                bool async_op, int wire) {
+        return start(c, c.reduce_scatter(out, in, op, wire), async_op, "_reduce_scatter_base");
+      }, py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op") = false,
+         py::arg("wire") = 0)
       .def("all_gather", [](ShmComm& c, const at::Tensor& out, const at::Tensor& in, bool async_op) {
         return start(c, c.all_gather(out, in), async_op, "_allgather_base");
       }, py::arg("output"), py::arg("input"), py::arg("async_op") = false)
@@ -231,6 +232,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     rr::cpu::reduce_rows(dt, o, out.data_ptr(), srcs.data(), n, out.numel(),
                          o == rr::RedOp::Avg ? n : 1);
   }, py::arg("out"), py::arg("rows"), py::arg("op"));
+  // out = what a wire call gives for these rows (one per rank, rank order): each rounded onto the
+  // wire, folded in fp32, divided by the row count for AVG, rounded again when round_result
+  // (all-reduce; reduce-scatter does not). The wire kernels' tests compare it with torch.
+  m.def("wire_fold", [](at::Tensor& out, const at::Tensor& rows, int op, int wire, bool round_result) {
+    TORCH_CHECK_VALUE(rows.dim() == 2 && rows.is_contiguous() && !rows.is_cuda() &&
+                          out.is_contiguous() && out.numel() == rows.size(1) &&
+                          out.scalar_type() == rows.scalar_type(),
+                      "ringreduce.wire_fold: rows (ranks x n, contiguous, CPU) and out (n) of one dtype");
+    const rr::Wire w = rr::to_wire(wire, rows, op, "rows");
+    TORCH_CHECK_VALUE(w != rr::Wire::None, "ringreduce.wire_fold: no wire");
+    const rr::DType dt = rr::to_dtype(rows, "rows");
+    const int n = static_cast<int>(rows.size(0));
+    const int64_t len = rows.size(1);
+    std::vector<std::vector<char>> enc(n, std::vector<char>(rr::wire_span_bytes(w, len)));
+    std::vector<char> res(rr::wire_span_bytes(w, len));
+    std::vector<const void*> srcs(n);
+    const auto* base = static_cast<const char*>(rows.data_ptr());
+    py::gil_scoped_release nogil;
+    int64_t over = 0;
+    for (int q = 0; q < n; ++q) {
+      over += rr::cpu::wire_encode(w, dt, base + q * len * rows.element_size(), len, enc[q].data());
+      srcs[q] = enc[q].data();
+    }
+    over += rr::cpu::wire_reduce(w, srcs.data(), n, len, op == static_cast<int>(rr::RedOp::Avg) ? n : 1,
+                                 round_result ? res.data() : nullptr, dt, out.data_ptr());
+    return over;
+  }, py::arg("out"), py::arg("rows"), py::arg("op"), py::arg("wire"), py::arg("round_result"));
   m.def("shm_unlink", &rr::shm::Comm::unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
   register_backend(m);

@@ -224,8 +224,9 @@ ShmComm::~ShmComm() {
   }
 }
 
-Prepared ShmComm::all_reduce(const at::Tensor& t, int op) {
+Prepared ShmComm::all_reduce(const at::Tensor& t, int op, int wire) {
   check_cpu(t, "tensor");
+  const Wire w = to_wire(wire, t, op, "tensor");
   Prepared p;
   bool copy_back = false;
   at::Tensor buf = t;
@@ -233,7 +234,7 @@ Prepared ShmComm::all_reduce(const at::Tensor& t, int op) {
     buf = t.contiguous();
     copy_back = true;
   }
-  p.call = {Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), buf.data_ptr(), buf.data_ptr()};
+  p.call = {Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), buf.data_ptr(), buf.data_ptr(), w};
   p.keep = {t, buf};
   if (copy_back) p.after = [t, buf]() mutable { t.copy_(buf); };
   p.outputs = {t};
@@ -267,9 +268,10 @@ Prepared ShmComm::all_reduce_flat(const std::vector<at::Tensor>& ts, int op) {
   return p;
 }
 
-Prepared ShmComm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op) {
+Prepared ShmComm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op, int wire) {
   check_cpu(out, "output");
   check_cpu(in, "input");
+  const Wire w = to_wire(wire, in, op, "input");
   TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output dtype ",
                    out.scalar_type(), " differs from input dtype ", in.scalar_type());
   TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, "ringreduce: input has ", in.numel(),
@@ -280,7 +282,7 @@ Prepared ShmComm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, in
   at::Tensor dst = contiguous_out(out, copy_back);
   Prepared p;
   p.call = {Coll::ReduceScatter, to_dtype(in, "input"), to_op(op), in.numel(), src.data_ptr(),
-            dst.data_ptr()};
+            dst.data_ptr(), w};
   p.keep = {src, dst, out};
   if (copy_back) p.after = [out, dst]() mutable { out.copy_(dst); };
   p.outputs = {out};

@@ -105,9 +105,10 @@ class ShmComm {
   int rank() const { return rank_; }
 
   // Argument checks as the direct API's, then a ring call. fn: the API's name for messages.
-  Prepared all_reduce(const at::Tensor& t, int op);
+  // wire: a Wire code (cpu/wire.h), 0 for none: float32/float16/bfloat16 tensors, SUM or AVG.
+  Prepared all_reduce(const at::Tensor& t, int op, int wire = 0);
   Prepared all_reduce_flat(const std::vector<at::Tensor>& ts, int op);  // one pass, one dtype
-  Prepared reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op);
+  Prepared reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op, int wire = 0);
   Prepared all_gather(const at::Tensor& out, const at::Tensor& in);
 
   // Runs p: synchronously (returns null, throws the ring's error or KeyboardInterrupt) or queued

@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "cpu/reduce.h"
+#include "cpu/wire.h"
 
 namespace ringreduce {
 
@@ -29,5 +30,20 @@ inline RedOp to_op(int op) {
                     " is not SUM, AVG, MIN, MAX or PRODUCT");
   return static_cast<RedOp>(op);
 }
+
+// A wire code from Python, checked against the tensor and the op (the Python API says the same
+// first, naming its own arguments).
+inline Wire to_wire(int wire, const at::Tensor& t, int op, const char* arg) {
+  TORCH_CHECK_VALUE(wire >= 0 && wire < static_cast<int>(Wire::kCount), "ringreduce: wire code ",
+                    wire, " out of range");
+  if (wire == 0) return Wire::None;
+  const auto st = t.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "ringreduce: ", arg,
+                   " is ", st, "; wire_dtype takes float32, float16 and bfloat16 tensors");
+  TORCH_CHECK_VALUE(op == static_cast<int>(RedOp::Sum) || op == static_cast<int>(RedOp::Avg),
+                    "ringreduce: wire_dtype takes SUM and AVG, got ", op_name(RedOp(op)));
+  return Wire(wire);
+}
+
 
 }  // namespace ringreduce

@@ -163,11 +163,11 @@ class Communicator(_lifecycle.Communicator):
     # The native communicator runs every call in order on its own executor (csrc/host/executor.h):
     # a sync call on this thread, an async one on its worker or on the thread that waits for it.
     # Non-contiguous tensors run through contiguous copies, copied back when the call is done.
-    def all_reduce(self, tensor, op_code, async_op):
-        return self._wrap(self._native.all_reduce(tensor, op_code, async_op))
+    def all_reduce(self, tensor, op_code, async_op, wire=0):
+        return self._wrap(self._native.all_reduce(tensor, op_code, async_op, wire))
 
-    def reduce_scatter(self, output, input, op_code, async_op):
-        return self._wrap(self._native.reduce_scatter(output, input, op_code, async_op))
+    def reduce_scatter(self, output, input, op_code, async_op, wire=0):
+        return self._wrap(self._native.reduce_scatter(output, input, op_code, async_op, wire))
 
     def all_gather(self, output, input, async_op):
         return self._wrap(self._native.all_gather(output, input, async_op))

@@ -26,6 +26,15 @@ _OP_CODES = (
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                     torch.uint8, torch.int32, torch.int64)
 TRANSPORTS = ("auto", "shm", "p2p", "nccl")
+# wire_dtype= codes (csrc/cpu/wire.h, Wire).
+_WIRE_CODES = (
+    (torch.bfloat16, 1),
+    (torch.float16, 2),
+    (torch.float8_e4m3fn, 3),
+    (torch.float8_e5m2, 4),
+)
+WIRE_DTYPES = tuple(d for d, _ in _WIRE_CODES)
+WIRE_TENSOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def set_deterministic(on=True):
@@ -63,6 +72,32 @@ def _op_code(op, fn):
             break
     raise ValueError(f"ringreduce.{fn}: op must be ReduceOp.SUM, AVG, MIN, MAX or PRODUCT, "
                      f"got {op!r}")
+
+
+def _wire_code(wire_dtype, t, arg, op_code, fn):
+    """The native code of wire_dtype (0: None) for tensor t reduced with op_code."""
+    if wire_dtype is None:
+        return 0
+    for known, code in _WIRE_CODES:
+        if wire_dtype == known:
+            break
+    else:
+        raise ValueError(f"ringreduce.{fn}: wire_dtype must be None, torch.bfloat16, torch.float16, "
+                         f"torch.float8_e4m3fn or torch.float8_e5m2, got {wire_dtype!r}")
+    if t.dtype not in WIRE_TENSOR_DTYPES:
+        raise TypeError(f"ringreduce.{fn}: wire_dtype={wire_dtype} takes float32, float16 or "
+                        f"bfloat16 tensors; {arg} is {t.dtype}")
+    if op_code not in (0, 1):
+        name = next(str(o) for o, c in _OP_CODES if c == op_code)
+        raise ValueError(f"ringreduce.{fn}: wire_dtype={wire_dtype} takes op SUM or AVG, got {name}")
+    return code
+
+
+def _wire_transport(comm, wire, fn):
+    if wire and comm.transport != "shm":
+        raise NotImplementedError(
+            f"ringreduce.{fn}: wire_dtype runs on the shared-memory transport (CPU tensors, every "
+            f"rank on one host); this group's transport is {comm.transport}")
 
 
 def _check_tensor(t, arg, fn):
@@ -230,8 +265,16 @@ def shared_empty(*size, dtype=None, group=None, device=None):
     return comm.shared_empty(size, dtype)
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    """Reduces tensor across the group in place; every rank ends with the same result."""
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, wire_dtype=None):
+    """Reduces tensor across the group in place; every rank ends with the same result.
+
+    wire_dtype (torch.bfloat16, float16, float8_e4m3fn or float8_e5m2; float32/float16/bfloat16
+    tensors, SUM or AVG): each rank's tensor is rounded once to wire_dtype for the transfer (fp8:
+    with one float32 scale per block of 128 elements), every element is summed in float32 in rank
+    order, and the sum is rounded once more to wire_dtype: every rank gets the same bits, those of
+    tests/reference.py's wire_reference."""
+    if wire_dtype is not None:
+        return _all_reduce_wire(tensor, op, group, async_op, wire_dtype)
     entry = _fast.get(group)
     if entry is not None and not _is_compiling() and \
             (group is not None or entry[0] is _world.default_pg):
@@ -257,21 +300,44 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     return comm.all_reduce(tensor, code, async_op)
 
 
-def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
-    """Reduces input across the group; rank r gets chunk r of the result in output."""
+def _all_reduce_wire(tensor, op, group, async_op, wire_dtype):
+    fn = "all_reduce"
+    _check_tensor(tensor, "tensor", fn)
+    code = _op_code(op, fn)
+    wire = _wire_code(wire_dtype, tensor, "tensor", code, fn)
+    if traced(tensor):
+        raise NotImplementedError(f"ringreduce.{fn}: wire_dtype is not supported under "
+                                  f"torch.compile or on tensor subclasses yet")
+    comm = _comm_for(group, tensor.device, fn)
+    if comm is None:
+        return None
+    _wire_transport(comm, wire, fn)
+    return comm.all_reduce(tensor, code, async_op, wire)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False,
+                          wire_dtype=None):
+    """Reduces input across the group; rank r gets chunk r of the result in output.
+
+    wire_dtype: as all_reduce's; the float32 sum is the result (one rounding, the inputs')."""
     fn = "reduce_scatter_tensor"
     _check_tensor(output, "output", fn)
     _check_tensor(input, "input", fn)
     code = _op_code(op, fn)
+    wire = _wire_code(wire_dtype, input, "input", code, fn)
     if output.dtype != input.dtype:
         raise TypeError(f"ringreduce.{fn}: output dtype {output.dtype} differs from input dtype "
                         f"{input.dtype}")
+    if wire and traced(output, input):
+        raise NotImplementedError(f"ringreduce.{fn}: wire_dtype is not supported under "
+                                  f"torch.compile or on tensor subclasses yet")
     if not async_op and traced(output, input):
         torch.ops.ringreduce.reduce_scatter_tensor_(output, input, code, group_name(group))
         return None
     comm = _comm_for(group, input.device, fn)
     if comm is None:
         return None
+    _wire_transport(comm, wire, fn)
     n = comm.world_size
     if input.numel() != output.numel() * n:
         raise ValueError(f"ringreduce.{fn}: input has {input.numel()} elements; expected "
@@ -284,6 +350,8 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
             input.data_ptr() + comm.rank * output.numel() * output.element_size()):
         raise ValueError(f"ringreduce.{fn}: output overlaps input other than as input's chunk "
                          f"{comm.rank} (this rank's)")
+    if wire:
+        return comm.reduce_scatter(output, input, code, async_op, wire)
     return comm.reduce_scatter(output, input, code, async_op)
 
 

@@ -80,3 +80,54 @@ def check_close(got, expected, tol):
 
 def digest(t):
     return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+# -- narrow wire (rr.all_reduce(..., wire_dtype=)): the definition, in plain torch ---------------
+WIRE_BLOCK = 128
+WIRE_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+def wire_round(x, wire):
+    """x (float32) rounded onto the wire and back: bf16/fp16 by a cast; fp8 in blocks of 128
+    elements from x[0], each with scale = absmax / max and q = x * (max / absmax) cast to fp8
+    (round to nearest even); a block that is all zeros (or too small to scale) is zeros, one with
+    inf or nan is nan."""
+    x = x.reshape(-1).to(torch.float32)
+    if wire in (torch.bfloat16, torch.float16):
+        return x.to(wire).to(torch.float32)
+    n = x.numel()
+    fmax = torch.tensor(WIRE_MAX[wire], dtype=torch.float32)
+    xb = torch.cat([x, x.new_zeros((-n) % WIRE_BLOCK)]).view(-1, WIRE_BLOCK)
+    amax = xb.abs().amax(dim=1, keepdim=True)
+    inv, scale = fmax / amax, amax / fmax
+    bad, tiny = ~(amax <= _FLT_MAX), ~(inv <= _FLT_MAX)
+    zero = torch.zeros_like(inv)
+    inv = torch.where(bad | tiny, zero, inv)
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), torch.where(tiny, zero, scale))
+    q = (xb * inv).to(wire).to(torch.float32)
+    return (q * scale).reshape(-1)[:n]
+
+
+def wire_fold(rows, wire, op, round_result):
+    """The rank-order float32 fold of the rows, each rounded onto the wire first; AVG divides by
+    the row count; round_result rounds the sum onto the wire once more."""
+    acc = wire_round(rows[0], wire).clone()
+    for x in rows[1:]:
+        acc = acc + wire_round(x, wire)
+    if op == dist.ReduceOp.AVG:
+        acc = acc / len(rows)
+    return wire_round(acc, wire) if round_result else acc
+
+
+def wire_reference(inputs, wire, op):
+    """What every rank's tensor holds after all_reduce(..., op, wire_dtype=wire)."""
+    return wire_fold(inputs, wire, op, True).to(inputs[0].dtype).reshape(inputs[0].shape)
+
+
+def wire_scatter_reference(inputs, wire, op, rank):
+    """Rank's output of reduce_scatter_tensor(..., op, wire_dtype=wire): its chunk of the float32
+    fold (blocks of 128 from the chunk's start), rounded to the input dtype."""
+    m = inputs[0].numel() // len(inputs)
+    rows = [x.reshape(-1)[rank * m:(rank + 1) * m] for x in inputs]
+    return wire_fold(rows, wire, op, False).to(inputs[0].dtype)

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "cpu/reduce.h"  // DType, RedOp (values are part of the message headers)
+#include "cpu/wire.h"    // Wire
 
 namespace ringreduce {
 
@@ -33,6 +34,7 @@ struct Call {
                   // all-gather's output (numel / nranks per rank for the latter two)
   const void* in;
   void* out;
+  Wire wire = Wire::None;  // all-reduce / reduce-scatter of floats over a narrow wire (cpu/wire.h)
 };
 
 // RINGREDUCE_DETERMINISTIC=1 / rr.set_deterministic(True): every all_reduce and reduce_scatter of

@@ -58,16 +58,18 @@ const char* algo_name(Algo a) {
     case Algo::TwoShot: return "twoshot";
     case Algo::Cma: return "cma";
     case Algo::Pool: return "pool";
+    case Algo::Wire: return "wire";
   }
   return "unknown";
 }
 
 namespace {
 
-std::string describe(uint8_t coll, uint8_t dtype, uint8_t op, int64_t numel) {
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s)", coll_name(Coll(coll)),
-                static_cast<long long>(numel), dtype_name(DType(dtype)), op_name(RedOp(op)));
+std::string describe(uint8_t coll, uint8_t dtype, uint8_t op, int64_t numel, uint8_t wire = 0) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s%s%s)", coll_name(Coll(coll)),
+                static_cast<long long>(numel), dtype_name(DType(dtype)), op_name(RedOp(op)),
+                wire ? ", wire_dtype=" : "", wire ? wire_name(Wire(wire)) : "");
   return buf;
 }
 
@@ -88,13 +90,6 @@ void init_segment(void* base, int nranks, size_t slice_bytes) {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   hdr->magic = kMagic;
 }
-
-struct Ring::Ctx {
-  const Call& call;
-  const char* phase;
-  int step;
-  int64_t slice;
-};
 
 Ring::Ring(void* base, size_t bytes, const Options& opt) : opt_(opt) {
   hdr_ = static_cast<GroupHeader*>(base);
@@ -291,6 +286,8 @@ void Ring::post_send(const Ctx& ctx, uint64_t nbytes) {
   h->dtype = static_cast<uint8_t>(ctx.call.dtype);
   h->op = static_cast<uint8_t>(ctx.call.op);
   h->algo = static_cast<uint8_t>(algo_);
+  h->wire = static_cast<uint8_t>(ctx.call.wire);
+  h->flags = wire_flags_;
   post(areas_[opt_.rank].posted, ++sent_);
 }
 
@@ -304,12 +301,15 @@ const char* Ring::recv(const Ctx& ctx, uint64_t expect_bytes) {
 void Ring::check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t expect_bytes) {
   const Call& c = ctx.call;
   const auto coll = static_cast<uint8_t>(c.coll), dt = static_cast<uint8_t>(c.dtype),
-             op = static_cast<uint8_t>(c.op);
-  if (h->op_seq != op_seq_ || h->coll != coll || h->dtype != dt || h->op != op || h->numel != c.numel)
+             op = static_cast<uint8_t>(c.op), wire = static_cast<uint8_t>(c.wire);
+  if (h->op_seq != op_seq_ || h->coll != coll || h->dtype != dt || h->op != op ||
+      h->numel != c.numel || h->wire != wire)
     fail("ringreduce: mismatched collective calls: rank " + std::to_string(from) + " called " +
-         describe(h->coll, h->dtype, h->op, h->numel) + " as its call #" + std::to_string(h->op_seq) +
-         " on this communicator, while rank " + std::to_string(opt_.rank) + " called " +
-         describe(coll, dt, op, c.numel) + " as its call #" + std::to_string(op_seq_));
+         describe(h->coll, h->dtype, h->op, h->numel, h->wire) + " as its call #" +
+         std::to_string(h->op_seq) + " on this communicator, while rank " +
+         std::to_string(opt_.rank) + " called " + describe(coll, dt, op, c.numel, wire) +
+         " as its call #" + std::to_string(op_seq_));
+  wire_flags_ |= h->flags;
   if (h->algo != static_cast<uint8_t>(algo_))
     fail("ringreduce: rank " + std::to_string(from) + " ran " + describe(coll, dt, op, c.numel) +
          " with the " + algo_name(Algo(h->algo)) + " algorithm and rank " + std::to_string(opt_.rank) +
@@ -323,6 +323,7 @@ void Ring::check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t e
 }
 
 Algo Ring::choose(const Call& c, const Pool* pool) const {
+  if (c.wire != Wire::None && c.coll != Coll::AllGather) return Algo::Wire;
   if (opt_.nranks == 1 || c.coll == Coll::AllGather) return Algo::Ring;  // nothing to reduce
   const bool ar = c.coll == Coll::AllReduce;
   // A pool tensor's all-reduce reads the peers' copies in place (rank order, so deterministic
@@ -657,6 +658,16 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Po
   ++op_seq_;
   msg_in_call_ = 0;
   algo_ = choose(c, pool);
+  if (algo_ == Algo::Wire) {
+    Ctx ctx{c, "wire", 0, 0};
+    wire_flags_ = 0;
+    if (run_wire(c, ctx))
+      throw std::overflow_error(
+          std::string("ringreduce: ") + coll_name(c.coll) + "(wire_dtype=float16): a finite value "
+          "beyond float16's range (65504) on the wire (an input, or a sum) of some rank; the result "
+          "holds inf there. Divide first (op=AVG), or use wire_dtype=torch.bfloat16 (float32's range)");
+    return;
+  }
   const size_t es = dtype_size(c.dtype);
   const char* in = static_cast<const char*>(c.in);
   char* out = static_cast<char*>(c.out);

@@ -50,7 +50,9 @@ struct alignas(64) GroupHeader {
 // peers' buffers by cross-memory attach (process_vm_readv), no slot copies; rank order too.
 // Pool: a tensor in a buffer every rank maps (ringreduce.shared_empty): rank r folds chunk r of
 // every rank's tensor in rank order and writes it into all of them, one pass, no slots.
-enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3, Cma = 4, Pool = 5 };
+// Wire: a call with a wire dtype (Call::wire): two-shot's schedule in whole blocks of
+// kWireBlock elements, each part rounded onto the wire as it is published (shm/wire_run.cpp).
+enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3, Cma = 4, Pool = 5, Wire = 6 };
 const char* algo_name(Algo a);
 
 // Every message carries the call it belongs to, so a reader checks it before touching data.
@@ -60,7 +62,10 @@ struct alignas(64) MsgHeader {
   uint64_t nbytes;
   uint32_t index;  // message index within the call
   uint8_t coll, dtype, op, algo;
+  uint8_t wire;   // Wire
+  uint8_t flags;  // kFlagOverflow: the sender has seen a finite value overflow the wire (sticky)
 };
+constexpr uint8_t kFlagOverflow = 1;
 
 size_t segment_bytes(int nranks, size_t slice_bytes);
 // Called once by the creating rank on a zeroed mapping of segment_bytes().
@@ -121,7 +126,12 @@ class Ring {
   uint64_t stream_switches() const { return stream_switches_.load(std::memory_order_relaxed); }
 
  private:
-  struct Ctx;
+  struct Ctx {
+    const Call& call;
+    const char* phase;
+    int step;
+    int64_t slice;
+  };
   char* slot(int r, uint32_t m) const;
   void wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const char* what);
   char* acquire_send(const Ctx& ctx);
@@ -134,6 +144,9 @@ class Ring {
   void run_twoshot(const Call& c, Ctx& ctx);
   void run_cma(const Call& c, Ctx& ctx);
   void run_pool(const Call& c, Ctx& ctx, const Pool& pool);
+  // Returns how many finite values overflowed the wire on any rank (fp16), as far as this rank
+  // learned it: every rank, for an all-reduce.
+  int64_t run_wire(const Call& c, Ctx& ctx);
   uint32_t say_wide(const Ctx& ctx, const void* payload, uint64_t bytes);  // returns its index
   // Copies bytes at addr in rank q's memory to local (process_vm_readv); fails the ring on error.
   void read_peer(int q, void* local, uint64_t addr, size_t bytes, const Ctx& ctx);
@@ -165,6 +178,8 @@ class Ring {
   std::vector<uint64_t> peer_in_, peer_out_;  // cma: the peers' buffers in the current call
   std::vector<char> scratch_;                 // cma: a block of every peer's chunk
   std::vector<char*> pool_at_;                // pool: every rank's tensor, mapped here
+  std::vector<char> wire_own_, wire_res_;     // wire: this rank's part and its result, encoded
+  uint8_t wire_flags_ = 0;                    // wire: sent in every header of the call
   // The slow wait in progress (wait_peer_ -1: none); written by the ring's thread only.
   std::atomic<int> wait_peer_{-1};
   std::atomic<const char*> wait_what_{""}, wait_phase_{""};

@@ -1,0 +1,236 @@
+"""A narrow wire with an exact sum: all_reduce / reduce_scatter_tensor(..., wire_dtype=) give the
+bits of tests/reference.py's plain-torch definition, on every rank, at every world size and slice."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringreduce as rr
+from ringreduce import _C
+from dist_utils import run_ranks
+from reference import WIRE_MAX, digest, wire_fold, wire_reference, wire_scatter_reference
+
+WIRES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+TENSOR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+
+
+def bits(t):
+    """The tensor's bits as integers: equal bits, nan payloads included."""
+    t = t.contiguous().view(-1)
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def wide_input(rank, numel, dtype, seed):
+    """Values over many binades (fp8's scales and fp16's range matter), a zero block, negatives."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g) * 2)
+    if numel > 300:
+        x[128:256] = 0  # a block of zeros: scale 0
+        x[260] = 1e-30  # a block whose absmax is tiny
+    return x.clamp(-60000, 60000).to(dtype)
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+def test_fold_kernel_matches_reference(wire):
+    """The native fold (encode, rank-order fp32 sum, re-round) has the reference's bits."""
+    g = torch.Generator().manual_seed(1)
+    cases = 0
+    for dtype in TENSOR_DTYPES:
+        for op, code in ((SUM, 0), (AVG, 1)):
+            for n in (1, 2, 3, 5):
+                for numel in (0, 1, 127, 128, 129, 1000, 4099):
+                    for round_result in (True, False):
+                        rows = torch.randn(n, numel, generator=g) * \
+                            torch.exp(torch.randn(n, numel, generator=g) * 3)
+                        if numel > 300:
+                            rows[:, 128:256] = 0
+                        rows = rows.to(dtype)  # float16 rows hold infs: nan blocks (fp8), inf
+                        out = torch.empty(numel, dtype=dtype)
+                        _C.wire_fold(out, rows, code, CODES[wire], round_result)
+                        ref = wire_fold(list(rows), wire, op, round_result).to(dtype)
+                        assert torch.equal(bits(out), bits(ref)), \
+                            (wire, dtype, op, n, numel, round_result)
+                        cases += 1
+    assert cases == 3 * 2 * 4 * 7 * 2
+
+
+@pytest.mark.parametrize("wire", (torch.float8_e4m3fn, torch.float8_e5m2), ids=str)
+def test_fp8_rounding_matches_torch(wire):
+    """Every fp8 value, every midpoint between neighbours (ties to even) and the floats next to
+    them, subnormals: the kernel's byte is torch's. A block whose absmax is the format's max has
+    scale 1, so the fold of one row returns the rounded values themselves."""
+    fmax = WIRE_MAX[wire]
+    every = torch.arange(256, dtype=torch.uint8).view(wire).float()
+    vals = every[torch.isfinite(every)].unique()
+    mids = ((vals[1:].double() + vals[:-1].double()) / 2).float()
+    up, down = torch.full_like(mids, 1e30), torch.full_like(mids, -1e30)
+    x = torch.cat([vals, mids, torch.nextafter(mids, up), torch.nextafter(mids, down),
+                   torch.randn(3000, generator=torch.Generator().manual_seed(2)) * fmax / 8])
+    x = x[x.abs() <= fmax]
+    x = torch.cat([x, torch.zeros((-x.numel()) % 127)]).view(-1, 127)
+    row = torch.cat([torch.full((x.shape[0], 1), fmax), x], 1).reshape(1, -1).contiguous()
+    out = torch.empty(row.shape[1])
+    _C.wire_fold(out, row, 0, CODES[wire], False)
+    want = row.view(-1).to(wire).float()
+    assert int((bits(out) != bits(want)).sum()) == 0
+    assert row.numel() > 3 * vals.numel()
+
+
+def sweep_worker(rank, world, wires, sizes, dtypes):
+    """all_reduce (in place, SUM and AVG) and reduce_scatter_tensor with every wire: the
+    reference's bits on this rank; returns the all_reduce digests (equal on every rank)."""
+    failures, digests = [], []
+    for wire in wires:
+        for dtype in dtypes:
+            for op in (SUM, AVG):
+                for numel in sizes:
+                    tag = f"{wire} {dtype} {op} numel={numel} world={world}"
+                    ins = [wide_input(r, numel, dtype, seed=numel) for r in range(world)]
+                    t = ins[rank].clone()
+                    rr.all_reduce(t, op=op, wire_dtype=wire)
+                    if not torch.equal(bits(t), bits(wire_reference(ins, wire, op))):
+                        failures.append(f"all_reduce {tag}")
+                    digests.append(digest(t))
+                    m = numel // world
+                    big = [x[:m * world] for x in ins]
+                    out = torch.empty(m, dtype=dtype)
+                    rr.reduce_scatter_tensor(out, big[rank].clone(), op=op, wire_dtype=wire)
+                    if not torch.equal(bits(out), bits(wire_scatter_reference(big, wire, op, rank))):
+                        failures.append(f"reduce_scatter {tag}")
+    return failures, digests
+
+
+def check_sweep(results):
+    for failures, _ in results:
+        assert not failures, failures[:10]
+    assert all(d == results[0][1] for _, d in results)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_wire_collectives_bits(world):
+    sizes = (0, 1, 5, 127, 129, 1000, 70001)
+    check_sweep(run_ranks(world, sweep_worker, WIRES, sizes, TENSOR_DTYPES[:1]))
+
+
+def test_wire_collectives_half_tensors():
+    """float16 and bfloat16 tensors: the input is read exactly, the result rounded to it."""
+    check_sweep(run_ranks(3, sweep_worker, WIRES, (1, 129, 5000), TENSOR_DTYPES[1:]))
+
+
+def test_wire_many_slices():
+    """1 KiB slices (a few blocks per part): hundreds of pipelined slices, the same bits."""
+    check_sweep(run_ranks(3, sweep_worker, WIRES, (3, 40000), TENSOR_DTYPES[:1],
+                          env={"RINGREDUCE_SLICE_BYTES": "1024"}))
+
+
+def async_worker(rank, world):
+    ts = [wide_input(rank, 10000 + k, torch.float32, seed=k) for k in range(4)]
+    works = [rr.all_reduce(t, async_op=True, wire_dtype=torch.bfloat16) for t in ts]
+    for w in works:
+        w.wait()
+    ok = [torch.equal(bits(t), bits(wire_reference(
+        [wide_input(r, 10000 + k, torch.float32, seed=k) for r in range(world)], torch.bfloat16,
+        SUM))) for k, t in enumerate(ts)]
+    # The plain path still works on the same communicator, after wire calls.
+    x = torch.full((100,), float(rank + 1))
+    rr.all_reduce(x)
+    return ok, x[0].item()
+
+
+def test_wire_async_and_plain_calls_between():
+    for ok, total in run_ranks(2, async_worker):
+        assert ok == [True] * 4 and total == 3.0
+
+
+def overflow_worker(rank, world):
+    t = torch.ones(1000)
+    if rank == 1:
+        t[999] = 70000.0  # beyond float16's 65504
+    errors = []
+    try:
+        rr.all_reduce(t, wire_dtype=torch.float16)
+    except OverflowError as e:  # a synchronous call: Python's error for a value out of range
+        errors.append(str(e))
+    # A sum beyond the range: every input fits. Asynchronous: the Work's error.
+    s = torch.full((300,), 40000.0)
+    try:
+        rr.all_reduce(s, wire_dtype=torch.float16, async_op=True).wait()
+    except rr.RingReduceError as e:
+        errors.append(str(e))
+    # AVG of the same fits; and the communicator still works.
+    a = torch.full((300,), 40000.0)
+    rr.all_reduce(a, op=AVG, wire_dtype=torch.float16)
+    return errors, a[0].item(), bool(torch.isinf(s).all())
+
+
+def test_fp16_wire_overflow_raises_on_every_rank():
+    for errors, avg, inf in run_ranks(3, overflow_worker):
+        assert len(errors) == 2 and all("65504" in e for e in errors), errors
+        assert avg == 40000.0 and inf
+
+
+def mismatch_worker(rank, world):
+    t = torch.ones(5000)
+    try:
+        rr.all_reduce(t, wire_dtype=torch.bfloat16 if rank == 0 else None)
+    except rr.RingReduceError as e:
+        return str(e)
+    return "no error"
+
+
+def test_wire_mismatch_names_both_calls():
+    env = {"RINGREDUCE_TIMEOUT": "20", "RINGREDUCE_ALGO": "twoshot"}
+    for msg in run_ranks(2, mismatch_worker, env=env, timeout=120):
+        assert "wire_dtype=bfloat16" in msg and "mismatched" in msg, msg
+
+
+def bad_args_worker(rank, world):
+    msgs = []
+    for call in (lambda: rr.all_reduce(torch.ones(4, dtype=torch.int32), wire_dtype=torch.bfloat16),
+                 lambda: rr.all_reduce(torch.ones(4), op=dist.ReduceOp.MAX, wire_dtype=torch.bfloat16),
+                 lambda: rr.all_reduce(torch.ones(4), wire_dtype=torch.int8),
+                 lambda: rr.all_reduce(torch.ones(4, dtype=torch.float64), wire_dtype=torch.float16),
+                 lambda: rr.reduce_scatter_tensor(torch.ones(2), torch.ones(4),
+                                                  op=dist.ReduceOp.PRODUCT,
+                                                  wire_dtype=torch.float8_e4m3fn)):
+        try:
+            call()
+            msgs.append("no error")
+        except (TypeError, ValueError) as e:
+            msgs.append(f"{type(e).__name__}: {e}")
+    # Nothing was sent: a correct call after the bad ones pairs up.
+    t = torch.ones(10)
+    rr.all_reduce(t, wire_dtype=torch.bfloat16)
+    return msgs, t[0].item()
+
+
+def test_wire_bad_arguments():
+    for msgs, v in run_ranks(2, bad_args_worker):
+        assert v == 2.0
+        assert msgs[0].startswith("TypeError") and "tensor is torch.int32" in msgs[0]
+        assert msgs[1].startswith("ValueError") and "SUM or AVG" in msgs[1] and "MAX" in msgs[1]
+        assert msgs[2].startswith("ValueError") and "torch.int8" in msgs[2]
+        assert msgs[3].startswith("TypeError") and "float64" in msgs[3]
+        assert msgs[4].startswith("ValueError") and "PRODUCT" in msgs[4]
+
+
+def bound_worker(rank, world, numel):
+    """Largest error of the bf16 wire against the float64 sum, in units of the sum's bf16 ulp."""
+    ins = [wide_input(r, numel, torch.float32, seed=7) for r in range(world)]
+    t = ins[rank].clone()
+    rr.all_reduce(t, wire_dtype=torch.bfloat16)
+    exact = sum(x.double() for x in ins)
+    # The definition's bound: each input rounded once (half an ulp of itself), the sum once.
+    half_ulp = lambda x: 2.0 ** (torch.frexp(x.abs().double().clamp_min(1e-38))[1] - 9).double()
+    bound = sum(half_ulp(x) for x in ins) + half_ulp(exact) + \
+        world * 2.0 ** -24 * sum(x.double().abs() for x in ins)  # the float32 additions
+    return float(((t.double() - exact).abs() / bound).max())
+
+
+@pytest.mark.parametrize("world", [2, 5])
+def test_bf16_wire_error_within_two_roundings(world):
+    for worst in run_ranks(world, bound_worker, 20000):
+        assert worst <= 1.0, worst
