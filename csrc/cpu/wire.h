@@ -19,7 +19,7 @@ constexpr int64_t kWireBlock = 128;
 
 const char* wire_name(Wire w);
 size_t wire_elem_bytes(Wire w);  // 2 (bf16, fp16) or 1 (fp8)
-inline bool wire_scaled(Wire w) { return w == Wire::E4M3 || w == Wire::E5M2; }
+constexpr bool wire_scaled(Wire w) { return w == Wire::E4M3 || w == Wire::E5M2; }
 inline int64_t wire_blocks(int64_t n) { return (n + kWireBlock - 1) / kWireBlock; }
 // A span of n elements on the wire: fp8: [fp32 scale per block][n bytes]; else [n elements].
 inline size_t wire_span_bytes(Wire w, int64_t n) {

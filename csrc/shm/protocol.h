@@ -179,6 +179,7 @@ class Ring {
   std::vector<char> scratch_;                 // cma: a block of every peer's chunk
   std::vector<char*> pool_at_;                // pool: every rank's tensor, mapped here
   std::vector<char> wire_own_, wire_res_;     // wire: this rank's part and its result, encoded
+  std::vector<char> wire_tmp_;                // wire: a part on its way into a slot
   uint8_t wire_flags_ = 0;                    // wire: sent in every header of the call
   // The slow wait in progress (wait_peer_ -1: none); written by the ring's thread only.
   std::atomic<int> wait_peer_{-1};

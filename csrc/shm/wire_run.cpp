@@ -64,6 +64,7 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
   };
   wire_own_.resize(P * bb);
   wire_res_.resize(P * bb);
+  wire_tmp_.resize(P * bb);
   const int64_t out_shift = ar ? 0 : r * m;  // reduce-scatter's output holds chunk r only
 
   // This rank's slice j of every chunk onto the wire: the others' parts into one message, its own
@@ -77,8 +78,14 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
     char* parts = slot(r, ma) + sizeof(MsgHeader);
     for (int k = 0; k < n; ++k) {
       const ring::Span sp = part(k, j);
-      over += cpu::wire_encode(w, c.dtype, in + sp.begin * es, sp.count,
-                               k == r ? wire_own_.data() : parts + at(r, k));
+      if (k == r) {
+        over += cpu::wire_encode(w, c.dtype, in + sp.begin * es, sp.count, wire_own_.data());
+        continue;
+      }
+      // Encoded here (L2), then put(): the slot gets the same stores as every other message
+      // (non-temporal in this machine's slow state, BENCHMARKS.md section 14).
+      over += cpu::wire_encode(w, c.dtype, in + sp.begin * es, sp.count, wire_tmp_.data());
+      put(parts + at(r, k), wire_tmp_.data(), wire_span_bytes(w, sp.count));
     }
     if (over) wire_flags_ |= kFlagOverflow;
     wide_until_ = ma + 1;
