@@ -1,4 +1,5 @@
 // Python binding: torch tensors in, typed spans out. Thin and defensive; the ring lives elsewhere.
+#include <algorithm>
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -259,6 +260,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                  round_result ? res.data() : nullptr, dt, out.data_ptr());
     return over;
   }, py::arg("out"), py::arg("rows"), py::arg("op"), py::arg("wire"), py::arg("round_result"));
+  // out = src rounded onto the wire and back (what a wire call sends of src): the DDP wire hooks'
+  // error feedback. Returns the fp16 overflows.
+  m.def("wire_round", [](at::Tensor& out, const at::Tensor& src, int wire) {
+    TORCH_CHECK_VALUE(src.is_contiguous() && out.is_contiguous() && !src.is_cuda() && !out.is_cuda() &&
+                          out.numel() == src.numel() && out.scalar_type() == src.scalar_type(),
+                      "ringreduce.wire_round: out and src contiguous CPU tensors of one size and dtype");
+    const rr::Wire w = rr::to_wire(wire, src, 0, "src");
+    TORCH_CHECK_VALUE(w != rr::Wire::None, "ringreduce.wire_round: no wire");
+    const rr::DType dt = rr::to_dtype(src, "src");
+    const int64_t n = src.numel();
+    py::gil_scoped_release nogil;
+    constexpr int64_t kPiece = 64 * rr::kWireBlock;  // blocks from element 0, as a call's
+    std::vector<char> enc(rr::wire_span_bytes(w, kPiece));
+    const size_t es = src.element_size();
+    int64_t over = 0;
+    for (int64_t i = 0; i < n; i += kPiece) {
+      const int64_t k = std::min(kPiece, n - i);
+      over += rr::cpu::wire_encode(w, dt, static_cast<const char*>(src.data_ptr()) + i * es, k, enc.data());
+      rr::cpu::wire_decode(w, enc.data(), k, dt, static_cast<char*>(out.data_ptr()) + i * es);
+    }
+    return over;
+  }, py::arg("out"), py::arg("src"), py::arg("wire"));
   m.def("shm_unlink", &rr::shm::Comm::unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
   register_backend(m);

@@ -1,6 +1,7 @@
 """Data-parallel training of a small MLP on handwritten digits, gradients reduced by ringreduce.
 
     torchrun --nproc-per-node=2 examples/train_ddp.py [--epochs 10] [--hook allreduce|fp16|bf16]
+    torchrun --nproc-per-node=2 examples/train_ddp.py --wire fp8 [--error-feedback]  # narrow wire
     torchrun --nproc-per-node=2 examples/train_ddp.py --backend ringreduce   # no hook: DDP as is
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 --max-restarts=3 \
         examples/train_ddp.py --checkpoint-every 20       # resumes where a failed attempt stopped
@@ -61,7 +62,8 @@ except ImportError:  # only its global RNG state is saved
     np = None
 
 HOOKS = {"allreduce": rr_ddp.allreduce_hook, "fp16": rr_ddp.fp16_compress_hook,
-         "bf16": rr_ddp.bf16_compress_hook}
+         "bf16": rr_ddp.bf16_compress_hook, "bf16-wire": rr_ddp.bf16_wire_hook,
+         "fp8-wire": rr_ddp.fp8_wire_hook}
 TEST_FRACTION = 0.2  # the last 20% of a fixed shuffle is held out
 SEED = 0
 
@@ -190,6 +192,12 @@ def main(argv=None):
                     help="default: gloo (cpu) or nccl (cuda), gradients through the hook")
     ap.add_argument("--hook", choices=sorted(HOOKS) + ["none"], default=None,
                     help="DDP comm hook (default: allreduce, or none with --backend ringreduce)")
+    ap.add_argument("--wire", choices=("bf16", "fp8"), default=None,
+                    help="the hook bf16_wire_hook or fp8_wire_hook: that type on the wire, an exact "
+                         "float32 sum (CPU)")
+    ap.add_argument("--error-feedback", action="store_true",
+                    help="with --wire: each rank carries what rounding lost into its next step "
+                         "(kept in the checkpoint)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
                     help="autocast; fp16 adds a GradScaler")
@@ -207,6 +215,12 @@ def main(argv=None):
     ap.add_argument("--die-node", action="store_true",
                     help="test only: --die-rank kills its torchrun agent and every worker of it")
     args = ap.parse_args(argv)
+    if args.wire is not None:
+        if args.hook not in (None, f"{args.wire}-wire"):
+            ap.error(f"--wire {args.wire} is the hook {args.wire}-wire; --hook {args.hook} too")
+        args.hook = f"{args.wire}-wire"
+    if args.error_feedback and not (args.hook or "").endswith("-wire"):
+        ap.error("--error-feedback needs --wire")
     if args.hook is None:
         args.hook = "none" if args.backend == "ringreduce" else "allreduce"
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -304,13 +318,19 @@ def main(argv=None):
         new = "forward_sync_buffers" in inspect.signature(DDP).parameters
         ddp_options["forward_sync_buffers" if new else "broadcast_buffers"] = False
     model = DDP(model, device_ids=device_ids, **ddp_options)
+    # The wire hooks' state: this rank's error feedback residuals, saved with the checkpoint.
+    wire_state = rr_ddp.WireState(None, args.error_feedback) if args.hook.endswith("-wire") else None
+    if saved is not None and wire_state is not None and len(saved["ranks"]) == world and \
+            saved["ranks"][rank].get("wire") is not None:
+        wire_state.load_state_dict(saved["ranks"][rank]["wire"])
     if args.hook != "none":
-        model.register_comm_hook(None, HOOKS[args.hook])
+        model.register_comm_hook(wire_state, HOOKS[args.hook])
 
     def checkpoint():
         # Every rank's RNG states and partial statistics, so that each resumes exactly.
         ranks = [None] * world
-        dist.all_gather_object(ranks, {"rng": rng_state(device), "stats": stats[:2].cpu()})
+        dist.all_gather_object(ranks, {"rng": rng_state(device), "stats": stats[:2].cpu(),
+                                       "wire": wire_state.state_dict() if wire_state else None})
         if rank == 0:
             save_atomically({
                 "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),

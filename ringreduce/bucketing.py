@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from ._lifecycle import traced_source
 from . import _comm
-from .collectives import (SUPPORTED_DTYPES, _comm_for, all_reduce, get_communicator,
+from .collectives import (SUPPORTED_DTYPES, WIRE_BLOCK, WIRE_DTYPES, WIRE_TENSOR_DTYPES, _comm_for,
+                          all_reduce, get_communicator,
                           shared_empty)
 
 # DDP's first bucket size (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): small, so that the first
@@ -76,7 +77,10 @@ class GradientBucketer:
     """All-reduces the gradients of params in buckets while backward runs; wait() averages them
     into .grad. Create it with the same parameters, in the same order, on every rank of group."""
 
-    def __init__(self, params, bucket_cap_mb=25.0, group=None):
+    def __init__(self, params, bucket_cap_mb=25.0, group=None, wire_dtype=None):
+        """wire_dtype: as ringreduce.all_reduce's (torch.bfloat16, float16, float8_e4m3fn,
+        float8_e5m2): every bucket is averaged with that type on the wire and an exact float32
+        sum in rank order (float32, float16 and bfloat16 parameters)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("GradientBucketer: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group(...) first")
@@ -96,6 +100,15 @@ class GradientBucketer:
             if p.dtype not in SUPPORTED_DTYPES or not p.is_floating_point():
                 raise TypeError(f"GradientBucketer: parameter dtype {p.dtype} is not supported; "
                                 f"expected a floating dtype ringreduce reduces")
+        if wire_dtype is not None:
+            if wire_dtype not in WIRE_DTYPES:
+                raise ValueError(f"GradientBucketer: wire_dtype must be None or one of "
+                                 f"{', '.join(map(str, WIRE_DTYPES))}, got {wire_dtype!r}")
+            for p in unique:
+                if p.dtype not in WIRE_TENSOR_DTYPES:
+                    raise TypeError(f"GradientBucketer: wire_dtype={wire_dtype} takes float32, "
+                                    f"float16 and bfloat16 parameters; one is {p.dtype}")
+        self.wire_dtype = wire_dtype
         self.params = unique
         self.group = group
         self.world_size = dist.get_world_size(group if group is not None else dist.group.WORLD)
@@ -184,7 +197,12 @@ class GradientBucketer:
 
     def _launch(self, bucket):
         if bucket.buffer is None:
-            numel = bucket.numel + len(bucket.indices)
+            # With a wire the used-flags start a block of their own (WIRE_BLOCK elements): an
+            # fp8 block's scale comes from its largest value, and a flag of 1 would coarsen the
+            # gradients sharing its block.
+            bucket.flags_at = bucket.numel if self.wire_dtype is None else \
+                -(-bucket.numel // WIRE_BLOCK) * WIRE_BLOCK
+            numel = bucket.flags_at + len(bucket.indices)
             if bucket.device.type == "cpu" and self._one_host():
                 bucket.buffer = shared_empty(numel, dtype=bucket.dtype, group=self.group)
             elif bucket.device.type == "cuda" and self._cuda_shared(bucket.device):
@@ -205,9 +223,11 @@ class GradientBucketer:
             else:
                 view.copy_(g)
             flags.append(1.0 if (self._fired[i] or self._used[i]) else 0.0)
-        buf[bucket.numel:].copy_(torch.tensor(flags, dtype=bucket.dtype))
+        buf[bucket.numel:bucket.flags_at].zero_()
+        buf[bucket.flags_at:].copy_(torch.tensor(flags, dtype=bucket.dtype))
         with traced_source("bucketer"):
-            bucket.work = all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+            bucket.work = all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=True,
+                                     wire_dtype=self.wire_dtype)
         self._next += 1
 
     def _one_host(self):
@@ -262,7 +282,7 @@ class GradientBucketer:
 
     def _write_back(self, bucket):
         buf = bucket.buffer
-        used_anywhere = buf[bucket.numel:].tolist()  # fraction of ranks that produced a gradient
+        used_anywhere = buf[bucket.flags_at:].tolist()  # fraction of ranks that produced a gradient
         for i, off, used in zip(bucket.indices, bucket.offsets, used_anywhere):
             if used <= 0:
                 continue  # no rank produced a gradient: leave .grad as it is

@@ -34,6 +34,7 @@ _WIRE_CODES = (
     (torch.float8_e5m2, 4),
 )
 WIRE_DTYPES = tuple(d for d, _ in _WIRE_CODES)
+WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
 WIRE_TENSOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

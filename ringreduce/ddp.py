@@ -19,8 +19,9 @@ into the bucket and back, as with DDP without gradient_as_bucket_view.
 import torch
 import torch.distributed as dist
 
+from . import _C
 from ._lifecycle import traced_source
-from .collectives import all_reduce
+from .collectives import _WIRE_CODES, all_reduce
 
 
 def _group_size(process_group):
@@ -83,4 +84,63 @@ def bf16_compress_hook(process_group, bucket):
     return _compress_hook(torch.bfloat16, process_group, bucket)
 
 
-__all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]
+class WireState:
+    """State for the wire hooks: the process group and, with error_feedback, what rounding lost.
+
+    With error feedback each rank adds to a bucket, before sending it, what rounding onto the wire
+    took from the same bucket at the previous step (as 1-bit Adam and PowerSGD do), so that nothing
+    a rank contributes is lost for good, only delayed. The residuals are this rank's own: save
+    state_dict() beside the model (per rank) and load_state_dict() on resume."""
+
+    def __init__(self, process_group=None, error_feedback=False):
+        self.process_group = process_group
+        self.error_feedback = bool(error_feedback)
+        self.residuals = {}  # bucket index -> tensor shaped like the bucket
+
+    def state_dict(self):
+        return {"error_feedback": self.error_feedback,
+                "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state):
+        self.error_feedback = bool(state["error_feedback"])
+        self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
+
+
+def _wire_hook(wire, state, bucket):
+    group, ef = (state.process_group, state) if isinstance(state, WireState) else (state, None)
+    buffer = bucket.buffer()
+    if ef is not None and ef.error_feedback:
+        idx = bucket.index()
+        res = ef.residuals.get(idx)
+        if res is not None and res.shape == buffer.shape and res.dtype == buffer.dtype:
+            buffer.add_(res)  # DDP rebuilds its buckets after the first step: a new shape starts over
+        else:
+            res = ef.residuals[idx] = torch.empty_like(buffer)
+        code = next(c for d, c in _WIRE_CODES if d == wire)
+        _C.wire_round(res, buffer, code)  # what the wire will carry of this rank's bucket
+        torch.sub(buffer, res, out=res)   # and what it loses: sent at the next step
+    with traced_source("ddp_hook"):
+        # AVG: the float32 sum in rank order, divided once, rounded once for the gather.
+        work = all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True, wire_dtype=wire)
+    if work is None:
+        return _done_future(buffer)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def bf16_wire_hook(state, bucket):
+    """Averages the bucket with bfloat16 on the wire and an exact float32 sum: each rank's gradient
+    rounded to bfloat16 once, summed in float32 in rank order, the average rounded once more (two
+    roundings at any world size; torch's bf16_compress_hook rounds at every step of the ring).
+    state: a process group (or None), or a WireState for error feedback. CPU tensors on one host."""
+    return _wire_hook(torch.bfloat16, state, bucket)
+
+
+def fp8_wire_hook(state, bucket):
+    """Like bf16_wire_hook with float8_e4m3fn on the wire (one float32 scale per 128 elements): a
+    quarter of the float32 bytes. Pass WireState(group, error_feedback=True) to carry what each
+    rank's rounding lost into its next step."""
+    return _wire_hook(torch.float8_e4m3fn, state, bucket)
+
+
+__all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "bf16_wire_hook",
+           "fp8_wire_hook", "WireState"]
