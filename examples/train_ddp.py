@@ -319,7 +319,8 @@ def main(argv=None):
         ddp_options["forward_sync_buffers" if new else "broadcast_buffers"] = False
     model = DDP(model, device_ids=device_ids, **ddp_options)
     # The wire hooks' state: this rank's error feedback residuals, saved with the checkpoint.
-    wire_state = rr_ddp.WireState(None, args.error_feedback) if args.hook.endswith("-wire") else None
+    wire_state = rr_ddp.WireState(None, args.error_feedback, model.module.parameters()) \
+        if args.hook.endswith("-wire") else None
     if saved is not None and wire_state is not None and len(saved["ranks"]) == world and \
             saved["ranks"][rank].get("wire") is not None:
         wire_state.load_state_dict(saved["ranks"][rank]["wire"])

@@ -87,38 +87,64 @@ def bf16_compress_hook(process_group, bucket):
 class WireState:
     """State for the wire hooks: the process group and, with error_feedback, what rounding lost.
 
-    With error feedback each rank adds to a bucket, before sending it, what rounding onto the wire
-    took from the same bucket at the previous step (as 1-bit Adam and PowerSGD do), so that nothing
-    a rank contributes is lost for good, only delayed. The residuals are this rank's own: save
-    state_dict() beside the model (per rank) and load_state_dict() on resume."""
+    With error feedback each rank adds to a gradient, before sending it, what rounding onto the
+    wire took from the same parameter's gradient at the previous step (as 1-bit Adam and PowerSGD
+    do): nothing a rank contributes is lost for good, only delayed. The residuals are this rank's
+    own and are kept per parameter (DDP reorders its buckets after the first step, and again in a
+    restarted job): pass params (the model's parameters, in a fixed order) and save state_dict()
+    per rank with the checkpoint; load_state_dict() on resume."""
 
-    def __init__(self, process_group=None, error_feedback=False):
+    def __init__(self, process_group=None, error_feedback=False, params=None):
         self.process_group = process_group
         self.error_feedback = bool(error_feedback)
-        self.residuals = {}  # bucket index -> tensor shaped like the bucket
+        self.params = list(params) if params is not None else None
+        self.residuals = {}  # id(parameter) -> tensor shaped like its gradient
+
+    def _index(self):
+        if self.params is None:
+            raise ValueError("WireState.state_dict/load_state_dict: pass params= (the model's "
+                             "parameters) so that residuals are saved by position")
+        return self.params
 
     def state_dict(self):
+        params = self._index()
         return {"error_feedback": self.error_feedback,
-                "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+                "residuals": {i: self.residuals[id(p)].detach().clone()
+                              for i, p in enumerate(params) if id(p) in self.residuals}}
 
     def load_state_dict(self, state):
+        params = self._index()
         self.error_feedback = bool(state["error_feedback"])
-        self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
+        self.residuals = {id(params[int(i)]): v.clone() for i, v in state["residuals"].items()}
+
+
+def _feed_back(ef, wire, bucket, buffer):
+    """Adds each parameter's residual to its slice of the bucket, then keeps what the wire will
+    lose of the result (the rounding of exactly the bytes the call sends: blocks from the bucket's
+    start, as all_reduce cuts them)."""
+    offset = 0
+    for p in bucket.parameters():
+        n = p.numel()
+        res = ef.residuals.get(id(p))
+        if res is not None and res.numel() == n and res.dtype == buffer.dtype:
+            buffer[offset:offset + n].add_(res.view(-1))
+        offset += n
+    code = next(c for d, c in _WIRE_CODES if d == wire)
+    sent = torch.empty_like(buffer)
+    _C.wire_round(sent, buffer, code)
+    lost = buffer - sent
+    offset = 0
+    for p in bucket.parameters():
+        n = p.numel()
+        ef.residuals[id(p)] = lost[offset:offset + n].view(p.shape)
+        offset += n
 
 
 def _wire_hook(wire, state, bucket):
     group, ef = (state.process_group, state) if isinstance(state, WireState) else (state, None)
     buffer = bucket.buffer()
     if ef is not None and ef.error_feedback:
-        idx = bucket.index()
-        res = ef.residuals.get(idx)
-        if res is not None and res.shape == buffer.shape and res.dtype == buffer.dtype:
-            buffer.add_(res)  # DDP rebuilds its buckets after the first step: a new shape starts over
-        else:
-            res = ef.residuals[idx] = torch.empty_like(buffer)
-        code = next(c for d, c in _WIRE_CODES if d == wire)
-        _C.wire_round(res, buffer, code)  # what the wire will carry of this rank's bucket
-        torch.sub(buffer, res, out=res)   # and what it loses: sent at the next step
+        _feed_back(ef, wire, bucket, buffer)
     with traced_source("ddp_hook"):
         # AVG: the float32 sum in rank order, divided once, rounded once for the gather.
         work = all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True, wire_dtype=wire)

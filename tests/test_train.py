@@ -28,6 +28,10 @@ CASES = {
     "hook": ["--hook", "allreduce", "--dropout", "0.2", "--amp", "fp16"],
     # The ringreduce torch.distributed backend, no hook; SyncBatchNorm; bf16 autocast.
     "backend": ["--backend", "ringreduce", "--sync-bn", "--amp", "bf16", "--dropout", "0.1"],
+    # bf16 on the wire with error feedback: bitwise only if every rank's residuals are restored
+    # from the checkpoint (each rank's own, per parameter). Not fp8: its block scales depend on
+    # which gradients share a block, and DDP orders its buckets differently in a restarted job.
+    "wire": ["--wire", "bf16", "--error-feedback", "--dropout", "0.2"],
 }
 
 
