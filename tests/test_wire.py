@@ -234,3 +234,70 @@ def bound_worker(rank, world, numel):
 def test_bf16_wire_error_within_two_roundings(world):
     for worst in run_ranks(world, bound_worker, 20000):
         assert worst <= 1.0, worst
+
+
+def _grads_of_every_rank(world, model_fn, seed):
+    """Each rank's local gradients (a list per rank, parameter order) of one batch, computed here."""
+    out = []
+    for r in range(world):
+        torch.manual_seed(seed)
+        net = model_fn()
+        g = torch.Generator().manual_seed(100 + r)
+        net(torch.randn(16, 50, generator=g)).square().mean().backward()
+        out.append([p.grad.clone() for p in net.parameters()])
+    return out
+
+
+def _net():
+    return torch.nn.Sequential(torch.nn.Linear(50, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3))
+
+
+def hooks_worker(rank, world):
+    """DDP with bf16_wire_hook and GradientBucketer(wire_dtype=bf16): each parameter's gradient is
+    the wire reference of the ranks' gradients (bf16 rounds element by element, so bucket layout
+    does not matter); fp8: within its rounding of the float64 average; error feedback: the
+    residual is what the wire lost of this rank's gradient."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    local = _grads_of_every_rank(world, _net, seed=3)
+    expect = [wire_reference([local[r][i] for r in range(world)], torch.bfloat16, AVG)
+              for i in range(len(local[0]))]
+    exact = [sum(local[r][i].double() for r in range(world)) / world for i in range(len(local[0]))]
+    results = {}
+    for name, hook, state in (("bf16", rr.ddp.bf16_wire_hook, None),
+                              ("fp8", rr.ddp.fp8_wire_hook, None),
+                              ("fp8-ef", rr.ddp.fp8_wire_hook, "ef")):
+        torch.manual_seed(3)
+        model = DDP(_net())
+        if state == "ef":
+            state = rr.ddp.WireState(None, error_feedback=True, params=model.module.parameters())
+        model.register_comm_hook(state, hook)
+        g = torch.Generator().manual_seed(100 + rank)
+        model(torch.randn(16, 50, generator=g)).square().mean().backward()
+        grads = [p.grad for p in model.parameters()]
+        if name == "bf16":
+            results[name] = all(torch.equal(bits(a), bits(b)) for a, b in zip(grads, expect))
+        else:
+            results[name] = max(float(((a.double() - e).abs() / e.abs().max()).max())
+                                for a, e in zip(grads, exact))
+        if state is not None:
+            saved = state.state_dict()["residuals"]
+            # The residual of parameter i is local grad - its wire rounding: nonzero, small.
+            results["ef-residuals"] = sorted(saved) == list(range(len(grads))) and all(
+                0 < float(saved[i].abs().max()) < 0.1 * float(local[rank][i].abs().max())
+                for i in saved)
+    torch.manual_seed(3)
+    net = _net()
+    bucketer = rr.GradientBucketer(net.parameters(), bucket_cap_mb=0.01, wire_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(100 + rank)
+    net(torch.randn(16, 50, generator=g)).square().mean().backward()
+    bucketer.wait()
+    results["bucketer"] = all(torch.equal(bits(p.grad), bits(e))
+                              for p, e in zip(net.parameters(), expect))
+    return results
+
+
+def test_wire_hooks_and_bucketer():
+    for res in run_ranks(3, hooks_worker):
+        assert res["bf16"] and res["bucketer"] and res["ef-residuals"], res
+        # e4m3: 3 mantissa bits, two roundings relative to each block's largest value.
+        assert 0 < res["fp8"] < 0.08 and 0 < res["fp8-ef"] < 0.08, res
