@@ -102,6 +102,47 @@ class RingReduce:
         rr.all_gather_into_tensor(out, inp, group=self.group)
 
 
+# --wire names -> (wire dtype, relative half-ulp of the largest value a block holds: the error
+# bound's unit for the result check). fp8 e4m3: 3 mantissa bits, values up to 448 = 1.75 x 2^8,
+# so its coarsest step is 32 of 448; e5m2: 8192 of 57344.
+WIRES = {"bf16": (torch.bfloat16, 2.0 ** -9), "fp16": (torch.float16, 2.0 ** -12),
+         "fp8": (torch.float8_e4m3fn, 16 / 448), "fp8e5m2": (torch.float8_e5m2, 4096 / 57344)}
+
+
+class Wire(RingReduce):
+    """ringreduce/wire-<bf16|fp16|fp8|fp8e5m2>: all_reduce / reduce_scatter_tensor with
+    wire_dtype=, on the shm transport: each rank rounded once, an exact float32 sum, rounded again
+    for the gather."""
+
+    def __init__(self, label, op, rank, world):
+        super().__init__("ringreduce/shm", op, rank, world)
+        self.label = label
+        self.wire, self.step = WIRES[label.split("wire-", 1)[1]]
+        self.world = world
+
+    def supports(self, collective, dtype):
+        if collective == "all_gather":
+            return "a wire carries reductions only"
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return "a wire takes float32, float16 and bfloat16 tensors"
+        if self.op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return "a wire takes sum and avg"
+        return None
+
+    def tolerance(self, magnitude):
+        """Largest |result - exact| the two roundings allow: each of N inputs off by half a step
+        of its block's largest value (<= magnitude), the sum (<= N x that) by half a step more."""
+        return self.step * magnitude * 2 * self.world
+
+    def all_reduce(self, t):
+        self._select()
+        rr.all_reduce(t, op=self.op, wire_dtype=self.wire)
+
+    def reduce_scatter(self, out, inp):
+        self._select()
+        rr.reduce_scatter_tensor(out, inp, op=self.op, wire_dtype=self.wire)
+
+
 class Torch:
     """torch.distributed's own collectives (Gloo for CPU tensors, NCCL for CUDA tensors)."""
 
@@ -243,6 +284,33 @@ class TorchSymm:
         self._out = None
 
     close = release
+
+
+class TorchCompress(Torch):
+    """torch/<bf16|fp16>-compress: what torch's bf16_compress_hook / fp16_compress_hook do with a
+    float32 bucket (cast, all_reduce in the narrow type on Gloo or NCCL, cast back), timed
+    including both casts."""
+
+    def __init__(self, label, op, rank, world):
+        super().__init__(label, op, rank, world)
+        self.narrow = torch.bfloat16 if label.startswith("torch/bf16") else torch.float16
+        self.step = WIRES["bf16" if self.narrow == torch.bfloat16 else "fp16"][1]
+
+    def supports(self, collective, dtype):
+        if collective != "all_reduce":
+            return "the compress hooks all-reduce"
+        if dtype != torch.float32 or self.op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return "the compress hooks take float32 buckets, sum and avg"
+        return None
+
+    def tolerance(self, magnitude):
+        """Each of the ring's N-1 steps rounds a partial sum (<= N x magnitude), plus the inputs."""
+        return self.step * magnitude * 2 * self.world * self.world
+
+    def all_reduce(self, t):
+        narrow = t.to(self.narrow)
+        dist.all_reduce(narrow, op=self.op)
+        t.copy_(narrow)
 
 
 class ParameterServer(Torch):
@@ -390,6 +458,10 @@ def remove_shm(prefix, rank=None):
 
 
 def make(label, op, rank, world):
+    if label.startswith("ringreduce/wire-"):
+        return Wire(label, op, rank, world)
+    if label in ("torch/bf16-compress", "torch/fp16-compress"):
+        return TorchCompress(label, op, rank, world)
     if label == "torch/ringreduce":
         return TorchOnRingreduce(label, op, rank, world)
     if label.startswith("torch/symm-"):

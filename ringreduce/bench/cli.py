@@ -31,7 +31,10 @@ BACKENDS = ("ringreduce", "ringreduce/shm", "ringreduce/ring", "ringreduce/onesh
             "ringreduce/twoshot", "ringreduce/cma", "ringreduce/pool", "ringreduce/hier",
             "ringreduce/p2p", "ringreduce/p2p-shared", "ringreduce/nccl", "torch", "torch/ringreduce",
             "torch/symm", "torch/symm-oneshot", "torch/symm-twoshot", "torch/symm-oneshot-sym",
-            "torch/symm-twoshot-sym", "ps", "mpi", "mpi/openmpi", "mpi/mpich", "deepspeed")
+            "torch/symm-twoshot-sym", "ps", "mpi", "mpi/openmpi", "mpi/mpich", "deepspeed",
+            "ringreduce/wire-bf16", "ringreduce/wire-fp16", "ringreduce/wire-fp8",
+            "ringreduce/wire-fp8e5m2", "torch/bf16-compress", "torch/fp16-compress")
+WIRE_NAMES = ("bf16", "fp16", "fp8", "fp8e5m2")  # --wire: ringreduce/wire-<name> (fp8: e4m3)
 # torch/symm: torch's SymmetricMemory all-reduces on ordinary tensors (copied into its buffer) and
 # on its symmetric tensors (-sym, beside ringreduce/p2p-shared); CUDA only
 SYMM_LABELS = ("torch/symm-oneshot", "torch/symm-twoshot", "torch/symm-oneshot-sym",
@@ -146,6 +149,11 @@ def build_parser():
                         "mpi[/openmpi|/mpich] (mpi4py; every MPI installed, or one; the suite starts "
                         "the ranks with that MPI's mpirun), deepspeed (its "
                         "shm all-reduce, float32 sum) (default: all but mpi and deepspeed)")
+    p.add_argument("--wire", type=_choice_list(WIRE_NAMES, "wire"), default=[],
+                   help="comma list of bf16, fp16, fp8 (e4m3), fp8e5m2: adds ringreduce/wire-<name> "
+                        "(all_reduce / reduce_scatter_tensor with wire_dtype=, CPU) and torch's "
+                        "compress hooks' way (torch/bf16-compress, torch/fp16-compress) beside the "
+                        "backends, and a column of the largest error against the exact result")
     p.add_argument("--results", metavar="DIR",
                    help="folder for results.json, busbw.png (needs matplotlib) and summary.md "
                         f"(default: {RESULTS_ROOT}/<date>-<time> in the current folder)")
@@ -217,6 +225,11 @@ def parse_args(argv=None):
         parser.error(f"--hosts {a.hosts}: more simulated hosts than ranks (--nranks "
                      f"{','.join(map(str, a.nranks))})")
     a.skipped = []  # one line per command-line name left out here, with the reason
+    if a.wire:
+        if a.device != "cpu":
+            parser.error("--wire: the narrow wire runs on the CPU transport (shared memory)")
+        a.backends = list(a.backends) + [f"ringreduce/wire-{w}" for w in a.wire] + \
+            ["torch/bf16-compress"] + (["torch/fp16-compress"] if "fp16" in a.wire else [])
     a.backends = expand_backends(a.backends, a.device, parser, a.hosts, a.skipped)
     if not a.backends:
         parser.error("no backend to run: " + "; ".join(a.skipped))
@@ -319,7 +332,8 @@ def expand_backends(names, device, parser, hosts=1, skipped=None):
             transport = name.split("/", 1)[1]
             if transport == "hier" and hosts < 2:
                 parser.error(f"--backends {name} needs --hosts H with H >= 2 simulated hosts")
-            if transport in ("ring", "oneshot", "twoshot", "cma", "pool", "hier"):
+            if transport in ("ring", "oneshot", "twoshot", "cma", "pool", "hier") or \
+                    transport.startswith("wire-"):
                 transport = "shm"  # an algorithm of the shm transport
             if transport == "p2p-shared":
                 transport = "p2p"  # shared_empty buffers on the GPU: the registered algorithm
@@ -327,7 +341,9 @@ def expand_backends(names, device, parser, hosts=1, skipped=None):
                 parser.error(f"--backends {name}: transport {transport} does not move "
                              f"{device.upper()} tensors")
             out.append(name)
-        elif name == "torch/ringreduce":
+        elif name in ("torch/ringreduce", "torch/bf16-compress", "torch/fp16-compress"):
+            if name.endswith("-compress") and device != "cpu":
+                parser.error(f"--backends {name}: the wire comparison runs on the CPU")
             out.append(name)
         else:
             out.append(f"{name}/{base}")

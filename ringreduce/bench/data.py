@@ -90,9 +90,17 @@ class Reference:
         self.tol = tolerance(dtype, world)
         self.float = is_float(dtype)
 
-    def wrong(self, result):
-        """Number of elements of result outside the tolerance (NaN counts as wrong)."""
+    def wrong(self, result, tol=None):
+        """Number of elements of result outside the tolerance (NaN counts as wrong); tol: a
+        backend's own (a narrow wire's rounding) instead of the dtype's."""
         if not self.float:
             return int(torch.count_nonzero(result != self.expected))
         diff = torch.sub(result, self.expected).abs_()  # promotes half/bf16 to float32
-        return int(torch.count_nonzero(~(diff <= self.tol)))
+        return int(torch.count_nonzero(~(diff <= (self.tol if tol is None else tol))))
+
+    def max_error(self, result):
+        """The largest |result - exact| (the exact result in float64; nan if any is nan)."""
+        if self.expected is None or result.numel() == 0:
+            return 0.0
+        diff = (result.double() - self.expected.double()).abs()
+        return float("nan") if bool(diff.isnan().any()) else float(diff.max())

@@ -22,6 +22,15 @@ LEGEND = {
     "ringreduce/p2p-shared": "ringreduce/p2p on rr.shared_empty tensors (no copy in or out)",
     "ringreduce/nccl": "ringreduce's ring over NCCL send/recv",
     "torch/gloo": "torch.distributed on Gloo (the CPU baseline)",
+    "ringreduce/wire-bf16": "all_reduce(wire_dtype=torch.bfloat16): each rank rounded once, an "
+                            "exact float32 sum in rank order, rounded once more (shm)",
+    "ringreduce/wire-fp16": "ringreduce/wire-bf16 with float16 on the wire",
+    "ringreduce/wire-fp8": "ringreduce/wire-bf16 with float8_e4m3fn on the wire (a float32 scale "
+                           "per 128 elements)",
+    "ringreduce/wire-fp8e5m2": "ringreduce/wire-fp8 with float8_e5m2",
+    "torch/bf16-compress": "what torch's bf16_compress_hook does with a float32 bucket: cast to "
+                           "bfloat16, all_reduce on Gloo (rounds at every step), cast back",
+    "torch/fp16-compress": "torch/bf16-compress with float16 (fp16_compress_hook)",
     "torch/nccl": "torch.distributed on NCCL (the GPU baseline)",
     "torch/symm-oneshot": "torch's SymmetricMemory one-shot all-reduce, the tensor copied into its "
                           "symmetric buffer first (as vLLM uses it)",

@@ -101,10 +101,37 @@ def print_summary(run):
     if run["peak_membw_GBps"] is not None:
         print(f"#\n# peak memory bandwidth (rank 0, {run['membw_method']}): "
               f"{run['peak_membw_GBps']:.1f} GB/s")
+    print_wire(run["rows"])
     bad = sum(r["wrong"] or 0 for r in run["rows"])
     print(f"# wrong elements in total: {bad}" + ("" if run["rows"] and
                                                   run["rows"][0]["wrong"] is not None
                                                   else " (not checked)"), flush=True)
+
+
+def print_wire(rows):
+    """--wire: per collective and size, in place: each backend's time over ringreduce/shm's (the
+    float32 automatic choice; > 1: faster than it) and the largest error against the exact
+    result."""
+    rows = [r for r in rows if r["inplace"] and r.get("max_err") is not None]
+    if not rows:
+        return
+    names = list(dict.fromkeys(r["backend"] for r in rows))
+    print("#\n# --wire, in place: speedup over ringreduce/shm (its time / the backend's) | largest "
+          "|error| against the exact result")
+    w = max(len(b) for b in names) + 2
+    print("# " + f"{'collective':<15}{'size':>9}" + "".join(f"{b:>{w}}" for b in names))
+    for c, size in dict.fromkeys((r["collective"], r["size_bytes"]) for r in rows):
+        at = {r["backend"]: r for r in rows if r["collective"] == c and r["size_bytes"] == size}
+        base = at.get("ringreduce/shm")
+        cells = []
+        for b in names:
+            r = at.get(b)
+            if r is None:
+                cells.append("-")
+                continue
+            speed = f"{base['time_us'] / r['time_us']:.2f}x" if base else "-"
+            cells.append(f"{speed} | {r['max_err']:.1e}")
+        print("# " + f"{c:<15}{human(size):>9}" + "".join(f"{x:>{w}}" for x in cells))
 
 
 def print_vs_n(runs):

@@ -192,6 +192,7 @@ def time_case(ctx, buffers, inplace, backends, agg):
     calls = [agg] * k
     times = torch.zeros(k, a.iters, dtype=torch.float64)
     wrong = torch.zeros(k, a.iters, dtype=torch.int64)
+    err = torch.zeros(k, dtype=torch.float64)  # --wire: the largest |result - exact|
     warmup, it = a.warmup_iters, 0
     while it < warmup + a.iters:
         timed = it - warmup
@@ -202,7 +203,7 @@ def time_case(ctx, buffers, inplace, backends, agg):
                 call, result = buffers.prepare(b, inplace)
                 call()
                 ctx.sync()
-                check(ctx, buffers, b, result, wrong, j, timed)
+                check(ctx, buffers, b, result, wrong, err, j, timed)
             call, result = buffers.prepare(b, inplace)
             ctx.barrier()
             t0 = time.perf_counter()
@@ -215,7 +216,7 @@ def time_case(ctx, buffers, inplace, backends, agg):
             if timed >= 0:
                 times[j, timed] = batch[j] / calls[j]
                 if calls[j] == 1:
-                    check(ctx, buffers, b, result, wrong, j, timed)
+                    check(ctx, buffers, b, result, wrong, err, j, timed)
         if a.agg_iters is None:
             dist.all_reduce(batch, op=dist.ReduceOp.MAX, group=ctx.ctrl)
             # Only ever longer: one batch slowed by a descheduled rank must not shorten it.
@@ -229,21 +230,26 @@ def time_case(ctx, buffers, inplace, backends, agg):
     # The call ends when the slowest rank is done; wrong elements add up over ranks.
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=ctx.ctrl)
     dist.all_reduce(wrong, op=dist.ReduceOp.SUM, group=ctx.ctrl)
+    dist.all_reduce(err, op=dist.ReduceOp.MAX, group=ctx.ctrl)
     out = []
     for j in range(k):
         t = times[j].tolist()
         out.append({"time_us": statistics.median(t) * 1e6, "time_us_min": min(t) * 1e6,
                     "time_us_max": max(t) * 1e6, "agg_iters": calls[j],
-                    "wrong": int(wrong[j].max()) if a.check else None})
+                    "wrong": int(wrong[j].max()) if a.check else None,
+                    "max_err": float(err[j]) if a.wire and a.check else None})
     return out
 
 
-def check(ctx, buffers, backend, result, wrong, j, timed):
+def check(ctx, buffers, backend, result, wrong, err, j, timed):
     a = ctx.args
     if a.corrupt_for_test == backend.label and timed == 0 and ctx.rank == 0:
         result[:1].add_(CORRUPT_DELTA)
     if a.check:  # a run-again iteration keeps what the first try found
-        wrong[j, timed] = max(int(wrong[j, timed]), buffers.ref.wrong(result))
+        tol = backend.tolerance(1.0) if hasattr(backend, "tolerance") else None  # values <= 1
+        wrong[j, timed] = max(int(wrong[j, timed]), buffers.ref.wrong(result, tol))
+        if a.wire:
+            err[j] = max(float(err[j]), buffers.ref.max_error(result))
 
 
 def sweep(ctx):
@@ -278,7 +284,8 @@ def sweep(ctx):
                                      op="none" if collective == "all_gather" else a.op,
                                      inplace=inplace, time_us=s["time_us"], algbw_GBps=algbw,
                                      busbw_GBps=algbw * bus_factor(collective, ctx.world),
-                                     wrong=s["wrong"], iters=a.iters, agg_iters=s["agg_iters"],
+                                     wrong=s["wrong"], max_err=s["max_err"], iters=a.iters,
+                                     agg_iters=s["agg_iters"],
                                      time_us_min=s["time_us_min"], time_us_max=s["time_us_max"]))
                 if ctx.rank == 0:
                     report.print_row(rows[-2], rows[-1])
