@@ -12,6 +12,11 @@
 namespace ringreduce {
 namespace shm {
 
+// All-reduces up to this size (of the tensor, not of the wire) run one-shot: one meeting where
+// two-shot has two, N x the fold's reads. Measured with python -m ringreduce.bench --wire
+// (BENCHMARKS.md section 16).
+constexpr size_t kWireOneShotMaxBytes = 32 << 10;
+
 int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
   const int n = opt_.nranks, r = opt_.rank;
   const Wire w = c.wire;
@@ -38,6 +43,31 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
   }
 
   const int divisor = c.op == RedOp::Avg ? n : 1;
+  if (ar && static_cast<size_t>(c.numel) * es <= kWireOneShotMaxBytes &&
+      wire_span_bytes(w, c.numel) <= slice_bytes_) {
+    // One-shot: every rank publishes its whole tensor on the wire and folds all N (the same
+    // blocks, so the same bits as the two-shot schedule): one meeting instead of two.
+    ctx.phase = "wire one-shot";
+    const uint64_t bytes = wire_span_bytes(w, c.numel);
+    wire_own_.resize(bytes);
+    wire_res_.resize(bytes);
+    const uint32_t ma = sent_;
+    wait_all_consumed(ma + 1 - kSlots, ctx);
+    over += cpu::wire_encode(w, c.dtype, in, c.numel, wire_own_.data());
+    if (over) wire_flags_ |= kFlagOverflow;
+    put(slot(r, ma) + sizeof(MsgHeader), wire_own_.data(), bytes);
+    wide_until_ = ma + 1;
+    post_send(ctx, bytes);
+    srcs_.resize(n);
+    for (int q = 0; q < n; ++q) {
+      ctx.step = q;
+      srcs_[q] = q == r ? wire_own_.data() : recv_wide(ctx, q, ma, bytes);
+    }
+    over += cpu::wire_reduce(w, srcs_.data(), n, c.numel, divisor, wire_res_.data(), c.dtype, out);
+    release_wide(ma);
+    // Every rank folded every input, so each knows every overflow.
+    return over + ((wire_flags_ & kFlagOverflow) && !over ? 1 : 0);
+  }
   const int64_t m = c.numel / n;  // reduce-scatter: a rank's chunk, blocked from its own start
   const int64_t P = static_cast<int64_t>(slice_bytes_ / (n - 1) / bb);  // blocks per part
   if (P < 1)
