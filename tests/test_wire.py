@@ -236,6 +236,24 @@ def test_bf16_wire_error_within_two_roundings(world):
         assert worst <= 1.0, worst
 
 
+def exact_inputs_worker(rank, world, numel):
+    """Inputs already bfloat16 (nothing lost onto the wire): the result is the exact sum rounded
+    once. Magnitudes in [0.25, 64): every input is a multiple of 2^-9 and every sum below 2^9, so
+    the float32 fold (18 bits) is exact and the one rounding is the sum's."""
+    def make(r):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(50 + r))
+        return (x.sign() * (0.25 + (x.abs() * 8).clamp(max=63))).to(torch.bfloat16).float()
+    ins = [make(r) for r in range(world)]
+    t = ins[rank].clone()
+    rr.all_reduce(t, wire_dtype=torch.bfloat16)
+    exact = sum(x.double() for x in ins)
+    return torch.equal(t, exact.to(torch.bfloat16).float())
+
+
+def test_bf16_wire_of_bf16_values_is_the_correctly_rounded_sum():
+    assert run_ranks(6, exact_inputs_worker, 30000) == [True] * 6
+
+
 def _grads_of_every_rank(world, model_fn, seed):
     """Each rank's local gradients (a list per rank, parameter order) of one batch, computed here."""
     out = []
