@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -282,6 +283,57 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
     return over;
   }, py::arg("out"), py::arg("src"), py::arg("wire"));
+  // The wire kernels on raw bytes, for the plans that move the wire bytes themselves (groups across
+  // hosts, _hier.py): a span of n elements is wire_bytes(wire, n) bytes (csrc/cpu/wire.h).
+  m.def("wire_bytes", [](int wire, int64_t n) {
+    TORCH_CHECK_VALUE(wire > 0 && wire < static_cast<int>(rr::Wire::kCount), "ringreduce: wire ", wire);
+    return static_cast<int64_t>(rr::wire_span_bytes(rr::Wire(wire), n));
+  }, py::arg("wire"), py::arg("n"));
+  m.def("wire_encode", [](at::Tensor& out, const at::Tensor& src, int wire) {
+    const rr::Wire w = rr::to_wire(wire, src, 0, "src");
+    TORCH_CHECK_VALUE(w != rr::Wire::None && src.is_contiguous() && !src.is_cuda() &&
+                          out.is_contiguous() && out.scalar_type() == at::kByte &&
+                          static_cast<size_t>(out.numel()) == rr::wire_span_bytes(w, src.numel()),
+                      "ringreduce.wire_encode: out must be ", rr::wire_span_bytes(w, src.numel()),
+                      " contiguous uint8 for a contiguous CPU src of ", src.numel());
+    const rr::DType dt = rr::to_dtype(src, "src");
+    py::gil_scoped_release nogil;
+    return rr::cpu::wire_encode(w, dt, src.data_ptr(), src.numel(), out.data_ptr());
+  }, py::arg("out"), py::arg("src"), py::arg("wire"));
+  m.def("wire_decode", [](at::Tensor& out, const at::Tensor& src, int wire) {
+    const rr::Wire w = rr::to_wire(wire, out, 0, "out");
+    TORCH_CHECK_VALUE(w != rr::Wire::None && out.is_contiguous() && !out.is_cuda() &&
+                          src.is_contiguous() && src.scalar_type() == at::kByte &&
+                          static_cast<size_t>(src.numel()) == rr::wire_span_bytes(w, out.numel()),
+                      "ringreduce.wire_decode: src must be ", rr::wire_span_bytes(w, out.numel()),
+                      " contiguous uint8 for a contiguous CPU out of ", out.numel());
+    const rr::DType dt = rr::to_dtype(out, "out");
+    py::gil_scoped_release nogil;
+    rr::cpu::wire_decode(w, src.data_ptr(), out.numel(), dt, out.data_ptr());
+  }, py::arg("out"), py::arg("src"), py::arg("wire"));
+  // out = the fold of rows (one wire span of out.numel() elements per row, rank order); AVG
+  // divides by the row count; wire_out (or None): the result rounded onto the wire, and out then
+  // holds those values. Returns the fp16 overflows of that rounding.
+  m.def("wire_reduce", [](at::Tensor& out, std::optional<at::Tensor> wire_out, const at::Tensor& rows,
+                          int op, int wire) {
+    const rr::Wire w = rr::to_wire(wire, out, op, "out");
+    const size_t wb = rr::wire_span_bytes(w, out.numel());
+    TORCH_CHECK_VALUE(w != rr::Wire::None && out.is_contiguous() && !out.is_cuda() &&
+                          rows.dim() == 2 && (rows.size(0) < 2 || rows.stride(1) == 1) &&
+                          rows.scalar_type() == at::kByte && static_cast<size_t>(rows.size(1)) == wb &&
+                          (!wire_out || (wire_out->is_contiguous() && wire_out->scalar_type() == at::kByte &&
+                                         static_cast<size_t>(wire_out->numel()) == wb)),
+                      "ringreduce.wire_reduce: rows (ranks x ", wb, " uint8, rows contiguous) and wire_out (", wb,
+                      " uint8) for out of ", out.numel());
+    const rr::DType dt = rr::to_dtype(out, "out");
+    const int n = static_cast<int>(rows.size(0));
+    std::vector<const void*> srcs(n);
+    for (int q = 0; q < n; ++q) srcs[q] = static_cast<const char*>(rows.data_ptr()) + q * rows.stride(0);
+    void* wo = wire_out ? wire_out->data_ptr() : nullptr;
+    py::gil_scoped_release nogil;
+    return rr::cpu::wire_reduce(w, srcs.data(), n, out.numel(),
+                                op == static_cast<int>(rr::RedOp::Avg) ? n : 1, wo, dt, out.data_ptr());
+  }, py::arg("out"), py::arg("wire_out"), py::arg("rows"), py::arg("op"), py::arg("wire"));
   m.def("shm_unlink", &rr::shm::Comm::unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
   register_backend(m);

@@ -38,6 +38,7 @@ from ._lifecycle import Bootstrap, RingReduceError, host_id, machine_id
 log = logging.getLogger("ringreduce")
 
 SUM, AVG, MIN, MAX, PROD = 0, 1, 2, 3, 4  # the native op codes (csrc/cpu/reduce.h)
+WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
 _GLOO_OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,
              PROD: dist.ReduceOp.PRODUCT}
 
@@ -197,20 +198,80 @@ class HierCommunicator(_lifecycle.Communicator):
     def _algo(self):  # for the flight recorder
         return "ordered" if _C.deterministic() else self.plan
 
+    def _all_group(self):
+        """The Gloo group of every rank (deterministic mode, wire calls), made at the first such
+        call: every rank reaches it together."""
+        if self._all is None:
+            try:
+                self._all = _gloo(self.member.store, f"{self._prefix}/all/", self.rank,
+                                  self.world_size, self.timeout)
+            except Exception as e:
+                reason = (f"{self._where()}: connecting every rank for deterministic mode or a "
+                          f"wire_dtype call failed in group {self.member.name} (is "
+                          f"RINGREDUCE_DETERMINISTIC the same on every rank, and wire_dtype the "
+                          f"same in every rank's call?): "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                self.intra.abort(reason)
+                raise RingReduceError(f"ringreduce: {reason}") from e
+        return self._all
+
+    def _wire(self, rows, code, wire, out, round_result):
+        """rows: (N, c), row k this rank's piece for rank k (c a whole number of blocks, or a
+        reduce_scatter's output size: blocks from each piece's start, as the shared-memory
+        transport cuts them). Each row goes onto the wire and to its owner, which folds the N in
+        rank order into out (c,); round_result: rounded onto the wire once more, and every rank's
+        result gathered back (returns the (N, c) gathered values' wire bytes). Every row carries
+        its sender's count of fp16 overflows (8 bytes after the wire bytes); returns the total
+        this rank learned."""
+        n, c = rows.shape
+        wb = _C.wire_bytes(wire, c)
+        group = self._all_group()
+        send = self._buf("wire_send", n * (wb + 8), torch.uint8).view(n, wb + 8)
+        over = sum(_C.wire_encode(send[k, :wb], rows[k], wire) for k in range(n))
+        send[:, wb:].copy_(torch.tensor([over], dtype=torch.int64).view(torch.uint8).expand(n, 8))
+        got = self._buf("wire_got", n * (wb + 8), torch.uint8).view(n, wb + 8)
+        self._gloo_step("all_to_all of the wire chunks to their owners",
+                        lambda: group.alltoall_base(got.view(-1), send.view(-1), [], [],
+                                                    dist.AllToAllOptions()))
+        over = int(got[:, wb:].contiguous().view(torch.int64).sum())
+        res = self._buf("wire_res", wb + 8, torch.uint8) if round_result else None
+        over += _C.wire_reduce(out, res[:wb] if round_result else None, got[:, :wb], code, wire)
+        if not round_result:
+            return None, over
+        res[wb:].copy_(torch.tensor([over], dtype=torch.int64).view(torch.uint8))
+        gathered = self._buf("wire_all", n * (wb + 8), torch.uint8).view(n, wb + 8)
+        self._gloo_step("all_gather of the reduced wire chunks",
+                        lambda: group._allgather_base(gathered.view(-1), res))
+        return gathered, int(gathered[:, wb:].contiguous().view(torch.int64).sum())
+
+    def _overflowed(self, fn, over):
+        if over:
+            raise OverflowError(
+                f"ringreduce: {fn}(wire_dtype=float16): a finite value beyond float16's range "
+                f"(65504) on the wire (an input, or a sum) of some rank; the result holds inf "
+                f"there. Divide first (op=AVG), or use wire_dtype=torch.bfloat16 (float32's "
+                f"range)")
+
+    def _all_reduce_wire(self, flat, code, wire):
+        n, numel = self.world_size, flat.numel()
+        c = -(-numel // (n * WIRE_BLOCK)) * WIRE_BLOCK  # whole blocks per rank
+        padded = self._buf("wire_pad", n * c, flat.dtype)
+        padded[:numel].copy_(flat)
+        padded[numel:].zero_()  # zeros do not move a block's largest value; dropped after
+        rows = padded.view(n, c)
+        mine = self._buf("wire_mine", c, flat.dtype)
+        gathered, over = self._wire(rows, code, wire, mine, True)
+        wb = _C.wire_bytes(wire, c)
+        for k in range(n):
+            _C.wire_decode(rows[k], gathered[k, :wb], wire)
+        flat.copy_(padded[:numel])
+        self._overflowed("all_reduce", over)
+
     def _ordered(self, rows, code):
         """rows: (N, c), row k this rank's piece for rank k. Returns this rank's (c,) piece of the
         result: every rank's row for this rank, folded in rank order (deterministic mode)."""
         n, c = rows.shape
-        if self._all is None:  # every rank reaches its first deterministic call together
-            try:
-                self._all = _gloo(self.member.store, f"{self._prefix}/all/", self.rank, n,
-                                  self.timeout)
-            except Exception as e:
-                reason = (f"{self._where()}: connecting every rank for deterministic mode failed "
-                          f"in group {self.member.name} (is RINGREDUCE_DETERMINISTIC the same on "
-                          f"every rank?): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-                self.intra.abort(reason)
-                raise RingReduceError(f"ringreduce: {reason}") from e
+        self._all_group()
         got = self._buf("det_got", n * c, rows.dtype)
         self._gloo_step("all_to_all of the chunks to their owners (deterministic mode)",
                         lambda: self._all.alltoall_base(got.view(torch.uint8),
@@ -246,13 +307,18 @@ class HierCommunicator(_lifecycle.Communicator):
         return -(-n // L) * L
 
     # -- collectives (arguments already checked by ringreduce.collectives) --------------------
-    def all_reduce(self, tensor, op_code, async_op):
+    def all_reduce(self, tensor, op_code, async_op, wire=0):
         def run():
             self._begin("all_reduce")
             n = tensor.numel()
             if n == 0:
                 return
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+            if wire:
+                self._all_reduce_wire(flat, op_code, wire)
+                if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+                    tensor.copy_(flat.view(tensor.shape))
+                return
             if _C.deterministic():
                 self._all_reduce_ordered(flat, op_code)
                 if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
@@ -280,13 +346,19 @@ class HierCommunicator(_lifecycle.Communicator):
     def _order_index(self):
         return torch.tensor(self._order())
 
-    def reduce_scatter(self, output, input, op_code, async_op):
+    def reduce_scatter(self, output, input, op_code, async_op, wire=0):
         def run():
             self._begin("reduce_scatter_tensor")
             c = output.numel()
             if c == 0:
                 return
             src = input.contiguous().view(-1)
+            if wire:
+                out = self._buf("wire_out", c, output.dtype)
+                _, over = self._wire(src.view(self.world_size, c), op_code, wire, out, False)
+                output.copy_(out.view(output.shape))
+                self._overflowed("reduce_scatter_tensor", over)
+                return
             if _C.deterministic():
                 output.copy_(self._ordered(src.view(self.world_size, c), op_code).view(output.shape))
                 return

@@ -95,10 +95,10 @@ def _wire_code(wire_dtype, t, arg, op_code, fn):
 
 
 def _wire_transport(comm, wire, fn):
-    if wire and comm.transport != "shm":
+    if wire and comm.transport not in ("shm", "hier"):
         raise NotImplementedError(
-            f"ringreduce.{fn}: wire_dtype runs on the shared-memory transport (CPU tensors, every "
-            f"rank on one host); this group's transport is {comm.transport}")
+            f"ringreduce.{fn}: wire_dtype runs on CPU tensors (shared memory on one host, Gloo "
+            f"between hosts); this group's transport is {comm.transport}")
 
 
 def _check_tensor(t, arg, fn):
@@ -319,7 +319,7 @@ def _all_reduce_wire(tensor, op, group, async_op, wire_dtype):
     if comm is None:
         return None
     _wire_transport(comm, wire, fn)
-    if not comm.closed:
+    if comm.transport == "shm" and not comm.closed:
         _fast[group] = (group if group is not None else dist.group.WORLD, comm,
                         comm._native.fast_all_reduce(_FAST_OPS))
     return comm.all_reduce(tensor, code, async_op, wire)

@@ -191,3 +191,24 @@ def test_async_subgroup_and_backend():
         if r != 1:
             assert out["sub"] == ([3.0], "leaders"), (r, out)  # ranks 0 | 2, 3: 1 + 2
     assert all(v == [] for v in leftovers.values()), leftovers
+
+
+def wire_hosts_worker(rank, world, sizes):
+    """test_wire's sweep (every wire, all_reduce and reduce_scatter, the reference's bits) on a
+    group across hosts, then the transport and plan."""
+    from test_wire import WIRES, sweep_worker as wire_sweep
+    failures, digests = wire_sweep(rank, world, WIRES, sizes, (torch.float32,))
+    return failures, digests, plan_worker(rank, world)
+
+
+@pytest.mark.parametrize("hosts", [["a", "b", "a", "b"], ["a", "a", "b", "c"]])
+def test_wire_across_hosts(hosts):
+    """wire_dtype between hosts: every rank's contribution on the wire over Gloo to its owner, the
+    same bits as on one host (and as tests/reference.py), whatever the plan."""
+    results, leftovers = run(hosts, "test_hosts:wire_hosts_worker", (1, 129, 5000, 70001),
+                             timeout=600)
+    for r, (failures, digests, plan) in results.items():
+        assert failures == [], (r, failures[:5])
+        assert digests == results[0][1]
+        assert plan[0] == "hier", plan
+    assert all(v == [] for v in leftovers.values()), leftovers
