@@ -115,7 +115,8 @@ class Wire(RingReduce):
     for the gather."""
 
     def __init__(self, label, op, rank, world):
-        super().__init__("ringreduce/shm", op, rank, world)
+        # With simulated hosts (--hosts) on the hierarchical communicator, as ringreduce/hier.
+        super().__init__("ringreduce/hier" if HOSTS > 1 else "ringreduce/shm", op, rank, world)
         self.label = label
         self.wire, self.step = WIRES[label.split("wire-", 1)[1]]
         self.world = world
@@ -136,11 +137,11 @@ class Wire(RingReduce):
 
     def all_reduce(self, t):
         self._select()
-        rr.all_reduce(t, op=self.op, wire_dtype=self.wire)
+        rr.all_reduce(t, op=self.op, group=self.group, wire_dtype=self.wire)
 
     def reduce_scatter(self, out, inp):
         self._select()
-        rr.reduce_scatter_tensor(out, inp, op=self.op, wire_dtype=self.wire)
+        rr.reduce_scatter_tensor(out, inp, op=self.op, group=self.group, wire_dtype=self.wire)
 
 
 class Torch:
