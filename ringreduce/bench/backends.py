@@ -128,6 +128,10 @@ class Wire(RingReduce):
             return "a wire takes float32, float16 and bfloat16 tensors"
         if self.op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return "a wire takes sum and avg"
+        if self.wire == torch.float16 and self.op == dist.ReduceOp.SUM:
+            # A timing batch repeats the call in place: the values grow N-fold per call and leave
+            # float16's range (an OverflowError, by design) within 16 calls at N = 2.
+            return "float16's range: repeated in-place sums overflow it (run -o avg)"
         return None
 
     def tolerance(self, magnitude):
@@ -300,6 +304,8 @@ class TorchCompress(Torch):
     def supports(self, collective, dtype):
         if collective != "all_reduce":
             return "the compress hooks all-reduce"
+        if self.narrow == torch.float16 and self.op == dist.ReduceOp.SUM:
+            return "float16's range: repeated in-place sums overflow it (run -o avg)"
         if dtype != torch.float32 or self.op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return "the compress hooks take float32 buckets, sum and avg"
         return None
