@@ -196,6 +196,29 @@ def test_other_types_and_ops_check_clean(dtype, op, agg):
             "ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot", "torch/ringreduce"}
 
 
+def test_wire_rows_checked_and_tabled(tmp_path):
+    """--wire: the wire rows and torch's compress rows run, check clean against their own
+    tolerance, carry max_err in the JSON, and the last table lists them; float16 under -o sum is
+    skipped with its reason; a corrupted wire row is counted."""
+    out = tmp_path / "w.json"
+    res = bench("--quick", "--nranks", "2", "-e", "64K", "--collectives", "all_reduce,reduce_scatter",
+                "--backends", "ringreduce/shm", "--wire", "bf16,fp16,fp8", "--json", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = parse_rows(res.stdout)
+    backends = {r["backend"] for r in rows}
+    assert {"ringreduce/wire-bf16", "ringreduce/wire-fp8", "torch/bf16-compress"} <= backends
+    assert "ringreduce/wire-fp16" not in backends and "repeated in-place sums" in res.stdout
+    assert all(r["oop"][3] == "0" and r["ip"][3] == "0" for r in rows)
+    data = json.load(open(out))
+    fp8 = [r for r in data["runs"][0]["rows"] if r["backend"] == "ringreduce/wire-fp8"]
+    assert fp8 and all(0 < r["max_err"] < 0.2 for r in fp8)  # e4m3's step on values <= 1
+    assert "# --wire, in place" in res.stdout
+    bad = bench("--quick", "--nranks", "2", "-e", "1K", "--collectives", "all_reduce",
+                "--backends", "ringreduce/shm", "--wire", "bf16", "--corrupt-for-test",
+                "ringreduce/wire-bf16")
+    assert bad.returncode == 1 and "FAILED" in bad.stdout, bad.stdout[-2000:]
+
+
 @pytest.mark.parametrize("agg", ["1", "3"])
 def test_corrupted_result_is_counted(agg):
     res = bench("--quick", "--nranks", "2", "-e", "1K", "-m", agg, "--corrupt-for-test",
