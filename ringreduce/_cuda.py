@@ -41,6 +41,7 @@ from ._lifecycle import host_id  # RINGREDUCE_HOST_ID, else host name and boot i
 from ._lifecycle import REGISTRY, Bootstrap, Work, default_timeout, env_int
 
 log = logging.getLogger("ringreduce")
+_WIRE_F16 = 2  # the float16 wire's code (csrc/cpu/wire.h: Wire::F16)
 RingReduceError = _C.RingReduceError
 
 # p2p knobs (see csrc/cuda/p2p.h for where the defaults come from). RINGREDUCE_CUDA_SLICE_BYTES is
@@ -549,29 +550,59 @@ class Communicator(_lifecycle.Communicator):
                                       f"shared buffers: {v.decode()}")
         return tensor.view(shape)
 
-    def all_reduce(self, tensor, op_code, async_op):
+    def all_reduce(self, tensor, op_code, async_op, wire=0):
         with self._lock:
             self._check_open()
+            self._check_wire(wire, "all_reduce")
             if tensor.is_contiguous():
                 native = self._enqueue("all_reduce", self._native.all_reduce, tensor,
-                                       op_code, async_op)
-                return self._finish(native, [tensor])
+                                       op_code, async_op, wire)
+                return self._finish(native, [tensor], check=self._wire_check(wire, "all_reduce"))
             buf = tensor.contiguous()  # reduce a contiguous copy, then write back through the view
             native = self._enqueue("all_reduce", self._native.all_reduce, buf, op_code,
-                                   async_op)
-            return self._copy_back(native, buf, tensor)
+                                   async_op, wire)
+            return self._copy_back(native, buf, tensor, self._wire_check(wire, "all_reduce"))
 
-    def reduce_scatter(self, output, input, op_code, async_op):
+    def reduce_scatter(self, output, input, op_code, async_op, wire=0):
+        fn = "reduce_scatter_tensor"
         with self._lock:
             self._check_open()
+            self._check_wire(wire, fn)
             src = input.contiguous()
             dst = output if output.is_contiguous() else torch.empty_like(
                 output, memory_format=torch.contiguous_format)
             native = self._enqueue("reduce_scatter", self._native.reduce_scatter, dst, src,
-                                   op_code, async_op)
+                                   op_code, async_op, wire)
             if dst is output:
-                return self._finish(native, [output])
-            return self._copy_back(native, dst, output)
+                return self._finish(native, [output], check=self._wire_check(wire, fn))
+            return self._copy_back(native, dst, output, self._wire_check(wire, fn))
+
+    # -- the narrow wire (csrc/cuda/sym_wire.cu) ---------------------------------------------
+    def _check_wire(self, wire, fn):
+        if not wire:
+            return
+        if self.transport != "p2p":
+            raise NotImplementedError(
+                f"ringreduce.{fn}: wire_dtype on CUDA tensors runs on the p2p transport (every "
+                f"GPU maps its peers' memory); this group runs {self.transport}")
+        if wire == _WIRE_F16 and torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(
+                f"ringreduce.{fn}: wire_dtype=torch.float16 cannot be captured in a CUDA graph "
+                f"(its overflow check waits for the device); use torch.bfloat16")
+
+    def _wire_check(self, wire, fn):
+        """What _finish checks after a float16 wire call: its op_seq and name; else None."""
+        return (self._native.op_seq(), fn) if wire == _WIRE_F16 else None
+
+    def _overflow(self, check):
+        """The message of a float16 wire call (finished on the device) that overflowed, or None."""
+        seq, fn = check
+        native = self._native
+        if native is None or native.closed() or not native.wire_overflowed(seq):
+            return None  # closed before the Work was waited for: the record went with it
+        return (f"ringreduce: {fn}(wire_dtype=float16): a finite value beyond float16's range "
+                f"(65504) on the wire (an input, or a sum) of some rank; the result holds inf "
+                f"there. Divide first (op=AVG), or use wire_dtype=torch.bfloat16 (float32's range)")
 
     def all_gather(self, output, input, async_op):
         with self._lock:
@@ -584,35 +615,50 @@ class Communicator(_lifecycle.Communicator):
                 return self._finish(native, [output])
             return self._copy_back(native, dst, output)
 
-    def _copy_back(self, native, buf, target):
+    def _copy_back(self, native, buf, target, check=None):
         if native is None:  # sync: the current stream already waits for the collective
             target.copy_(buf)
-            return self._finish(None, [target])
+            return self._finish(None, [target], check=check)
         # async: the copy runs on our stream after the collective; the Work follows the copy.
         if self.world_size == 1:  # nothing ran on our stream: copy where the caller is
             target.copy_(buf)
-            return self._finish(native, [target])
+            return self._finish(native, [target], check=check)
         with torch.cuda.stream(self._stream):
             target.copy_(buf)
         # buf and target stay referenced (by the job) until the device has finished the copy.
-        return self._finish(self._native.marker(), [target], keep=(buf,))
+        return self._finish(self._native.marker(), [target], keep=(buf,), check=check)
 
-    def _finish(self, native_work, result, keep=()):
+    def _finish(self, native_work, result, keep=(), check=None):
         """None for a sync call (after waiting for the device in blocking mode); else the Work of
         native_work, completed by the worker once the device is done. A failure seen here writes
-        the flight recorder's dump (the native side records the calls)."""
+        the flight recorder's dump (the native side records the calls). check (a float16 wire
+        call, _wire_check): the call is waited for and its overflow raised, as on the CPU:
+        OverflowError from a sync call, RingReduceError from the Work's wait()."""
         if native_work is not None and self.world_size == 1:
             fut = torch.futures.Future(devices=[self.device])
             with torch.cuda.device(self.device):
+                if check:  # the kernel ran on the caller's stream
+                    torch.cuda.current_stream(self.device).synchronize()
+                    why = self._overflow(check)
+                    if why:
+                        fut.set_exception(RingReduceError(why))
+                        return Work(fut, self._interrupted)
                 fut.set_result(result)  # the result is ready on the caller's stream
             return Work(fut, self._interrupted)
         if native_work is None:
-            if self._blocking and self.world_size > 1 and not torch.cuda.is_current_stream_capturing():
+            if (self._blocking or check) and self.world_size > 1 and \
+                    not torch.cuda.is_current_stream_capturing():
                 try:
                     self._native.marker().synchronize()  # raises this call's failure
                 except Exception:
                     self.recorder.dump_on_failure()
                     raise
+            if check:
+                if self.world_size == 1:
+                    torch.cuda.current_stream(self.device).synchronize()
+                why = self._overflow(check)
+                if why:
+                    raise OverflowError(why)
             return None
 
         def job():
@@ -625,6 +671,9 @@ class Communicator(_lifecycle.Communicator):
             except BaseException:
                 self.recorder.dump_on_failure()
                 raise
+            why = check and self._overflow(check)
+            if why:  # the call completed; its result holds inf (not a communicator failure)
+                raise RingReduceError(why)
         keep = list(keep)
         fut = self._submit(job, result, lambda: torch.futures.Future(devices=[self.device]),
                            inline=False)

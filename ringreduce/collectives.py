@@ -95,10 +95,10 @@ def _wire_code(wire_dtype, t, arg, op_code, fn):
 
 
 def _wire_transport(comm, wire, fn):
-    if wire and comm.transport not in ("shm", "hier"):
+    if wire and comm.transport not in ("shm", "hier", "p2p"):
         raise NotImplementedError(
-            f"ringreduce.{fn}: wire_dtype runs on CPU tensors (shared memory on one host, Gloo "
-            f"between hosts); this group's transport is {comm.transport}")
+            f"ringreduce.{fn}: wire_dtype runs on shared memory and between hosts (CPU tensors) "
+            f"and on the p2p transport (CUDA tensors); this group's transport is {comm.transport}")
 
 
 def _check_tensor(t, arg, fn):

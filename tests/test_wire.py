@@ -79,27 +79,49 @@ def test_fp8_rounding_matches_torch(wire):
     assert row.numel() > 3 * vals.numel()
 
 
-def sweep_worker(rank, world, wires, sizes, dtypes):
-    """all_reduce (in place, SUM and AVG) and reduce_scatter_tensor with every wire: the
-    reference's bits on this rank; returns the all_reduce digests (equal on every rank)."""
+def on(device, rank):
+    """The rank's device: the CPU, or its GPU (ranks share one where there is one)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def done(device):
+    if device != "cpu":  # every CUDA call finished, communicators closed while the group lives
+        from ringreduce import _lifecycle
+        torch.cuda.synchronize()
+        _lifecycle.REGISTRY.destroy_all()
+
+
+def sweep_worker(rank, world, wires, sizes, dtypes, device="cpu"):
+    """all_reduce (in place, SUM and AVG; every other call async) and reduce_scatter_tensor with
+    every wire: the reference's bits on this rank; returns the all_reduce digests (equal on
+    every rank)."""
+    dev = on(device, rank)
     failures, digests = [], []
     for wire in wires:
         for dtype in dtypes:
             for op in (SUM, AVG):
-                for numel in sizes:
-                    tag = f"{wire} {dtype} {op} numel={numel} world={world}"
+                for k, numel in enumerate(sizes):
+                    tag = f"{wire} {dtype} {op} numel={numel} world={world} on {device}"
                     ins = [wide_input(r, numel, dtype, seed=numel) for r in range(world)]
-                    t = ins[rank].clone()
-                    rr.all_reduce(t, op=op, wire_dtype=wire)
+                    t = ins[rank].clone().to(dev)
+                    work = rr.all_reduce(t, op=op, wire_dtype=wire, async_op=k % 2 == 1)
+                    if work is not None:
+                        work.wait()
+                    t = t.cpu()
                     if not torch.equal(bits(t), bits(wire_reference(ins, wire, op))):
                         failures.append(f"all_reduce {tag}")
                     digests.append(digest(t))
                     m = numel // world
                     big = [x[:m * world] for x in ins]
-                    out = torch.empty(m, dtype=dtype)
-                    rr.reduce_scatter_tensor(out, big[rank].clone(), op=op, wire_dtype=wire)
-                    if not torch.equal(bits(out), bits(wire_scatter_reference(big, wire, op, rank))):
+                    out = torch.empty(m, dtype=dtype, device=dev)
+                    rr.reduce_scatter_tensor(out, big[rank].clone().to(dev), op=op, wire_dtype=wire)
+                    if not torch.equal(bits(out.cpu()), bits(wire_scatter_reference(big, wire, op, rank))):
                         failures.append(f"reduce_scatter {tag}")
+    done(device)
     return failures, digests
 
 
@@ -145,8 +167,9 @@ def test_wire_async_and_plain_calls_between():
         assert ok == [True] * 4 and total == 3.0
 
 
-def overflow_worker(rank, world):
-    t = torch.ones(1000)
+def overflow_worker(rank, world, device="cpu"):
+    dev = on(device, rank)
+    t = torch.ones(1000, device=dev)
     if rank == 1:
         t[999] = 70000.0  # beyond float16's 65504
     errors = []
@@ -155,15 +178,17 @@ def overflow_worker(rank, world):
     except OverflowError as e:  # a synchronous call: Python's error for a value out of range
         errors.append(str(e))
     # A sum beyond the range: every input fits. Asynchronous: the Work's error.
-    s = torch.full((300,), 40000.0)
+    s = torch.full((300,), 40000.0, device=dev)
     try:
         rr.all_reduce(s, wire_dtype=torch.float16, async_op=True).wait()
     except rr.RingReduceError as e:
         errors.append(str(e))
     # AVG of the same fits; and the communicator still works.
-    a = torch.full((300,), 40000.0)
+    a = torch.full((300,), 40000.0, device=dev)
     rr.all_reduce(a, op=AVG, wire_dtype=torch.float16)
-    return errors, a[0].item(), bool(torch.isinf(s).all())
+    result = errors, a[0].item(), bool(torch.isinf(s).all())
+    done(device)
+    return result
 
 
 def test_fp16_wire_overflow_raises_on_every_rank():
@@ -319,3 +344,51 @@ def test_wire_hooks_and_bucketer():
         assert res["bf16"] and res["bucketer"] and res["ef-residuals"], res
         # e4m3: 3 mantissa bits, two roundings relative to each block's largest value.
         assert 0 < res["fp8"] < 0.08 and 0 < res["fp8-ef"] < 0.08, res
+
+
+# -- CUDA tensors: the symmetric workspace's wire kernel (csrc/cuda/sym_wire.cu) -------------------
+# The same bits as on the CPU. Run where a GPU is lent (tests/gpu_suite.sh, benchmarks/gpu_lease.sh);
+# the ranks of a one-GPU machine share it. CI runs the kernel on the emulated device
+# (tests/native/test_cuda_kernels.cpp: test_wire, test_wire_overflow, weak_wire).
+P2P = {"RINGREDUCE_TRANSPORT": "p2p"}
+# One-shot and two-shot forced, in pieces of 8 KiB (many barriers and both halves per call).
+CUDA_WIRE_ENVS = {"auto": P2P, **{algo: {**P2P, "RINGREDUCE_CUDA_ALGO": algo,
+                                          "RINGREDUCE_CUDA_CHUNK_BYTES": "8192"}
+                                   for algo in ("oneshot", "twoshot")}}
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("env", list(CUDA_WIRE_ENVS))
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_wire_on_cuda_bits(world, env):
+    check_sweep(run_ranks(world, sweep_worker, WIRES, (1, 129, 1000, 70001), TENSOR_DTYPES, "cuda",
+                          env=CUDA_WIRE_ENVS[env], timeout=600))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fp16_wire_overflow_on_cuda():
+    for errors, avg, inf in run_ranks(3, overflow_worker, "cuda", env=P2P):
+        assert len(errors) == 2 and all("65504" in e for e in errors), errors
+        assert avg == 40000.0 and inf
+
+
+def nccl_wire_worker(rank, world):
+    dev = on("cuda", rank)
+    try:
+        rr.all_reduce(torch.ones(10, device=dev), wire_dtype=torch.bfloat16)
+        msg = "no error"
+    except NotImplementedError as e:
+        msg = str(e)
+    done("cuda")
+    return msg
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_wire_refused_on_nccl():
+    env = {"RINGREDUCE_TRANSPORT": "nccl", "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    for msg in run_ranks(2, nccl_wire_worker, env=env):
+        assert "p2p transport" in msg and "nccl" in msg, msg

@@ -1,4 +1,5 @@
 #include "cpu/wire.h"
+#include "cpu/wire_scalar.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -23,67 +24,24 @@ namespace {
 
 #define RR_INLINE inline __attribute__((always_inline))
 
-RR_INLINE uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-RR_INLINE float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-
-// The two fp8 formats (OCP FP8: E4M3 without infinities, E5M2 with): mantissa bits, exponent
-// bias, smallest normal exponent, largest finite value and its byte.
-template <int M, int Bias, int Emin, uint8_t MaxByte>
-struct Fp8 {
-  static constexpr int kM = M;
-  static constexpr uint32_t kMaxByte = MaxByte;
-  static constexpr int kMagicBits = (Emin - M + 23 + 127) << 23;  // 2^(Emin - M + 23)
-  static constexpr int kMinNormalBits = (Emin + 127) << 23;       // 2^Emin
-  static constexpr int kRebias = (127 - Bias) << M;
-  static float max() { return from_bits(((MaxByte >> M) - Bias + 127u) << 23 | (MaxByte & ((1u << M) - 1)) << (23 - M)); }
-  // RNE, saturating; branch-free so that the loops vectorize. |x| below the smallest normal: the
-  // FPU rounds |x| + 2^(Emin - M + 23), whose ulp is the subnormal step; a subnormal that rounds
-  // up to 2^Emin comes out as 2^M, the byte of 2^Emin.
-  static RR_INLINE uint8_t encode(float x) {
-    const uint32_t u = bits(x), sign = (u >> 24) & 0x80, a = u & 0x7fffffffu;
-    const float magic = from_bits(static_cast<uint32_t>(Emin - M + 23 + 127) << 23);
-    const uint32_t sub = bits(from_bits(a) + magic) - bits(magic);
-    const uint32_t r = a + ((1u << (22 - M)) - 1) + ((a >> (23 - M)) & 1);
-    const uint32_t nrm = (r >> (23 - M)) - (static_cast<uint32_t>(127 - Bias) << M);
-    const uint32_t is_sub = 0u - static_cast<uint32_t>(a < (static_cast<uint32_t>(Emin + 127) << 23));
-    uint32_t b = (sub & is_sub) | (nrm & ~is_sub);
-    const uint32_t big = 0u - static_cast<uint32_t>(b > kMaxByte);  // masks: the loop vectorizes
-    b = (kMaxByte & big) | (b & ~big);
-    return static_cast<uint8_t>(sign | b);
-  }
-  static float decode(uint8_t b) {
-    const float sign = b & 0x80 ? -1.0f : 1.0f;
-    const int e = (b & 0x7f) >> M, mant = b & ((1 << M) - 1);
-    if (e == 0) return sign * std::ldexp(static_cast<float>(mant), Emin - M);
-    if ((b & 0x7f) > MaxByte) return e == (0x7f >> M) && mant == 0 ? sign * INFINITY : NAN;
-    return sign * std::ldexp(1.0f + static_cast<float>(mant) / (1 << M), e - Bias);
-  }
-};
-using E4M3 = Fp8<3, 7, -6, 0x7e>;   // max 448
-using E5M2 = Fp8<2, 15, -14, 0x7b>;  // max 57344
+using wire::bits;
+using wire::from_bits;
+using wire::E4M3;
+using wire::E5M2;
+using wire::to_bf16;
+using wire::of_bf16;
+using wire::over_f16;
 
 struct Lut {
   float e4m3[256], e5m2[256];
   Lut() {
     for (int b = 0; b < 256; ++b) {
-      e4m3[b] = E4M3::decode(static_cast<uint8_t>(b));
-      e5m2[b] = E5M2::decode(static_cast<uint8_t>(b));
+      e4m3[b] = E4M3::value(static_cast<uint8_t>(b));
+      e5m2[b] = E5M2::value(static_cast<uint8_t>(b));
     }
   }
 };
 const Lut lut;
-
-RR_INLINE uint16_t to_bf16(float f) {
-  const uint32_t x = bits(f);
-  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1)) >> 16;
-  return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? (x >> 16) | 0x40 : rounded);
-}
-RR_INLINE float of_bf16(uint16_t h) { return from_bits(static_cast<uint32_t>(h) << 16); }
-// Finite fp32 values that round beyond 65504 in fp16 (>= 65520): they would become inf.
-RR_INLINE int over_f16(float f) {
-  const uint32_t a = bits(f) & 0x7fffffffu;
-  return a >= 0x477ff000u && a < 0x7f800000u;
-}
 
 // fp16 <-> fp32 for a block: F16C (one instruction per 8) in the AVX2 build, else scalar. Not
 // inline: an intrinsic may only be inlined into a function compiled for its instruction set.
@@ -221,24 +179,21 @@ RR_INLINE void store(DType t, const float* v, int64_t m, void* dst, int64_t i) {
     f2h<kAvx2>(v, d, m);
 }
 
-// The largest |x| of a block, nan if any element is nan (as torch's amax): the magnitudes' bits
-// order like the values, and an integer max vectorizes where a float max with nan rules does not.
-RR_INLINE float absmax(const float* x, int64_t m) {
+// The bits of a block's largest |x| (above 0x7f800000: a nan, as torch's amax): the magnitudes'
+// bits order like the values, and an integer max vectorizes where a float max with nan rules does not.
+RR_INLINE uint32_t absmax_bits(const float* x, int64_t m) {
   uint32_t a = 0;
   for (int64_t k = 0; k < m; ++k) {
     const uint32_t b = bits(x[k]) & 0x7fffffffu;
     a = b > a ? b : a;
   }
-  return a > 0x7f800000u ? NAN : from_bits(a);
+  return a;
 }
 
 template <class F, bool kAvx2>
 RR_INLINE void fp8_block(const float* x, int64_t m, float* scale, uint8_t* q) {
-  const float amax = absmax(x, m);
-  float inv = F::max() / amax, s = amax / F::max();
-  if (!(amax <= FLT_MAX)) inv = 0.0f, s = NAN;       // inf or nan in the block: the block is nan
-  else if (!(inv <= FLT_MAX)) inv = 0.0f, s = 0.0f;  // all zeros (or too small to scale): zeros
-  *scale = s;
+  float inv;
+  wire::fp8_scale<F>(absmax_bits(x, m), &inv, scale);
 #if defined(__x86_64__)
   if constexpr (kAvx2) return f2fp8_avx2<F>(x, m, inv, q);
 #endif

@@ -179,13 +179,14 @@ class CudaComm {
     return *shared_->ring;
   }
 
-  py::object all_reduce(at::Tensor t, int op, bool async_op) {
+  // wire: a narrow wire's code (rr::Wire; p2p only: sym_wire.cu); 0: none.
+  py::object all_reduce(at::Tensor t, int op, bool async_op, int wire) {
     check(t, "tensor");
     return run({rr::Coll::AllReduce, rr::to_dtype(t, "tensor"), rr::to_op(op), t.numel(), t.data_ptr(),
-                t.data_ptr()}, {t}, async_op);
+                t.data_ptr(), wire_of(wire, t, op, "tensor")}, {t}, async_op);
   }
 
-  py::object reduce_scatter(at::Tensor out, at::Tensor in, int op, bool async_op) {
+  py::object reduce_scatter(at::Tensor out, at::Tensor in, int op, bool async_op, int wire) {
     check(out, "output");
     check(in, "input");
     TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output dtype ",
@@ -193,7 +194,7 @@ class CudaComm {
     TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, "ringreduce: input has ", in.numel(),
                       " elements; expected output.numel() * world size = ", out.numel() * nranks_);
     return run({rr::Coll::ReduceScatter, rr::to_dtype(in, "input"), rr::to_op(op), in.numel(), in.data_ptr(),
-                out.data_ptr()}, {out, in}, async_op);
+                out.data_ptr(), wire_of(wire, in, op, "input")}, {out, in}, async_op);
   }
 
   py::object all_gather(at::Tensor out, at::Tensor in, bool async_op) {
@@ -363,13 +364,17 @@ class CudaComm {
 
   // World 1: all_reduce is the identity (every op, AVG divides by 1); reduce_scatter and
   // all_gather copy input to output on the caller's stream. No event, no stream of ours.
+  // A narrow wire rounds as a group of one would: a kernel on the caller's stream (p2p::Ring::run).
   py::object run_alone(const rr::Call& c, bool async_op) {
     c10::cuda::CUDAGuard guard(device_);
     const std::string failed = shared_->failure();  // aborted: refused, as at any world size
     if (!failed.empty())
       throw rr::RingError("ringreduce: communicator is broken by an earlier failure: " + failed);
     const size_t bytes = static_cast<size_t>(c.numel) * rr::dtype_size(c.dtype);
-    if (c.coll != rr::Coll::AllReduce && c.in != c.out && bytes > 0) {
+    if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
+      if (c.wire != rr::Wire::None) ring().run(c, c10::cuda::getCurrentCUDAStream(device_).stream());
+    }
+    if (c.wire == rr::Wire::None && c.coll != rr::Coll::AllReduce && c.in != c.out && bytes > 0) {
       const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_).stream();
       C10_CUDA_CHECK(cudaMemcpyAsync(c.out, c.in, bytes, cudaMemcpyDeviceToDevice, cur));
     }
@@ -381,6 +386,14 @@ class CudaComm {
     }
     if (!async_op) return py::none();
     return py::cast(std::make_unique<CudaWork>(nullptr, device_, shared_, 0));
+  }
+
+  rr::Wire wire_of(int wire, const at::Tensor& t, int op, const char* arg) {
+    const rr::Wire w = rr::to_wire(wire, t, op, arg);
+    if constexpr (std::is_same_v<Ring, rc::nccl::Ring>)
+      TORCH_CHECK_VALUE(w == rr::Wire::None, "ringreduce: wire_dtype runs on the p2p transport; this "
+                        "group runs nccl (RINGREDUCE_TRANSPORT=p2p where every GPU maps its peers)");
+    return w;
   }
 
   void check(const at::Tensor& t, const char* arg) {
@@ -520,9 +533,10 @@ using NcclComm = CudaComm<rc::nccl::Ring>;
 
 template <class C>
 void bind_common(py::class_<C>& cls) {
-  cls.def("all_reduce", &C::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("async_op"))
+  cls.def("all_reduce", &C::all_reduce, py::arg("tensor"), py::arg("op"), py::arg("async_op"),
+          py::arg("wire") = 0)
       .def("reduce_scatter", &C::reduce_scatter, py::arg("output"), py::arg("input"), py::arg("op"),
-           py::arg("async_op"))
+           py::arg("async_op"), py::arg("wire") = 0)
       .def("all_gather", &C::all_gather, py::arg("output"), py::arg("input"), py::arg("async_op"))
       .def("failure", &C::failure)
       .def("abort", &C::abort, py::arg("why"))
@@ -586,6 +600,8 @@ void register_cuda(py::module_& m) {
         c.ring().connect(h);
       }, py::arg("handles"))
       .def("direct", [](P2pComm& c) { return c.ring().direct(); })
+      .def("wire_overflowed", [](P2pComm& c, uint64_t seq) { return c.ring().wire_overflowed(seq); },
+           py::arg("op_seq"))
       // Device memory the communicator holds (p2p::Ring::area_bytes), for the log.
       .def("device_bytes", [](P2pComm& c) { return c.ring().area_bytes(); })
       // The copy algorithm (ranks sharing a GPU without MPS): whether this ring has it, and its

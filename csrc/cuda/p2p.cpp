@@ -32,9 +32,11 @@ const char* cause_text(uint32_t cause) {
 }  // namespace
 
 std::string call_text(const MsgHeader& h) {
-  char buf[200];
-  std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s; %s)", coll_name(Coll(h.coll)),
-                static_cast<long long>(h.numel), dtype_name(DType(h.dtype)), op_name(RedOp(h.op)),
+  char buf[240];
+  const Wire w = Wire(h.op >> 4);
+  std::snprintf(buf, sizeof buf, "%s(numel=%lld, dtype=%s, op=%s%s%s; %s)", coll_name(Coll(h.coll)),
+                static_cast<long long>(h.numel), dtype_name(DType(h.dtype)), op_name(RedOp(h.op & 15)),
+                w == Wire::None ? "" : ", wire_dtype=", w == Wire::None ? "" : wire_name(w),
                 algo_name(Algo(h.algo)));
   return buf;
 }
@@ -76,7 +78,61 @@ int copy_blocks(int64_t piece_bytes) {
       1, std::min<int64_t>(kMaxBlocks, piece_bytes / static_cast<int64_t>(kCopyBytesPerBlock))));
 }
 
+// The narrow wire (sym_wire.cu): one-shot or two-shot on the workspace, in pieces of whole wire
+// blocks whose spans fit a half (all_reduce: two spans, every rank's input and the reduced chunks;
+// reduce_scatter: one per chunk). A forced ring or copy gives way, as in deterministic mode; a
+// group whose ranks cannot all map each other cannot run it.
+static Plan wire_plan(const Call& c, const Options& o, bool direct) {
+  const int n = o.nranks;
+  const std::string what = std::string("ringreduce: ") + coll_name(c.coll) + " with wire_dtype=" + wire_name(c.wire);
+  if (c.coll == Coll::AllGather || (c.op != RedOp::Sum && c.op != RedOp::Avg) ||
+      (c.dtype != DType::F32 && c.dtype != DType::F16 && c.dtype != DType::BF16))
+    throw std::invalid_argument(what + ": needs all_reduce or reduce_scatter of a float32, float16 or "
+                                "bfloat16 tensor with SUM or AVG, got " + dtype_name(c.dtype) + " and " +
+                                op_name(c.op));
+  if (!direct)
+    throw RingError(what + " cannot run on the p2p transport of this group: it needs the one-shot or "
+                    "two-shot algorithm, which reads every rank's memory, and " +
+                    (n > kMaxPeers ? "the group has " + std::to_string(n) + " ranks, more than the " +
+                                         std::to_string(kMaxPeers) + " those algorithms address"
+                                   : std::string("not every pair of its ranks can map each other's "
+                                                 "memory through CUDA IPC (peer access)")));
+  const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
+  const size_t bytes = static_cast<size_t>(c.numel) * es;
+  Algo algo = o.algo == Algo::OneShot || o.algo == Algo::TwoShot ? o.algo : Algo::Auto;
+  const size_t oneshot_max = o.tuned ? o.oneshot_max : oneshot_max_bytes(n);
+  if (algo == Algo::Auto)
+    algo = c.coll == Coll::AllReduce && bytes <= oneshot_max ? Algo::OneShot : Algo::TwoShot;
+  if (c.coll != Coll::AllReduce) algo = Algo::TwoShot;
+  const bool scaled = wire_scaled(c.wire);
+  const uint64_t eb = wire_elem_bytes(c.wire);
+  const uint64_t spans = c.coll == Coll::AllReduce ? 2 : static_cast<uint64_t>(n);
+  const uint64_t per_span = o.chunk_bytes / spans;
+  int64_t cap = per_span > kWireCountBytes + 32
+                    ? static_cast<int64_t>((per_span - kWireCountBytes - 32) / (kWireBlock * eb + 4))
+                    : 1;
+  cap = std::max<int64_t>(cap, 1);
+  while (cap > 1 && spans * wire_span_bytes(scaled, eb, cap) > o.chunk_bytes) --cap;
+  if (spans * wire_span_bytes(scaled, eb, cap) > o.chunk_bytes + 2 * kVecBytes * kMaxPeers)
+    throw std::invalid_argument(what + ": the workspace (chunk_bytes " + std::to_string(o.chunk_bytes) +
+                                ") cannot hold one wire block per span");
+  Plan p{algo, 1, cap * kWireBlock, 1};
+  const int64_t span = c.coll == Coll::AllReduce ? c.numel : c.numel / n;
+  p.steps = std::max<int64_t>(1, (span + p.slice_elems - 1) / p.slice_elems);
+  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;
+  const int most = std::min(kMaxSymBlocks, resident);
+  if (o.exact) {
+    p.blocks = std::min(o.channels, most);
+  } else {
+    const int64_t piece_bytes = std::min(span, p.slice_elems) * es;
+    p.blocks = static_cast<int>(std::max<int64_t>(
+        1, std::min<int64_t>(std::min(most, kDefaultSymBlocks), piece_bytes / static_cast<int64_t>(kSymBytesPerBlock))));
+  }
+  return p;
+}
+
 Plan plan(const Call& c, const Options& o, bool direct) {
+  if (c.wire != Wire::None) return wire_plan(c, o, direct);
   const int n = o.nranks;
   const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
   const size_t bytes = static_cast<size_t>(c.numel) * es;
@@ -317,7 +373,7 @@ Plan Ring::plan_of(const Call& c) const {
   // Up to auto's one-shot threshold one-shot stays: one barrier against the registered kernel's
   // two, and its copy into the workspace is small.
   const size_t oneshot_max = opt_.tuned ? opt_.oneshot_max : oneshot_max_bytes(opt_.nranks);
-  if (opt_.algo == Algo::Auto && direct_ && c.coll == Coll::AllReduce && c.in == c.out &&
+  if (opt_.algo == Algo::Auto && direct_ && c.coll == Coll::AllReduce && c.wire == Wire::None && c.in == c.out &&
       c.numel > 0 && opt_.nranks > 1 && bytes > oneshot_max) {
     const char* p = static_cast<const char*>(c.in);
     std::lock_guard<std::mutex> lk(reg_mu_);
@@ -449,6 +505,11 @@ void Ring::run(const Call& c, cudaStream_t stream, const Plan* plan) {
   ++op_seq_;
   LogOnReturn logged{calls_, op_seq_, stream};
   const size_t es = dtype_size(c.dtype);
+  if (n == 1 && c.wire != Wire::None) {  // rounded as a group of one rounds: no workspace
+    wire_plan(c, opt_, true);  // its argument checks
+    launch_wire_local(c, &ctl_dev_->wire_overflow[op_seq_ % 64], op_seq_, stream);
+    return;
+  }
   if (n == 1) {  // AVG over one rank divides by 1: a copy at most
     if (c.in != c.out && c.numel > 0)
       RR_CUDA_CHECK(cudaMemcpyAsync(c.out, c.in, c.numel * es, cudaMemcpyDeviceToDevice, stream));
@@ -496,6 +557,7 @@ static void fill_base(KernelBase& a, const Call& c, const Plan& p, const std::ve
   a.dtype = static_cast<uint8_t>(c.dtype);
   a.op = static_cast<uint8_t>(c.op);
   a.algo = static_cast<uint8_t>(p.algo);
+  a.wire = static_cast<uint8_t>(c.wire);
 }
 
 Args Ring::args(const Call& c, const Plan& p) const {
@@ -531,6 +593,8 @@ SymArgs Ring::sym_args(const Call& c, const Plan& p) const {
   a.half_bytes = ws_half_bytes();
   a.chunk_elems = p.slice_elems;
   a.pieces = p.steps;
+  if (c.wire != Wire::None)
+    a.wire_span = wire_span_bytes(wire_scaled(c.wire), wire_elem_bytes(c.wire), p.slice_elems / kWireBlock);
   const int n = opt_.nranks;
   if (p.algo == Algo::Registered) {
     std::lock_guard<std::mutex> lk(reg_mu_);

@@ -123,7 +123,9 @@ struct MsgHeader {
   int64_t numel;
   uint64_t nbytes;
   uint32_t index;  // message (ring) or round (direct) index within the call
-  uint8_t coll, dtype, op, algo;
+  uint8_t coll, dtype;
+  uint8_t op;  // RedOp in the low 4 bits, the call's Wire in the high 4 (a wire mismatch is a mismatch)
+  uint8_t algo;
 };
 
 // The start of every rank's area; the ring's FIFO, the workspace and the copy inbox follow at
@@ -171,6 +173,10 @@ struct HostCtl {
   alignas(kLine) uint64_t copy_call;
   uint64_t copy_reached;
   uint64_t copy_done;
+  // The narrow wire with fp16: [op_seq % 64] = op_seq of a call of which some rank rounded a
+  // finite value beyond fp16's range (written by this rank's kernel, which learns every rank's
+  // flags from the workspace: sym_wire.cu). Read by Ring::wire_overflowed.
+  uint64_t wire_overflow[64];
   alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index
 };
 
@@ -189,6 +195,7 @@ struct KernelBase {
   uint64_t timeout_ns;
   int rank, nranks, blocks, divisor;
   uint8_t coll, dtype, op, algo;
+  uint8_t wire;  // Wire: the narrow wire's kernel (sym_wire.cu), else Wire::None
 };
 
 // The ring's and the copy algorithm's kernel arguments.
@@ -218,8 +225,20 @@ struct SymArgs : KernelBase {
   // Registered: (buffer index + 1) << 40 | the tensor's byte offset in it, carried in the headers'
   // nbytes, so that ranks whose tensors sit in other buffers or at other offsets stop with kBadSize.
   uint64_t reg_tag;
+  uint64_t wire_span;     // the narrow wire: bytes of one wire span (wire_span_bytes(wire, chunk_elems / kWireBlock))
 };
 constexpr int kRegTagShift = 40;
+// The narrow wire in a workspace half (sym_wire.cu): all_reduce keeps two spans per piece (every
+// rank's input on the wire, and the chunk it reduced, rounded again), reduce_scatter one per chunk.
+// A span of `cap` wire blocks: per kernel block a 4-byte count of fp16 overflows, then (fp8) a
+// float scale per wire block, then the elements, each part on 16 bytes.
+constexpr uint64_t kWireCountBytes = 4 * kMaxSymBlocks;
+RR_HOST_DEVICE inline uint64_t wire_data_at(bool scaled, int64_t cap) {
+  return kWireCountBytes + (scaled ? (4 * static_cast<uint64_t>(cap) + 15) / 16 * 16 : 0);
+}
+RR_HOST_DEVICE inline uint64_t wire_span_bytes(bool scaled, uint64_t elem_bytes, int64_t cap) {
+  return (wire_data_at(scaled, cap) + static_cast<uint64_t>(cap) * kWireBlock * elem_bytes + 15) / 16 * 16;
+}
 
 // The transport choice: PCI bus id of the current device ("0000:17:00.0"), and whether the current
 // device can map memory of the device with that bus id through CUDA IPC (the same device, or a peer
@@ -232,6 +251,13 @@ void launch(const Args& a, cudaStream_t stream);
 // Launches the symmetric workspace kernel of a.algo (OneShot, TwoShot, Registered); torch-free
 // (csrc/cuda/sym_kernel.cu).
 void launch_sym(const SymArgs& a, cudaStream_t stream);
+// The narrow wire (a.wire set): the symmetric workspace kernel that rounds every rank's input
+// onto the wire and folds in fp32 (csrc/cuda/sym_wire.cu); launch_sym calls it. At world 1 no
+// workspace: launch_wire_local rounds the tensor as a group of one would (all_reduce twice,
+// reduce_scatter once) into c.out; an fp16 overflow writes op_seq into *overflow_seq (memory the
+// device writes and the host reads: HostCtl::wire_overflow).
+void launch_sym_wire(const SymArgs& a, cudaStream_t stream);
+void launch_wire_local(const Call& c, uint64_t* overflow_seq, uint64_t op_seq, cudaStream_t stream);
 // The copy algorithm's kernel for one piece (checks the headers, then folds or copies), with
 // `blocks` blocks that never wait.
 void launch_copy(const Args& a, int blocks, cudaStream_t stream);
@@ -404,6 +430,12 @@ class Ring {
   int graph_pins() const { return pins_->load(); }
   bool closed() const { return closed_; }
   uint64_t op_seq() const { return op_seq_; }
+  // Whether call `seq` (a narrow wire with fp16) rounded a finite value beyond fp16's range on
+  // some rank: every rank learns it. Final once the call's kernel has finished; for the last 64
+  // calls.
+  bool wire_overflowed(uint64_t seq) const {
+    return ctl_ && reinterpret_cast<volatile const uint64_t*>(ctl_->wire_overflow)[seq % 64] == seq;
+  }
   // Which calls have finished on the device (the flight recorder reads it without blocking).
   CallLog& calls() { return calls_; }
   int device() const { return device_; }

@@ -27,7 +27,7 @@ __device__ MsgHeader my_header(const KernelBase& a, uint64_t nbytes, uint32_t in
   h.index = index;
   h.coll = a.coll;
   h.dtype = a.dtype;
-  h.op = a.op;
+  h.op = static_cast<uint8_t>(a.op | a.wire << 4);
   h.algo = a.algo;
   return h;
 }

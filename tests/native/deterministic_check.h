@@ -134,6 +134,27 @@ struct DetTeeth {
   int64_t ring_order = 0;  // each chunk folded from another rank on (the ring's order), per step
 };
 
+// After a collective of numel elements (in: the rank's input, host: what was written into it, one
+// element more than numel, 0x5a past the data; got: the output read back, one element past it):
+// nothing written past the output (past the whole input when in place), an out-of-place input
+// untouched.
+inline void expect_untouched(const std::vector<char>& got, int64_t out_n, size_t es, bool inplace,
+                             const char* in, const std::vector<char>& host, int64_t numel,
+                             const char* what, const char* coll, int r) {
+  const char* past = &got[out_n * es];
+  std::vector<char> tail(es);
+  if (inplace) {
+    RR_CUDA_CHECK(cudaMemcpy(tail.data(), in + numel * es, es, cudaMemcpyDeviceToHost));
+    past = tail.data();
+  }
+  EXPECT(static_cast<unsigned char>(past[0]) == 0x5a, "%s: %s rank %d wrote past its output", what, coll, r);
+  if (!inplace) {
+    std::vector<char> back((numel + 1) * es);
+    RR_CUDA_CHECK(cudaMemcpy(back.data(), in, (numel + 1) * es, cudaMemcpyDeviceToHost));
+    EXPECT(back == host, "%s: %s rank %d modified its input", what, coll, r);
+  }
+}
+
 // One all_reduce or reduce_scatter of numel elements on every rank, in place (reduce_scatter: the
 // output is the rank's chunk of the input) or not; every rank's output must have exactly the bits of
 // the rank-order fold, nothing past it written, an out-of-place input untouched.
@@ -203,20 +224,7 @@ inline void check_deterministic(std::vector<Rank>& ranks, rr::Coll coll, rr::DTy
         break;
       }
     }
-    // The element after the output (after the whole input when in place) is untouched.
-    const char* past = &got[out_n * es];
-    std::vector<char> tail(es);
-    if (inplace) {
-      RR_CUDA_CHECK(cudaMemcpy(tail.data(), ins[r]->p + numel * es, es, cudaMemcpyDeviceToHost));
-      past = tail.data();
-    }
-    EXPECT(static_cast<unsigned char>(past[0]) == 0x5a, "%s: %s rank %d wrote past its output", what,
-           rr::coll_name(coll), r);
-    if (!inplace) {
-      std::vector<char> back((numel + 1) * es);
-      RR_CUDA_CHECK(cudaMemcpy(back.data(), ins[r]->p, (numel + 1) * es, cudaMemcpyDeviceToHost));
-      EXPECT(back == host[r], "%s: %s rank %d modified its input", what, rr::coll_name(coll), r);
-    }
+    expect_untouched(got, out_n, es, inplace, ins[r]->p, host[r], numel, what, rr::coll_name(coll), r);
   }
 }
 

@@ -18,6 +18,9 @@ BUILD = ROOT / "cbuild"
 
 KERNEL = "csrc/cuda/p2p_kernel.cu"
 SYM = "csrc/cuda/sym_kernel.cu"
+SYM_BARRIER = "csrc/cuda/sym_barrier.cuh"
+WIRE = "csrc/cuda/sym_wire.cu"
+WIRE_TEST = ("test_cuda_kernels_emu", ["test_wire", "weak_wire"])
 STANDIN = "tests/native/emu/nccl_standin.cpp"
 P2P_TEST = ("test_cuda_kernels_emu", ["test_ring", "test_timeout", "test_mismatch"])
 NCCL_TEST = ("test_nccl_ring_emu", ["test_sweep"])
@@ -221,7 +224,7 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
         "a graph replayed after close writes its abort word into peers that may have freed it"),
     "sym_no_start_barrier_wait": (
-        SYM, "    stop = sym_wait(a, &a.self->sym[k].arrived[q], v, &local);",
+        SYM_BARRIER, "    stop = sym_wait(a, &a.self->sym[k].arrived[q], v, &local);",
         "    stop = b == kStart ? 0 : sym_wait(a, &a.self->sym[k].arrived[q], v, &local);",
         P2P_TEST, "a rank pulls the peers' pieces before they copied them in"),
     "sym_no_middle_barrier": (
@@ -236,11 +239,11 @@ MUTATIONS = {
         P2P_TEST, "blocks cut a short piece their own way: a block ahead writes where another still reads "
         "(the race found while writing the kernel)"),
     "sym_no_barrier_before_post": (
-        SYM, "  const uint64_t v = barrier_value(epoch, b);\n  __syncthreads();",
+        SYM_BARRIER, "  const uint64_t v = barrier_value(epoch, b);\n  __syncthreads();",
         "  const uint64_t v = barrier_value(epoch, b);", P2P_TEST,
         "a thread raises the flag while others still copy the piece in"),
     "sym_header_unchecked": (
-        SYM, "      const uint32_t cause = check_header(theirs, mine);",
+        SYM_BARRIER, "      const uint32_t cause = check_header(theirs, mine);",
         "      const uint32_t cause = kOk;", ("test_cuda_kernels_emu", ["test_mismatch"]),
         "ranks making different calls read each other's workspaces as if they matched"),
     "sym_registered_tag_not_in_headers": (
@@ -253,12 +256,12 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_registered_result_in_stream_order"]),
         "a rank's call ends while peers still write their results into its copy"),
     "sym_epochs_of_own_blocks_only": (
-        SYM, "    for (int k = blockIdx.x; k < kMaxSymBlocks; k += nb) a.self->sym[k].epoch.value = e0 + pieces;",
-        "    a.self->sym[blockIdx.x].epoch.value = e0 + pieces;", ("test_cuda_kernels_emu", ["test_epochs_stay_equal"]),
+        SYM_BARRIER, "    for (int k = blockIdx.x; k < kMaxSymBlocks; k += gridDim.x) a.self->sym[k].epoch.value = epoch;",
+        "    a.self->sym[blockIdx.x].epoch.value = epoch;", ("test_cuda_kernels_emu", ["test_epochs_stay_equal"]),
         "blocks a call did not use keep old epochs: a later call with more blocks waits for values "
         "its peers passed long ago, or passes barriers early"),
     "sym_vote_thread0_only": (
-        SYM, "  return __syncthreads_or(stop != 0) == 0;",
+        SYM_BARRIER, "  return __syncthreads_or(stop != 0) == 0;",
         "  return __syncthreads_or(0) == 0 && (threadIdx.x != 0 || stop == 0);",
         ("test_cuda_kernels_emu", ["test_mismatch", "test_timeout"]),
         "only the thread that failed stops; the others go on to the next barrier"),
@@ -271,8 +274,35 @@ MUTATIONS = {
         "csrc/cuda/p2p.cpp", "  closed_failed_seq_ = failed_seq_locked();\n", "",
         ("test_cuda_kernels_emu", ["test_failed_call_survives_close"]),
         "a Work waited on after close reports success for a call that failed on the device (issue 51, finding 4)"),
+    # The narrow wire on the workspace (csrc/cuda/sym_wire.cu, issue 52).
+    "wire_scales_of_first_threads_only": (
+        WIRE, "    for (int t = threadIdx.x; t < nblk; t += blockDim.x) {\n      float inv, sc;",
+        "    for (int t = threadIdx.x; t < nblk && t < 8; t += blockDim.x) {\n      float inv, sc;",
+        WIRE_TEST, "a tile's wire blocks past the first 8 keep stale scales (the bug found while writing "
+        "the kernel: one scale per thread, with fewer threads than blocks)"),
+    "wire_sum_not_rounded_again": (
+        WIRE, "[&](int64_t i, float v) { store1(out + at + i, Num<T>::down(v)); });\n  });\n  return over;",
+        "[&](int64_t i, float) { store1(out + at + i, Num<T>::down(s.v[i])); });\n  });\n  return over;", WIRE_TEST,
+        "the reducing rank keeps its unrounded sum while the others decode the rounded one"),
+    "wire_twoshot_no_middle_barrier": (
+        WIRE, "      if (!barrier(a, e, kMiddle, j, a.wire_span, &s_claim)) break;", "", WIRE_TEST,
+        "two-shot decodes the peers' reduced chunks before they wrote them"),
+    "wire_overflow_not_told": (
+        WIRE, "  if (threadIdx.x == 0) store1(span.count(blockIdx.x), static_cast<uint32_t>(any));",
+        "  if (threadIdx.x == 0) store1(span.count(blockIdx.x), 0u);",
+        ("test_cuda_kernels_emu", ["test_wire_overflow"]),
+        "an fp16 overflow is known only to the rank that rounded it"),
+    "wire_not_in_header": (
+        "csrc/cuda/p2p_device.cuh", "  h.op = static_cast<uint8_t>(a.op | a.wire << 4);", "  h.op = a.op;",
+        ("test_cuda_kernels_emu", ["test_wire_mismatch"]),
+        "ranks on different wires read each other's spans as their own type"),
+    "wire_rs_grid_from_tensor_start": (
+        WIRE,
+        "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin, count, P, at(r, c));",
+        "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin + (c ? 1 : 0), count, P, at(r, c));",
+        WIRE_TEST, "reduce_scatter rounds a chunk's elements shifted by one (blocks not from the chunk's start)"),
     "sym_blocks_not_in_header": (
-        SYM, "static_cast<uint32_t>(piece & 0xffffff) | (static_cast<uint32_t>(gridDim.x) << 24);",
+        SYM_BARRIER, "static_cast<uint32_t>(piece & 0xffffff) | (static_cast<uint32_t>(gridDim.x) << 24);",
         "static_cast<uint32_t>(piece & 0xffffff);",
         ("test_cuda_kernels_emu", ["test_block_counts_must_agree"]),
         "ranks that cut a call between other numbers of blocks read parts not yet written (review finding 1)"),

@@ -228,6 +228,18 @@ inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned value) {
 inline unsigned atomicCAS_system(unsigned* p, unsigned compare, unsigned value) {
   return atomicCAS(p, compare, value);
 }
+// atomicMax on shared memory (sym_wire.cu): a block's threads are fibers of one OS thread that
+// switch only at barriers and spin hints, so a plain read-modify-write is atomic among them.
+inline unsigned atomicMax(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  if (v > old) *p = v;
+  return old;
+}
+// Rounded float arithmetic that nvcc never fuses into an FMA; the emulator builds with
+// -ffp-contract=off (cmake/emu.cmake), so plain operators round alike.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 // Cache-hint loads and stores: plain accesses on the CPU (its caches are coherent). The kernels
 // move all their data through these, so the cost model counts it here.
 template <class T> inline T __ldcg(const T* p) {
