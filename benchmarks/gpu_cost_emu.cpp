@@ -95,8 +95,14 @@ int main(int argc, char** argv) {
         rings[r]->reg_connect(reg_ids[r], reg_handles);
       }
       // The plan below asks with rank 0's tensor (a registered one is planned by where it is).
-      const rr::Call base{coll, rr::DType::F32, rr::RedOp::Sum, numel, registered ? in[0] : nullptr,
-                          registered ? in[0] : nullptr};
+      rr::Call base{coll, rr::DType::F32, rr::RedOp::Sum, numel, registered ? in[0] : nullptr,
+                    registered ? in[0] : nullptr};
+      // RINGREDUCE_WIRE=bf16|fp16|fp8|fp8e5m2: the narrow wire (benchmarks/gpu_cost.py --wire).
+      if (const char* w = std::getenv("RINGREDUCE_WIRE")) {
+        const std::string s = w;
+        base.wire = s == "bf16" ? rr::Wire::BF16 : s == "fp16" ? rr::Wire::F16
+                    : s == "fp8" ? rr::Wire::E4M3 : s == "fp8e5m2" ? rr::Wire::E5M2 : rr::Wire::None;
+      }
       for (int pass = 0; pass < 2; ++pass) {  // a warm-up, then the counted call
         if (pass == 1) {
           emu_cost_reset();
@@ -121,10 +127,11 @@ int main(int argc, char** argv) {
       // The kernels' data loops: threads per block and 16-byte loads in flight per thread.
       const int loads = p.algo == p2p::Algo::Ring ? rr::cuda::kRingLoadsInFlight
                                                   : rr::cuda::kFoldLoadsInFlight;
-      std::printf("{\"world\": %d, \"coll\": \"%s\", \"algo\": \"%s\", \"bytes\": %lld, \"blocks\": %d, "
+      std::printf("{\"world\": %d, \"coll\": \"%s\", \"wire\": \"%s\", \"algo\": \"%s\", \"bytes\": %lld, \"blocks\": %d, "
                   "\"slice_bytes\": %lld, \"steps\": %lld, \"threads\": %d, \"loads_in_flight\": %d, "
                   "\"device_bytes\": %zu, \"ranks\": [",
-                  n, coll_s.c_str(), p2p::algo_name(p.algo), static_cast<long long>(numel * 4), p.blocks,
+                  n, coll_s.c_str(), base.wire == rr::Wire::None ? "none" : rr::wire_name(base.wire),
+                  p2p::algo_name(p.algo), static_cast<long long>(numel * 4), p.blocks,
                   static_cast<long long>(p.slice_elems * 4), static_cast<long long>(p.steps),
                   rr::cuda::kThreads, loads, rings[0]->area_bytes());
       for (int r = 0; r < n; ++r) {

@@ -5,7 +5,8 @@
 # one-/two-shot in the same bench runs as auto and registered, those runs first), the cost of one
 # handshake by mechanism (benchmarks/gpu_handshake.cu, MPS off and on), the symmetric workspace's
 # blocks (BLOCKS_SWEEP, below the default 24) and piece sizes (CHUNK_SWEEP, around the default
-# 16 MiB), the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU tests under MPS. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
+# 16 MiB), the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU tests under MPS; the
+# narrow wire's tests after the smoke and its speed (bf16, fp8 against float32) after the handshakes. Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last
 # lines printed are the summary. Afterwards, where there is no GPU:
 #   python benchmarks/gpu_tune.py --from OUT/roofline.json     # auto's thresholds from the medians
 # tests/gpu_suite.sh is the whole plan (native nvcc test too) for a longer lease.
@@ -37,6 +38,12 @@ timeout -k 10 260 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke o
     p2p_copy-2 or test_time_sliced_ranks_are_warned or $EXITS" tests/test_cuda.py \
     --durations=10 -rfE > "$OUT/smoke.log" 2>&1
 log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
+# The narrow wire on CUDA (csrc/cuda/sym_wire.cu): the CPU's bits at worlds 1-3 with auto's
+# algorithm, the float16 overflow on every rank, nccl refusing it. The emulated device runs the
+# kernel in CI; only a GPU runs nvcc's code through the torch binding.
+timeout -k 10 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "auto or overflow or nccl" \
+    tests/test_wire.py --durations=5 -rfE > "$OUT/wire_tests.log" 2>&1
+log "wire tests exit $?: $(tail -1 "$OUT/wire_tests.log")"
 
 log "roofline"
 # At least 60 s (timeout 0 would mean none); otherwise 180 s left for the handshakes and sweeps.
@@ -77,6 +84,14 @@ if [ "$(left)" -ge 100 ]; then
 fi
 mps_off
 nvidia-cuda-mps-control -d && sleep 1
+# The narrow wire's speed against float32 (issue 52; emulated count: 0.5x / 0.26x the bytes between
+# ranks), world 2 under MPS, in one bench run: the last table is the speedup and the largest error.
+if [ "$(left)" -ge 170 ]; then
+  log "wire: bf16 and fp8 against float32 (p2p, MPS)"
+  timeout -k 5 60 "$PY" -m ringreduce.bench --nranks 2 --backends ringreduce/p2p --wire bf16,fp8 \
+      --collectives all_reduce -b 4K -e 256M -f 16 -n 10 -w 3 > "$OUT/wire.log" 2>&1
+  log "wire exit $?"
+fi
 # The symmetric workspace's blocks (default 24, unmeasured: SymmetricMemory ~24, vLLM 36) against
 # fewer: what blocks buy. BLOCKS_SWEEP= skips it.
 for blocks in ${BLOCKS_SWEEP-8 16}; do
@@ -102,7 +117,8 @@ done
 if [ "$(left)" -gt 40 ]; then
   log "the other GPU tests (MPS), $(( $(left) - 10 )) s"
   timeout -k 5 $(( $(left) - 10 )) "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" \
-      -k "not $EXITS" tests/test_bench_symm.py tests/test_cuda.py --durations=10 -rfE > "$OUT/rest.log" 2>&1
+      -k "not $EXITS" tests/test_bench_symm.py tests/test_cuda.py tests/test_wire.py --durations=10 \
+      -rfE > "$OUT/rest.log" 2>&1
   log "rest exit $?: $(tail -1 "$OUT/rest.log")"
 fi
 mps_off

@@ -7,7 +7,8 @@
 #   Stage 1, native (about 5 minutes with nvcc): tests/native's CUDA test built by nvcc (kernels,
 #     p2p ring with ranks as streams, failure paths).
 #   Stage 2, smoke (about a minute): world 2 on p2p and nccl, world 1, the transport choice.
-#   Stage 3, the rest of tests/test_cuda.py (every rank's exit status checked by the harness).
+#   Stage 3, the rest of tests/test_cuda.py and the narrow wire's GPU tests (tests/test_wire.py;
+#     every rank's exit status checked by the harness).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -43,7 +44,7 @@ export LOG_DIR
 
 stage native 900 bash -c "$NATIVE"
 stage smoke 300 "$PY" -m pytest -q -p no:cacheprovider -m "gpu and smoke" tests/test_cuda.py --durations=0
-stage rest 1200 "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" tests/test_cuda.py --durations=0
+stage rest 1200 "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not smoke" tests/test_cuda.py tests/test_wire.py --durations=0
 
 echo "== summary"
 printf '%s\n' "${summary[@]}"

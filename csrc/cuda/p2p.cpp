@@ -104,27 +104,35 @@ static Plan wire_plan(const Call& c, const Options& o, bool direct) {
   if (algo == Algo::Auto)
     algo = c.coll == Coll::AllReduce && bytes <= oneshot_max ? Algo::OneShot : Algo::TwoShot;
   if (c.coll != Coll::AllReduce) algo = Algo::TwoShot;
+  // A half holds a piece's inputs (cap wire blocks), two-shot's reduced chunk beside them (cap / n
+  // blocks), or reduce_scatter's n chunks' inputs.
   const bool scaled = wire_scaled(c.wire);
   const uint64_t eb = wire_elem_bytes(c.wire);
-  const uint64_t spans = c.coll == Coll::AllReduce ? 2 : static_cast<uint64_t>(n);
-  const uint64_t per_span = o.chunk_bytes / spans;
-  int64_t cap = per_span > kWireCountBytes + 32
-                    ? static_cast<int64_t>((per_span - kWireCountBytes - 32) / (kWireBlock * eb + 4))
-                    : 1;
-  cap = std::max<int64_t>(cap, 1);
-  while (cap > 1 && spans * wire_span_bytes(scaled, eb, cap) > o.chunk_bytes) --cap;
-  if (spans * wire_span_bytes(scaled, eb, cap) > o.chunk_bytes + 2 * kVecBytes * kMaxPeers)
+  auto need = [&](int64_t cap) -> uint64_t {
+    const uint64_t span = wire_span_bytes(scaled, eb, cap);
+    if (c.coll == Coll::ReduceScatter) return n * span;
+    return algo == Algo::OneShot ? span : span + wire_span_bytes(scaled, eb, (cap + n - 1) / n);
+  };
+  const double per_block = (c.coll == Coll::ReduceScatter ? n : algo == Algo::OneShot ? 1.0 : 1.0 + 1.0 / n) *
+                           static_cast<double>(kWireBlock * eb + 4);
+  int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(o.chunk_bytes) / per_block));
+  while (need(cap + 1) <= o.chunk_bytes) ++cap;
+  while (cap > 1 && need(cap) > o.chunk_bytes) --cap;
+  if (need(cap) > o.chunk_bytes + 2 * kVecBytes * kMaxPeers)
     throw std::invalid_argument(what + ": the workspace (chunk_bytes " + std::to_string(o.chunk_bytes) +
                                 ") cannot hold one wire block per span");
   Plan p{algo, 1, cap * kWireBlock, 1};
   const int64_t span = c.coll == Coll::AllReduce ? c.numel : c.numel / n;
-  p.steps = std::max<int64_t>(1, (span + p.slice_elems - 1) / p.slice_elems);
+  const int64_t blocks = (span + kWireBlock - 1) / kWireBlock;
+  p.steps = std::max<int64_t>(1, (blocks + cap - 1) / cap);
+  // Pieces of equal size in whole wire blocks, as plan()'s.
+  p.slice_elems = std::max<int64_t>(1, (blocks + p.steps - 1) / p.steps) * kWireBlock;
   const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;
   const int most = std::min(kMaxSymBlocks, resident);
   if (o.exact) {
     p.blocks = std::min(o.channels, most);
   } else {
-    const int64_t piece_bytes = std::min(span, p.slice_elems) * es;
+    const int64_t piece_bytes = std::min(span, cap * kWireBlock) * es;
     p.blocks = static_cast<int>(std::max<int64_t>(
         1, std::min<int64_t>(std::min(most, kDefaultSymBlocks), piece_bytes / static_cast<int64_t>(kSymBytesPerBlock))));
   }
@@ -196,12 +204,18 @@ Plan plan(const Call& c, const Options& o, bool direct) {
   const int64_t rs_bytes = std::max<int64_t>(kVecBytes, static_cast<int64_t>(o.chunk_bytes / n / kVecBytes * kVecBytes));
   p.slice_elems = (c.coll == Coll::ReduceScatter ? rs_bytes : static_cast<int64_t>(o.chunk_bytes)) / es;
   p.steps = std::max<int64_t>(1, div_up(span, p.slice_elems));
+  // Pieces of equal size (the last short by less than 16 bytes), not the workspace's size and a
+  // remainder: two-shot cuts each piece's chunks from its full size, so a tensor far below the
+  // workspace would leave the last ranks' chunks empty and the first ranks reducing all of it.
+  const int64_t align = static_cast<int64_t>(kVecBytes) / es, most = p.slice_elems;
+  p.slice_elems = std::max<int64_t>(align, div_up(div_up(span, p.steps), align) * align);
   const int cap = std::min(kMaxSymBlocks, resident);
   if (o.exact) {
     p.blocks = std::min(o.channels, cap);
   } else {
-    // the bytes of a piece of the span each block's cut applies to (reduce_scatter: per chunk)
-    const int64_t piece_bytes = std::min(span, p.slice_elems) * es;
+    // the bytes of a piece of the span each block's cut applies to (reduce_scatter: per chunk),
+    // as large as the workspace allows
+    const int64_t piece_bytes = std::min(span, most) * es;
     p.blocks = static_cast<int>(std::max<int64_t>(
         1, std::min<int64_t>(std::min(cap, kDefaultSymBlocks),
                              piece_bytes / static_cast<int64_t>(kSymBytesPerBlock))));

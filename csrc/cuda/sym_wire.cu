@@ -26,15 +26,22 @@ struct TileMem {
   float scale[kMaxPeers][kTileBlocks];   // the sources' scales of the tile's wire blocks
 };
 
-// One piece's wire span in some rank's workspace (p2p.h: wire_span_bytes).
+// A wire span in some rank's workspace (p2p.h: wire_span_bytes): room for `cap` wire blocks of
+// the piece from its block `first` (a piece's inputs: all of it; a reduced chunk: its own).
 template <Wire W>
 struct WSpan {
   using E = typename WireElem<W>::E;
   char* base;
-  int64_t cap;  // wire blocks
+  int64_t cap;
+  int64_t first = 0;
   __device__ uint32_t* count(int k) const { return reinterpret_cast<uint32_t*>(base) + k; }
-  __device__ float* scale(int64_t b) const { return reinterpret_cast<float*>(base + kWireCountBytes) + b; }
-  __device__ E* data() const { return reinterpret_cast<E*>(base + wire_data_at(wire_scaled(W), cap)); }
+  __device__ float* scale(int64_t b) const {
+    return reinterpret_cast<float*>(base + kWireCountBytes) + (b - first);
+  }
+  // The first element of the piece's wire block b.
+  __device__ E* elem(int64_t b) const {
+    return reinterpret_cast<E*>(base + wire_data_at(wire_scaled(W), cap)) + (b - first) * kWireBlock;
+  }
 };
 
 // s.amax of the tile's nblk wire blocks from s.v[0, ne).
@@ -71,7 +78,7 @@ __device__ bool round_tile(TileMem& s, int nblk, int64_t ne, const WSpan<W>& dst
     if constexpr (wire_scaled(W)) inv = s.inv[i / kWireBlock], sc = s.out_scale[i / kWireBlock];
     if constexpr (W == Wire::F16) over |= wire::over_f16(x) != 0;
     const auto e = wire_put<W>(x, inv);
-    if (dst.base) store1(dst.data() + b * kWireBlock + i, e);
+    if (dst.base) store1(dst.elem(b) + i, e);
     out(i, wire_get<W>(e, sc));
   }
   return over;
@@ -112,11 +119,11 @@ __device__ bool fold_part(TileMem& s, Src src, int n, int64_t count, ring::Span 
       for (int x = threadIdx.x; x < n * nblk; x += blockDim.x)
         s.scale[x / nblk][x % nblk] = load1(src(x / nblk).scale(b + x % nblk));
     __syncthreads();
-    const int64_t at = b * kWireBlock;
+    const int64_t at = b * kWireBlock;  // the tile's first element in the piece
     for (int64_t i = threadIdx.x; i < ne; i += blockDim.x) {
       const int t = static_cast<int>(i / kWireBlock);
-      float acc = wire_get<W>(load1(src(0).data() + at + i), s.scale[0][t]);
-      for (int q = 1; q < n; ++q) acc = add_rn(acc, wire_get<W>(load1(src(q).data() + at + i), s.scale[q][t]));
+      float acc = wire_get<W>(load1(src(0).elem(b) + i), s.scale[0][t]);
+      for (int q = 1; q < n; ++q) acc = add_rn(acc, wire_get<W>(load1(src(q).elem(b) + i), s.scale[q][t]));
       if (div > 1) acc = div_rn(acc, static_cast<float>(div));
       if (dst) s.v[i] = acc;
       else store1(out + at + i, Num<T>::down(acc));
@@ -138,7 +145,7 @@ __device__ void get_part(TileMem& s, const WSpan<W>& src, int64_t count, ring::S
     __syncthreads();
     const int64_t at = b * kWireBlock;
     for (int64_t i = threadIdx.x; i < ne; i += blockDim.x)
-      store1(out + at + i, Num<T>::down(wire_get<W>(load1(src.data() + at + i), s.scale[0][i / kWireBlock])));
+      store1(out + at + i, Num<T>::down(wire_get<W>(load1(src.elem(b) + i), s.scale[0][i / kWireBlock])));
   });
 }
 
@@ -182,8 +189,10 @@ __global__ void __launch_bounds__(kThreads) sym_wire_kernel(const __grid_constan
     const int64_t begin = j * C, count = ring::min64(C, span - begin);
     const int64_t nblk = (count + kWireBlock - 1) / kWireBlock;
     const uint64_t half = (e & 1) * a.half_bytes;
-    // Span i of rank q's half: all_reduce 0 input, 1 reduced chunks; reduce_scatter: chunk i.
+    // Span i of rank q's half: reduce_scatter: chunk i; all_reduce: 0 every input, 1 the chunk q
+    // reduced (two-shot).
     auto at = [&](int q, int i) { return WSpan<W>{a.data[q] + half + i * a.wire_span, cap}; };
+    auto reduced_at = [&](int q) { return WSpan<W>{a.data[q] + half + a.wire_span, SB, q * SB}; };
     // This block's wire blocks of [lo, lo + len) of the piece: the cut of a full piece, clipped
     // to this one (sym_kernel.cu's `mine`, in wire blocks).
     auto mine = [&](int64_t lo, int64_t len) {
@@ -199,15 +208,15 @@ __global__ void __launch_bounds__(kThreads) sym_wire_kernel(const __grid_constan
       if (!barrier(a, e, kStart, j, a.wire_span, &s_claim)) break;
       auto src = [&](int q) { return at(q, 0); };
       over |= heard_overflow<W>(src, n);
-      const WSpan<W> reduced = one ? WSpan<W>{nullptr, cap} : at(r, 1);
+      const WSpan<W> reduced = one ? WSpan<W>{nullptr, cap} : reduced_at(r);
       o = fold_part<T, W>(s, src, n, count, cpart(one ? 0 : r), a.divisor, &reduced, out + begin);
       over |= o;
       if (one) continue;
       tell_overflow<W>(reduced, o);
       if (!barrier(a, e, kMiddle, j, a.wire_span, &s_claim)) break;
-      over |= heard_overflow<W>([&](int q) { return at(q, 1); }, n);
+      over |= heard_overflow<W>(reduced_at, n);
       for (int c = 0; c < n; ++c)
-        if (c != r) get_part<T, W>(s, at(c, 1), count, cpart(c), out + begin);
+        if (c != r) get_part<T, W>(s, reduced_at(c), count, cpart(c), out + begin);
     } else {  // reduce_scatter: span c of the half holds this piece of chunk c
       const ring::Span P = mine(0, cap);
       bool o = false;

@@ -111,8 +111,8 @@ WIRES = {"bf16": (torch.bfloat16, 2.0 ** -9), "fp16": (torch.float16, 2.0 ** -12
 
 class Wire(RingReduce):
     """ringreduce/wire-<bf16|fp16|fp8|fp8e5m2>: all_reduce / reduce_scatter_tensor with
-    wire_dtype=, on the shm transport: each rank rounded once, an exact float32 sum, rounded again
-    for the gather."""
+    wire_dtype=, on the shm transport (CUDA tensors: p2p): each rank rounded once, an exact float32
+    sum, rounded again for the gather."""
 
     def __init__(self, label, op, rank, world):
         # With simulated hosts (--hosts) on the hierarchical communicator, as ringreduce/hier.
@@ -139,12 +139,17 @@ class Wire(RingReduce):
         of its block's largest value (<= magnitude), the sum (<= N x that) by half a step more."""
         return self.step * magnitude * 2 * self.world
 
-    def all_reduce(self, t):
+    def _on(self, t):
+        if t.is_cuda:  # CUDA tensors: the p2p transport's wire (csrc/cuda/sym_wire.cu)
+            self.transport = "p2p"
         self._select()
+
+    def all_reduce(self, t):
+        self._on(t)
         rr.all_reduce(t, op=self.op, group=self.group, wire_dtype=self.wire)
 
     def reduce_scatter(self, out, inp):
-        self._select()
+        self._on(inp)
         rr.reduce_scatter_tensor(out, inp, op=self.op, group=self.group, wire_dtype=self.wire)
 
 

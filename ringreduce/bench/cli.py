@@ -151,7 +151,8 @@ def build_parser():
                         "shm all-reduce, float32 sum) (default: all but mpi and deepspeed)")
     p.add_argument("--wire", type=_choice_list(WIRE_NAMES, "wire"), default=[],
                    help="comma list of bf16, fp16, fp8 (e4m3), fp8e5m2: adds ringreduce/wire-<name> "
-                        "(all_reduce / reduce_scatter_tensor with wire_dtype=, CPU) and torch's "
+                        "(all_reduce / reduce_scatter_tensor with wire_dtype=; CUDA: the p2p "
+                        "transport) and, on the CPU, torch's "
                         "compress hooks' way (torch/bf16-compress, torch/fp16-compress) beside the "
                         "backends, and a column of the largest error against the exact result")
     p.add_argument("--results", metavar="DIR",
@@ -226,10 +227,10 @@ def parse_args(argv=None):
                      f"{','.join(map(str, a.nranks))})")
     a.skipped = []  # one line per command-line name left out here, with the reason
     if a.wire:
-        if a.device != "cpu":
-            parser.error("--wire: the narrow wire runs on the CPU transport (shared memory)")
-        a.backends = list(a.backends) + [f"ringreduce/wire-{w}" for w in a.wire] + \
-            ["torch/bf16-compress"] + (["torch/fp16-compress"] if "fp16" in a.wire else [])
+        # CUDA: the p2p transport's wire; torch's compress hooks are compared on the CPU only
+        a.backends = list(a.backends) + [f"ringreduce/wire-{w}" for w in a.wire] + (
+            (["torch/bf16-compress"] + (["torch/fp16-compress"] if "fp16" in a.wire else []))
+            if a.device == "cpu" else [])
     a.backends = expand_backends(a.backends, a.device, parser, a.hosts, a.skipped)
     if not a.backends:
         parser.error("no backend to run: " + "; ".join(a.skipped))
@@ -332,9 +333,10 @@ def expand_backends(names, device, parser, hosts=1, skipped=None):
             transport = name.split("/", 1)[1]
             if transport == "hier" and hosts < 2:
                 parser.error(f"--backends {name} needs --hosts H with H >= 2 simulated hosts")
-            if transport in ("ring", "oneshot", "twoshot", "cma", "pool", "hier") or \
-                    transport.startswith("wire-"):
+            if transport in ("ring", "oneshot", "twoshot", "cma", "pool", "hier"):
                 transport = "shm"  # an algorithm of the shm transport
+            if transport.startswith("wire-"):  # the narrow wire: shm on the CPU, p2p on CUDA
+                transport = "shm" if device == "cpu" else "p2p"
             if transport == "p2p-shared":
                 transport = "p2p"  # shared_empty buffers on the GPU: the registered algorithm
             if (transport == "shm") != (device == "cpu"):

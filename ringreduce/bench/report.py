@@ -117,13 +117,13 @@ def print_wire(rows):
         return
     names = list(dict.fromkeys(r["backend"] for r in rows))
     print("#\n# --wire, in place: speedup over ringreduce's float32 call (ringreduce/hier with "
-          "--hosts, else ringreduce/shm: its time / the backend's) | largest |error| against the "
-          "exact result")
+          "--hosts, ringreduce/p2p on CUDA, else ringreduce/shm: its time / the backend's) | "
+          "largest |error| against the exact result")
     w = max(len(b) for b in names) + 2
     print("# " + f"{'collective':<15}{'size':>9}" + "".join(f"{b:>{w}}" for b in names))
     for c, size in dict.fromkeys((r["collective"], r["size_bytes"]) for r in rows):
         at = {r["backend"]: r for r in rows if r["collective"] == c and r["size_bytes"] == size}
-        base = at.get("ringreduce/hier") or at.get("ringreduce/shm")
+        base = at.get("ringreduce/hier") or at.get("ringreduce/shm") or at.get("ringreduce/p2p")
         cells = []
         for b in names:
             r = at.get(b)

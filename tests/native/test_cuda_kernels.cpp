@@ -1574,14 +1574,25 @@ static void test_wire_plan() {
                rc::p2p::algo_name(p.algo));
         EXPECT(p.slice_elems % rr::kWireBlock == 0 && p.slice_elems > 0, "wire plan: piece of %lld elements",
                (long long)p.slice_elems);
-        const uint64_t span = rc::p2p::wire_span_bytes(rr::wire_scaled(w), rr::wire_elem_bytes(w), p.slice_elems / rr::kWireBlock);
-        EXPECT(span * (rs ? 4 : 2) <= o.chunk_bytes, "wire plan %s %s: spans of %llu bytes exceed the half",
-               rr::wire_name(w), rr::coll_name(coll), (unsigned long long)span);
-        // The pieces use most of the half (fewer pieces, fewer barriers).
-        EXPECT(span * (rs ? 4 : 2) > o.chunk_bytes / 10 * 9, "wire plan %s %s: spans of %llu bytes",
-               rr::wire_name(w), rr::coll_name(coll), (unsigned long long)span);
-        EXPECT(p.steps == ((rs ? numel / 4 : numel) + p.slice_elems - 1) / p.slice_elems,
-               "wire plan: %lld pieces of %lld", (long long)p.steps, (long long)p.slice_elems);
+        const bool sc = rr::wire_scaled(w);
+        // A half's bytes for pieces of cap wire blocks: reduce_scatter 4 chunks' inputs; two-shot
+        // the inputs and a quarter of them for the reduced chunk.
+        auto used = [&](int64_t cap) {
+          const uint64_t span = rc::p2p::wire_span_bytes(sc, rr::wire_elem_bytes(w), cap);
+          return rs ? 4 * span : p.algo == Algo::OneShot ? span
+                 : span + rc::p2p::wire_span_bytes(sc, rr::wire_elem_bytes(w), (cap + 3) / 4);
+        };
+        const int64_t span = rs ? numel / 4 : numel, cap = p.slice_elems / rr::kWireBlock;
+        EXPECT(used(cap) <= o.chunk_bytes, "wire plan %s %s: spans of %llu bytes exceed the half",
+               rr::wire_name(w), rr::coll_name(coll), (unsigned long long)used(cap));
+        // Equal pieces, as few as fit (fewer pieces, fewer barriers).
+        EXPECT(p.slice_elems * (p.steps - 1) < span && span <= p.slice_elems * p.steps &&
+                   span > p.slice_elems * p.steps - rr::kWireBlock * p.steps,
+               "wire plan %s: %lld pieces of %lld elements for %lld", rr::wire_name(w), (long long)p.steps,
+               (long long)p.slice_elems, (long long)span);
+        const int64_t fewer = p.steps > 1 ? (span / rr::kWireBlock + p.steps - 2) / (p.steps - 1) : 0;
+        EXPECT(p.steps == 1 || used(fewer) > o.chunk_bytes, "wire plan %s %s: %lld pieces where %lld fit",
+               rr::wire_name(w), rr::coll_name(coll), (long long)p.steps, (long long)(p.steps - 1));
       }
   o.algo = Algo::Auto;
   bool threw = false;

@@ -105,11 +105,14 @@ void test_sync_after_async_and_errors() {
 
 void test_interrupt_and_stop() {
   Executor ex;
-  std::atomic<bool> hold{true};
+  std::atomic<bool> hold{true}, started{false};
   auto j = ex.submit([&](const Executor::Interrupted*) {
+    started = true;
     while (hold) std::this_thread::sleep_for(1ms);
   }, nullptr);
-  std::this_thread::sleep_for(10ms);  // the worker has it
+  // The worker has it (a fixed sleep was not enough on a loaded machine: run() below then claimed
+  // the job itself and spun in it on this thread, forever).
+  while (!started) std::this_thread::sleep_for(1ms);
   int polls = 0;
   const Executor::Interrupted stop_after_two = [&] { return ++polls >= 2; };
   const auto t0 = std::chrono::steady_clock::now();
