@@ -101,7 +101,8 @@ py::object start(ShmComm& c, rr::Prepared p, bool async_op, const char* op) {
 // (the caller's full path).
 struct FastCall {
   ShmPtr comm;
-  std::vector<py::object> ops;  // ops[code]
+  std::vector<py::object> ops;    // ops[code]
+  std::vector<py::object> wires;  // wires[code]: the wire_dtype objects (code 0: None)
 };
 
 constexpr const char* kFastCapsule = "ringreduce.FastCall";
@@ -109,27 +110,35 @@ constexpr const char* kFastCapsule = "ringreduce.FastCall";
 PyObject* fast_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   auto* f = static_cast<FastCall*>(PyCapsule_GetPointer(self, kFastCapsule));
   if (f == nullptr) return nullptr;
-  if (nargs != 2 && nargs != 3) {
-    PyErr_Format(PyExc_TypeError, "fast all_reduce takes (tensor, op[, async_op]), got %zd arguments",
-                 nargs);
+  if (nargs < 2 || nargs > 4) {
+    PyErr_Format(PyExc_TypeError, "fast all_reduce takes (tensor, op[, async_op[, wire_dtype]]), got "
+                 "%zd arguments", nargs);
     return nullptr;
   }
-  int code = -1;
+  int code = -1, wire = 0;
   for (size_t i = 0; i < f->ops.size(); ++i)
     if (args[1] == f->ops[i].ptr()) code = static_cast<int>(i);
+  if (nargs == 4 && args[3] != Py_None) {
+    wire = -1;
+    for (size_t i = 1; i < f->wires.size(); ++i)
+      if (args[3] == f->wires[i].ptr()) wire = static_cast<int>(i);
+  }
   try {
-    if (code < 0) Py_RETURN_FALSE;
-    if (nargs == 3 && args[2] == Py_True) {
+    if (code < 0 || wire < 0) Py_RETURN_FALSE;
+    if (nargs >= 3 && args[2] == Py_True) {
+      if (wire) Py_RETURN_FALSE;  // an async wire call: the full path
       rr::WorkPtr w = f->comm->try_all_reduce_async(args[0], code);
       if (!w) Py_RETURN_FALSE;
       return py::cast(w).release().ptr();
     }
-    if (f->comm->try_all_reduce(args[0], code)) Py_RETURN_TRUE;
+    if (f->comm->try_all_reduce(args[0], code, wire)) Py_RETURN_TRUE;
     Py_RETURN_FALSE;
   } catch (py::error_already_set& e) {
     e.restore();
   } catch (const rr::RingError& e) {
     PyErr_SetString(rr::ring_error_type(), e.what());
+  } catch (const std::overflow_error& e) {  // a float16 wire's overflow, as pybind11 maps it
+    PyErr_SetString(PyExc_OverflowError, e.what());
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   }
@@ -140,8 +149,8 @@ PyMethodDef fast_def = {"fast_all_reduce", reinterpret_cast<PyCFunction>(reinter
                                                &fast_all_reduce)),
                         METH_FASTCALL, "fast(tensor, op) -> bool: a synchronous all-reduce, or False"};
 
-py::object make_fast(ShmPtr comm, const std::vector<py::object>& ops) {
-  auto* f = new FastCall{std::move(comm), ops};
+py::object make_fast(ShmPtr comm, const std::vector<py::object>& ops, const std::vector<py::object>& wires) {
+  auto* f = new FastCall{std::move(comm), ops, wires};
   py::capsule cap(f, kFastCapsule, [](void* p) { delete static_cast<FastCall*>(p); });
   PyObject* fn = PyCFunction_New(&fast_def, cap.ptr());
   if (fn == nullptr) throw py::error_already_set();
@@ -174,9 +183,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }, py::arg("tensor"), py::arg("op"), py::arg("async_op") = false, py::arg("wire") = 0)
       .def("try_all_reduce", [](ShmComm& c, py::handle t, int op) { return c.try_all_reduce(t.ptr(), op); },
            py::arg("tensor"), py::arg("op"))
-      .def("fast_all_reduce", [](ShmPtr self, const std::vector<py::object>& ops) {
-        return make_fast(std::move(self), ops);
-      }, py::arg("ops"), "A function fast(tensor, op) -> bool running try_all_reduce; ops[code] is "
+      .def("fast_all_reduce", [](ShmPtr self, const std::vector<py::object>& ops,
+                                 const std::vector<py::object>& wires) {
+        return make_fast(std::move(self), ops, wires);
+      }, py::arg("ops"), py::arg("wires") = std::vector<py::object>(),
+         "A function fast(tensor, op[, async_op[, wire_dtype]]) -> bool running try_all_reduce; "
+         "wires[code] is each wire_dtype object (code 0: None); ops[code] is "
          "the ReduceOp object of each op code")
       .def("reduce_scatter", [](ShmComm& c, const at::Tensor& out, const at::Tensor& in, int op,
                                 bool async_op, int wire) {

@@ -433,16 +433,20 @@ WorkPtr ShmComm::try_all_reduce_async(PyObject* obj, int op) {
   return start(std::move(p), /*async_op=*/true, c10d::OpType::ALLREDUCE, /*gil=*/true);
 }
 
-bool ShmComm::try_all_reduce(PyObject* obj, int op) {
+bool ShmComm::try_all_reduce(PyObject* obj, int op, int wire) {
   DType dt;
   if (!fast_tensor(obj, dt)) return false;
+  if (wire != 0 && (wire < 0 || wire >= static_cast<int>(Wire::kCount) ||
+                    (dt != DType::F32 && dt != DType::F16 && dt != DType::BF16) ||
+                    (to_op(op) != RedOp::Sum && to_op(op) != RedOp::Avg)))
+    return false;  // the full path raises the API's error
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (comm_->closed() || !exec_->try_claim()) return false;
   struct Release {
     Executor* e;
     ~Release() { e->release(); }
   } release{exec_.get()};
-  const Call c{Coll::AllReduce, dt, to_op(op), t.numel(), t.data_ptr(), t.data_ptr()};
+  const Call c{Coll::AllReduce, dt, to_op(op), t.numel(), t.data_ptr(), t.data_ptr(), static_cast<Wire>(wire)};
   RECORD_FUNCTION("ringreduce::all_reduce", std::vector<c10::IValue>({t}));
   py::gil_scoped_release nogil;
   with_interrupts([&](const Executor::Interrupted* i) {

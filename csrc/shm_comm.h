@@ -116,8 +116,9 @@ class ShmComm {
   WorkPtr start(Prepared p, bool async_op, c10d::OpType op, bool gil);
 
   // The direct API's fast path: a synchronous all-reduce when obj is a plain contiguous CPU tensor
-  // of a supported dtype and the communicator is idle; false (nothing touched) otherwise.
-  bool try_all_reduce(PyObject* obj, int op);
+  // of a supported dtype and the communicator is idle; false (nothing touched) otherwise. wire: a
+  // narrow wire's code (a float32/float16/bfloat16 tensor, SUM or AVG; else false).
+  bool try_all_reduce(PyObject* obj, int op, int wire = 0);
   // Its async form: the queued call's Work, or null (nothing touched) under the same conditions
   // but for idleness.
   WorkPtr try_all_reduce_async(PyObject* obj, int op);

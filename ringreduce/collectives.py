@@ -221,6 +221,7 @@ def _overlap(a, b):
 _fast = _lifecycle.FAST
 _Work = _lifecycle.Work
 _FAST_OPS = [known for known, _ in sorted(_OP_CODES, key=lambda kc: kc[1])]  # index = op code
+_FAST_WIRES = [None] + [known for known, _ in sorted(_WIRE_CODES, key=lambda kc: kc[1])]
 _is_compiling = torch.compiler.is_compiling
 _world = _c10d._world  # one object for the process's life; its default_pg changes
 
@@ -274,9 +275,14 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, wire_dtype=N
     with one float32 scale per block of 128 elements), every element is summed in float32 in rank
     order, and the sum is rounded once more to wire_dtype: every rank gets the same bits, those of
     tests/reference.py's wire_reference."""
-    if wire_dtype is not None:
-        return _all_reduce_wire(tensor, op, group, async_op, wire_dtype)
     entry = _fast.get(group)
+    if wire_dtype is not None:
+        # The fast path takes a synchronous wire call as it takes a plain one (~5 us less at 4 KiB)
+        if entry is not None and not async_op and not _is_compiling() and \
+                (group is not None or entry[0] is _world.default_pg) and \
+                entry[2](tensor, op, False, wire_dtype):
+            return None
+        return _all_reduce_wire(tensor, op, group, async_op, wire_dtype)
     if entry is not None and not _is_compiling() and \
             (group is not None or entry[0] is _world.default_pg):
         if not async_op:
@@ -297,7 +303,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, wire_dtype=N
         return None
     if comm.transport == "shm" and not comm.closed:
         _fast[group] = (group if group is not None else dist.group.WORLD, comm,
-                        comm._native.fast_all_reduce(_FAST_OPS))
+                        comm._native.fast_all_reduce(_FAST_OPS, _FAST_WIRES))
     return comm.all_reduce(tensor, code, async_op)
 
 
@@ -321,7 +327,7 @@ def _all_reduce_wire(tensor, op, group, async_op, wire_dtype):
     _wire_transport(comm, wire, fn)
     if comm.transport == "shm" and not comm.closed:
         _fast[group] = (group if group is not None else dist.group.WORLD, comm,
-                        comm._native.fast_all_reduce(_FAST_OPS))
+                        comm._native.fast_all_reduce(_FAST_OPS, _FAST_WIRES))
     return comm.all_reduce(tensor, code, async_op, wire)
 
 

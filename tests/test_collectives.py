@@ -331,6 +331,17 @@ def fast_path_worker(rank, world):
     x = torch.full((4,), rank + 1.0)
     rr.all_reduce(x, dist.ReduceOp(dist.ReduceOp.MAX))  # an equal op, not the same object: full path
     out["op_object"] = (x.tolist(), len(full_path_calls))
+    # A synchronous narrow-wire call takes the fast path too; an async one, or a tensor the wire
+    # does not take, the full path (which raises the API's error).
+    w = torch.full((300,), rank + 1.0)
+    rr.all_reduce(w, wire_dtype=torch.bfloat16)
+    n_full = len(full_path_calls)
+    rr.all_reduce(w, op=dist.ReduceOp.AVG, wire_dtype=torch.float8_e4m3fn, async_op=True).wait()
+    try:
+        rr.all_reduce(torch.ones(3, dtype=torch.int32), wire_dtype=torch.bfloat16)
+    except TypeError as e:
+        out["wire_int"] = str(e)
+    out["wire_fast"] = (n_full, len(full_path_calls), w[0].item())
     fast = collectives._fast[None][2]
     out["fast_fn"] = (fast(x, "sum"), fast([1.0], dist.ReduceOp.SUM))  # not ours: False, untouched
     try:
@@ -373,7 +384,10 @@ def test_fast_path_is_taken_and_falls_back():
                               "MAX": [2.0, 1.0], "PRODUCT": [2.0, -1.0]}, out
         assert out["ops_fast"] and out["op_object"] == ([2.0] * 4, 2), out
         assert out["fast_fn"] == (False, False), out
-        assert "takes (tensor, op[, async_op]), got 1 arguments" in out["fast_fn_args"], out
+        assert "takes (tensor, op[, async_op[, wire_dtype]]), got 1 arguments" in out["fast_fn_args"], out
+        # the wire: the sync call fast (the count stays 2), the async one full (3); the sum 1 + 2
+        assert out["wire_fast"] == (2, 3, 3.0), out
+        assert "wire_dtype" in out["wire_int"], out
         assert len(out["errors"]) == 2, out
         assert "dtype torch.complex64" in out["errors"][0], out
         assert "op must be ReduceOp.SUM" in out["errors"][1], out
