@@ -7,9 +7,10 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(ringreduce, m) {
-  m.def("all_reduce_(Tensor(a!) tensor, int op, str group) -> ()");
+  // wire: a narrow wire's code (ringreduce/collectives.py _WIRE_CODES; 0: none)
+  m.def("all_reduce_(Tensor(a!) tensor, int op, str group, int wire=0) -> ()");
   m.def("all_reduce(Tensor tensor, int op, str group) -> Tensor");
-  m.def("reduce_scatter_tensor_(Tensor(a!) output, Tensor input, int op, str group) -> ()");
+  m.def("reduce_scatter_tensor_(Tensor(a!) output, Tensor input, int op, str group, int wire=0) -> ()");
   m.def("reduce_scatter_tensor(Tensor input, int op, str group) -> Tensor");
   m.def("all_gather_into_tensor_(Tensor(a!) output, Tensor input, str group) -> ()");
   m.def("all_gather_into_tensor(Tensor input, str group) -> Tensor");

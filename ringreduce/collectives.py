@@ -312,9 +312,12 @@ def _all_reduce_wire(tensor, op, group, async_op, wire_dtype):
     _check_tensor(tensor, "tensor", fn)
     code = _op_code(op, fn)
     wire = _wire_code(wire_dtype, tensor, "tensor", code, fn)
-    if traced(tensor):
-        raise NotImplementedError(f"ringreduce.{fn}: wire_dtype is not supported under "
-                                  f"torch.compile or on tensor subclasses yet")
+    if traced(tensor):  # torch.compile / export: the registered operator
+        if async_op:
+            raise NotImplementedError(f"ringreduce.{fn}: wire_dtype with async_op=True is not "
+                                      f"supported under torch.compile or on tensor subclasses")
+        torch.ops.ringreduce.all_reduce_(tensor, code, group_name(group), wire)
+        return None
     # The plain path's cache of the group's shm communicator: _comm_for costs more than a small
     # call (~6 us of 8 at 4 KiB, world 1).
     entry = _fast.get(group)
@@ -344,11 +347,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     if output.dtype != input.dtype:
         raise TypeError(f"ringreduce.{fn}: output dtype {output.dtype} differs from input dtype "
                         f"{input.dtype}")
-    if wire and traced(output, input):
-        raise NotImplementedError(f"ringreduce.{fn}: wire_dtype is not supported under "
-                                  f"torch.compile or on tensor subclasses yet")
+    if wire and async_op and traced(output, input):
+        raise NotImplementedError(f"ringreduce.{fn}: wire_dtype with async_op=True is not "
+                                  f"supported under torch.compile or on tensor subclasses")
     if not async_op and traced(output, input):
-        torch.ops.ringreduce.reduce_scatter_tensor_(output, input, code, group_name(group))
+        torch.ops.ringreduce.reduce_scatter_tensor_(output, input, code, group_name(group), wire)
         return None
     comm = _comm_for(group, input.device, fn)
     if comm is None:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ._lifecycle import traced_source
-from .collectives import _comm_for, group_name, traced  # noqa: F401  (ops.group_name, ops.traced)
+from .collectives import _comm_for, _wire_transport, group_name, traced  # noqa: F401  (ops.group_name, ops.traced)
 
 _lib = torch.library.Library("ringreduce", "IMPL")
 _groups = {}
@@ -33,11 +33,12 @@ def _comm(group, device, fn):
 
 
 # -- real kernels (CPU and CUDA) -------------------------------------------------------------
-def _all_reduce_(tensor, op, group):
+def _all_reduce_(tensor, op, group, wire=0):
     comm = _comm(group, tensor.device, "all_reduce")
     if comm is not None:
+        _wire_transport(comm, wire, "all_reduce")
         with traced_source("op"):
-            comm.all_reduce(tensor, op, False)
+            comm.all_reduce(tensor, op, False, wire)
 
 
 def _all_reduce(tensor, op, group):
@@ -46,11 +47,12 @@ def _all_reduce(tensor, op, group):
     return out
 
 
-def _reduce_scatter_tensor_(output, input, op, group):
+def _reduce_scatter_tensor_(output, input, op, group, wire=0):
     comm = _comm(group, input.device, "reduce_scatter_tensor")
     if comm is not None:
+        _wire_transport(comm, wire, "reduce_scatter_tensor")
         with traced_source("op"):
-            comm.reduce_scatter(output, input, op, False)
+            comm.reduce_scatter(output, input, op, False, wire)
 
 
 def _reduce_scatter_tensor(input, op, group):
@@ -95,7 +97,7 @@ for _key in ("CPU", "CUDA"):
 
 # -- fake kernels --------------------------------------------------------------------------------
 @torch.library.register_fake("ringreduce::all_reduce_", lib=_lib)
-def _(tensor, op, group):
+def _(tensor, op, group, wire=0):
     return None
 
 
@@ -105,7 +107,7 @@ def _(tensor, op, group):
 
 
 @torch.library.register_fake("ringreduce::reduce_scatter_tensor_", lib=_lib)
-def _(output, input, op, group):
+def _(output, input, op, group, wire=0):
     return None
 
 

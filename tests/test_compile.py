@@ -71,6 +71,35 @@ def test_compiled_collectives_equal_eager_without_graph_breaks():
     assert results[0]["eager"][0] == results[1]["eager"][0]  # all_reduce: the same everywhere
 
 
+def wire_worker(rank, world):
+    """The narrow wire through the operators (an int wire code in their schemas): compiled with
+    fullgraph (no break) and exported, the eager bits."""
+    import torch._dynamo as dynamo
+    import ringreduce as rr
+    from reference import wire_reference, wire_scatter_reference
+
+    def step(x):
+        y = x * 3
+        rr.all_reduce(y, op=rr.ReduceOp.AVG, wire_dtype=torch.float8_e4m3fn)
+        out = torch.empty(y.numel() // world)
+        rr.reduce_scatter_tensor(out, y + 1, wire_dtype=torch.bfloat16)
+        return y, out
+
+    xs = [torch.randn(1000 + 24 * world, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    eager = step(xs[rank].clone())
+    dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)(xs[rank].clone())
+    want_y = wire_reference([x * 3 for x in xs], torch.float8_e4m3fn, dist.ReduceOp.AVG)
+    want_out = wire_scatter_reference([want_y + 1] * world, torch.bfloat16, dist.ReduceOp.SUM, rank)
+    return (breaks(step, xs[rank].clone()), torch.equal(eager[0], want_y), torch.equal(eager[1], want_out),
+            all(torch.equal(a, b) for a, b in zip(eager, compiled)))
+
+
+def test_compiled_wire_equals_eager():
+    for out in run_ranks(2, wire_worker, timeout=600):
+        assert out == ((0, 1), True, True, True), out
+
+
 def train_worker(rank, world):
     """A training step, gradients from torch.func.grad averaged with rr.all_reduce, compiled
     whole: the same parameters as eager after a few steps, on every rank."""
