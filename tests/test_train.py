@@ -96,6 +96,17 @@ def times(out, what):
             re.findall(rf"^rank (\d+) restart \d+ {what} .*?time ([0-9.]+)", out, re.M)}
 
 
+def sigterm_after(out, died):
+    """Seconds from the death (epoch time) to torchrun's first SIGTERM to the survivors, from its
+    log line's local time of day ("W1127 21:19:06.807000 ... closing signal SIGTERM"); inf if none."""
+    m = re.search(r"^\w\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*closing signal SIGTERM", out, re.M)
+    if not m:
+        return float("inf")
+    d = time.localtime(died)
+    died_s = d.tm_hour * 3600 + d.tm_min * 60 + d.tm_sec + died % 1
+    return (int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3]) - died_s) % 86400
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_killed_worker_resumes_bitwise(tmp_path, case):
     """3 ranks, 2 epochs: rank 1 SIGKILLs itself in step 80 on the first attempt; the survivors
@@ -122,7 +133,13 @@ def test_killed_worker_resumes_bitwise(tmp_path, case):
     assert list(died) == [1], out[-4000:]
     failed = re.findall(r"^rank (\d+) restart 0 failed at step \d+ time ([0-9.]+): (.*)$", out,
                         re.M)
-    assert sorted(int(r) for r, _, _ in failed) == [0, 2], out[-4000:]
+    # torchrun polls its workers every 2 s; a poll that falls within the survivors' ~0.1 s to notice
+    # the death SIGTERMs them before they can say so (seen once in CI: SIGTERM 47 ms after the
+    # death). Then, and only then, a survivor may be silent.
+    raced = sigterm_after(out, died[1]) < 0.3
+    want = [0, 2]
+    got = sorted(int(r) for r, _, _ in failed)
+    assert got == want or (raced and set(got) <= set(want)), out[-4000:]
     for r, t, msg in failed:
         assert "RingReduceError" in msg and "died" in msg, msg
         assert float(t) - died[1] < 1.0, f"rank {r} noticed the death after {float(t) - died[1]} s"
@@ -132,7 +149,7 @@ def test_killed_worker_resumes_bitwise(tmp_path, case):
     first = {int(r): float(t) for r, t in
              re.findall(r"^rank (\d+) restart 1 first step 76 done time ([0-9.]+)$", out, re.M)}
     assert sorted(first) == list(range(WORLD)), out[-4000:]
-    detect = max(float(t) for _, t, _ in failed) - died[1]
+    detect = max((float(t) for _, t, _ in failed), default=float("nan")) - died[1]
     resume = max(first.values()) - died[1]
     print(f"{case}: detect {detect:.3f} s, resume {resume:.3f} s (monitor interval 2 s)")
 

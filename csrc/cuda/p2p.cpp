@@ -521,7 +521,7 @@ void Ring::run(const Call& c, cudaStream_t stream, const Plan* plan) {
   const size_t es = dtype_size(c.dtype);
   if (n == 1 && c.wire != Wire::None) {  // rounded as a group of one rounds: no workspace
     wire_plan(c, opt_, true);  // its argument checks
-    launch_wire_local(c, &ctl_dev_->wire_overflow[op_seq_ % 64], op_seq_, stream);
+    launch_wire_local(c, &ctl_dev_->wire_overflow[op_seq_ % kWireOverflowSlots], op_seq_, stream);
     return;
   }
   if (n == 1) {  // AVG over one rank divides by 1: a copy at most

@@ -166,6 +166,7 @@ struct ErrorRecord {
 // memory).
 constexpr uint32_t kCtlAbort = 1;
 constexpr uint32_t kCtlClosed = 2;
+constexpr uint64_t kWireOverflowSlots = 1024;
 struct HostCtl {
   uint32_t abort;  // set by the host: stop every wait of this rank's kernels (kCtlAbort, kCtlClosed)
   // Copy algorithm: where this rank's stream is, written by it (cuStreamWriteValue64) for the
@@ -173,10 +174,11 @@ struct HostCtl {
   alignas(kLine) uint64_t copy_call;
   uint64_t copy_reached;
   uint64_t copy_done;
-  // The narrow wire with fp16: [op_seq % 64] = op_seq of a call of which some rank rounded a
-  // finite value beyond fp16's range (written by this rank's kernel, which learns every rank's
-  // flags from the workspace: sym_wire.cu). Read by Ring::wire_overflowed.
-  uint64_t wire_overflow[64];
+  // The narrow wire with fp16: [op_seq % kWireOverflowSlots] = op_seq of a call of which some rank
+  // rounded a finite value beyond fp16's range (written by this rank's kernel, which learns every
+  // rank's flags from the workspace: sym_wire.cu). Read by Ring::wire_overflowed, for as many calls
+  // back as there are slots (async fp16 calls in flight beyond that could miss theirs).
+  uint64_t wire_overflow[kWireOverflowSlots];
   alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index
 };
 
@@ -431,10 +433,10 @@ class Ring {
   bool closed() const { return closed_; }
   uint64_t op_seq() const { return op_seq_; }
   // Whether call `seq` (a narrow wire with fp16) rounded a finite value beyond fp16's range on
-  // some rank: every rank learns it. Final once the call's kernel has finished; for the last 64
-  // calls.
+  // some rank: every rank learns it. Final once the call's kernel has finished; for the last
+  // kWireOverflowSlots calls.
   bool wire_overflowed(uint64_t seq) const {
-    return ctl_ && reinterpret_cast<volatile const uint64_t*>(ctl_->wire_overflow)[seq % 64] == seq;
+    return ctl_ && reinterpret_cast<volatile const uint64_t*>(ctl_->wire_overflow)[seq % kWireOverflowSlots] == seq;
   }
   // Which calls have finished on the device (the flight recorder reads it without blocking).
   CallLog& calls() { return calls_; }

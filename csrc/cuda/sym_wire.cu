@@ -8,7 +8,8 @@
 //                         output and the workspace, middle barrier, decode the other chunks.  2
 //   reduce_scatter:       round in (every chunk), start barrier, fold chunk r into the output.  1
 // A kernel block rounds 16 wire blocks at a time through shared memory (an fp8 scale needs its
-// block's largest magnitude before any element is rounded).
+// block's largest magnitude before any element is rounded); a thread moves the wire 16 bytes at a
+// time (kGroup), as the float32 kernels move their data.
 #include "cuda/p2p_device.cuh"
 #include "cuda/sym_barrier.cuh"
 #include "cuda/wire.cuh"
@@ -44,15 +45,47 @@ struct WSpan {
   }
 };
 
-// s.amax of the tile's nblk wire blocks from s.v[0, ne).
+// Wire elements a thread moves at once: one 16-byte load or store (16 fp8 or 8 bf16/fp16 values,
+// within one wire block: 128 is a multiple of both; wire blocks start on 16 bytes in a span).
+// A tile's last group may be short (the tensor's end): element by element there.
+template <Wire W>
+constexpr int kGroup = 16 / static_cast<int>(sizeof(typename WireElem<W>::E));
+
+// Group g of a tile of ne elements: f(first element, elements, whole) for this thread's groups.
+template <Wire W, class F>
+__device__ void groups(int64_t ne, F f) {
+  constexpr int K = kGroup<W>;
+  for (int64_t i = threadIdx.x * static_cast<int64_t>(K); i < ne; i += blockDim.x * static_cast<int64_t>(K))
+    f(i, ring::min64(K, ne - i), i + K <= ne);
+}
+
+// K wire elements at p (16-byte aligned) and their values (fp8: times scale).
+template <Wire W>
+__device__ __forceinline__ void get_group(const typename WireElem<W>::E* p, float scale, float* v) {
+  constexpr int K = kGroup<W>;
+  const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
+  typename WireElem<W>::E e[K];
+  __builtin_memcpy(e, &u, 16);
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = wire_get<W>(e[k], scale);
+}
+
+// s.amax of the tile's nblk wire blocks from s.v[0, ne): one shared atomic per group (its
+// elements lie in one wire block), not per element.
 template <Wire W>
 __device__ void measure(TileMem& s, int nblk, int64_t ne) {
   if constexpr (!wire_scaled(W)) return;
   __syncthreads();  // s.v written, the previous readers of s.amax done
   for (int t = threadIdx.x; t < nblk; t += blockDim.x) s.amax[t] = 0;
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < ne; i += blockDim.x)
-    atomicMax(&s.amax[i / kWireBlock], wire::bits(s.v[i]) & 0x7fffffffu);
+  groups<W>(ne, [&](int64_t i, int64_t m, bool) {
+    uint32_t a = 0;
+    for (int64_t k = 0; k < m; ++k) {
+      const uint32_t x = wire::bits(s.v[i + k]) & 0x7fffffffu;
+      a = x > a ? x : a;
+    }
+    atomicMax(&s.amax[i / kWireBlock], a);
+  });
 }
 
 // Rounds s.v[0, ne) onto the wire: into dst at its wire block b (dst.base null: nowhere), and
@@ -72,15 +105,26 @@ __device__ bool round_tile(TileMem& s, int nblk, int64_t ne, const WSpan<W>& dst
     __syncthreads();
   }
   bool over = false;
-  for (int64_t i = threadIdx.x; i < ne; i += blockDim.x) {
-    const float x = s.v[i];
+  constexpr int K = kGroup<W>;
+  groups<W>(ne, [&](int64_t i, int64_t m, bool whole) {
     float inv = 0.0f, sc = 0.0f;
     if constexpr (wire_scaled(W)) inv = s.inv[i / kWireBlock], sc = s.out_scale[i / kWireBlock];
-    if constexpr (W == Wire::F16) over |= wire::over_f16(x) != 0;
-    const auto e = wire_put<W>(x, inv);
-    if (dst.base) store1(dst.elem(b) + i, e);
-    out(i, wire_get<W>(e, sc));
-  }
+    typename WireElem<W>::E e[K];
+    for (int64_t k = 0; k < m; ++k) {
+      const float x = s.v[i + k];
+      if constexpr (W == Wire::F16) over |= wire::over_f16(x) != 0;
+      e[k] = wire_put<W>(x, inv);
+      out(i + k, wire_get<W>(e[k], sc));
+    }
+    if (!dst.base) return;
+    if (whole) {  // one 16-byte store
+      uint4 u;
+      __builtin_memcpy(&u, e, 16);
+      __stcg(reinterpret_cast<uint4*>(dst.elem(b) + i), u);
+    } else {
+      for (int64_t k = 0; k < m; ++k) store1(dst.elem(b) + i + k, e[k]);
+    }
+  });
   return over;
 }
 
@@ -120,14 +164,25 @@ __device__ bool fold_part(TileMem& s, Src src, int n, int64_t count, ring::Span 
         s.scale[x / nblk][x % nblk] = load1(src(x / nblk).scale(b + x % nblk));
     __syncthreads();
     const int64_t at = b * kWireBlock;  // the tile's first element in the piece
-    for (int64_t i = threadIdx.x; i < ne; i += blockDim.x) {
+    constexpr int K = kGroup<W>;
+    groups<W>(ne, [&](int64_t i, int64_t m, bool whole) {
       const int t = static_cast<int>(i / kWireBlock);
-      float acc = wire_get<W>(load1(src(0).elem(b) + i), s.scale[0][t]);
-      for (int q = 1; q < n; ++q) acc = add_rn(acc, wire_get<W>(load1(src(q).elem(b) + i), s.scale[q][t]));
-      if (div > 1) acc = div_rn(acc, static_cast<float>(div));
-      if (dst) s.v[i] = acc;
-      else store1(out + at + i, Num<T>::down(acc));
-    }
+      float acc[K], v[K];
+      // Every source's group in one 16-byte load (the tail element by element), folded in rank order.
+      for (int q = 0; q < n; ++q) {
+        if (whole) {
+          get_group<W>(src(q).elem(b) + i, s.scale[q][t], v);
+        } else {
+          for (int64_t k = 0; k < m; ++k) v[k] = wire_get<W>(load1(src(q).elem(b) + i + k), s.scale[q][t]);
+        }
+        for (int64_t k = 0; k < m; ++k) acc[k] = q == 0 ? v[k] : add_rn(acc[k], v[k]);
+      }
+      for (int64_t k = 0; k < m; ++k) {
+        if (div > 1) acc[k] = div_rn(acc[k], static_cast<float>(div));
+        if (dst) s.v[i + k] = acc[k];
+        else store1(out + at + i + k, Num<T>::down(acc[k]));
+      }
+    });
     if (!dst) return;
     measure<W>(s, nblk, ne);
     over |= round_tile<W>(s, nblk, ne, *dst, b, [&](int64_t i, float v) { store1(out + at + i, Num<T>::down(v)); });
@@ -144,8 +199,14 @@ __device__ void get_part(TileMem& s, const WSpan<W>& src, int64_t count, ring::S
       for (int t = threadIdx.x; t < nblk; t += blockDim.x) s.scale[0][t] = load1(src.scale(b + t));
     __syncthreads();
     const int64_t at = b * kWireBlock;
-    for (int64_t i = threadIdx.x; i < ne; i += blockDim.x)
-      store1(out + at + i, Num<T>::down(wire_get<W>(load1(src.elem(b) + i), s.scale[0][i / kWireBlock])));
+    constexpr int K = kGroup<W>;
+    groups<W>(ne, [&](int64_t i, int64_t m, bool whole) {
+      const float sc = s.scale[0][i / kWireBlock];
+      float v[K];
+      if (whole) get_group<W>(src.elem(b) + i, sc, v);
+      else for (int64_t k = 0; k < m; ++k) v[k] = wire_get<W>(load1(src.elem(b) + i + k), sc);
+      for (int64_t k = 0; k < m; ++k) store1(out + at + i + k, Num<T>::down(v[k]));
+    });
   });
 }
 
@@ -230,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) sym_wire_kernel(const __grid_constan
   }
   end_epochs(a, e0 + a.pieces);
   if (W == Wire::F16 && __syncthreads_or(over) && threadIdx.x == 0)
-    *reinterpret_cast<volatile uint64_t*>(&a.ctl->wire_overflow[a.op_seq % 64]) = a.op_seq;
+    *reinterpret_cast<volatile uint64_t*>(&a.ctl->wire_overflow[a.op_seq % kWireOverflowSlots]) = a.op_seq;
 }
 
 // World 1: the tensor rounded as a group of one rounds it (all_reduce: twice, new scales).
@@ -283,7 +344,8 @@ void launch_sym_wire(const SymArgs& a, cudaStream_t stream) {
 void launch_wire_local(const Call& c, uint64_t* overflow_seq, uint64_t op_seq, cudaStream_t stream) {
   if (c.numel <= 0) return;
   const int64_t tiles = (c.numel + kTile - 1) / kTile;
-  const int blocks = static_cast<int>(ring::min64(tiles, kDefaultSymBlocks));
+  // No peer to spin with: as many blocks as the device holds at once.
+  const int blocks = static_cast<int>(ring::min64(tiles, 2 * std::max(1, sm_count())));
   const bool twice = c.coll == Coll::AllReduce;
   dispatch_wire_dtype(c.dtype, [&](auto tag) {
     using T = decltype(tag);
