@@ -98,8 +98,8 @@ def _nccl_lib():
 TUNING_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_tuning.json")
 
 
-def tuned_thresholds(device_name, world, ranks_per_device, path=TUNING_PATH):
-    """((oneshot_max, twoshot_max) or None, where from) for p2p's auto choice: the entry of the
+def tuned_threshold(device_name, world, ranks_per_device, path=TUNING_PATH):
+    """(oneshot_max or None, where from) for p2p's auto choice: the entry of the
     measured table for this device name, world size and ranks per device; None: the model's."""
     try:
         with open(path) as f:
@@ -108,7 +108,7 @@ def tuned_thresholds(device_name, world, ranks_per_device, path=TUNING_PATH):
         return None, f"the model's thresholds (no table: {e})"
     for e in entries:
         if (e["device"], e["world"], e["ranks_per_device"]) == (device_name, world, ranks_per_device):
-            return ((int(e["oneshot_max"]), int(e["twoshot_max"])),
+            return (int(e["oneshot_max"]),
                     f"measured on {e['device']} ({e.get('date', '?')}, {e.get('command', '?')})")
     return None, (f"the model's thresholds (no measurement for {device_name}, world {world}, "
                   f"{ranks_per_device} ranks per device in {os.path.basename(path)})")
@@ -421,11 +421,11 @@ class Communicator(_lifecycle.Communicator):
             return
         if self.rank == 0:
             per_device = sum(1 for b in self._bus_ids if b == self._bus_ids[0])
-            tuned, source = tuned_thresholds(torch.cuda.get_device_name(self.device),
+            tuned, source = tuned_threshold(torch.cuda.get_device_name(self.device),
                                              self.world_size, per_device)
-            one, two = tuned or (-1, -1)
-            self._setup.set("tuning", f"{one}|{two}|{source}")
-        one, two, source = self._setup.get("tuning", "rank 0's algorithm thresholds").decode().split("|", 2)
+            one = tuned if tuned is not None else -1
+            self._setup.set("tuning", f"{one}|{source}")
+        one, source = self._setup.get("tuning", "rank 0's algorithm thresholds").decode().split("|", 1)
         if int(one) >= 0:
             native.set_threshold(int(one))
         log.debug("rank %d: p2p auto: one-shot <= %s, two-shot above (%s)", self.rank,

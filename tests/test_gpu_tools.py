@@ -44,7 +44,7 @@ def test_sizes(text, value):
     assert roof.parse_size(text) == value
 
 
-# -- benchmarks/gpu_tune.py and the table auto reads (ringreduce._cuda.tuned_thresholds) --------
+# -- benchmarks/gpu_tune.py and the table auto reads (ringreduce._cuda.tuned_threshold) --------
 spec_t = importlib.util.spec_from_file_location(
     "gpu_tune", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_tune.py")
 tune = importlib.util.module_from_spec(spec_t)
@@ -53,21 +53,25 @@ spec_t.loader.exec_module(tune)
 K, M = 1 << 10, 1 << 20
 
 
-def test_thresholds_follow_the_fastest_algorithm():
+def test_threshold_follows_the_faster_direct_algorithm():
     sizes = [4 * K, 64 * K, 1 * M, 16 * M, 256 * M]
     times = {"oneshot": {4 * K: 10, 64 * K: 14, 1 * M: 60, 16 * M: 900, 256 * M: 17000},
-             "twoshot": {4 * K: 15, 64 * K: 18, 1 * M: 40, 16 * M: 200, 256 * M: 4800},
-             "ring": {4 * K: 30, 64 * K: 35, 1 * M: 70, 16 * M: 130, 256 * M: 1100}}
-    assert tune.thresholds(times, sizes) == (64 * K, 1 * M)
+             "twoshot": {4 * K: 15, 64 * K: 18, 1 * M: 40, 16 * M: 200, 256 * M: 4800}}
+    assert tune.threshold(times, sizes) == 64 * K
+    # Within the margin two-shot's win is noise: one-shot keeps the size; beyond it, not.
+    noisy = {"oneshot": {4 * K: 38.7, 64 * K: 36.0, 1 * M: 66.0},
+             "twoshot": {4 * K: 37.2, 64 * K: 40.2, 1 * M: 55.9}}
+    assert tune.threshold(noisy, sizes[:3]) == 64 * K
+    # The first clear loss ends one-shot's range, whatever comes after it.
+    later = {"oneshot": {4 * K: 10, 64 * K: 30, 1 * M: 40}, "twoshot": {4 * K: 11, 64 * K: 20, 1 * M: 80}}
+    assert tune.threshold(later, sizes[:3]) == 4 * K
 
 
-def test_thresholds_when_a_direct_algorithm_never_wins():
+def test_threshold_when_one_shot_never_wins():
     sizes = [4 * K, 1 * M]
-    ring_first = {"oneshot": {4 * K: 50, 1 * M: 90}, "twoshot": {4 * K: 40, 1 * M: 80},
-                  "ring": {4 * K: 30, 1 * M: 70}}
-    assert tune.thresholds(ring_first, sizes) == (0, 0)
-    no_oneshot = {"twoshot": {4 * K: 20, 1 * M: 80}, "ring": {4 * K: 30, 1 * M: 70}}
-    assert tune.thresholds(no_oneshot, sizes) == (0, 4 * K)  # a missing time loses
+    assert tune.threshold({"oneshot": {4 * K: 50, 1 * M: 90},
+                           "twoshot": {4 * K: 40, 1 * M: 80}}, sizes) == 0
+    assert tune.threshold({"twoshot": {4 * K: 20, 1 * M: 80}}, sizes) == 0  # a missing time loses
 
 
 def test_tuning_entries_from_a_roofline_json():
@@ -76,24 +80,24 @@ def test_tuning_entries_from_a_roofline_json():
         {"mps": "on", "world": 2, "algo": "twoshot", "median_us": {"4096": 12.0, "1048576": 40.0}},
         {"mps": "on", "world": 2, "algo": "ring", "median_us": {"4096": 30.0, "1048576": 50.0}},
         {"mps": "on", "world": 2, "algo": "auto", "median_us": {"4096": 1.0, "1048576": 1.0}},
-        {"mps": "off", "world": 2, "algo": "ring", "median_us": {"4096": 1.0, "1048576": 1.0}}]}
+        {"mps": "off", "world": 2, "algo": "twoshot", "median_us": {"4096": 1.0, "1048576": 1.0}}]}
     (e,) = tune.entries_from_roofline(doc, "--from x.json")
     assert (e["device"], e["world"], e["ranks_per_device"], e["mps"]) == ("NVIDIA H200", 2, 2, True)
-    assert (e["oneshot_max"], e["twoshot_max"]) == (4096, 1 << 20)  # auto and MPS-off rows ignored
-    assert set(e["median_us"]) == {"oneshot", "twoshot", "ring"}
+    assert e["oneshot_max"] == 4096  # auto, ring and MPS-off rows ignored
+    assert set(e["median_us"]) == {"oneshot", "twoshot"}
 
 
 def test_table_written_and_read_back(tmp_path):
-    from ringreduce._cuda import tuned_thresholds
+    from ringreduce._cuda import tuned_threshold
     table = tmp_path / "gpu_tuning.json"
     table.write_text('{"about": "", "entries": []}')
-    assert tuned_thresholds("NVIDIA H100 80GB HBM3", 2, 2, str(table))[0] is None
+    assert tuned_threshold("NVIDIA H100 80GB HBM3", 2, 2, str(table))[0] is None
     entry = {"device": "NVIDIA H100 80GB HBM3", "world": 2, "ranks_per_device": 2,
-             "oneshot_max": 65536, "twoshot_max": 0, "date": "2026-11-25", "command": "x"}
+             "oneshot_max": 65536, "date": "2026-11-25", "command": "x"}
     tune.update_table(str(table), entry)
     tune.update_table(str(table), {**entry, "oneshot_max": 4096})  # replaced, not added
-    assert tuned_thresholds("NVIDIA H100 80GB HBM3", 2, 2, str(table))[0] == (4096, 0)
-    limits, why = tuned_thresholds("NVIDIA H100 80GB HBM3", 4, 4, str(table))
+    assert tuned_threshold("NVIDIA H100 80GB HBM3", 2, 2, str(table))[0] == 4096
+    limits, why = tuned_threshold("NVIDIA H100 80GB HBM3", 4, 4, str(table))
     assert limits is None and "no measurement for NVIDIA H100 80GB HBM3, world 4" in why
 
 
@@ -102,8 +106,7 @@ def test_the_checked_in_table_parses():
     from ringreduce._cuda import TUNING_PATH
     doc = json.loads(pathlib.Path(TUNING_PATH).read_text())
     for e in doc["entries"]:
-        assert {"device", "world", "ranks_per_device", "oneshot_max", "twoshot_max", "date",
-                "command"} <= set(e), e
+        assert {"device", "world", "ranks_per_device", "oneshot_max", "date", "command"} <= set(e), e
 
 
 def test_ranks_sharing_a_gpu_without_mps_are_warned():
@@ -196,7 +199,7 @@ def test_mps_pipe_found_where_cuda_looks(tmp_path, monkeypatch):
 
 
 def test_checked_in_table_follows_from_its_medians():
-    """Every entry of ringreduce/gpu_tuning.json: its thresholds are what gpu_tune.thresholds
+    """Every entry of ringreduce/gpu_tuning.json: its threshold is what gpu_tune.threshold
     makes of the medians it records (an entry edited by hand, or by an older rule, fails here)."""
     import json
     from ringreduce._cuda import TUNING_PATH
@@ -205,7 +208,7 @@ def test_checked_in_table_follows_from_its_medians():
     for e in entries:
         times = {a: {int(s): v for s, v in ts.items()} for a, ts in e["median_us"].items()}
         sizes = sorted({s for ts in times.values() for s in ts})
-        assert tune.thresholds(times, sizes) == (e["oneshot_max"], e["twoshot_max"]), e["device"]
+        assert tune.threshold(times, sizes) == e["oneshot_max"], e["device"]
 
 
 def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
