@@ -33,9 +33,12 @@ RINGREDUCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" -m pip install --no
 
 EXITS="test_processes_exit_cleanly_under_torchrun"
 log "smoke, the copy algorithm and exit statuses (no MPS)"
-timeout -k 10 260 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
+# test_stream_semantics and the callers' streams test: synchronous p2p calls on the caller's stream
+# and the C fast path (binding_cuda.cpp), new after the first run of the workspace.
+timeout -k 10 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
     test_transport_choice_logged or test_world_one_moves_nothing or test_shared_buffers or \
-    p2p_copy-2 or test_time_sliced_ranks_are_warned or $EXITS" tests/test_cuda.py \
+    p2p_copy-2 or test_time_sliced_ranks_are_warned or (test_stream_semantics and p2p) or \
+    test_sync_calls_run_on_the_callers_stream or $EXITS" tests/test_cuda.py \
     --durations=10 -rfE > "$OUT/smoke.log" 2>&1
 log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
 # The narrow wire on CUDA (csrc/cuda/sym_wire.cu): the CPU's bits at worlds 1-3 with auto's

@@ -408,18 +408,7 @@ bool fast_tensor(PyObject* obj, DType& dt) {
   if (!THPVariable_CheckExact(obj)) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous()) return false;
-  switch (t.scalar_type()) {
-    case at::kFloat: dt = DType::F32; break;
-    case at::kDouble: dt = DType::F64; break;
-    case at::kHalf: dt = DType::F16; break;
-    case at::kBFloat16: dt = DType::BF16; break;
-    case at::kChar: dt = DType::I8; break;
-    case at::kByte: dt = DType::U8; break;
-    case at::kInt: dt = DType::I32; break;
-    case at::kLong: dt = DType::I64; break;
-    default: return false;
-  }
-  return true;
+  return try_dtype(t.scalar_type(), dt);
 }
 }  // namespace
 

@@ -9,20 +9,26 @@
 
 namespace ringreduce {
 
-inline DType to_dtype(const at::Tensor& t, const char* arg) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::F32;
-    case at::kDouble: return DType::F64;
-    case at::kHalf: return DType::F16;
-    case at::kBFloat16: return DType::BF16;
-    case at::kChar: return DType::I8;
-    case at::kByte: return DType::U8;
-    case at::kInt: return DType::I32;
-    case at::kLong: return DType::I64;
-    default:
-      TORCH_CHECK_TYPE(false, "ringreduce: ", arg, " has dtype ", t.scalar_type(),
-                       "; expected one of float32, float64, float16, bfloat16, int8, uint8, int32, int64");
+// False for a dtype the core does not reduce (the fast paths then leave the call to the full one).
+inline bool try_dtype(at::ScalarType st, DType& dt) {
+  switch (st) {
+    case at::kFloat: dt = DType::F32; return true;
+    case at::kDouble: dt = DType::F64; return true;
+    case at::kHalf: dt = DType::F16; return true;
+    case at::kBFloat16: dt = DType::BF16; return true;
+    case at::kChar: dt = DType::I8; return true;
+    case at::kByte: dt = DType::U8; return true;
+    case at::kInt: dt = DType::I32; return true;
+    case at::kLong: dt = DType::I64; return true;
+    default: return false;
   }
+}
+
+inline DType to_dtype(const at::Tensor& t, const char* arg) {
+  DType dt;
+  TORCH_CHECK_TYPE(try_dtype(t.scalar_type(), dt), "ringreduce: ", arg, " has dtype ", t.scalar_type(),
+                   "; expected one of float32, float64, float16, bfloat16, int8, uint8, int32, int64");
+  return dt;
 }
 
 inline RedOp to_op(int op) {

@@ -5,10 +5,13 @@ Python owns policy and lifetime, as for the shared-memory ring, through the same
 store, one cached communicator per (group, device, transport), the worker thread, close().
 
 Semantics, as torch.distributed with NCCL where it has them:
-- A collective runs on the communicator's stream after the work already on the caller's current
-  stream. A synchronous call returns once it is enqueued; the caller's stream waits for the result,
-  the host does not. If the collective then fails on the device (a timeout, mismatched calls, a dead
-  peer, an abort), the failure is recorded and the next call on the communicator raises it at once
+- A synchronous p2p collective runs on the caller's current stream; an async one, or any nccl
+  collective, on the communicator's stream after the work already on the caller's current stream
+  (the caller's stream waits for a sync nccl call's result). Calls of one communicator run in call
+  order whatever streams they are made on (csrc/cuda/binding_cuda.cpp, follow()). A synchronous
+  call returns once it is enqueued: the host does not wait. If the collective then fails on the
+  device (a timeout, mismatched calls, a dead peer, an abort), the failure is recorded and the
+  next call on the communicator raises it at once
   ("broken by an earlier failure: ..."): torch's NCCL backend reports asynchronous errors the same
   way, at a later call or wait. RINGREDUCE_BLOCKING_WAIT=1 makes every synchronous call wait for the
   device and raise its own failure (the role of TORCH_NCCL_BLOCKING_WAIT).

@@ -307,7 +307,7 @@ class Work:
 
 
 # The fast path of a synchronous all_reduce (collectives.all_reduce): group (None for the default
-# group) -> (process group, shm communicator, its fast function). A communicator drops its entries when it closes, so
+# group) -> (process group, shm or p2p communicator, its fast function). A communicator drops its entries when it closes, so
 # that this cache never keeps a destroyed process group (its Gloo threads and sockets) alive.
 FAST = {}
 
@@ -501,12 +501,12 @@ class Communicator:
                 return
             self._closed = True
             busy = self._inflight > 0
+        for g in [g for g, entry in list(FAST.items()) if entry[1] is self]:
+            FAST.pop(g, None)  # first: no fast call starts on a closing communicator
         self._stop_calls(busy)
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=self.timeout)
-        for g in [g for g, entry in list(FAST.items()) if entry[1] is self]:
-            FAST.pop(g, None)
         self._close_native()
 
     def _stop_calls(self, busy):

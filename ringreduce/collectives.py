@@ -211,7 +211,8 @@ def _overlap(a, b):
 
 
 # The fast path of a synchronous all_reduce (_lifecycle.FAST: group -> (process group, communicator,
-# fast function)), filled by the first full call on the CPU, emptied of a communicator's entries
+# fast function)), filled by the first full call on the CPU or on CUDA's p2p transport (there
+# synchronous calls without a wire only: P2pComm.fast_all_reduce), emptied of a communicator's entries
 # when it closes. A hit costs a dictionary lookup, a few attribute reads and one C function
 # (ShmComm.fast_all_reduce) that matches op by identity and checks the tensor itself: ~0.4 us at
 # world 1 (BENCHMARKS.md). An async call takes it too (the C function queues the call and returns
@@ -304,6 +305,11 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, wire_dtype=N
     if comm.transport == "shm" and not comm.closed:
         _fast[group] = (group if group is not None else dist.group.WORLD, comm,
                         comm._native.fast_all_reduce(_FAST_OPS, _FAST_WIRES))
+    elif comm.transport == "p2p" and not comm.closed and not comm._blocking:
+        # CUDA: synchronous plain calls only (the function declines the rest), none in blocking
+        # mode (RINGREDUCE_BLOCKING_WAIT: the full path waits for the device).
+        _fast[group] = (group if group is not None else dist.group.WORLD, comm,
+                        comm._native.fast_all_reduce(_FAST_OPS))
     return comm.all_reduce(tensor, code, async_op)
 
 
@@ -321,7 +327,7 @@ def _all_reduce_wire(tensor, op, group, async_op, wire_dtype):
     # The plain path's cache of the group's shm communicator: _comm_for costs more than a small
     # call (~6 us of 8 at 4 KiB, world 1).
     entry = _fast.get(group)
-    if entry is not None and tensor.device.type == "cpu" and \
+    if entry is not None and tensor.device.type == "cpu" and entry[1].transport == "shm" and \
             (group is not None or entry[0] is _world.default_pg):
         return entry[1].all_reduce(tensor, code, async_op, wire)
     comm = _comm_for(group, tensor.device, fn)

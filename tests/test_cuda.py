@@ -315,6 +315,67 @@ def test_stream_semantics(env):
         assert not errors, f"rank {rank}: {errors}"
 
 
+def caller_stream_worker(rank, world):
+    """A synchronous p2p call runs on the caller's stream through the fast path (no Python
+    Communicator.all_reduce), and calls on different streams still run in call order: the second
+    stream does not wait for the first, but the second call must (both use the workspace)."""
+    import ringreduce as rr
+    from ringreduce import _lifecycle
+    dev = setup_rank(rank)
+    total = sum(range(1, world + 1))
+    errors = []
+    rr.all_reduce(torch.zeros(1, device=dev))  # the communicator, and the fast path's entry
+    torch.cuda.synchronize()
+    entry = _lifecycle.FAST.get(None)
+    if entry is None or entry[1].transport != "p2p":
+        return [f"no p2p fast path entry after the first call: {entry}"]
+    comm = entry[1]
+    full = []
+    plain = comm.all_reduce
+    comm.all_reduce = lambda *a: full.append(a) or plain(*a)  # counts the full path's calls
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(a):
+        x = torch.full((1 << 20,), float(rank + 1), device=dev)
+        torch.cuda._sleep(200_000_000)  # the first call is late on every rank
+        rr.all_reduce(x)
+        x2 = x * 2  # on a, after the call
+    with torch.cuda.stream(b):
+        y = torch.full((4099,), float(10 * (rank + 1)), device=dev)
+        rr.all_reduce(y)  # b never waits for a: the communicator orders the calls
+        y2 = y * 2
+    # async (our stream), then sync on the current stream, then async again
+    z = torch.full((777,), float(rank + 1), device=dev)
+    torch.cuda.current_stream().wait_stream(a)
+    torch.cuda.current_stream().wait_stream(b)
+    w1 = rr.all_reduce(z, async_op=True)
+    v = torch.full((5000,), float(rank + 1), device=dev)
+    rr.all_reduce(v)
+    u = torch.full((33,), float(rank + 1), device=dev)
+    w2 = rr.all_reduce(u, async_op=True)
+    w1.wait()
+    w2.wait()
+    m = torch.full((64, 64), float(rank + 1), device=dev).t()  # a view: the full path
+    rr.all_reduce(m)
+    torch.cuda.synchronize()
+    checks = {"x (stream a)": (x2, 2.0 * total), "y (stream b)": (y2, 20.0 * total),
+              "z (async)": (z, float(total)), "v (sync between async)": (v, float(total)),
+              "u (async)": (u, float(total)), "m (view)": (m, float(total))}
+    for name, (t, want) in checks.items():
+        if not torch.equal(t.cpu(), torch.full(t.shape, want)):
+            errors.append(f"{name}: {t.flatten()[:4].tolist()}, expected {want}")
+    # The full path ran for the two async calls and the view only.
+    if len(full) != 3:
+        errors.append(f"the full path ran {len(full)} calls, expected 3 (two async, one view)")
+    comm.all_reduce = plain
+    finish()
+    return errors
+
+
+def test_sync_calls_run_on_the_callers_stream_in_call_order():
+    for rank, errors in enumerate(run_ranks(2, caller_stream_worker, timeout=300, env=P2P_ENV)):
+        assert not errors, f"rank {rank}: {errors}"
+
+
 # -- deterministic mode ------------------------------------------------------------------------------
 # RINGREDUCE_DETERMINISTIC=1: every all_reduce and reduce_scatter element is, bit for bit, the
 # rank-order fold ((x0 + x1) + x2) ... in the accumulation type (fp32 for fp32 and bf16) rounded

@@ -1,7 +1,10 @@
 // Torch binding of the CUDA transports: tensors in, typed spans out, and the stream semantics of
-// torch.distributed with NCCL. Every collective runs on the communicator's own stream, ordered
-// after the caller's current stream (an event), and the caller's stream waits for it (sync) or the
-// returned Work does so in wait() (async). The only file of csrc/cuda that includes torch.
+// torch.distributed with NCCL. A synchronous p2p call runs on the caller's current stream (as
+// torch's SymmetricMemory ops and vLLM's all-reduce do: no event pairs, ~4 CUDA calls fewer); an
+// async one, or any nccl call, on the communicator's own stream, ordered after the caller's
+// current stream (an event), and the returned Work waits for it (async) or the caller's stream
+// does (sync, nccl). Calls of one communicator run in call order whatever streams they are on
+// (follow()). The only file of csrc/cuda that includes torch.
 //
 // Ownership of what torch sees (the first GPU run crashed every process at exit for this):
 // - communicator streams are never destroyed (take_stream/give_back_stream): torch may hold one
@@ -13,11 +16,14 @@
 // - destructors that run while the interpreter finalizes make no CUDA call and do not touch the
 //   GIL: what they would free is the process's to free at exit.
 #include <Python.h>
+#include <nvtx3/nvToolsExt.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+#include <ATen/record_function.h>
 
 #include <deque>
 #include <map>
@@ -34,6 +40,9 @@
 #include "cuda/p2p.h"
 #include "torch_types.h"
 
+namespace ringreduce {
+PyObject*& ring_error_type();  // ringreduce.RingReduceError (csrc/shm_comm.cpp), set at import
+}
 namespace rr = ringreduce;
 namespace rc = ringreduce::cuda;
 
@@ -160,6 +169,8 @@ class CudaComm {
     shared_ = std::make_shared<Shared<Ring>>();
     shared_->ring = std::move(ring);
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&link_, cudaEventDisableTiming));
     stream_ = take_stream(device_);
   }
   ~CudaComm() {
@@ -209,6 +220,27 @@ class CudaComm {
                 in.data_ptr(), out.data_ptr()}, {out, in}, async_op);
   }
 
+  // The fast path's call (cuda_fast_all_reduce): a synchronous all_reduce of an exact, contiguous
+  // tensor on this device in a dtype the core reduces, checked here instead of in Python; false
+  // for anything else (the full path then checks it and raises the API's errors). Ranges for
+  // torch.profiler and NVTX as the full path's (_cuda.Communicator._enqueue).
+  bool try_all_reduce(PyObject* obj, int op) {
+    if (!THPVariable_CheckExact(obj) || closed()) return false;
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    rr::DType dt;
+    if (t.layout() != at::kStrided || !t.is_cuda() || t.get_device() != device_ || !t.is_contiguous() ||
+        !rr::try_dtype(t.scalar_type(), dt))
+      return false;
+    RECORD_FUNCTION("ringreduce::all_reduce", std::vector<c10::IValue>({t}));
+    nvtxRangePushA("ringreduce::all_reduce");
+    struct Pop {
+      ~Pop() { nvtxRangePop(); }
+    } pop;
+    run({rr::Coll::AllReduce, dt, rr::to_op(op), t.numel(), t.data_ptr(), t.data_ptr(), rr::Wire::None},
+        {t}, false);
+    return true;
+  }
+
   std::string failure() { return shared_->failure(); }
   // The flight recorder this communicator records its calls in; dumps ask the device (without
   // blocking) which of them have finished.
@@ -234,6 +266,7 @@ class CudaComm {
   void synchronize() {
     if (stream_) {
       c10::cuda::CUDAGuard guard(device_);
+      join(true);
       {
         py::gil_scoped_release nogil;
         C10_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -250,6 +283,7 @@ class CudaComm {
     if (!stream_ || !shared_->ring) return true;
     if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
       c10::cuda::CUDAGuard guard(device_);
+      join(false);
       py::gil_scoped_release nogil;
       cudaStreamSynchronize(stream_);
       return shared_->ring->unmap_peers();
@@ -262,6 +296,7 @@ class CudaComm {
     if (!stream_) return;
     if (rec_) rec_->set_device_probe(nullptr);  // waits for a dump reading the ring
     c10::cuda::CUDAGuard guard(device_);
+    join(false);  // the calls that ran on the callers' streams too
     {
       // A destructor called by the garbage collector holds the GIL; one called elsewhere may not.
       std::unique_ptr<py::gil_scoped_release> nogil;
@@ -279,6 +314,8 @@ class CudaComm {
       spare_events_.clear();
     }
     cudaEventDestroy(ready_);
+    cudaEventDestroy(after_);
+    cudaEventDestroy(link_);
     give_back_stream(device_, stream_);  // idle; torch may still refer to it: never destroyed
     stream_ = nullptr;
     cudaGetLastError();
@@ -422,8 +459,16 @@ class CudaComm {
         pin_for_graph(ring, cur);
     }
     if (nranks_ == 1) return run_alone(c, async_op);
-    C10_CUDA_CHECK(cudaEventRecord(ready_, cur));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+    // Where the call runs: a synchronous p2p call outside a capture on the caller's stream, else
+    // on ours after the caller's work; either way after every earlier call of this communicator.
+    const bool captured = capture != cudaStreamCaptureStatusNone;
+    const bool on_caller = std::is_same_v<Ring, rc::p2p::Ring> && !async_op && !captured;
+    const cudaStream_t s = on_caller ? cur : stream_;
+    if (!on_caller) {
+      C10_CUDA_CHECK(cudaEventRecord(ready_, cur));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+    }
+    if (!captured) follow(s, cur);
     uint64_t seq = 0;
     [[maybe_unused]] rc::p2p::Plan plan{};  // planned once per call: for the recorder and run()
     [[maybe_unused]] bool planned = false;
@@ -442,9 +487,9 @@ class CudaComm {
     try {
       py::gil_scoped_release nogil;  // nccl: may poll NCCL until its calls are enqueued
       if constexpr (std::is_same_v<Ring, rc::p2p::Ring>)
-        ring.run(c, stream_, planned ? &plan : nullptr);
+        ring.run(c, s, planned ? &plan : nullptr);
       else
-        ring.run(c, stream_);
+        ring.run(c, s);
     } catch (const rr::RingError& e) {  // broken by an earlier failure, or closed
       if (!seq) throw;
       rec_->failed(seq, e.what());
@@ -463,13 +508,21 @@ class CudaComm {
       else
         rec_->set_dev_seq(seq, ring.op_seq());
     }
-    if (capture != cudaStreamCaptureStatusNone) {
+    if (captured) {
       // Captured, not run: the graph's replays own the ordering; torch's graph pool keeps the
       // memory of tensors made in the capture. Our stream rejoins the capture here.
       C10_CUDA_CHECK(cudaEventRecord(ready_, stream_));
       C10_CUDA_CHECK(cudaStreamWaitEvent(cur, ready_, 0));
       return py::none();
     }
+    if (on_caller) {
+      // The tensors are the caller's stream's, as for any op on it: nothing to hold. after_ marks
+      // the call's end for the next call on another stream, and for join().
+      C10_CUDA_CHECK(cudaEventRecord(after_, cur));
+      tail_ = cur;
+      return py::none();
+    }
+    tail_ = nullptr;
     // The caching allocator must not reuse these tensors' memory before our stream is done:
     // held until this event, not record_stream (which would tie our stream to their frees).
     const cudaEvent_t done = hold(tensors);
@@ -478,6 +531,32 @@ class CudaComm {
       return py::none();
     }
     return marker();
+  }
+
+  // Orders stream s after every earlier call of this communicator (they share its workspace and
+  // sequence): after_ if the last one ran on a caller's stream other than s, our stream's end if
+  // it ran there. Nothing when the last call ran on s, or when s is ours and already waits for
+  // cur, where the last one ran.
+  void follow(cudaStream_t s, cudaStream_t cur) {
+    if (tail_ == nullptr) {
+      if (s == stream_) return;
+      C10_CUDA_CHECK(cudaEventRecord(link_, stream_));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(s, link_, 0));
+    } else if (tail_ != s && !(s == stream_ && tail_ == cur)) {
+      C10_CUDA_CHECK(cudaStreamWaitEvent(s, after_, 0));
+    }
+  }
+
+  // Our stream waits for the calls that ran on callers' streams: whoever waits for our stream
+  // (synchronize, marker, close) then waits for every call. check=false: no exception (close).
+  void join(bool check) {
+    if (tail_ == nullptr || stream_ == nullptr) return;
+    const cudaError_t e = cudaStreamWaitEvent(stream_, after_, 0);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      if (check) C10_CUDA_CHECK(e);
+    }
+    tail_ = nullptr;
   }
 
   // The graph being captured on `cur` keeps the ring's memory until CUDA destroys the graph.
@@ -507,6 +586,7 @@ class CudaComm {
     const uint64_t seq = ring().op_seq();
     if (!stream_) throw rr::RingError("ringreduce: communicator is closed");
     c10::cuda::CUDAGuard guard(device_);
+    join(true);
     cudaEvent_t done = nullptr;
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     const cudaError_t e = cudaEventRecord(done, stream_);
@@ -522,6 +602,9 @@ class CudaComm {
   std::shared_ptr<Shared<Ring>> shared_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ready_ = nullptr;
+  cudaEvent_t after_ = nullptr;  // recorded on tail_ after the last call that ran there
+  cudaEvent_t link_ = nullptr;   // our stream's end, for a caller's stream to wait on
+  cudaStream_t tail_ = nullptr;  // the caller's stream of the last call; nullptr: ours
   std::mutex held_mu_;  // held_ and spare_events_
   std::deque<Held> held_;
   std::vector<cudaEvent_t> spare_events_;
@@ -530,6 +613,56 @@ class CudaComm {
 
 using P2pComm = CudaComm<rc::p2p::Ring>;
 using NcclComm = CudaComm<rc::nccl::Ring>;
+
+// The CUDA fast path as a plain CPython function (METH_FASTCALL), as the CPU's (csrc/bindings.cpp):
+// fast(tensor, op[, async_op[, wire_dtype]]) -> True when a synchronous all_reduce was enqueued on
+// the caller's stream; False when not taken (async, a wire, an op object not given here, a tensor
+// try_all_reduce refuses): the caller's full path. The full path costs ~6 us of Python per call
+// (_comm_for, checks, the lock, ranges), more than a small call's kernel (BENCHMARKS.md 17).
+struct CudaFast {
+  py::object owner;  // the P2pComm's Python object: keeps comm alive
+  P2pComm* comm;
+  std::vector<py::object> ops;  // ops[code]
+};
+
+constexpr const char* kCudaFastCapsule = "ringreduce.CudaFast";
+
+PyObject* cuda_fast_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* f = static_cast<CudaFast*>(PyCapsule_GetPointer(self, kCudaFastCapsule));
+  if (f == nullptr) return nullptr;
+  if (nargs < 2 || nargs > 4) {
+    PyErr_Format(PyExc_TypeError, "fast all_reduce takes (tensor, op[, async_op[, wire_dtype]]), got "
+                 "%zd arguments", nargs);
+    return nullptr;
+  }
+  if ((nargs >= 3 && args[2] != Py_False) || (nargs == 4 && args[3] != Py_None)) Py_RETURN_FALSE;
+  int code = -1;
+  for (size_t i = 0; i < f->ops.size(); ++i)
+    if (args[1] == f->ops[i].ptr()) code = static_cast<int>(i);
+  if (code < 0) Py_RETURN_FALSE;
+  try {
+    if (f->comm->try_all_reduce(args[0], code)) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const rr::RingError& e) {
+    PyErr_SetString(rr::ring_error_type(), e.what());
+  } catch (const c10::ValueError& e) {  // as pybind11 maps torch's errors
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef cuda_fast_def = {
+    "fast_all_reduce",
+    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&cuda_fast_all_reduce)), METH_FASTCALL,
+    "fast(tensor, op) -> bool: a synchronous all_reduce on the caller's stream, or False"};
 
 template <class C>
 void bind_common(py::class_<C>& cls) {
@@ -600,6 +733,14 @@ void register_cuda(py::module_& m) {
         c.ring().connect(h);
       }, py::arg("handles"))
       .def("direct", [](P2pComm& c) { return c.ring().direct(); })
+      .def("fast_all_reduce", [](py::object self, const std::vector<py::object>& ops) {
+        auto* f = new CudaFast{self, self.cast<P2pComm*>(), ops};
+        py::capsule cap(f, kCudaFastCapsule, [](void* p) { delete static_cast<CudaFast*>(p); });
+        PyObject* fn = PyCFunction_New(&cuda_fast_def, cap.ptr());
+        if (fn == nullptr) throw py::error_already_set();
+        return py::reinterpret_steal<py::object>(fn);
+      }, py::arg("ops"), "A function fast(tensor, op[, async_op[, wire_dtype]]) -> bool running "
+         "try_all_reduce; ops[code] is the ReduceOp object of each op code")
       .def("wire_overflowed", [](P2pComm& c, uint64_t seq) { return c.ring().wire_overflowed(seq); },
            py::arg("op_seq"))
       // Device memory the communicator holds (p2p::Ring::area_bytes), for the log.
