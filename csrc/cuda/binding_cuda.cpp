@@ -266,9 +266,12 @@ class CudaComm {
   void synchronize() {
     if (stream_) {
       c10::cuda::CUDAGuard guard(device_);
-      join(true);
       {
         py::gil_scoped_release nogil;
+        {
+          std::lock_guard<std::mutex> calls(call_mu_);  // without the GIL (see run)
+          join(true);
+        }
         C10_CUDA_CHECK(cudaStreamSynchronize(stream_));
         shared_->poll();
       }
@@ -283,8 +286,9 @@ class CudaComm {
     if (!stream_ || !shared_->ring) return true;
     if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
       c10::cuda::CUDAGuard guard(device_);
-      join(false);
       py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> calls(call_mu_);  // a call being enqueued finishes first
+      join(false);
       cudaStreamSynchronize(stream_);
       return shared_->ring->unmap_peers();
     }
@@ -296,11 +300,14 @@ class CudaComm {
     if (!stream_) return;
     if (rec_) rec_->set_device_probe(nullptr);  // waits for a dump reading the ring
     c10::cuda::CUDAGuard guard(device_);
-    join(false);  // the calls that ran on the callers' streams too
     {
       // A destructor called by the garbage collector holds the GIL; one called elsewhere may not.
       std::unique_ptr<py::gil_scoped_release> nogil;
       if (PyGILState_Check()) nogil = std::make_unique<py::gil_scoped_release>();
+      // Taken without the GIL, released before it is taken back (see run): a call another thread
+      // is enqueueing finishes first, and a later one finds the ring closed.
+      std::lock_guard<std::mutex> calls(call_mu_);
+      join(false);  // the calls that ran on the callers' streams too
       cudaStreamSynchronize(stream_);
       if (shared_->ring) {
         if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) shared_->ring->close(peers_done);
@@ -440,7 +447,12 @@ class CudaComm {
   }
 
   py::object run(const rr::Call& c, const std::vector<at::Tensor>& tensors, bool async_op) {
-    Ring& ring = this->ring();
+    // p2p: the whole call under call_mu_ and the GIL (its launch does not block), so that close()
+    // on another thread, which takes call_mu_ without the GIL, waits for it: the fast path does
+    // not take the Python lock that orders the full path with close (issue 51, finding 1).
+    std::unique_lock<std::mutex> calls;
+    if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) calls = std::unique_lock<std::mutex>(call_mu_);
+    Ring& ring = this->ring();  // after the lock: "closed" if close() ran first
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_).stream();
     // Inside a CUDA graph capture: refused before our stream joins the capture, so that the
@@ -485,11 +497,12 @@ class CudaComm {
                         rr::host::current_source(), t, t);
     }
     try {
-      py::gil_scoped_release nogil;  // nccl: may poll NCCL until its calls are enqueued
-      if constexpr (std::is_same_v<Ring, rc::p2p::Ring>)
+      if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
         ring.run(c, s, planned ? &plan : nullptr);
-      else
+      } else {
+        py::gil_scoped_release nogil;  // nccl: may poll NCCL until its calls are enqueued
         ring.run(c, s);
+      }
     } catch (const rr::RingError& e) {  // broken by an earlier failure, or closed
       if (!seq) throw;
       rec_->failed(seq, e.what());
@@ -530,7 +543,7 @@ class CudaComm {
       C10_CUDA_CHECK(cudaStreamWaitEvent(cur, done, 0));
       return py::none();
     }
-    return marker();
+    return marker_locked();  // call_mu_ held (p2p)
   }
 
   // Orders stream s after every earlier call of this communicator (they share its workspace and
@@ -580,8 +593,16 @@ class CudaComm {
   }
 
  public:
-  // A Work whose event follows everything enqueued on our stream so far.
+  // A Work whose event follows every call enqueued so far.
   py::object marker() {
+    // With the GIL: a holder of call_mu_ either keeps the GIL until it unlocks (run) or never
+    // waits for it.
+    std::lock_guard<std::mutex> calls(call_mu_);
+    return marker_locked();
+  }
+
+ private:
+  py::object marker_locked() {
     // Closed: say so before an event exists (it would leak, recorded on the legacy stream).
     const uint64_t seq = ring().op_seq();
     if (!stream_) throw rr::RingError("ringreduce: communicator is closed");
@@ -605,6 +626,10 @@ class CudaComm {
   cudaEvent_t after_ = nullptr;  // recorded on tail_ after the last call that ran there
   cudaEvent_t link_ = nullptr;   // our stream's end, for a caller's stream to wait on
   cudaStream_t tail_ = nullptr;  // the caller's stream of the last call; nullptr: ours
+  // p2p calls against close() and the stream bookkeeping (tail_). Taken either with the GIL by
+  // code that keeps it until it unlocks (run, marker), or without it (close, unmap_peers,
+  // synchronize): no thread ever waits for the GIL while holding it.
+  std::mutex call_mu_;
   std::mutex held_mu_;  // held_ and spare_events_
   std::deque<Held> held_;
   std::vector<cudaEvent_t> spare_events_;
