@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
 # BUDGET_S seconds (default 570): the build, the GPU smoke tests and the torchrun exit-status tests,
+# a profile of 4 KiB calls (benchmarks/gpu_profile.py: host- or kernel-bound),
 # the roofline for world 2 (MPS on, then off; benchmarks/gpu_roofline.py; torch's SymmetricMemory
 # one-/two-shot in the same bench runs as auto and registered, those runs first), the cost of one
 # handshake by mechanism (benchmarks/gpu_handshake.cu, MPS off and on), the symmetric workspace's
@@ -47,6 +48,12 @@ log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
 timeout -k 10 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "auto or overflow or nccl" \
     tests/test_wire.py --durations=5 -rfE > "$OUT/wire_tests.log" 2>&1
 log "wire tests exit $?: $(tail -1 "$OUT/wire_tests.log")"
+
+# Host or kernel: one profiled run of 4 KiB calls at world 2 under MPS (benchmarks/gpu_profile.py).
+nvidia-cuda-mps-control -d > /dev/null 2>&1; sleep 1
+timeout -k 5 60 "$PY" benchmarks/gpu_profile.py --size 4K --calls 300 > "$OUT/profile.log" 2>&1
+log "profile 4 KiB exit $?: $(tail -1 "$OUT/profile.log")"
+mps_off
 
 log "roofline"
 # At least 60 s (timeout 0 would mean none); otherwise 180 s left for the handshakes and sweeps.
@@ -130,4 +137,5 @@ echo "== summary"
 cat "$OUT/steps.txt"
 grep -E "passed|failed|FAILED|ERROR" "$OUT/smoke.log" "$OUT/rest.log" | tail -20
 cat "$OUT/handshake.log" 2>/dev/null | grep -v "^#"
+tail -3 "$OUT/profile.log" 2>/dev/null
 cat "$OUT/roofline.md" 2>/dev/null

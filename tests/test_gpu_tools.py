@@ -74,6 +74,19 @@ def test_threshold_when_one_shot_never_wins():
     assert tune.threshold({"twoshot": {4 * K: 20, 1 * M: 80}}, sizes) == 0  # a missing time loses
 
 
+def test_profile_summary_picks_the_collectives_kernel():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_profile", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_profile.py")
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    # Three calls: the collective's kernel three times, a copy twice, in no particular order.
+    kernels = [("sym_kernel", 21.0, 3.0), ("copy", 5.0, 1.0), ("sym_kernel", 0.0, 2.0),
+               ("sym_kernel", 10.0, 4.0), ("copy", 15.0, 1.0)]
+    s = prof.summarize(kernels, 3)
+    assert (s["name"], s["count"], s["mean_us"], s["interval_us"]) == ("sym_kernel", 3, 3.0, 10.5)
+    assert prof.summarize(kernels, 4) is None  # no kernel launched once per call
+
+
 def test_tuning_entries_from_a_roofline_json():
     doc = {"device": "NVIDIA H200", "torch": "2.11.0", "copy_GBps": 4300.0, "results": [
         {"mps": "on", "world": 2, "algo": "oneshot", "median_us": {"4096": 10.0, "1048576": 90.0}},
