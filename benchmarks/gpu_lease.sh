@@ -102,12 +102,13 @@ if [ "$(left)" -ge 170 ]; then
       --collectives all_reduce -b 4K -e 256M -f 16 -n 10 -w 3 > "$OUT/wire.log" 2>&1
   log "wire exit $?"
 fi
-# The symmetric workspace's blocks (default 24, unmeasured: SymmetricMemory ~24, vLLM 36) against
-# fewer: what blocks buy. BLOCKS_SWEEP= skips it.
-for blocks in ${BLOCKS_SWEEP-8 16}; do
+# The symmetric workspace's blocks (default 24, as SymmetricMemory; vLLM 36) against fewer and more
+# (RINGREDUCE_CUDA_SYM_BLOCKS, at most 32): the first run's 256 MiB reached 0.50 of the HBM limit
+# with shared_empty tensors, 0.26 with ordinary ones: do blocks buy bandwidth? BLOCKS_SWEEP= skips.
+for blocks in ${BLOCKS_SWEEP-32 8}; do
   [ "$(left)" -lt 180 ] && break
   log "blocks: twoshot, at most $blocks"
-  bench_p2p "twoshot max_blocks=$blocks" 1M 256M 16 RINGREDUCE_CUDA_MAX_BLOCKS=$blocks \
+  bench_p2p "twoshot sym_blocks=$blocks" 1M 256M 16 RINGREDUCE_CUDA_SYM_BLOCKS=$blocks \
       RINGREDUCE_CUDA_ALGO=twoshot
 done
 # The workspace's piece (RINGREDUCE_CUDA_CHUNK_BYTES, default 16 MiB: one barrier, two-shot two,

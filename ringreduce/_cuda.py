@@ -254,7 +254,9 @@ def resident_blocks(where):
 
 
 # The knobs' names in p2p_knobs()["config"] and in the error when ranks disagree.
-P2P_KNOBS = ("channels", "slice_bytes", "chunk_bytes", "algo", "blocks_cap", "copy_bytes")
+P2P_KNOBS = ("channels", "slice_bytes", "chunk_bytes", "algo", "blocks_cap", "copy_bytes", "sym_blocks")
+# A workspace call's most blocks (csrc/cuda/p2p.h: kDefaultSymBlocks, kMaxSymBlocks).
+DEFAULT_SYM_BLOCKS, MAX_SYM_BLOCKS = 24, 32
 
 
 def p2p_knobs():
@@ -267,13 +269,19 @@ def p2p_knobs():
              # 0: as many as every rank's kernel can keep resident (resident_blocks); fewer leave
              # SMs to the model's kernels (as NCCL_MAX_CTAS does), and measure what blocks buy.
              blocks_cap=env_int("RINGREDUCE_CUDA_MAX_BLOCKS", 0),
-             copy_bytes=env_int("RINGREDUCE_CUDA_COPY_BYTES", DEFAULT_COPY_BYTES))
+             copy_bytes=env_int("RINGREDUCE_CUDA_COPY_BYTES", DEFAULT_COPY_BYTES),
+             # The workspace's blocks below that cap: SymmetricMemory's ~24 by default; what more
+             # or fewer buy at large sizes is the GPU's to say (BENCHMARKS.md section 17).
+             sym_blocks=env_int("RINGREDUCE_CUDA_SYM_BLOCKS", DEFAULT_SYM_BLOCKS))
     if k["copy_bytes"] < 16 or k["copy_bytes"] % 16:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_COPY_BYTES must be a positive multiple of "
                          f"16 (the copy algorithm's largest piece); got {k['copy_bytes']}")
     if k["blocks_cap"] < 0:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_MAX_BLOCKS must be >= 0 (0: from the "
                          f"device); got {k['blocks_cap']}")
+    if not 1 <= k["sym_blocks"] <= MAX_SYM_BLOCKS:
+        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_SYM_BLOCKS must be 1..{MAX_SYM_BLOCKS} (a "
+                         f"workspace call's most thread blocks); got {k['sym_blocks']}")
     if k["chunk_bytes"] < 16 or k["chunk_bytes"] % 16:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_CHUNK_BYTES must be a positive multiple of "
                          f"16 (the symmetric workspace's largest piece); got {k['chunk_bytes']}")
@@ -349,7 +357,8 @@ class Communicator(_lifecycle.Communicator):
             raise ValueError("ringreduce: RINGREDUCE_CUDA_ALGO=copy needs every rank to map every "
                              "other rank's memory (one host, peer access); this group cannot")
         native = _C.P2pComm(self.device.index, self.rank, self.world_size, channels, slice_bytes,
-                            self.timeout, algo, chunk_bytes, max_blocks, direct, k["copy_bytes"])
+                            self.timeout, algo, chunk_bytes, max_blocks, direct, k["copy_bytes"],
+                            k["sym_blocks"])
         try:
             # The plan of every call must be the same on every rank: so must these.
             config = k["config"].encode()
@@ -362,7 +371,7 @@ class Communicator(_lifecycle.Communicator):
                         f"ringreduce: rank {r} has p2p {'/'.join(P2P_KNOBS)} {config.decode()} "
                         f"but rank {peer} has {theirs.decode()}; set RINGREDUCE_CUDA_CHANNELS, "
                         f"RINGREDUCE_CUDA_SLICE_BYTES, RINGREDUCE_CUDA_CHUNK_BYTES, "
-                        f"RINGREDUCE_CUDA_ALGO, RINGREDUCE_CUDA_MAX_BLOCKS, "
+                        f"RINGREDUCE_CUDA_ALGO, RINGREDUCE_CUDA_MAX_BLOCKS, RINGREDUCE_CUDA_SYM_BLOCKS, "
                         f"and RINGREDUCE_CUDA_COPY_BYTES alike on "
                         f"every rank")
             # Every rank's handle when every rank can map every other, else the neighbours' only:

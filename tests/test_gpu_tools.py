@@ -197,7 +197,7 @@ def test_copy_knob_checked(monkeypatch):
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", "copy")
     monkeypatch.setenv("RINGREDUCE_CUDA_COPY_BYTES", "4096")
     k = p2p_knobs()
-    assert k["algo"] == "copy" and k["copy_bytes"] == 4096 and k["config"].endswith("/4096")
+    assert k["algo"] == "copy" and k["copy_bytes"] == 4096 and k["config"].endswith("/4096/24")
     monkeypatch.setenv("RINGREDUCE_CUDA_COPY_BYTES", "100")
     with pytest.raises(ValueError, match="RINGREDUCE_CUDA_COPY_BYTES must be a positive multiple of 16"):
         p2p_knobs()
@@ -224,19 +224,36 @@ def test_checked_in_table_follows_from_its_medians():
         assert tune.threshold(times, sizes) == e["oneshot_max"], e["device"]
 
 
+def test_python_block_constants_match_the_kernels():
+    import re
+    from ringreduce import _cuda
+    header = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "p2p.h").read_text()
+    value = lambda name: int(re.search(rf"constexpr int {name} = (\d+);", header).group(1))  # noqa: E731
+    assert (_cuda.DEFAULT_SYM_BLOCKS, _cuda.MAX_SYM_BLOCKS) == (value("kDefaultSymBlocks"),
+                                                                value("kMaxSymBlocks"))
+
+
 def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
     """The p2p knobs every rank must set alike: their defaults, the string ranks compare, and a
     clear error for a value the kernels cannot run (no GPU needed: read before CUDA is touched)."""
     from ringreduce._cuda import p2p_knobs
     for name in ("RINGREDUCE_CUDA_CHANNELS", "RINGREDUCE_CUDA_SLICE_BYTES", "RINGREDUCE_CUDA_CHUNK_BYTES",
-                 "RINGREDUCE_CUDA_ALGO", "RINGREDUCE_CUDA_MAX_BLOCKS", "RINGREDUCE_CUDA_COPY_BYTES"):
+                 "RINGREDUCE_CUDA_ALGO", "RINGREDUCE_CUDA_MAX_BLOCKS", "RINGREDUCE_CUDA_COPY_BYTES",
+                 "RINGREDUCE_CUDA_SYM_BLOCKS"):
         monkeypatch.delenv(name, raising=False)
     k = p2p_knobs()
     assert (k["chunk_bytes"], k["blocks_cap"], k["algo"]) == (16 << 20, 0, "auto")
-    assert k["config"] == "16/524288/16777216/auto/0/8388608"
+    assert k["config"] == "16/524288/16777216/auto/0/8388608/24"
     monkeypatch.setenv("RINGREDUCE_CUDA_CHUNK_BYTES", "4096")
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", " OneShot ")
-    assert p2p_knobs()["config"] == "16/524288/4096/oneshot/0/8388608"
+    assert p2p_knobs()["config"] == "16/524288/4096/oneshot/0/8388608/24"
+    monkeypatch.setenv("RINGREDUCE_CUDA_SYM_BLOCKS", "32")
+    assert p2p_knobs()["config"].endswith("/32")
+    for value in ("0", "33"):
+        monkeypatch.setenv("RINGREDUCE_CUDA_SYM_BLOCKS", value)
+        with pytest.raises(ValueError, match=f"RINGREDUCE_CUDA_SYM_BLOCKS must be 1..32 .*got {value}"):
+            p2p_knobs()
+    monkeypatch.delenv("RINGREDUCE_CUDA_SYM_BLOCKS")
     for value in ("0", "24"):
         monkeypatch.setenv("RINGREDUCE_CUDA_CHUNK_BYTES", value)
         with pytest.raises(ValueError, match=f"RINGREDUCE_CUDA_CHUNK_BYTES must be a positive multiple of 16 .*got {value}"):

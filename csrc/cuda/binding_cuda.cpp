@@ -723,7 +723,7 @@ void register_cuda(py::module_& m) {
   py::class_<P2pComm> p2p(m, "P2pComm");
   p2p.def(py::init([](int device, int rank, int nranks, int channels, size_t slice_bytes,
                       double timeout_s, const std::string& algo, size_t chunk_bytes,
-                      int max_blocks, bool direct, size_t copy_slot_bytes) {
+                      int max_blocks, bool direct, size_t copy_slot_bytes, int sym_blocks) {
            c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
            rc::p2p::Options o;
            o.rank = rank;
@@ -735,6 +735,7 @@ void register_cuda(py::module_& m) {
            o.max_blocks = max_blocks;
            o.direct = direct;
            o.copy_slot_bytes = copy_slot_bytes;
+           o.sym_blocks = sym_blocks;
            o.algo = algo == "auto"      ? rc::p2p::Algo::Auto
                     : algo == "ring"    ? rc::p2p::Algo::Ring
                     : algo == "oneshot" ? rc::p2p::Algo::OneShot
@@ -749,7 +750,8 @@ void register_cuda(py::module_& m) {
          py::arg("slice_bytes"), py::arg("timeout_s"), py::arg("algo") = "auto",
          py::arg("chunk_bytes") = rc::p2p::kDefaultChunkBytes, py::arg("max_blocks") = 0,
          py::arg("direct") = true,
-         py::arg("copy_slot_bytes") = rc::p2p::kDefaultCopySlotBytes)
+         py::arg("copy_slot_bytes") = rc::p2p::kDefaultCopySlotBytes,
+         py::arg("sym_blocks") = rc::p2p::kDefaultSymBlocks)
       .def("handle", [](P2pComm& c) { return py::bytes(c.ring().handle()); })
       .def("connect", [](P2pComm& c, const std::vector<py::bytes>& handles) {
         c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device()));

@@ -134,7 +134,7 @@ static Plan wire_plan(const Call& c, const Options& o, bool direct) {
   } else {
     const int64_t piece_bytes = std::min(span, cap * kWireBlock) * es;
     p.blocks = static_cast<int>(std::max<int64_t>(
-        1, std::min<int64_t>(std::min(most, kDefaultSymBlocks), piece_bytes / static_cast<int64_t>(kSymBytesPerBlock))));
+        1, std::min<int64_t>(std::min(most, o.sym_blocks), piece_bytes / static_cast<int64_t>(kSymBytesPerBlock))));
   }
   return p;
 }
@@ -217,7 +217,7 @@ Plan plan(const Call& c, const Options& o, bool direct) {
     // as large as the workspace allows
     const int64_t piece_bytes = std::min(span, most) * es;
     p.blocks = static_cast<int>(std::max<int64_t>(
-        1, std::min<int64_t>(std::min(cap, kDefaultSymBlocks),
+        1, std::min<int64_t>(std::min(cap, o.sym_blocks),
                              piece_bytes / static_cast<int64_t>(kSymBytesPerBlock))));
   }
   return p;
@@ -288,6 +288,9 @@ Ring::Ring(const Options& opt) : opt_(opt) {
   if (opt.max_blocks < 0)
     throw std::invalid_argument("ringreduce: p2p max_blocks must be >= 0 (0: this device's SM count), got " +
                                 std::to_string(opt.max_blocks));
+  if (opt.sym_blocks < 1 || opt.sym_blocks > kMaxSymBlocks)
+    throw std::invalid_argument("ringreduce: p2p sym_blocks must be 1.." + std::to_string(kMaxSymBlocks) +
+                                ", got " + std::to_string(opt.sym_blocks));
   if (opt.copy_slot_bytes < kVecBytes || opt.copy_slot_bytes % kVecBytes)
     throw std::invalid_argument("ringreduce: p2p copy_slot_bytes must be a positive multiple of 16, got " +
                                 std::to_string(opt.copy_slot_bytes));

@@ -45,8 +45,8 @@ constexpr size_t kMinSliceBytes = 4 << 10;
 // up to this many ranks.
 constexpr int kMaxPeers = 16;
 // Their thread blocks: at most kMaxSymBlocks, by default at most kDefaultSymBlocks (torch's
-// SymmetricMemory launches ~24, vLLM's custom all-reduce 36; not measured here: no GPU lent since
-// this kernel was written), one per kSymBytesPerBlock of a piece below that (a 4 KiB call runs one).
+// SymmetricMemory launches ~24, vLLM's custom all-reduce 36; Options::sym_blocks sets another),
+// one per kSymBytesPerBlock of a piece below that (a 4 KiB call runs one).
 // Every block spins on its peers' blocks, so all must be resident: Options::max_blocks caps them.
 constexpr int kMaxSymBlocks = 32;
 constexpr int kDefaultSymBlocks = 24;
@@ -288,6 +288,9 @@ struct Options {
   // least over the group (the same on every rank: plans must agree). 0: unknown; Ring takes this
   // device's SM count (one rank per device).
   int max_blocks = 0;
+  // The most blocks a workspace call uses below that cap (RINGREDUCE_CUDA_SYM_BLOCKS), 1 to
+  // kMaxSymBlocks: what blocks buy at large sizes is the GPU's to say (BENCHMARKS.md section 17).
+  int sym_blocks = kDefaultSymBlocks;
   // Test knob: every ring call uses exactly `channels` and `slice_bytes`, and every symmetric
   // workspace call min(channels, kMaxSymBlocks) blocks (no plan by size), so that tiny slices force
   // many pipeline steps at every size.

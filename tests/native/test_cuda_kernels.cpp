@@ -1327,6 +1327,43 @@ static void test_tuned_thresholds() {
   EXPECT(algo_of(8192) == Algo::OneShot && algo_of(8196) == Algo::TwoShot, "tuned one-shot limit");
 }
 
+// Options::sym_blocks (RINGREDUCE_CUDA_SYM_BLOCKS): the most blocks a workspace call uses below the
+// residency cap, one per 32 KiB of a piece below that; out of range refused when the ring is made.
+static void test_sym_blocks_knob() {
+  using rc::p2p::Algo;
+  rc::p2p::Options o;
+  o.nranks = 2;
+  o.max_blocks = 64;
+  auto blocks_of = [&](int64_t bytes, rr::Wire w) {
+    return rc::p2p::plan({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, bytes / 4, nullptr, nullptr, w},
+                         o, true).blocks;
+  };
+  const int64_t big = int64_t{64} << 20;
+  EXPECT(blocks_of(big, rr::Wire::None) == rc::p2p::kDefaultSymBlocks, "default: %d", blocks_of(big, rr::Wire::None));
+  o.sym_blocks = rc::p2p::kMaxSymBlocks;
+  EXPECT(blocks_of(big, rr::Wire::None) == rc::p2p::kMaxSymBlocks && blocks_of(big, rr::Wire::BF16) == rc::p2p::kMaxSymBlocks,
+         "sym_blocks %d: %d, wire %d", o.sym_blocks, blocks_of(big, rr::Wire::None), blocks_of(big, rr::Wire::BF16));
+  EXPECT(blocks_of(4096, rr::Wire::None) == 1, "4 KiB: one block");
+  o.max_blocks = 8;  // the residency cap still wins
+  EXPECT(blocks_of(big, rr::Wire::None) == 8, "capped: %d", blocks_of(big, rr::Wire::None));
+  o.max_blocks = 64;
+  o.sym_blocks = 3;
+  EXPECT(blocks_of(big, rr::Wire::None) == 3, "sym_blocks 3: %d", blocks_of(big, rr::Wire::None));
+  for (int bad : {0, rc::p2p::kMaxSymBlocks + 1}) {
+    rc::p2p::Options b;
+    b.nranks = 1;
+    b.sym_blocks = bad;
+    std::string what;
+    try {
+      rc::p2p::Ring r(b);
+    } catch (const std::invalid_argument& e) {
+      what = e.what();
+    }
+    EXPECT(contains(what, "sym_blocks must be 1.." + std::to_string(rc::p2p::kMaxSymBlocks)), "sym_blocks=%d: '%s'",
+           bad, what.c_str());
+  }
+}
+
 // A CUDA graph that captured launches of a ring pins it (Ring::graph_pin): close() keeps what the
 // kernels touch, and a replay after close stops at once and writes nothing into the peers (they
 // may have freed their memory; the emulator faults on freed memory). Rank 0 alone replays.
@@ -1697,6 +1734,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_deterministic", [&] { test_deterministic(); });
     run_test(argc, argv, "test_deterministic_plan", [&] { test_deterministic_plan(); });
     run_test(argc, argv, "test_tuned_thresholds", [&] { test_tuned_thresholds(); });
+    run_test(argc, argv, "test_sym_blocks_knob", [&] { test_sym_blocks_knob(); });
     run_test(argc, argv, "test_options_checked", [&] { test_options_checked(); });
     run_test(argc, argv, "test_replay_after_close_of_a_pinned_ring", [&] { test_replay_after_close_of_a_pinned_ring(); });
     run_test(argc, argv, "test_wire", [&] { test_wire(); });
