@@ -25,8 +25,10 @@ Semantics, as torch.distributed with NCCL where it has them:
   the caller's stream; async_op=True returns a completed Work (nothing on our stream, no worker).
 
 Lifetime (csrc/cuda/binding_cuda.cpp says how): the communicator's stream is never destroyed, since
-torch may refer to it after close() (self._stream, a Future's events); a call's tensors are held
-until the device is done with them instead of record_stream.
+torch may refer to it after close() (self._stream, a Future's events); the tensors of a call on
+that stream are held until the device is done with them instead of record_stream. A synchronous
+p2p call runs on the caller's stream as any torch op does: a tensor made on another stream needs
+record_stream there, as for any op (torch's NCCL backend records it itself).
 """
 import json
 import logging

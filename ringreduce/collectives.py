@@ -302,15 +302,25 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, wire_dtype=N
     comm = _comm_for(group, tensor.device, fn)
     if comm is None:
         return None
-    if comm.transport == "shm" and not comm.closed:
-        _fast[group] = (group if group is not None else dist.group.WORLD, comm,
-                        comm._native.fast_all_reduce(_FAST_OPS, _FAST_WIRES))
-    elif comm.transport == "p2p" and not comm.closed and not comm._blocking:
+    _remember_fast(group, comm)
+    return comm.all_reduce(tensor, code, async_op)
+
+
+def _remember_fast(group, comm):
+    """The fast path's entry for group: comm's fast function, made once per communicator (a call
+    the function declined, an async one on CUDA or a view, comes here again)."""
+    entry = _fast.get(group)
+    if comm.closed or (entry is not None and entry[1] is comm):
+        return
+    if comm.transport == "shm":
+        fast = comm._native.fast_all_reduce(_FAST_OPS, _FAST_WIRES)
+    elif comm.transport == "p2p" and not comm._blocking:
         # CUDA: synchronous plain calls only (the function declines the rest), none in blocking
         # mode (RINGREDUCE_BLOCKING_WAIT: the full path waits for the device).
-        _fast[group] = (group if group is not None else dist.group.WORLD, comm,
-                        comm._native.fast_all_reduce(_FAST_OPS))
-    return comm.all_reduce(tensor, code, async_op)
+        fast = comm._native.fast_all_reduce(_FAST_OPS)
+    else:
+        return
+    _fast[group] = (group if group is not None else dist.group.WORLD, comm, fast)
 
 
 def _all_reduce_wire(tensor, op, group, async_op, wire_dtype):
@@ -334,9 +344,8 @@ def _all_reduce_wire(tensor, op, group, async_op, wire_dtype):
     if comm is None:
         return None
     _wire_transport(comm, wire, fn)
-    if comm.transport == "shm" and not comm.closed:
-        _fast[group] = (group if group is not None else dist.group.WORLD, comm,
-                        comm._native.fast_all_reduce(_FAST_OPS, _FAST_WIRES))
+    if comm.transport == "shm":
+        _remember_fast(group, comm)
     return comm.all_reduce(tensor, code, async_op, wire)
 
 

@@ -301,6 +301,7 @@ def fast_path_worker(rank, world):
     t = torch.ones(64)
     rr.all_reduce(t)  # the first call takes the full path and fills the fast path's cache
     comm = collectives._fast[None][1]
+    fn0 = collectives._fast[None][2]
     full_path_calls = []
     real = comm.all_reduce
     comm.all_reduce = lambda *a: (full_path_calls.append(a), real(*a))[1]
@@ -316,6 +317,7 @@ def fast_path_worker(rank, world):
     view = torch.ones(8, 8).t()  # not contiguous: the full path, still right
     rr.all_reduce(view)
     out["view_ok"] = bool((view == world).all())
+    out["entry_kept"] = collectives._fast[None][2] is fn0  # made once per communicator
     p = torch.nn.Parameter(torch.ones(3), requires_grad=False)
     rr.all_reduce(p)  # torch counts Parameter as a plain tensor: fast
     out["param_ok"] = bool((p == world).all())
@@ -380,6 +382,7 @@ def test_fast_path_is_taken_and_falls_back():
         assert out["fast_calls"] == 0 and out["value"] == 4.0, out
         assert out["async_fast"] == (0, "Work", 2.0, True, True), out
         assert out["view_ok"] and out["param_ok"] and out["full_calls"] == 1, out
+        assert out["entry_kept"], out
         assert out["ops"] == {"SUM": [3.0, 0.0], "AVG": [1.5, 0.0], "MIN": [1.0, -1.0],
                               "MAX": [2.0, 1.0], "PRODUCT": [2.0, -1.0]}, out
         assert out["ops_fast"] and out["op_object"] == ([2.0] * 4, 2), out

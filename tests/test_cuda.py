@@ -356,7 +356,20 @@ def caller_stream_worker(rank, world):
     w2.wait()
     m = torch.full((64, 64), float(rank + 1), device=dev).t()  # a view: the full path
     rr.all_reduce(m)
+    # A shared buffer freed at once after a sync call (the registered kernel, on this stream): its
+    # release must wait for the kernel, which reads and writes the peers' copies (the review's
+    # defect: unmapped under a running kernel, a fault on the device).
+    for _ in range(3):
+        sb = rr.shared_empty(1 << 22, device=dev)  # 16 MiB: above any one-shot threshold
+        sb.fill_(float(rank + 1))
+        torch.cuda._sleep(20_000_000)  # the call is still running when the tensor dies
+        rr.all_reduce(sb)
+        del sb
+    after = torch.full((100,), float(rank + 1), device=dev)
+    rr.all_reduce(after)
     torch.cuda.synchronize()
+    if not torch.equal(after.cpu(), torch.full((100,), float(total))):
+        errors.append(f"after freed shared buffers: {after[:4].tolist()}")
     checks = {"x (stream a)": (x2, 2.0 * total), "y (stream b)": (y2, 20.0 * total),
               "z (async)": (z, float(total)), "v (sync between async)": (v, float(total)),
               "u (async)": (u, float(total)), "m (view)": (m, float(total))}
@@ -366,6 +379,8 @@ def caller_stream_worker(rank, world):
     # The full path ran for the two async calls and the view only.
     if len(full) != 3:
         errors.append(f"the full path ran {len(full)} calls, expected 3 (two async, one view)")
+    if _lifecycle.FAST.get(None) is not entry:
+        errors.append("the fast path's entry was made again by a full-path call")
     comm.all_reduce = plain
     finish()
     return errors

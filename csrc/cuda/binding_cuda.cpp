@@ -9,8 +9,11 @@
 // Ownership of what torch sees (the first GPU run crashed every process at exit for this):
 // - communicator streams are never destroyed (take_stream/give_back_stream): torch may hold one
 //   after close (the ExternalStream of _cuda.py, a Future's events, a user's record_stream);
-// - a call's tensors are held until its event completes (held_), not given to record_stream, so
-//   the caching allocator never records an event on our stream when they are freed;
+// - the tensors of a call on our stream are held until its event completes (held_), not given to
+//   record_stream, so the caching allocator never records an event on our stream when they are
+//   freed; a sync p2p call runs on the caller's stream, whose tensors are its own (torch's rule:
+//   a tensor from another stream needs record_stream, as for any op), except a shared buffer's
+//   (held: its release unmaps the peers' copies);
 // - a graph that captured a p2p launch pins the ring's memory (p2p::Ring::graph_pin, a
 //   cudaUserObject): close() keeps it while the graph lives;
 // - destructors that run while the interpreter finalizes make no CUDA call and do not touch the
@@ -21,6 +24,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/ATen.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/record_function.h>
@@ -225,7 +229,7 @@ class CudaComm {
   // for anything else (the full path then checks it and raises the API's errors). Ranges for
   // torch.profiler and NVTX as the full path's (_cuda.Communicator._enqueue).
   bool try_all_reduce(PyObject* obj, int op) {
-    if (!THPVariable_CheckExact(obj) || closed()) return false;
+    if (!THPVariable_CheckExact(obj)) return false;  // closed: run() says so, under its lock
     const at::Tensor& t = THPVariable_Unpack(obj);
     rr::DType dt;
     if (t.layout() != at::kStrided || !t.is_cuda() || t.get_device() != device_ || !t.is_contiguous() ||
@@ -372,6 +376,11 @@ class CudaComm {
   // it is released (their destructors may run Python code).
   void release_held(bool all) {
     std::vector<std::unique_ptr<std::vector<at::Tensor>>> done;
+    collect_held(all, &done);
+  }
+  // release_held's first half: moves the finished calls' tensors to *done.
+  void collect_held(bool all, std::vector<std::unique_ptr<std::vector<at::Tensor>>>* out) {
+    auto& done = *out;
     {
       std::lock_guard<std::mutex> lk(held_mu_);
       // Relaxed: a query must not invalidate a CUDA graph another thread is capturing.
@@ -394,12 +403,14 @@ class CudaComm {
     }
   }
 
-  // Holds `tensors` until the work enqueued on our stream so far is done; the event of that.
-  cudaEvent_t hold(const std::vector<at::Tensor>& tensors) {
-    release_held(false);
+  // Holds `tensors` until the work enqueued on `stream` so far is done; the event of that. The
+  // tensors of calls found finished go to *finished, for the caller to destroy (after its locks).
+  cudaEvent_t hold(const std::vector<at::Tensor>& tensors, cudaStream_t stream,
+                   std::vector<std::unique_ptr<std::vector<at::Tensor>>>* finished) {
+    collect_held(false, finished);
     std::lock_guard<std::mutex> lk(held_mu_);
     cudaEvent_t e = spare_event();
-    const cudaError_t err = cudaEventRecord(e, stream_);
+    const cudaError_t err = cudaEventRecord(e, stream);
     if (err != cudaSuccess) spare_events_.push_back(e);
     C10_CUDA_CHECK(err);
     held_.push_back({e, std::make_unique<std::vector<at::Tensor>>(tensors)});
@@ -447,11 +458,17 @@ class CudaComm {
   }
 
   py::object run(const rr::Call& c, const std::vector<at::Tensor>& tensors, bool async_op) {
-    // p2p: the whole call under call_mu_ and the GIL (its launch does not block), so that close()
-    // on another thread, which takes call_mu_ without the GIL, waits for it: the fast path does
-    // not take the Python lock that orders the full path with close (issue 51, finding 1).
+    // p2p: the whole call under call_mu_ (its launch does not block), so that close() on another
+    // thread waits for it: the fast path does not take the Python lock that orders the full path
+    // with close (issue 51, finding 1). Tensors of finished calls are destroyed after the unlock
+    // (their destructors may run Python): declared before the lock.
+    std::vector<std::unique_ptr<std::vector<at::Tensor>>> finished;
     std::unique_lock<std::mutex> calls;
-    if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) calls = std::unique_lock<std::mutex>(call_mu_);
+    if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
+      calls = lock_calls();
+      // Closed, or unmapped by a close in progress: refused before the recorder sees the call.
+      if (shared_->ring && shared_->ring->unmapped()) throw rr::RingError("ringreduce: communicator is closed");
+    }
     Ring& ring = this->ring();  // after the lock: "closed" if close() ran first
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_).stream();
@@ -482,15 +499,12 @@ class CudaComm {
     }
     if (!captured) follow(s, cur);
     uint64_t seq = 0;
-    [[maybe_unused]] rc::p2p::Plan plan{};  // planned once per call: for the recorder and run()
-    [[maybe_unused]] bool planned = false;
+    // p2p: planned once per call, for the recorder, the hold below and run()
+    [[maybe_unused]] rc::p2p::Plan plan{};
+    if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) plan = ring.plan_of(c);
     if (rec_ && rec_->on()) {  // started = enqueued; the device says when it ended
       const char* algo = "nccl";
-      if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
-        plan = ring.plan_of(c);
-        planned = true;
-        algo = rc::p2p::algo_name(plan.algo);
-      }
+      if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) algo = rc::p2p::algo_name(plan.algo);
       const int64_t t = rr::host::now_ns();
       seq = rec_->begin(rr::coll_name(c.coll), rr::dtype_name(c.dtype), rr::op_name(c.op), algo, c.numel,
                         static_cast<uint64_t>(c.numel) * rr::dtype_size(c.dtype),
@@ -498,7 +512,7 @@ class CudaComm {
     }
     try {
       if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
-        ring.run(c, s, planned ? &plan : nullptr);
+        ring.run(c, s, &plan);
       } else {
         py::gil_scoped_release nogil;  // nccl: may poll NCCL until its calls are enqueued
         ring.run(c, s);
@@ -529,21 +543,35 @@ class CudaComm {
       return py::none();
     }
     if (on_caller) {
-      // The tensors are the caller's stream's, as for any op on it: nothing to hold. after_ marks
-      // the call's end for the next call on another stream, and for join().
+      // The tensors are the caller's stream's, as for any op on it: nothing to hold, except a
+      // shared buffer (shared_empty), whose release unmaps the peers' copies the kernel still
+      // reads. after_ marks the call's end for the next call on another stream, and for join().
       C10_CUDA_CHECK(cudaEventRecord(after_, cur));
       tail_ = cur;
+      if constexpr (std::is_same_v<Ring, rc::p2p::Ring>)
+        if (plan.algo == rc::p2p::Algo::Registered) hold(tensors, cur, &finished);
       return py::none();
     }
     tail_ = nullptr;
     // The caching allocator must not reuse these tensors' memory before our stream is done:
     // held until this event, not record_stream (which would tie our stream to their frees).
-    const cudaEvent_t done = hold(tensors);
+    const cudaEvent_t done = hold(tensors, stream_, &finished);
     if (!async_op) {
       C10_CUDA_CHECK(cudaStreamWaitEvent(cur, done, 0));
       return py::none();
     }
     return marker_locked();  // call_mu_ held (p2p)
+  }
+
+  // call_mu_ for a caller that holds the GIL: never blocks on it with the GIL (a holder may be
+  // waiting for the GIL: run's launch, a tensor destructor; or for the device: close).
+  std::unique_lock<std::mutex> lock_calls() {
+    std::unique_lock<std::mutex> lk(call_mu_, std::try_to_lock);
+    if (!lk.owns_lock()) {
+      py::gil_scoped_release nogil;
+      lk.lock();
+    }
+    return lk;
   }
 
   // Orders stream s after every earlier call of this communicator (they share its workspace and
@@ -595,9 +623,7 @@ class CudaComm {
  public:
   // A Work whose event follows every call enqueued so far.
   py::object marker() {
-    // With the GIL: a holder of call_mu_ either keeps the GIL until it unlocks (run) or never
-    // waits for it.
-    std::lock_guard<std::mutex> calls(call_mu_);
+    std::unique_lock<std::mutex> calls = lock_calls();
     return marker_locked();
   }
 
@@ -626,9 +652,9 @@ class CudaComm {
   cudaEvent_t after_ = nullptr;  // recorded on tail_ after the last call that ran there
   cudaEvent_t link_ = nullptr;   // our stream's end, for a caller's stream to wait on
   cudaStream_t tail_ = nullptr;  // the caller's stream of the last call; nullptr: ours
-  // p2p calls against close() and the stream bookkeeping (tail_). Taken either with the GIL by
-  // code that keeps it until it unlocks (run, marker), or without it (close, unmap_peers,
-  // synchronize): no thread ever waits for the GIL while holding it.
+  // p2p calls against close() and the stream bookkeeping (tail_). Nobody blocks on it while
+  // holding the GIL (lock_calls; close, unmap_peers and synchronize release the GIL first), so a
+  // holder may wait for the GIL (or run Python) without a deadlock.
   std::mutex call_mu_;
   std::mutex held_mu_;  // held_ and spare_events_
   std::deque<Held> held_;
@@ -665,6 +691,9 @@ PyObject* cuda_fast_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t
   for (size_t i = 0; i < f->ops.size(); ++i)
     if (args[1] == f->ops[i].ptr()) code = static_cast<int>(i);
   if (code < 0) Py_RETURN_FALSE;
+  // The errors the full path (pybind11 with torch's translators) raises: RingReduceError, Python
+  // errors, ValueError and MemoryError as pybind11 maps std::invalid_argument and bad_alloc, the
+  // rest (c10 errors: OutOfMemoryError, AcceleratorError, ...) as torch maps them.
   try {
     if (f->comm->try_all_reduce(args[0], code)) Py_RETURN_TRUE;
     Py_RETURN_FALSE;
@@ -672,14 +701,12 @@ PyObject* cuda_fast_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t
     e.restore();
   } catch (const rr::RingError& e) {
     PyErr_SetString(rr::ring_error_type(), e.what());
-  } catch (const c10::ValueError& e) {  // as pybind11 maps torch's errors
-    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
-  } catch (const c10::TypeError& e) {
-    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (...) {
+    torch::translate_exception_to_python(std::current_exception());
   }
   return nullptr;
 }

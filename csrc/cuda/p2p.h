@@ -434,6 +434,7 @@ class Ring {
   static void release_graph_pin(void* pin);
   int graph_pins() const { return pins_->load(); }
   bool closed() const { return closed_; }
+  bool unmapped() const { return unmapped_; }  // the first half of a close ran
   uint64_t op_seq() const { return op_seq_; }
   // Whether call `seq` (a narrow wire with fp16) rounded a finite value beyond fp16's range on
   // some rank: every rank learns it. Final once the call's kernel has finished; for the last
