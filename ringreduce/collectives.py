@@ -320,7 +320,10 @@ def _remember_fast(group, comm):
         fast = comm._native.fast_all_reduce(_FAST_OPS)
     else:
         return
-    _fast[group] = (group if group is not None else dist.group.WORLD, comm, fast)
+    entry = (group if group is not None else dist.group.WORLD, comm, fast)
+    _fast[group] = entry
+    if comm.closed and _fast.get(group) is entry:  # closed meanwhile (another thread): not kept
+        _fast.pop(group, None)
 
 
 def _all_reduce_wire(tensor, op, group, async_op, wire_dtype):

@@ -29,6 +29,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/record_function.h>
 
+#include <atomic>
 #include <deque>
 #include <map>
 #include <memory>
@@ -229,7 +230,9 @@ class CudaComm {
   // for anything else (the full path then checks it and raises the API's errors). Ranges for
   // torch.profiler and NVTX as the full path's (_cuda.Communicator._enqueue).
   bool try_all_reduce(PyObject* obj, int op) {
-    if (!THPVariable_CheckExact(obj)) return false;  // closed: run() says so, under its lock
+    // Closing or closed: the full path (a new communicator, or its error); run() checks again
+    // under its lock.
+    if (!THPVariable_CheckExact(obj) || closing_.load(std::memory_order_relaxed)) return false;
     const at::Tensor& t = THPVariable_Unpack(obj);
     rr::DType dt;
     if (t.layout() != at::kStrided || !t.is_cuda() || t.get_device() != device_ || !t.is_contiguous() ||
@@ -301,6 +304,7 @@ class CudaComm {
   // Waits for the stream (collectives end by their deadline at the latest), then frees everything.
   // peers_done: every rank has stopped using this rank's memory (see p2p::Ring::close).
   void close(bool peers_done) {
+    closing_.store(true, std::memory_order_relaxed);
     if (!stream_) return;
     if (rec_) rec_->set_device_probe(nullptr);  // waits for a dump reading the ring
     c10::cuda::CUDAGuard guard(device_);
@@ -549,7 +553,14 @@ class CudaComm {
       C10_CUDA_CHECK(cudaEventRecord(after_, cur));
       tail_ = cur;
       if constexpr (std::is_same_v<Ring, rc::p2p::Ring>)
-        if (plan.algo == rc::p2p::Algo::Registered) hold(tensors, cur, &finished);
+        if (plan.algo == rc::p2p::Algo::Registered) {
+          try {
+            hold(tensors, cur, &finished);
+          } catch (...) {  // not held: the buffer must outlive the kernel before its release
+            cudaStreamSynchronize(cur);
+            throw;
+          }
+        }
       return py::none();
     }
     tail_ = nullptr;
@@ -560,7 +571,9 @@ class CudaComm {
       C10_CUDA_CHECK(cudaStreamWaitEvent(cur, done, 0));
       return py::none();
     }
-    return marker_locked();  // call_mu_ held (p2p)
+    std::unique_ptr<CudaWork> w = marker_locked();
+    if (calls.owns_lock()) calls.unlock();  // no Python object is made under call_mu_
+    return py::cast(std::move(w));
   }
 
   // call_mu_ for a caller that holds the GIL: never blocks on it with the GIL (a holder may be
@@ -623,12 +636,16 @@ class CudaComm {
  public:
   // A Work whose event follows every call enqueued so far.
   py::object marker() {
-    std::unique_lock<std::mutex> calls = lock_calls();
-    return marker_locked();
+    std::unique_ptr<CudaWork> w;
+    {
+      std::unique_lock<std::mutex> calls = lock_calls();
+      w = marker_locked();
+    }
+    return py::cast(std::move(w));  // a Python object (maybe a collection) after the unlock
   }
 
  private:
-  py::object marker_locked() {
+  std::unique_ptr<CudaWork> marker_locked() {
     // Closed: say so before an event exists (it would leak, recorded on the legacy stream).
     const uint64_t seq = ring().op_seq();
     if (!stream_) throw rr::RingError("ringreduce: communicator is closed");
@@ -639,7 +656,7 @@ class CudaComm {
     const cudaError_t e = cudaEventRecord(done, stream_);
     if (e != cudaSuccess) cudaEventDestroy(done);
     C10_CUDA_CHECK(e);
-    return py::cast(std::make_unique<CudaWork>(done, device_, shared_, seq));
+    return std::make_unique<CudaWork>(done, device_, shared_, seq);
   }
 
  private:
@@ -656,6 +673,7 @@ class CudaComm {
   // holding the GIL (lock_calls; close, unmap_peers and synchronize release the GIL first), so a
   // holder may wait for the GIL (or run Python) without a deadlock.
   std::mutex call_mu_;
+  std::atomic<bool> closing_{false};  // close() began: the fast path declines (try_all_reduce)
   std::mutex held_mu_;  // held_ and spare_events_
   std::deque<Held> held_;
   std::vector<cudaEvent_t> spare_events_;
@@ -692,8 +710,8 @@ PyObject* cuda_fast_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t
     if (args[1] == f->ops[i].ptr()) code = static_cast<int>(i);
   if (code < 0) Py_RETURN_FALSE;
   // The errors the full path (pybind11 with torch's translators) raises: RingReduceError, Python
-  // errors, ValueError and MemoryError as pybind11 maps std::invalid_argument and bad_alloc, the
-  // rest (c10 errors: OutOfMemoryError, AcceleratorError, ...) as torch maps them.
+  // errors, torch's c10 errors (OutOfMemoryError, AcceleratorError, ...) as torch maps them, the
+  // standard ones as pybind11 maps them.
   try {
     if (f->comm->try_all_reduce(args[0], code)) Py_RETURN_TRUE;
     Py_RETURN_FALSE;
@@ -701,12 +719,26 @@ PyObject* cuda_fast_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t
     e.restore();
   } catch (const rr::RingError& e) {
     PyErr_SetString(rr::ring_error_type(), e.what());
-  } catch (const std::invalid_argument& e) {
-    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const c10::Error&) {
+    torch::translate_exception_to_python(std::current_exception());
   } catch (const std::bad_alloc&) {
     PyErr_NoMemory();
+  } catch (const std::domain_error& e) {  // pybind11's mapping of the standard exceptions
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::length_error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::out_of_range& e) {
+    PyErr_SetString(PyExc_IndexError, e.what());
+  } catch (const std::range_error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::overflow_error& e) {
+    PyErr_SetString(PyExc_OverflowError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
   } catch (...) {
-    torch::translate_exception_to_python(std::current_exception());
+    PyErr_SetString(PyExc_RuntimeError, "ringreduce: unknown C++ exception in all_reduce");
   }
   return nullptr;
 }
