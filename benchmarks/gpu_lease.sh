@@ -43,7 +43,8 @@ log "smoke and the copy algorithm (no MPS)"
 timeout -k 10 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
     test_transport_choice_logged or test_world_one_moves_nothing or test_shared_buffers or \
     p2p_copy-2 or test_time_sliced_ranks_are_warned or (test_stream_semantics and p2p) or \
-    test_sync_calls_run_on_the_callers_stream or test_cuda_graph" tests/test_cuda.py \
+    test_sync_calls_run_on_the_callers_stream or test_cuda_graph or \
+    test_async_calls_beside_a_global_capture" tests/test_cuda.py \
     --durations=10 -rfE > "$OUT/smoke.log" 2>&1
 log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
 

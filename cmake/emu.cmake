@@ -1,7 +1,8 @@
 # The emulated CUDA device (tests only; see tests/native/emu/README.md): the CUDA sources of
 # csrc/cuda/ compiled by the host compiler against our own subset of the CUDA runtime, and an
 # in-process stand-in for NCCL, so that ctest runs the CUDA kernels and transports without a GPU.
-add_library(cuda_emu SHARED tests/native/emu/runtime.cpp tests/native/emu/cost.cpp tests/native/emu/weak.cpp)
+add_library(cuda_emu SHARED tests/native/emu/runtime.cpp tests/native/emu/cost.cpp tests/native/emu/weak.cpp
+            tests/native/emu/hb.cpp)
 target_include_directories(cuda_emu PUBLIC tests/native/emu/include)
 target_compile_definitions(cuda_emu PUBLIC RINGREDUCE_EMU=1)
 # '#pragma unroll' is nvcc's; the host compiler ignores it.

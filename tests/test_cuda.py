@@ -942,6 +942,64 @@ def test_cuda_graph_refused_on_nccl():
         assert value == 4.0
 
 
+def capture_beside_worker(rank, world):
+    """Issue 51 finding 2 on a GPU: one thread captures a CUDA graph in global mode (torch.cuda.graph's
+    default) while another runs async all_reduces and polls their Works (is_completed, wait) and,
+    on nccl, the watchdog runs: every event query of ours is in relaxed mode, so the capture
+    survives and replays. The count of calls is fixed (the peers make the same calls)."""
+    import threading
+    import ringreduce as rr
+    dev = setup_rank(rank)
+    t = torch.ones(1 << 16, device=dev)
+    rr.all_reduce(t)  # the communicator exists before the capture
+    t.fill_(1.0)
+    x = torch.arange(1024, device=dev, dtype=torch.float32)
+    torch.cuda.synchronize()
+    calls, polled, errors = 40, [0], []
+    go = threading.Event()
+
+    def poll():
+        try:
+            go.wait(60)
+            for _ in range(calls):
+                w = rr.all_reduce(t, async_op=True)
+                while not w.is_completed():
+                    polled[0] += 1
+                w.wait()
+            torch.cuda.current_stream(dev).synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{type(e).__name__}: {e}")
+
+    th = threading.Thread(target=poll)
+    th.start()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            y = x * 2
+            go.set()
+            th.join(120)  # the other thread's calls run, finish and are queried during the capture
+        g.replay()
+        torch.cuda.synchronize()
+        captured = bool(torch.equal(y, x * 2))
+    except Exception as e:  # noqa: BLE001
+        captured = f"{type(e).__name__}: {e}"
+    go.set()
+    th.join(120)
+    torch.cuda.synchronize()
+    value = t[0].item()
+    finish()
+    return captured, errors, polled[0], value, float(world) ** calls
+
+
+@TRANSPORTS
+def test_async_calls_beside_a_global_capture(env):
+    for rank, (captured, errors, polled, value, want) in enumerate(
+            run_ranks(2, capture_beside_worker, timeout=300, env=env)):
+        assert captured is True, (rank, captured)
+        assert not errors, (rank, errors)
+        assert value == want, (rank, value, want)
+
+
 # -- the torch.distributed backend on CUDA tensors ------------------------------------------------
 def backend_worker(rank, world):
     import torch.nn as nn

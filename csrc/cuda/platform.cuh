@@ -76,24 +76,40 @@ __device__ __forceinline__ void spin_hint() {}
 
 #else
 
-// The weak memory mode (tests/native/emu/weak.cpp) hears of every acquire and release.
+// The weak memory mode (tests/native/emu/weak.cpp) hears of every acquire and release; the
+// happens-before check (hb.cpp), of every flag access too (a flag's clock joined before its store,
+// read after its load).
 inline uint64_t ld_acquire_sys(const uint64_t* p) {
   const uint64_t v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+  if (::emu::hb()) ::emu::hb_flag_load(p, true);
   if (::emu::weak()) ::emu::weak_acquire();
   return v;
 }
 inline void st_release_sys(uint64_t* p, uint64_t v) {
   if (::emu::weak()) ::emu::weak_release();
+  if (::emu::hb()) ::emu::hb_fence(), ::emu::hb_flag_store(p);
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
   ::emu::cost_flag_store(p);
 }
 inline void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  if (::emu::hb()) ::emu::hb_flag_store(p);
   __atomic_store_n(p, v, __ATOMIC_RELAXED);
   ::emu::cost_flag_store(p);
 }
-inline void st_relaxed_sys(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-inline uint32_t ld_relaxed_sys(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-inline uint64_t ld_relaxed_sys(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void st_relaxed_sys(uint32_t* p, uint32_t v) {
+  if (::emu::hb()) ::emu::hb_flag_store(p);
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+}
+inline uint32_t ld_relaxed_sys(const uint32_t* p) {
+  const uint32_t v = __atomic_load_n(p, __ATOMIC_RELAXED);
+  if (::emu::hb()) ::emu::hb_flag_load(p, false);
+  return v;
+}
+inline uint64_t ld_relaxed_sys(const uint64_t* p) {
+  const uint64_t v = __atomic_load_n(p, __ATOMIC_RELAXED);
+  if (::emu::hb()) ::emu::hb_flag_load(p, false);
+  return v;
+}
 inline void fence_acq_rel_sys() {  // fence.acq_rel.sys
   ::emu::weak_fence();
   __atomic_thread_fence(__ATOMIC_ACQ_REL);

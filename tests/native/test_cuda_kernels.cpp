@@ -1120,9 +1120,20 @@ static void test_close_keeps_memory_neighbours_read() {
 // released, loads may be stale until acquired. Each algorithm forced, on worlds 2 and 3 with tiny
 // slices/slots (many steps and slot reuses per call), three seeds. Run by name only (ctest's
 // test_cuda_kernels_emu_weak): the other tests run with the strong model.
+// The happens-before check (tests/native/emu/hb.cpp) runs alongside: a load that no acquire
+// ordered after its store (a poll without the acquire after it) fails the scope.
 struct WeakScope {
-  explicit WeakScope(uint64_t seed) { emu_set_weak(seed); }
-  ~WeakScope() { emu_set_weak(0); }
+  explicit WeakScope(uint64_t seed) : seed(seed) {
+    emu_set_weak(seed);
+    emu_set_hb(1);
+  }
+  ~WeakScope() {
+    emu_set_weak(0);
+    EXPECT(emu_hb_races() == 0, "weak seed=%llu: %llu loads not ordered after their stores; the first: %s",
+           (unsigned long long)seed, (unsigned long long)emu_hb_races(), emu_hb_first_race());
+    emu_set_hb(0);
+  }
+  uint64_t seed;
 };
 // registered: all_reduce in registered buffers (Algo::Auto picks the registered algorithm), the
 // other collectives staged.

@@ -95,6 +95,14 @@ uint64_t key(const Range& r, const void* p) {
 
 }  // namespace
 
+// For the happens-before check (hb.cpp): p's key, the same through every mapping of its allocation.
+bool cost_key(const void* p, uint64_t* k) {
+  const Range* r = find(p);
+  if (!r) return false;
+  *k = key(*r, p);
+  return true;
+}
+
 void cost_map(const void* base, size_t bytes, int device, uint64_t id) {
   std::unique_lock<std::shared_mutex> lk(g_ranges_mu);
   const Range r{reinterpret_cast<uintptr_t>(base), reinterpret_cast<uintptr_t>(base) + bytes, device, id};

@@ -114,8 +114,13 @@ MUTATIONS = {
         KERNEL,
         "  fence_acq_rel_sys();\n  note_wait(ctr);",
         "  if (a.algo != static_cast<uint8_t>(Algo::Ring)) fence_acq_rel_sys();\n  note_wait(ctr);",
-        WEAK_RING, "NOT expected: the weak mode's stale loads are cleared by the fence every step_end makes, so "
-        "a missing acquire after the poll does not show (a limit of the model, README)"),
+        WEAK_RING, "no acquire after the ring's poll: the slot's data loaded with nothing ordering it after "
+        "the sender's stores (the happens-before check, tests/native/emu/hb.cpp; the weak mode alone "
+        "missed it)"),
+    "sym_wait_without_acquire": (
+        SYM_BARRIER, "  fence_acq_rel_sys();  // acquire: the peer's data before its flag\n", "",
+        WEAK_DIRECT, "no acquire after a workspace barrier's poll: the peers' inputs read with nothing ordering "
+        "them after their stores (the happens-before check)"),
     "nccl_reduce_on_default_stream": (
         "csrc/cuda/nccl_ring.cpp",
         "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"

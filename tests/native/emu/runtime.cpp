@@ -40,6 +40,10 @@ void weak_block_end();
 void weak_barrier_arrive();
 void weak_barrier_release();
 
+// hb.cpp
+void hb_block_begin(int device);
+void hb_block_end();
+
 // cost.cpp
 void cost_map(const void* base, size_t bytes, int device, uint64_t id);
 void cost_unmap(const void* base);
@@ -255,6 +259,7 @@ void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdi
   }
   tl_block = &b;
   weak_block_begin(n, seed);
+  hb_block_begin(device);
   size_t done = 0;
   uint64_t rng = seed | 1;
   while (done < n) {
@@ -297,6 +302,7 @@ void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdi
     if (b.yielded) sched_yield();
   }
   weak_block_end();  // kernel end: every store lands
+  hb_block_end();
   tl_block = nullptr;
   *end_clock = cost_block_end();
   std::lock_guard<std::mutex> lk(g_stacks_mu);

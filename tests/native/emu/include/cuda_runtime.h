@@ -198,7 +198,16 @@ void weak_load(const void* p, void* out, size_t n);
 void weak_release();
 void weak_acquire();
 inline bool weak() { return weak_on.load(std::memory_order_relaxed); }
+// The happens-before check (hb.cpp; emu_set_hb in emu.h): data stores stamped, data loads checked
+// against what the block has acquired; flags carry clocks. No-ops outside kernels.
+extern std::atomic<bool> hb_on;
+inline bool hb() { return hb_on.load(std::memory_order_relaxed); }
+void hb_access(const void* p, size_t n, bool store);
+void hb_fence();
+void hb_flag_store(const void* p);
+void hb_flag_load(const void* p, bool acquire);
 inline void weak_fence() {  // acq_rel: what came before lands, what comes after reads fresh
+  if (hb()) hb_fence();
   if (!weak()) return;
   weak_release();
   weak_acquire();
@@ -222,7 +231,9 @@ inline void __threadfence_system() {
 }
 inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned value) {
   ::emu::weak_fence();
+  if (::emu::hb()) ::emu::hb_flag_load(p, true);
   __atomic_compare_exchange_n(p, &compare, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  if (::emu::hb()) ::emu::hb_flag_store(p);
   return compare;
 }
 inline unsigned atomicCAS_system(unsigned* p, unsigned compare, unsigned value) {
@@ -244,6 +255,7 @@ inline float __fdiv_rn(float a, float b) { return a / b; }
 // move all their data through these, so the cost model counts it here.
 template <class T> inline T __ldcg(const T* p) {
   if (::emu::cost_enabled.load(std::memory_order_relaxed)) ::emu::cost_access(p, sizeof(T), false);
+  if (::emu::hb()) ::emu::hb_access(p, sizeof(T), false);
   if (::emu::weak()) {
     T v;
     ::emu::weak_load(p, &v, sizeof(T));
@@ -253,6 +265,7 @@ template <class T> inline T __ldcg(const T* p) {
 }
 template <class T> inline void __stcg(T* p, T v) {
   if (::emu::cost_enabled.load(std::memory_order_relaxed)) ::emu::cost_access(p, sizeof(T), true);
+  if (::emu::hb()) ::emu::hb_access(p, sizeof(T), true);
   if (::emu::weak()) return ::emu::weak_store(p, &v, sizeof(T));
   *p = v;
 }

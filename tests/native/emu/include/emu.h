@@ -30,6 +30,14 @@ int emu_block_threads();
 // from now on, with that seed (each seed, another random order of stores landing); 0 turns it off.
 // EMU_WEAK=seed in the environment turns it on at start.
 void emu_set_weak(uint64_t seed);
+// The happens-before check (tests/native/emu/hb.cpp): on != 0 checks, in kernels launched from now
+// on, that every data load sees a store ordered before it by a release and an acquire (or by the
+// end of the kernel that stored it); 0 turns it off. Either call clears the count. EMU_HB=1 in the
+// environment turns it on at start.
+void emu_set_hb(int on);
+// Loads that raced with their store since the last emu_set_hb, and what the first one was ("" if none).
+uint64_t emu_hb_races();
+const char* emu_hb_first_race();
 // Kernel launches executed so far.
 uint64_t emu_launches();
 // cudaFree calls so far of device memory that IPC mappings still mapped (undefined in CUDA: the
