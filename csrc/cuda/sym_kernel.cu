@@ -4,7 +4,8 @@
 // same bits, whatever the sizes). Barriers per piece of a call (Ring::sym_args cuts the pieces):
 //   one-shot all_reduce:  copy in, start barrier, fold all n inputs into the output.        1
 //   two-shot all_reduce:  copy in, start barrier, fold chunk r into the output and the workspace,
-//                         middle barrier, copy the other chunks from their owners.          2
+//                         (the next piece's copy in and start barrier, which is this one's
+//                         middle barrier too), copy the other chunks from their owners.  1 (+1)
 //   reduce_scatter:       copy in, start barrier, fold chunk r into the output.              1
 //   all_gather:           copy in, start barrier, copy every peer's chunk into the output.   1
 //   registered (an all_reduce of a tensor in a buffer every rank maps: nothing copied): start
@@ -105,66 +106,94 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
     const int64_t span = coll == Coll::AllReduce ? a.numel : m;
     // Two-shot's chunks of a piece: of S elements, the same cut in every piece (the last may be short).
     const int64_t S = (C + n - 1) / n;
-    for (int64_t j = 0; j < pieces; ++j) {
-      const uint64_t e = e0 + 1 + j;
-      const int64_t begin = j * C;
-      const int64_t count = ring::min64(C, span - begin);
-      const uint64_t half = (e & 1) * a.half_bytes;
-      // This block's elements of [lo, lo + len) of the piece (lo relative to it), as absolute
-      // indices of the span: a cut of the full piece, the same in every piece of the call and
-      // clipped to this one, so that a block ahead of another (blocks do not wait for each other)
-      // never writes where that one may still read in a piece two back, in the same half.
-      auto mine = [&](int64_t lo, int64_t len) {
-        const ring::Span p = ring::channel_part(ring::Span{lo, len}, nb, blockIdx.x);
-        const int64_t b = ring::min64(p.begin, count), f = ring::min64(p.begin + p.count, count);
-        return ring::Span{begin + b, f - b};
-      };
-      bool ok = true;
-      if (coll == Coll::AllReduce) {
-        const Layout L{half, begin, begin, 0};
-        const bool one = algo == Algo::OneShot;
-        auto cpart = [&](int c) { return one ? mine(0, C) : mine(c * S, S); };
-        for (int c = 0; c < (one ? 1 : n); ++c) {
-          if (c == r && !one) continue;  // this rank's own chunk is folded from its input
-          const ring::Span P = cpart(c);
+    // Piece j: its epoch (barrier values, half parity) and where its elements lie in a half.
+    auto epoch = [&](int64_t j) { return e0 + 1 + static_cast<uint64_t>(j); };
+    auto layout = [&](int64_t j, int64_t global, uint64_t region) {
+      return Layout{(epoch(j) & 1) * a.half_bytes, j * C, global, region};
+    };
+    // This block's elements of [lo, lo + len) of piece j (lo relative to it), as absolute indices
+    // of the span: a cut of the full piece, the same in every piece of the call and clipped to
+    // this one, so that a block ahead of another (blocks do not wait for each other) never writes
+    // where that one may still read in a piece two back, in the same half.
+    auto mine = [&](int64_t j, int64_t lo, int64_t len) {
+      const int64_t begin = j * C, count = ring::min64(C, span - begin);
+      const ring::Span p = ring::channel_part(ring::Span{lo, len}, nb, blockIdx.x);
+      const int64_t b = ring::min64(p.begin, count), f = ring::min64(p.begin + p.count, count);
+      return ring::Span{begin + b, f - b};
+    };
+    if (coll == Coll::AllReduce && algo == Algo::TwoShot) {
+      // Pipelined: one barrier per piece (and one to start). Piece j + 1's inputs are copied in
+      // between piece j's fold and the barrier after it, which then says both "my chunk of piece j
+      // is reduced" and "my inputs of piece j + 1 are in"; piece j's reduced chunks are copied out
+      // after it. Halves alternate by piece: piece j + 1's copy in and fold overwrite a half whose
+      // readers (piece j - 1's folds and copies out) all came before that barrier.
+      auto part = [&](int64_t j, int c) { return mine(j, c * S, S); };
+      auto copy_in = [&](int64_t j) {  // the other ranks' chunks, for them to fold
+        const Layout L = layout(j, j * C, 0);
+        for (int c = 0; c < n; ++c) {
+          if (c == r) continue;  // this rank's own chunk is folded from its input
+          const ring::Span P = part(j, c);
           copy(reinterpret_cast<T*>(a.data[r] + L.at(P.begin, 0, es)), in + P.begin, P.count);
         }
-        if (!(ok = barrier(a, e, kStart, j, nbytes, &s_claim))) break;
-        const ring::Span P = cpart(one ? 0 : r);
+      };
+      copy_in(0);
+      bool ok = barrier(a, epoch(0), kStart, 0, nbytes, &s_claim);
+      for (int64_t j = 0; ok && j < pieces; ++j) {
+        const Layout L = layout(j, j * C, 0);
+        const ring::Span P = part(j, r);
         const uint64_t off = L.at(P.begin, 0, es);
-        fold<T, Op>(Targets<T>{out + P.begin, a.data, off, r}, one ? 1 : 2,
-                    Sources<T>{in + P.begin, r, a.data, off}, n, P.count, a.divisor);
-        if (one) continue;
-        if (!(ok = barrier(a, e, kMiddle, j, nbytes, &s_claim))) break;
+        fold<T, Op>(Targets<T>{out + P.begin, a.data, off, r}, 2, Sources<T>{in + P.begin, r, a.data, off}, n,
+                    P.count, a.divisor);
+        if (j + 1 < pieces) {
+          copy_in(j + 1);
+          ok = barrier(a, epoch(j + 1), kStart, j + 1, nbytes, &s_claim);
+        } else {
+          ok = barrier(a, epoch(j), kMiddle, j, nbytes, &s_claim);
+        }
+        if (!ok) break;
         for (int c = 0; c < n; ++c) {
           if (c == r) continue;
-          const ring::Span Q = cpart(c);
+          const ring::Span Q = part(j, c);
           copy(out + Q.begin, reinterpret_cast<const T*>(a.data[c] + L.at(Q.begin, 0, es)), Q.count);
         }
-      } else if (coll == Coll::ReduceScatter) {
-        // Region c of the half holds this piece of chunk c; the output is chunk r alone.
-        const uint64_t region = nbytes + kVecBytes;
-        const ring::Span P = mine(0, C);
-        for (int c = 0; c < n; ++c) {
-          if (c == r) continue;
-          const Layout L{half, begin, c * m + begin, region};
-          copy(reinterpret_cast<T*>(a.data[r] + L.at(P.begin, c, es)), in + c * m + P.begin, P.count);
-        }
-        if (!(ok = barrier(a, e, kStart, j, nbytes, &s_claim))) break;
-        const Layout L{half, begin, r * m + begin, region};
-        const uint64_t off = L.at(P.begin, r, es);
-        fold<T, Op>(Targets<T>{out + P.begin, a.data, off, r}, 1,
-                    Sources<T>{in + r * m + P.begin, r, a.data, off}, n, P.count, a.divisor);
-      } else {  // all_gather: the input is this rank's chunk of the output
-        const ring::Span P = mine(0, C);
-        const Layout own{half, begin, r * m + begin, 0};
-        copy(reinterpret_cast<T*>(a.data[r] + own.at(P.begin, 0, es)), in + P.begin, P.count);
-        copy(out + r * m + P.begin, in + P.begin, P.count);
-        if (!(ok = barrier(a, e, kStart, j, nbytes, &s_claim))) break;
-        for (int q = 0; q < n; ++q) {
-          if (q == r) continue;
-          const Layout L{half, begin, q * m + begin, 0};
-          copy(out + q * m + P.begin, reinterpret_cast<const T*>(a.data[q] + L.at(P.begin, 0, es)), P.count);
+      }
+    } else {
+      for (int64_t j = 0; j < pieces; ++j) {
+        const uint64_t e = epoch(j);
+        const int64_t begin = j * C;
+        if (coll == Coll::AllReduce) {  // one-shot
+          const Layout L = layout(j, begin, 0);
+          const ring::Span P = mine(j, 0, C);
+          copy(reinterpret_cast<T*>(a.data[r] + L.at(P.begin, 0, es)), in + P.begin, P.count);
+          if (!barrier(a, e, kStart, j, nbytes, &s_claim)) break;
+          const uint64_t off = L.at(P.begin, 0, es);
+          fold<T, Op>(Targets<T>{out + P.begin, a.data, off, r}, 1, Sources<T>{in + P.begin, r, a.data, off}, n,
+                      P.count, a.divisor);
+        } else if (coll == Coll::ReduceScatter) {
+          // Region c of the half holds this piece of chunk c; the output is chunk r alone.
+          const uint64_t region = nbytes + kVecBytes;
+          const ring::Span P = mine(j, 0, C);
+          for (int c = 0; c < n; ++c) {
+            if (c == r) continue;
+            const Layout L = layout(j, c * m + begin, region);
+            copy(reinterpret_cast<T*>(a.data[r] + L.at(P.begin, c, es)), in + c * m + P.begin, P.count);
+          }
+          if (!barrier(a, e, kStart, j, nbytes, &s_claim)) break;
+          const Layout L = layout(j, r * m + begin, region);
+          const uint64_t off = L.at(P.begin, r, es);
+          fold<T, Op>(Targets<T>{out + P.begin, a.data, off, r}, 1,
+                      Sources<T>{in + r * m + P.begin, r, a.data, off}, n, P.count, a.divisor);
+        } else {  // all_gather: the input is this rank's chunk of the output
+          const ring::Span P = mine(j, 0, C);
+          const Layout own = layout(j, r * m + begin, 0);
+          copy(reinterpret_cast<T*>(a.data[r] + own.at(P.begin, 0, es)), in + P.begin, P.count);
+          copy(out + r * m + P.begin, in + P.begin, P.count);
+          if (!barrier(a, e, kStart, j, nbytes, &s_claim)) break;
+          for (int q = 0; q < n; ++q) {
+            if (q == r) continue;
+            const Layout L = layout(j, q * m + begin, 0);
+            copy(out + q * m + P.begin, reinterpret_cast<const T*>(a.data[q] + L.at(P.begin, 0, es)), P.count);
+          }
         }
       }
     }

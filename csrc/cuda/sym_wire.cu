@@ -245,46 +245,64 @@ __global__ void __launch_bounds__(kThreads) sym_wire_kernel(const __grid_constan
   const int64_t span = all_reduce ? a.numel : m;
   const int64_t SB = (cap + n - 1) / n;  // two-shot: wire blocks per chunk of a piece
   bool over = false;
-  for (int64_t j = 0; j < a.pieces; ++j) {
-    const uint64_t e = e0 + 1 + j;
-    const int64_t begin = j * C, count = ring::min64(C, span - begin);
-    const int64_t nblk = (count + kWireBlock - 1) / kWireBlock;
-    const uint64_t half = (e & 1) * a.half_bytes;
-    // Span i of rank q's half: reduce_scatter: chunk i; all_reduce: 0 every input, 1 the chunk q
-    // reduced (two-shot).
-    auto at = [&](int q, int i) { return WSpan<W>{a.data[q] + half + i * a.wire_span, cap}; };
-    auto reduced_at = [&](int q) { return WSpan<W>{a.data[q] + half + a.wire_span, SB, q * SB}; };
-    // This block's wire blocks of [lo, lo + len) of the piece: the cut of a full piece, clipped
-    // to this one (sym_kernel.cu's `mine`, in wire blocks).
-    auto mine = [&](int64_t lo, int64_t len) {
-      const ring::Span p = ring::channel_part(ring::Span{lo, len}, nb, blockIdx.x);
-      const int64_t b = ring::min64(p.begin, nblk), f = ring::min64(p.begin + p.count, nblk);
-      return ring::Span{b, f - b};
+  // Piece j: its epoch, first element, length in elements and wire blocks, and its half.
+  auto epoch = [&](int64_t j) { return e0 + 1 + static_cast<uint64_t>(j); };
+  auto count_of = [&](int64_t j) { return ring::min64(C, span - j * C); };
+  auto half_of = [&](int64_t j) { return (epoch(j) & 1) * a.half_bytes; };
+  // Span i of rank q's half for piece j: reduce_scatter: chunk i; all_reduce: 0 every input, 1
+  // the chunk q reduced (two-shot).
+  auto at = [&](int64_t j, int q, int i) { return WSpan<W>{a.data[q] + half_of(j) + i * a.wire_span, cap}; };
+  auto reduced_at = [&](int64_t j, int q) { return WSpan<W>{a.data[q] + half_of(j) + a.wire_span, SB, q * SB}; };
+  // This block's wire blocks of [lo, lo + len) of piece j: the cut of a full piece, clipped to
+  // this one (sym_kernel.cu's `mine`, in wire blocks).
+  auto mine = [&](int64_t j, int64_t lo, int64_t len) {
+    const int64_t nblk = (count_of(j) + kWireBlock - 1) / kWireBlock;
+    const ring::Span p = ring::channel_part(ring::Span{lo, len}, nb, blockIdx.x);
+    const int64_t b = ring::min64(p.begin, nblk), f = ring::min64(p.begin + p.count, nblk);
+    return ring::Span{b, f - b};
+  };
+  if (all_reduce) {
+    // One-shot: one barrier per piece. Two-shot pipelined as sym_kernel.cu's: piece j + 1's
+    // inputs are encoded in between piece j's fold and the barrier after it (one per piece, and
+    // one to start).
+    auto cpart = [&](int64_t j, int c) { return one ? mine(j, 0, cap) : mine(j, c * SB, SB); };
+    auto put_in = [&](int64_t j) {
+      bool o = false;
+      for (int c = 0; c < (one ? 1 : n); ++c)
+        o |= put_part<T, W>(s, in + j * C, count_of(j), cpart(j, c), at(j, r, 0));
+      tell_overflow<W>(at(j, r, 0), o);
     };
-    if (all_reduce) {
-      auto cpart = [&](int c) { return one ? mine(0, cap) : mine(c * SB, SB); };
-      bool o = false;
-      for (int c = 0; c < (one ? 1 : n); ++c) o |= put_part<T, W>(s, in + begin, count, cpart(c), at(r, 0));
-      tell_overflow<W>(at(r, 0), o);
-      if (!barrier(a, e, kStart, j, a.wire_span, &s_claim)) break;
-      auto src = [&](int q) { return at(q, 0); };
+    put_in(0);
+    bool ok = barrier(a, epoch(0), kStart, 0, a.wire_span, &s_claim);
+    for (int64_t j = 0; ok && j < a.pieces; ++j) {
+      const int64_t begin = j * C, count = count_of(j);
+      auto src = [&](int q) { return at(j, q, 0); };
       over |= heard_overflow<W>(src, n);
-      const WSpan<W> reduced = one ? WSpan<W>{nullptr, cap} : reduced_at(r);
-      o = fold_part<T, W>(s, src, n, count, cpart(one ? 0 : r), a.divisor, &reduced, out + begin);
+      const WSpan<W> reduced = one ? WSpan<W>{nullptr, cap} : reduced_at(j, r);
+      const bool o = fold_part<T, W>(s, src, n, count, cpart(j, one ? 0 : r), a.divisor, &reduced, out + begin);
       over |= o;
-      if (one) continue;
-      tell_overflow<W>(reduced, o);
-      if (!barrier(a, e, kMiddle, j, a.wire_span, &s_claim)) break;
-      over |= heard_overflow<W>(reduced_at, n);
+      if (!one) tell_overflow<W>(reduced, o);
+      if (j + 1 < a.pieces) {
+        put_in(j + 1);
+        ok = barrier(a, epoch(j + 1), kStart, j + 1, a.wire_span, &s_claim);
+      } else if (!one) {
+        ok = barrier(a, epoch(j), kMiddle, j, a.wire_span, &s_claim);
+      }
+      if (!ok || one) continue;
+      auto red = [&](int q) { return reduced_at(j, q); };
+      over |= heard_overflow<W>(red, n);
       for (int c = 0; c < n; ++c)
-        if (c != r) get_part<T, W>(s, reduced_at(c), count, cpart(c), out + begin);
-    } else {  // reduce_scatter: span c of the half holds this piece of chunk c
-      const ring::Span P = mine(0, cap);
+        if (c != r) get_part<T, W>(s, reduced_at(j, c), count, cpart(j, c), out + begin);
+    }
+  } else {  // reduce_scatter: span c of the half holds this piece of chunk c
+    for (int64_t j = 0; j < a.pieces; ++j) {
+      const int64_t begin = j * C, count = count_of(j);
+      const ring::Span P = mine(j, 0, cap);
       bool o = false;
-      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin, count, P, at(r, c));
-      for (int c = 0; c < n; ++c) tell_overflow<W>(at(r, c), o);
-      if (!barrier(a, e, kStart, j, a.wire_span, &s_claim)) break;
-      auto src = [&](int q) { return at(q, r); };
+      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin, count, P, at(j, r, c));
+      for (int c = 0; c < n; ++c) tell_overflow<W>(at(j, r, c), o);
+      if (!barrier(a, epoch(j), kStart, j, a.wire_span, &s_claim)) break;
+      auto src = [&](int q) { return at(j, q, r); };
       over |= heard_overflow<W>(src, n);
       fold_part<T, W>(s, src, n, count, P, a.divisor, static_cast<const WSpan<W>*>(nullptr), out + begin);
     }

@@ -667,7 +667,7 @@ static void test_readme_table() {
       "one-shot up to " + size_text(rc::p2p::oneshot_max_bytes(2)) + " at world 2 (" +
           size_text(rc::p2p::oneshot_max_bytes(4)) + " at 4, " + size_text(rc::p2p::oneshot_max_bytes(8)) + " at 8)",
       "(" + size_text(area(true)) + " per rank",
-      "barriers per " + size_text(rc::p2p::kDefaultChunkBytes) + " piece"};
+      "one barrier per " + size_text(rc::p2p::kDefaultChunkBytes) + " piece"};
   for (const std::string& w : want_direct)
     EXPECT(contains(direct, w), "README's p2p row lacks '%s': %s", w.c_str(), direct.c_str());
   const std::string want_ring = "(its FIFO: " + size_text(area(false)) + " per rank)";

@@ -79,8 +79,10 @@ MUTATIONS = {
         "direct blocks past the 32nd record their stops past the end of the host-mapped records"),
     "plan_ignores_resident_blocks": (
         "csrc/cuda/p2p.cpp",
-        "  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;",
-        "  const int resident = kMaxBlocks;",
+        [("  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;\n  const int most",
+          "  const int resident = kMaxBlocks;\n  const int most"),
+         ("  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;\n  if (algo",
+          "  const int resident = kMaxBlocks;\n  if (algo")], None,
         ("test_cuda_kernels_emu", ["test_ranks_share_a_device", "test_two_communicators_share_a_device"]),
         "ranks sharing a device launch more blocks than it holds: some wait for blocks that never end"),
     "close_frees_a_pinned_ring": (
@@ -233,14 +235,19 @@ MUTATIONS = {
         "    stop = b == kStart ? 0 : sym_wait(a, &a.self->sym[k].arrived[q], v, &local);",
         P2P_TEST, "a rank pulls the peers' pieces before they copied them in"),
     "sym_no_middle_barrier": (
-        SYM, "        if (!(ok = barrier(a, e, kMiddle, j, nbytes, &s_claim))) break;", "", P2P_TEST,
-        "two-shot gathers the peers' reduced chunks before they wrote them"),
+        SYM, "          ok = barrier(a, epoch(j), kMiddle, j, nbytes, &s_claim);", "", P2P_TEST,
+        "two-shot gathers the peers' reduced chunks of its last piece before they wrote them"),
+    "sym_pipelined_copy_in_after_barrier": (
+        SYM, "          copy_in(j + 1);\n          ok = barrier(a, epoch(j + 1), kStart, j + 1, nbytes, &s_claim);",
+        "          ok = barrier(a, epoch(j + 1), kStart, j + 1, nbytes, &s_claim);\n          copy_in(j + 1);",
+        P2P_TEST, "pipelined two-shot: the next piece's inputs copied in after the barrier that says they are in"),
     "sym_one_half": (
-        SYM, "      const uint64_t half = (e & 1) * a.half_bytes;", "      const uint64_t half = 0;",
+        SYM, "      return Layout{(epoch(j) & 1) * a.half_bytes, j * C, global, region};",
+        "      return Layout{0, j * C, global, region};",
         P2P_TEST, "one workspace half: a rank copies piece k + 1 over piece k while its peers read it"),
     "sym_cut_by_piece_length": (
-        SYM, "        const ring::Span p = ring::channel_part(ring::Span{lo, len}, nb, blockIdx.x);",
-        "        const ring::Span p = ring::channel_part(ring::Span{lo, ring::min64(len, count - lo)}, nb, blockIdx.x);",
+        SYM, "      const ring::Span p = ring::channel_part(ring::Span{lo, len}, nb, blockIdx.x);",
+        "      const ring::Span p = ring::channel_part(ring::Span{lo, ring::min64(len, count - lo)}, nb, blockIdx.x);",
         P2P_TEST, "blocks cut a short piece their own way: a block ahead writes where another still reads "
         "(the race found while writing the kernel)"),
     "sym_no_barrier_before_post": (
@@ -290,7 +297,7 @@ MUTATIONS = {
         "[&](int64_t i, float) { store1(out + at + i, Num<T>::down(s.v[i])); });\n  });\n  return over;", WIRE_TEST,
         "the reducing rank keeps its unrounded sum while the others decode the rounded one"),
     "wire_twoshot_no_middle_barrier": (
-        WIRE, "      if (!barrier(a, e, kMiddle, j, a.wire_span, &s_claim)) break;", "", WIRE_TEST,
+        WIRE, "        ok = barrier(a, epoch(j), kMiddle, j, a.wire_span, &s_claim);", "", WIRE_TEST,
         "two-shot decodes the peers' reduced chunks before they wrote them"),
     "wire_overflow_not_told": (
         WIRE, "  if (threadIdx.x == 0) store1(span.count(blockIdx.x), static_cast<uint32_t>(any));",
@@ -303,8 +310,8 @@ MUTATIONS = {
         "ranks on different wires read each other's spans as their own type"),
     "wire_rs_grid_from_tensor_start": (
         WIRE,
-        "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin, count, P, at(r, c));",
-        "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin + (c ? 1 : 0), count, P, at(r, c));",
+        "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin, count, P, at(j, r, c));",
+        "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin + (c ? 1 : 0), count, P, at(j, r, c));",
         WIRE_TEST, "reduce_scatter rounds a chunk's elements shifted by one (blocks not from the chunk's start)"),
     "sym_blocks_not_in_header": (
         SYM_BARRIER, "static_cast<uint32_t>(piece & 0xffffff) | (static_cast<uint32_t>(gridDim.x) << 24);",
