@@ -106,11 +106,19 @@ def make_entry(device, world, per_device, times, mps, torch_version, command):
 
 def entries_from_roofline(doc, args):
     """One entry per world of a gpu_roofline.py --json document's MPS runs (its ranks share one
-    GPU: ranks per device = world)."""
+    GPU: ranks per device = world). A world without both forced runs (one-shot and two-shot, each
+    with a median) has nothing to tune from: no entry, and it is said on stderr (session 24's
+    roofline, cut after its auto run, would otherwise have written one-shot <= 0 B: two-shot at
+    every size)."""
     out = []
     for world in sorted({r["world"] for r in doc["results"] if r["mps"] == "on"}):
         times = {r["algo"]: {int(s): v for s, v in r["median_us"].items()} for r in doc["results"]
                  if r["mps"] == "on" and r["world"] == world and r["algo"] in MEASURED}
+        missing = [algo for algo in MEASURED if not times.get(algo)]
+        if missing:
+            print(f"gpu_tune.py: world {world}: no {' or '.join(missing)} medians in the roofline; "
+                  f"its threshold is left as it is", file=sys.stderr)
+            continue
         out.append(make_entry(doc["device"], world, world, times, True, doc["torch"],
                               "python benchmarks/gpu_tune.py " + args))
     return out

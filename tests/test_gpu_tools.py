@@ -101,6 +101,16 @@ def test_tuning_entries_from_a_roofline_json():
     assert set(e["median_us"]) == {"oneshot", "twoshot"}
 
 
+def test_no_entry_from_a_roofline_without_forced_runs(capsys):
+    # Session 24's lease: the roofline was cut after its auto run; tuning from it wrote
+    # one-shot <= 0 B (two-shot at every size) into the checked-in table.
+    doc = {"device": "NVIDIA H200", "torch": "2.11.0", "copy_GBps": 4176.0, "results": [
+        {"mps": "on", "world": 2, "algo": "auto", "median_us": {"4096": 15.3, "1048576": 54.6}},
+        {"mps": "on", "world": 2, "algo": "oneshot", "median_us": {"4096": 15.0}}]}
+    assert tune.entries_from_roofline(doc, "--from x.json") == []
+    assert "world 2: no twoshot medians" in capsys.readouterr().err
+
+
 def test_table_written_and_read_back(tmp_path):
     from ringreduce._cuda import tuned_threshold
     table = tmp_path / "gpu_tuning.json"
