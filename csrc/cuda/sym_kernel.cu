@@ -11,8 +11,8 @@
 //   registered (an all_reduce of a tensor in a buffer every rank maps: nothing copied): start
 //                         barrier, fold chunk r from the n copies into all n, end barrier.   2
 // No end barrier where the workspace is ours: pieces alternate between its two halves (by epoch
-// parity), and a rank writes a half again only after a start barrier with every peer that came
-// after the peers' reads of it. Within a call, block b touches only part b of each piece on every
+// parity), and a rank writes a region of a half again only after a barrier with every peer that
+// came after the peers' reads of that region (pipelined two-shot: see there). Within a call, block b touches only part b of each piece on every
 // rank (the same cut everywhere), so per-block barriers order all of it; across calls, a peer's
 // block at the next call's start barrier means that peer's previous kernel has ended (stream order).
 // A registered tensor is the user's: its end barrier keeps the peers' reads before our return.
@@ -125,8 +125,10 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
       // Pipelined: one barrier per piece (and one to start). Piece j + 1's inputs are copied in
       // between piece j's fold and the barrier after it, which then says both "my chunk of piece j
       // is reduced" and "my inputs of piece j + 1 are in"; piece j's reduced chunks are copied out
-      // after it. Halves alternate by piece: piece j + 1's copy in and fold overwrite a half whose
-      // readers (piece j - 1's folds and copies out) all came before that barrier.
+      // after it. Halves alternate by piece, so piece j + 1 reuses piece j - 1's half: its copy in
+      // writes the other ranks' chunks there while the peers may still copy this rank's reduced
+      // chunk r of piece j - 1 out of it (disjoint regions: copy_in must never write chunk r), and
+      // its fold writes chunk r only after the barrier, which the peers reach after those copies.
       auto part = [&](int64_t j, int c) { return mine(j, c * S, S); };
       auto copy_in = [&](int64_t j) {  // the other ranks' chunks, for them to fold
         const Layout L = layout(j, j * C, 0);

@@ -5,7 +5,11 @@
 // bit. Barriers, halves and the cut between blocks are sym_kernel.cu's, in whole wire blocks:
 //   one-shot all_reduce:  round in, start barrier, fold all n, round again into the output.    1
 //   two-shot all_reduce:  round in, start barrier, fold chunk r and round it again into the
-//                         output and the workspace, middle barrier, decode the other chunks.  2
+//                         output and the workspace (span 1), the next piece's round in (span 0)
+//                         and start barrier, which is this one's middle barrier too, decode the
+//                         other chunks (pipelined as sym_kernel.cu's; span 0 and span 1 of a
+//                         half are disjoint, which the overlap of a round in with the peers'
+//                         decoding of the piece two back needs).                             1 (+1)
 //   reduce_scatter:       round in (every chunk), start barrier, fold chunk r into the output.  1
 // A kernel block rounds 16 wire blocks at a time through shared memory (an fp8 scale needs its
 // block's largest magnitude before any element is rounded); a thread moves the wire 16 bytes at a
