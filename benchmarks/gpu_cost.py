@@ -18,7 +18,9 @@ two-shot kernels instead of their own (1: as in the kernels of the first GPU run
 trips; 256 MiB: remote bytes per rank <= 1.05 x 2(N-1)/N x size and local writes no more than the
 output (no staging copy of the payload); 4 MiB ring: >= 4 slices per channel. With --algo registered
 (all_reduce of tensors in registered buffers, ringreduce.shared_empty on CUDA), at 256 MiB: remote
-bytes <= 1.01 x the ideal, local bytes <= 2 x size / N (nothing staged), <= 4 round trips.
+bytes <= 1.01 x the ideal, local bytes <= 2 x size / N (nothing staged), <= 4 round trips. At every
+world above 1, every algorithm but copy: no flag load from host memory outside a long wait
+(host_reads: a PCIe round trip on every call on a GPU).
 """
 import argparse
 import json
@@ -87,6 +89,8 @@ def summarize(row, loads_in_flight=None):
             # cross-rank waits on the critical path of one call: the most waits one thread of a
             # block made (a barrier is one per thread and peer; the ring's thread 0 waits per step)
             "barriers": max(r["thread_waits"] for r in ranks),
+            # flag loads from host memory (across PCIe on a GPU) outside long waits, all blocks
+            "host_reads": busiest("host_reads"),
             "remote_write": busiest("remote_write"), "remote_read": busiest("remote_read"),
             "local_write": busiest("local_write"), "local_read": busiest("local_read"),
             "remote_waits": sum(r["remote_waits"] for r in ranks),
@@ -122,12 +126,12 @@ def main():
           f"call; busiest rank). Model: {RTT_US:g} us/round trip, {LINK_GBS:g} GB/s link, "
           f"{HBM_GBS:g} GB/s HBM, {LAUNCH_US:g} us launch, {LOAD_LAT_US:g} us per load "
           f"(blk: blocks resident per rank, one per SM; inflight/SM: bytes of loads in flight).")
-    head = ("asked", "ran", "size", "blk", "slice", "steps", "barriers", "dev mem", "remote W",
+    head = ("asked", "ran", "size", "blk", "slice", "steps", "barriers", "host R", "dev mem", "remote W",
             "remote R", "local W", "crit RTT", "rem/ideal", "inflt/SM", "load cap", "model us", "busbw")
     print(" ".join(f"{h:>9}" for h in head))
     for r in rows:
         cells = (r["asked"], r["algo"], human(r["bytes"]), r["blocks"], human(r["slice_bytes"]),
-                 r["steps"], r["barriers"], human(r["device_bytes"]), human(r["remote_write"]),
+                 r["steps"], r["barriers"], r["host_reads"], human(r["device_bytes"]), human(r["remote_write"]),
                  human(r["remote_read"]), human(r["local_write"]), f"{r['critical_rtt']:g}",
                  f"{r['remote_vs_ideal']:.3f}", human(r["inflight_per_sm"]),
                  f"{r['load_cap_gbs']:.0f}", f"{r['model_us']:.1f}", f"{r['busbw_gbs']:.0f}")
@@ -161,6 +165,11 @@ def check(rows, world):
         if world == 2:
             expect(r["device_bytes"] <= 64 << 20,
                    f"world 2: {human(r['device_bytes'])}B of device memory per rank <= 64 MiB")
+        if world > 1 and algo != "copy":
+            # the abort word a host writes is mirrored into device memory: no kernel reads the
+            # host's across PCIe on its way through a call (a wait that has polled long may)
+            expect(r["host_reads"] == 0, f"{human(size)} {r['coll']} {algo}: {r['host_reads']} reads of "
+                   f"host memory per call outside long waits, want 0")
         if world > 1 and algo in SYM:
             expect(r["barriers"] <= 3 * r["steps"],
                    f"{human(size)} {r['coll']} {algo}: {r['barriers']} barriers <= 3 per piece "

@@ -140,12 +140,13 @@ int main(int argc, char** argv) {
         std::printf("%s{\"remote_read\": %llu, \"remote_write\": %llu, \"local_read\": %llu, "
                     "\"local_write\": %llu, \"remote_waits\": %llu, \"local_waits\": %llu, "
                     "\"remote_posts\": %llu, \"launches\": %llu, \"half_round_trips\": %llu, "
-                    "\"thread_waits\": %llu}",
+                    "\"thread_waits\": %llu, \"host_reads\": %llu}",
                     r ? ", " : "", (unsigned long long)c.remote_read, (unsigned long long)c.remote_write,
                     (unsigned long long)c.local_read, (unsigned long long)c.local_write,
                     (unsigned long long)c.remote_waits, (unsigned long long)c.local_waits,
                     (unsigned long long)c.remote_posts, (unsigned long long)c.launches,
-                    (unsigned long long)c.half_round_trips, (unsigned long long)c.max_thread_waits);
+                    (unsigned long long)c.half_round_trips, (unsigned long long)c.max_thread_waits,
+                    (unsigned long long)c.host_reads);
       }
       std::printf("]}\n");
       std::fflush(stdout);

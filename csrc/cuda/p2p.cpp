@@ -833,6 +833,13 @@ void Ring::close(bool peers_done) {
   if (replayable) {
     std::atomic_thread_fence(std::memory_order_seq_cst);
     reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = kCtlClosed;
+    // A kernel reads only this rank's device word at its start (broken_at_start): mirror the stop
+    // there (not into the peers' areas, which may be gone), awaited below, before any replay.
+    if (side_ && *abort_src_ == 0) {
+      *abort_src_ = abort_word(kHostAbort, opt_.rank);
+      cudaMemcpyAsync(area_ + offsetof(Area, abort), abort_src_, sizeof(uint32_t), cudaMemcpyHostToDevice,
+                      side_);
+    }
   }
   if (side_) cudaStreamSynchronize(side_);
   if (replayable) maps_kept_ = true;

@@ -107,16 +107,18 @@ __device__ uint32_t check_header(const MsgHeader& got, const MsgHeader& mine) {
 
 // A group broken before this kernel started stops it here, and records that this call failed too
 // (the host tells a call's success by the first failed op_seq). Every thread returns the verdict.
+// Only the device word: every host abort is mirrored into it (Ring::abort_locked, and close() for a
+// graph that may replay), and a read of the host's word (HostCtl::abort, across PCIe) here would
+// put a bus round trip on every call of every block (the emulator's cost report counts such reads:
+// gpu_cost.py's host_reads). A wait reads the host word too, once it has polled long.
 __device__ bool broken_at_start(const KernelBase& a) {
   __shared__ uint32_t s_broken;
   if (threadIdx.x == 0) {
     const uint32_t word = ld_relaxed_sys(&a.self->abort);
-    s_broken = word | ld_relaxed_sys(&a.ctl->abort);
-    if (s_broken) {
-      const uint32_t w = word ? word : abort_word(kHostAbort, a.rank);
-      record_stop(a, w, abort_rank(w) == a.rank, -1, Where{-1, 0, 0}, false, my_header(a, 0, 0),
+    s_broken = word;
+    if (word)
+      record_stop(a, word, abort_rank(word) == a.rank, -1, Where{-1, 0, 0}, false, my_header(a, 0, 0),
                   nullptr);
-    }
   }
   __syncthreads();
   return s_broken != 0;

@@ -28,7 +28,8 @@ __device__ uint32_t wait_ge(const Args& a, const uint64_t* ctr, uint64_t target,
       if (v >= target) break;
       spin_hint();
       if (polls % kPollsPerCheck) continue;
-      if (ld_relaxed_sys(&a.ctl->abort)) return abort_word(kHostAbort, a.rank);
+      // The host's word across PCIe, less often (sym_wait's reasons).
+      if ((polls / kPollsPerCheck) % 16 == 0 && ld_relaxed_sys(&a.ctl->abort)) return abort_word(kHostAbort, a.rank);
       if (globaltimer_ns() - t0 > a.timeout_ns) return abort_word(kTimeout, a.rank);
       const uint32_t w = ld_relaxed_sys(&a.self->abort);
       if (w) {

@@ -81,6 +81,7 @@ __device__ __forceinline__ void spin_hint() {}
 // read after its load).
 inline uint64_t ld_acquire_sys(const uint64_t* p) {
   const uint64_t v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+  ::emu::cost_flag_load(p);
   if (::emu::hb()) ::emu::hb_flag_load(p, true);
   if (::emu::weak()) ::emu::weak_acquire();
   return v;
@@ -102,11 +103,13 @@ inline void st_relaxed_sys(uint32_t* p, uint32_t v) {
 }
 inline uint32_t ld_relaxed_sys(const uint32_t* p) {
   const uint32_t v = __atomic_load_n(p, __ATOMIC_RELAXED);
+  ::emu::cost_flag_load(p);
   if (::emu::hb()) ::emu::hb_flag_load(p, false);
   return v;
 }
 inline uint64_t ld_relaxed_sys(const uint64_t* p) {
   const uint64_t v = __atomic_load_n(p, __ATOMIC_RELAXED);
+  ::emu::cost_flag_load(p);
   if (::emu::hb()) ::emu::hb_flag_load(p, false);
   return v;
 }

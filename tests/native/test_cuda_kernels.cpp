@@ -1376,7 +1376,7 @@ static void test_sym_blocks_knob() {
 }
 
 // A CUDA graph that captured launches of a ring pins it (Ring::graph_pin): close() keeps what the
-// kernels touch, and a replay after close stops at once and writes nothing into the peers (they
+// kernels touch, and a replay after close stops at its start and writes nothing into the peers (they
 // may have freed their memory; the emulator faults on freed memory). Rank 0 alone replays.
 static void test_replay_after_close_of_a_pinned_ring() {
   const int n = 3;
@@ -1403,16 +1403,26 @@ static void test_replay_after_close_of_a_pinned_ring() {
     g.rings[r]->close(/*peers_done=*/true);
   }
   EXPECT(rc::p2p::Ring::kept_bytes() > kept, "close() freed a pinned ring's memory");
+  // The peers' areas (kept here: they are pinned too), byte for byte: no header, flag or abort word.
+  auto area_of = [&](int q) {
+    std::vector<char> b(sizeof(rc::p2p::Area));
+    RR_CUDA_CHECK(cudaMemcpy(b.data(), args[q].self, b.size(), cudaMemcpyDeviceToHost));
+    return b;
+  };
+  std::vector<std::vector<char>> before;
+  for (int q = 0; q < n; ++q) before.push_back(area_of(q));
   RR_CUDA_CHECK(cudaSetDevice(device_of(0)));
   const auto t0 = Clock::now();
   rc::p2p::launch_sym(args[0], g.ranks[0].stream);
   RR_CUDA_CHECK(cudaStreamSynchronize(g.ranks[0].stream));
   EXPECT(seconds_since(t0) < 5.0, "the replay after close waited %.1f s (timeout 10 s)", seconds_since(t0));
-  for (int q = 1; q < n; ++q) {
-    uint32_t word = 1;
-    RR_CUDA_CHECK(cudaMemcpy(&word, &args[q].self->abort, sizeof word, cudaMemcpyDeviceToHost));
-    EXPECT(word == 0, "the replay after close wrote abort word %#x into rank %d's memory", word, q);
-  }
+  for (int q = 1; q < n; ++q)
+    EXPECT(area_of(q) == before[q], "the replay after close wrote into rank %d's area (abort word, "
+           "header or flag)", q);
+  // It stopped at its start: this rank's record says so (phase -1: before the call began).
+  const rc::p2p::ErrorRecord* e = args[0].ctl->err;
+  EXPECT(e[0].word != 0 && e[0].phase == -1, "the replay did not stop at its start (record word %#x, phase %d)",
+         e[0].word, e[0].phase);
   for (void* pin : pins) rc::p2p::Ring::release_graph_pin(pin);
   EXPECT(g.rings[0]->graph_pins() == 0, "pins left: %d", g.rings[0]->graph_pins());
 }

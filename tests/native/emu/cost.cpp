@@ -10,7 +10,10 @@
 //   - a remote data load costs a round trip, once per clock value: loads issued without a wait in
 //     between are in flight together;
 //   - remote data stores are posted: they cost the writer nothing, the flag that follows carries
-//     their latency.
+//     their latency;
+//   - a flag load from pinned host memory before the block first spun in a wait costs a round trip
+//     and is counted (host_reads): on a GPU a PCIe read on the path of every call. A wait's own
+//     occasional check of a host word is not (it runs only once the wait is long).
 // A kernel's blocks start at their stream's clock; the stream's clock becomes the latest block's.
 // Off unless emu_cost_enable(1): every hook returns at the first branch.
 #include <algorithm>
@@ -44,11 +47,13 @@ std::vector<Range> g_ranges;  // sorted by begin
 std::atomic<uint64_t> g_ranges_ver{1};
 
 struct Counters {
-  std::atomic<uint64_t> v[10];
+  std::atomic<uint64_t> v[11];
 };
 Counters g_dev[kMaxDevices];
+// Those before kClock are counted per block (Block::n) and summed at its end.
 enum { kRemoteRead, kRemoteWrite, kLocalRead, kLocalWrite, kRemoteWaits, kLocalWaits, kRemotePosts,
-       kLaunches, kClock, kThreadWaits };
+       kHostReads, kLaunches, kClock, kThreadWaits };
+std::vector<std::pair<uintptr_t, uintptr_t>> g_host_ranges;  // pinned host memory; g_ranges_mu
 
 std::mutex g_stamps_mu;
 std::unordered_map<uint64_t, uint64_t> g_stamps;  // flag (allocation id, offset) -> landing time
@@ -59,6 +64,7 @@ struct Block {
   uint64_t clock = 0;
   uint64_t read_at = ~0ull;  // the clock at which the last remote load returned
   bool remote_written = false;
+  bool spun = false;  // a thread of the block has polled again in a wait
   uint64_t n[kClock] = {};
   std::vector<uint32_t> waits;  // completed waits by thread (fiber) of the block
   uint64_t hit_ver = 0;
@@ -118,6 +124,35 @@ void cost_unmap(const void* base) {
   g_ranges.erase(std::remove_if(g_ranges.begin(), g_ranges.end(), [&](const Range& r) { return r.begin == b; }),
                  g_ranges.end());
   g_ranges_ver.fetch_add(1, std::memory_order_release);
+}
+
+void cost_map_host(const void* base, size_t bytes) {
+  std::unique_lock<std::shared_mutex> lk(g_ranges_mu);
+  const uintptr_t b = reinterpret_cast<uintptr_t>(base);
+  g_host_ranges.emplace_back(b, b + bytes);
+}
+
+void cost_unmap_host(const void* base) {
+  std::unique_lock<std::shared_mutex> lk(g_ranges_mu);
+  const uintptr_t b = reinterpret_cast<uintptr_t>(base);
+  g_host_ranges.erase(std::remove_if(g_host_ranges.begin(), g_host_ranges.end(),
+                                     [&](const std::pair<uintptr_t, uintptr_t>& r) { return r.first == b; }),
+                      g_host_ranges.end());
+}
+
+void cost_spin() { tl.spun = true; }
+
+void cost_flag_load(const void* p) {
+  if (!cost_enabled.load(std::memory_order_relaxed) || tl.device < 0 || tl.spun) return;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  bool host = false;
+  {
+    std::shared_lock<std::shared_mutex> lk(g_ranges_mu);
+    for (const auto& r : g_host_ranges) host = host || (a >= r.first && a < r.second);
+  }
+  if (!host) return;
+  ++tl.n[kHostReads];
+  tl.clock += 2;
 }
 
 void cost_access(const void* p, size_t bytes, bool store) {
@@ -181,6 +216,7 @@ void cost_block_begin(int device, uint64_t clock) {
   tl.clock = clock;
   tl.read_at = ~0ull;
   tl.remote_written = false;
+  tl.spun = false;
   std::memset(tl.n, 0, sizeof tl.n);
   tl.waits.clear();
 }
@@ -246,6 +282,7 @@ void emu_cost_get(int device, EmuCost* out) {
   out->launches = v[emu::kLaunches];
   out->half_round_trips = v[emu::kClock];
   out->max_thread_waits = v[emu::kThreadWaits];
+  out->host_reads = v[emu::kHostReads];
 }
 
 }  // extern "C"

@@ -31,6 +31,9 @@ WEAK_DIRECT = ("test_cuda_kernels_emu", ["weak_oneshot", "weak_twoshot"])
 # name: (file, text, replacement, test, why it must be caught); text may be a list of
 # (text, replacement) pairs, then replacement is None.
 COPY_TEST = ("test_cuda_kernels_emu", ["test_copy"])
+# The cost report's targets (benchmarks/gpu_cost.py --check; "py:" runs a script with this Python).
+COST_CHECK = ("gpu_cost_emu", ["py:benchmarks/gpu_cost.py", "--world", "2", "--sizes", "4K,1M",
+                               "--algo", "auto,ring,twoshot", "--bin", str(BUILD / "gpu_cost_emu"), "--check"])
 COPY_FAILURES = ("test_cuda_kernels_emu", ["test_copy_failures"])
 
 MUTATIONS = {
@@ -119,6 +122,13 @@ MUTATIONS = {
         WEAK_RING, "no acquire after the ring's poll: the slot's data loaded with nothing ordering it after "
         "the sender's stores (the happens-before check, tests/native/emu/hb.cpp; the weak mode alone "
         "missed it)"),
+    "start_reads_host_abort": (
+        "csrc/cuda/p2p_device.cuh", "    s_broken = word;\n", "    s_broken = word | ld_relaxed_sys(&a.ctl->abort);\n",
+        COST_CHECK, "every block of every call reads the host's abort word across PCIe at its start (host_reads)"),
+    "close_leaves_device_word_clear": (
+        "csrc/cuda/p2p.cpp", "    if (side_ && *abort_src_ == 0) {", "    if (false) {",
+        ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
+        "a graph replayed after close() runs its call into the peers' areas (they may be freed)"),
     "sym_wait_without_acquire": (
         SYM_BARRIER, "  fence_acq_rel_sys();  // acquire: the peer's data before its flag\n", "",
         WEAK_DIRECT, "no acquire after a workspace barrier's poll: the peers' inputs read with nothing ordering "
@@ -339,7 +349,9 @@ def run(name):
             return f"{name}: SKIPPED (does not build)\n{b.stdout[-2000:]}"
         t0 = time.monotonic()
         try:
-            r = subprocess.run([str(BUILD / test), *args], capture_output=True, text=True, timeout=600)
+            cmd = ([sys.executable, str(ROOT / args[0][3:]), *args[1:]] if args and args[0].startswith("py:")
+                   else [str(BUILD / test), *args])
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             failed = r.returncode != 0
             out = r.stdout
         except subprocess.TimeoutExpired:

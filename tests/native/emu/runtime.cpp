@@ -52,6 +52,9 @@ uint64_t cost_block_end();
 void cost_kernel_end(int device, uint64_t clock);
 void cost_copy(int device, const void* dst, const void* src, size_t bytes);
 void cost_reset_stream_clocks();
+void cost_spin();
+void cost_map_host(const void* base, size_t bytes);
+void cost_unmap_host(const void* base);
 
 namespace {
 
@@ -343,6 +346,7 @@ void spin_hint() {
     return;
   }
   b->yielded = true;
+  cost_spin();
   switch_to(b->cur->ctx, b->sched);
 }
 
@@ -813,6 +817,7 @@ cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) {
   std::memset(user, emu::kFreshByte, bytes);
   std::lock_guard<std::mutex> lk(g_mem_mu);
   g_host[reinterpret_cast<uintptr_t>(user)] = HostAlloc{static_cast<char*>(m), mapped, bytes};
+  emu::cost_map_host(user, bytes);
   *p = user;
   return cudaSuccess;
 }
@@ -832,6 +837,7 @@ cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   if (g_host.count(a)) return fail(cudaErrorInvalidValue);  // CUDA: already registered
   g_host[a] = HostAlloc{static_cast<char*>(p), bytes, bytes, true};
+  emu::cost_map_host(p, bytes);
   return cudaSuccess;
 }
 
@@ -839,6 +845,7 @@ cudaError_t cudaHostUnregister(void* p) {
   std::lock_guard<std::mutex> lk(g_mem_mu);
   auto it = g_host.find(reinterpret_cast<uintptr_t>(p));
   if (it == g_host.end() || !it->second.registered) return fail(cudaErrorInvalidValue);
+  emu::cost_unmap_host(p);
   g_host.erase(it);
   return cudaSuccess;
 }
@@ -849,6 +856,7 @@ cudaError_t cudaFreeHost(void* p) {
   auto it = g_host.find(reinterpret_cast<uintptr_t>(p));
   if (it == g_host.end() || it->second.registered) return fail(cudaErrorInvalidValue);
   munmap(it->second.base, it->second.mapped);
+  emu::cost_unmap_host(p);
   g_host.erase(it);
   return cudaSuccess;
 }

@@ -190,6 +190,10 @@ extern std::atomic<bool> cost_enabled;
 void cost_access(const void* p, size_t bytes, bool store);
 void cost_flag_store(const void* p);
 void cost_wait(const void* p);
+void cost_flag_load(const void* p);  // a flag load: counted if it reads pinned host memory
+void cost_spin();                    // a block's thread polls again (spin_hint)
+void cost_map_host(const void* base, size_t bytes);  // pinned host memory (runtime.cpp)
+void cost_unmap_host(const void* base);
 // The weak memory mode (weak.cpp; emu_set_weak in emu.h): data accesses through per-thread store
 // buffers and caches; releases flush them, acquires clear them. No-ops outside kernels.
 extern std::atomic<bool> weak_on;

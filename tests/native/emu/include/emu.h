@@ -61,6 +61,9 @@ struct EmuCost {
   uint64_t launches;                   // kernels
   uint64_t half_round_trips;           // the latest clock a kernel of this device ended at
   uint64_t max_thread_waits;           // the most completed waits of one thread of one block
+  // flag loads from pinned host memory by a block before it first spun in a wait: a bus round trip
+  // (PCIe on a GPU) on the path of every call, as a wait's occasional check is not
+  uint64_t host_reads;
 };
 void emu_cost_enable(int on);
 // Zero every count, clock and flag stamp (streams restart at time 0).
