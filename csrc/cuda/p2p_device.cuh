@@ -111,10 +111,14 @@ __device__ uint32_t check_header(const MsgHeader& got, const MsgHeader& mine) {
 // graph that may replay), and a read of the host's word (HostCtl::abort, across PCIe) here would
 // put a bus round trip on every call of every block (the emulator's cost report counts such reads:
 // gpu_cost.py's host_reads). A wait reads the host word too, once it has polled long.
-__device__ bool broken_at_start(const KernelBase& a) {
+// epoch (the workspace kernels): also loads *epoch into *s_epoch, in flight with the abort word's
+// load (one memory round trip at the start, not two); the barrier below publishes it.
+__device__ bool broken_at_start(const KernelBase& a, const uint64_t* epoch = nullptr,
+                                uint64_t* s_epoch = nullptr) {
   __shared__ uint32_t s_broken;
   if (threadIdx.x == 0) {
     const uint32_t word = ld_relaxed_sys(&a.self->abort);
+    if (epoch) *s_epoch = ld_relaxed_sys(epoch);
     s_broken = word;
     if (word)
       record_stop(a, word, abort_rank(word) == a.rank, -1, Where{-1, 0, 0}, false, my_header(a, 0, 0),

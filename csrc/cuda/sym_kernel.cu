@@ -81,11 +81,9 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
   const uint64_t es = sizeof(T);
   __shared__ unsigned s_claim;
   __shared__ uint64_t s_epoch;
-  if (tid == 0) {
-    s_claim = 0;
-    s_epoch = ld_relaxed_sys(&a.self->sym[blockIdx.x].epoch.value);
-  }
-  if (broken_at_start(a)) return;  // its barrier publishes s_claim and s_epoch too
+  if (tid == 0) s_claim = 0;
+  // its barrier publishes s_claim and s_epoch too
+  if (broken_at_start(a, &a.self->sym[blockIdx.x].epoch.value, &s_epoch)) return;
   const uint64_t e0 = s_epoch;
   const T* in = static_cast<const T*>(a.in);
   T* out = static_cast<T*>(a.out);
