@@ -54,8 +54,8 @@ __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
   asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-// Flag polls: relaxed (no L1 invalidation per spin, as ld.acquire does), then one acquire fence
-// once the flag is seen.
+// The ring's flag polls: relaxed (no L1 invalidation per spin, as ld.acquire does), then one
+// acquire fence once the flag is seen. The workspace's barriers poll with ld_acquire_sys.
 __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");

@@ -18,13 +18,16 @@ __device__ __forceinline__ uint64_t barrier_value(uint64_t epoch, int b) { retur
 // ended the wait (*local: this thread saw the cause itself). The abort word a host writes is
 // mirrored into this rank's area (Ring::abort), so the poll reads device memory; the host flag
 // (HostCtl::abort, across PCIe) only every 16th check, for a host abort whose mirror is stuck
-// behind a spinning kernel on a shared hardware queue.
+// behind a spinning kernel on a shared hardware queue. The polls are acquire loads: the one that
+// sees the flag orders the peer's data (released before it) before this thread's later loads, with
+// no fence after it; a fence.acq_rel.sys there would also wait for this thread's own header and
+// flag stores into the peer to land (a round trip over NVLink when the peer is already waiting).
 __device__ uint32_t sym_wait(const SymArgs& a, const uint64_t* flag, uint64_t target, bool* local) {
   *local = true;
-  if (ld_relaxed_sys(flag) < target) {
+  if (ld_acquire_sys(flag) < target) {
     const uint64_t t0 = globaltimer_ns();
     for (uint32_t polls = 1;; ++polls) {
-      if (ld_relaxed_sys(flag) >= target) break;
+      if (ld_acquire_sys(flag) >= target) break;
       spin_hint();
       if (polls % kPollsPerCheck) continue;
       const uint32_t w = ld_relaxed_sys(&a.self->abort);
@@ -37,7 +40,6 @@ __device__ uint32_t sym_wait(const SymArgs& a, const uint64_t* flag, uint64_t ta
       if (globaltimer_ns() - t0 > a.timeout_ns) return abort_word(kTimeout, a.rank);
     }
   }
-  fence_acq_rel_sys();  // acquire: the peer's data before its flag
   note_wait(flag);
   return 0;
 }

@@ -130,7 +130,9 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
         "a graph replayed after close() runs its call into the peers' areas (they may be freed)"),
     "sym_wait_without_acquire": (
-        SYM_BARRIER, "  fence_acq_rel_sys();  // acquire: the peer's data before its flag\n", "",
+        SYM_BARRIER, [("  if (ld_acquire_sys(flag) < target) {", "  if (ld_relaxed_sys(flag) < target) {"),
+                      ("      if (ld_acquire_sys(flag) >= target) break;",
+                       "      if (ld_relaxed_sys(flag) >= target) break;")], None,
         WEAK_DIRECT, "no acquire after a workspace barrier's poll: the peers' inputs read with nothing ordering "
         "them after their stores (the happens-before check)"),
     "nccl_reduce_on_default_stream": (
