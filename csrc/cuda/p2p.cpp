@@ -534,12 +534,22 @@ void Ring::run(const Call& c, cudaStream_t stream, const Plan* plan) {
   }
   if (!peers_[up_] || !peers_[down_]) throw RingError("ringreduce: p2p ring is not connected");
   try {
-    if (p.algo == Algo::Copy)
+    if (p.algo == Algo::Copy) {
       run_copy(c, p, stream);
-    else if (p.algo == Algo::Ring)
-      launch(args(c, p), stream);
-    else
-      launch_sym(sym_args(c, p), stream);
+    } else {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+      const bool graph = capture != cudaStreamCaptureStatusNone;
+      if (p.algo == Algo::Ring) {
+        Args a = args(c, p);
+        a.graph = graph;
+        launch(a, stream);
+      } else {
+        SymArgs a = sym_args(c, p);
+        a.graph = graph;
+        launch_sym(a, stream);
+      }
+    }
   } catch (const std::exception& e) {
     // The peers may be waiting for this call's kernel (or hold some of its pieces): stop everyone.
     abort(std::string("could not enqueue call #") + std::to_string(op_seq_) + ": " + e.what());
@@ -549,11 +559,15 @@ void Ring::run(const Call& c, cudaStream_t stream, const Plan* plan) {
 
 void Ring::launch_again(const Call& c, cudaStream_t stream) const {
   const Plan p = plan_of(c);
-  if (p.algo == Algo::Ring)
-    launch(args(c, p), stream);
-  else if (p.algo != Algo::Copy)
-    launch_sym(sym_args(c, p), stream);
-  else
+  if (p.algo == Algo::Ring) {
+    Args a = args(c, p);
+    a.graph = 1;  // as a graph's replay
+    launch(a, stream);
+  } else if (p.algo != Algo::Copy) {
+    SymArgs a = sym_args(c, p);
+    a.graph = 1;
+    launch_sym(a, stream);
+  } else
     throw std::invalid_argument("ringreduce: the copy algorithm's calls are not launched again");
 }
 
@@ -833,13 +847,6 @@ void Ring::close(bool peers_done) {
   if (replayable) {
     std::atomic_thread_fence(std::memory_order_seq_cst);
     reinterpret_cast<volatile uint32_t*>(&ctl_->abort)[0] = kCtlClosed;
-    // A kernel reads only this rank's device word at its start (broken_at_start): mirror the stop
-    // there (not into the peers' areas, which may be gone), awaited below, before any replay.
-    if (side_ && *abort_src_ == 0) {
-      *abort_src_ = abort_word(kHostAbort, opt_.rank);
-      cudaMemcpyAsync(area_ + offsetof(Area, abort), abort_src_, sizeof(uint32_t), cudaMemcpyHostToDevice,
-                      side_);
-    }
   }
   if (side_) cudaStreamSynchronize(side_);
   if (replayable) maps_kept_ = true;

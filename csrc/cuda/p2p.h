@@ -198,6 +198,9 @@ struct KernelBase {
   int rank, nranks, blocks, divisor;
   uint8_t coll, dtype, op, algo;
   uint8_t wire;  // Wire: the narrow wire's kernel (sym_wire.cu), else Wire::None
+  // Launched into a CUDA graph capture: a replay may come after close(), so its start also reads
+  // the host's abort word (across PCIe); a launch outside a capture reads the device word only.
+  uint8_t graph;
 };
 
 // The ring's and the copy algorithm's kernel arguments.
@@ -427,7 +430,8 @@ class Ring {
   // A CUDA graph that captured a launch of this ring replays it with this ring's addresses. While
   // a graph holds a pin (taken at capture, released when CUDA destroys the graph), close() frees
   // and unmaps nothing a kernel touches (kept until exit) and raises only this rank's host abort
-  // flag, so that a replay after close stops at its first wait: never a use of freed memory.
+  // flag, so that a replay after close stops at its start (a captured launch reads that flag
+  // there: KernelBase::graph): never a use of freed memory.
   // graph_pin() returns the argument for release_graph_pin, a cudaUserObject destructor (it makes
   // no CUDA call, as those must not).
   void* graph_pin();

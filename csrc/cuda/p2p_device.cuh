@@ -107,9 +107,12 @@ __device__ uint32_t check_header(const MsgHeader& got, const MsgHeader& mine) {
 
 // A group broken before this kernel started stops it here, and records that this call failed too
 // (the host tells a call's success by the first failed op_seq). Every thread returns the verdict.
-// Only the device word: every host abort is mirrored into it (Ring::abort_locked, and close() for a
-// graph that may replay), and a read of the host's word (HostCtl::abort, across PCIe) here would
-// put a bus round trip on every call of every block (the emulator's cost report counts such reads:
+// The device word: every host abort is mirrored into it (Ring::abort_locked), on a stream, so a
+// kernel may start before it lands. Outside a graph that
+// only delays the stop (the peers' memory lives until every rank has synchronized); a graph's
+// replay may come after close(), when a peer may have freed its memory, so a captured launch
+// (KernelBase::graph) also reads the host's word, which close() sets first. Not every call: that
+// read crosses PCIe, a bus round trip per block (the emulator's cost report counts such reads:
 // gpu_cost.py's host_reads). A wait reads the host word too, once it has polled long.
 // epoch (the workspace kernels): also loads *epoch into *s_epoch, in flight with the abort word's
 // load (one memory round trip at the start, not two); the barrier below publishes it.
@@ -117,8 +120,9 @@ __device__ bool broken_at_start(const KernelBase& a, const uint64_t* epoch = nul
                                 uint64_t* s_epoch = nullptr) {
   __shared__ uint32_t s_broken;
   if (threadIdx.x == 0) {
-    const uint32_t word = ld_relaxed_sys(&a.self->abort);
+    uint32_t word = ld_relaxed_sys(&a.self->abort);
     if (epoch) *s_epoch = ld_relaxed_sys(epoch);
+    if (!word && a.graph && ld_relaxed_sys(&a.ctl->abort)) word = abort_word(kHostAbort, a.rank);
     s_broken = word;
     if (word)
       record_stop(a, word, abort_rank(word) == a.rank, -1, Where{-1, 0, 0}, false, my_header(a, 0, 0),

@@ -32,8 +32,8 @@ WEAK_DIRECT = ("test_cuda_kernels_emu", ["weak_oneshot", "weak_twoshot"])
 # (text, replacement) pairs, then replacement is None.
 COPY_TEST = ("test_cuda_kernels_emu", ["test_copy"])
 # The cost report's targets (benchmarks/gpu_cost.py --check; "py:" runs a script with this Python).
-COST_CHECK = ("gpu_cost_emu", ["py:benchmarks/gpu_cost.py", "--world", "2", "--sizes", "4K,1M",
-                               "--algo", "auto,ring,twoshot", "--bin", str(BUILD / "gpu_cost_emu"), "--check"])
+COST_CHECK = ("gpu_cost_emu", ["py:benchmarks/gpu_cost.py", "--world", "8", "--sizes", "4K,1M",
+                               "--algo", "auto,ring", "--bin", str(BUILD / "gpu_cost_emu"), "--check"])
 COPY_FAILURES = ("test_cuda_kernels_emu", ["test_copy_failures"])
 
 MUTATIONS = {
@@ -123,10 +123,11 @@ MUTATIONS = {
         "the sender's stores (the happens-before check, tests/native/emu/hb.cpp; the weak mode alone "
         "missed it)"),
     "start_reads_host_abort": (
-        "csrc/cuda/p2p_device.cuh", "    s_broken = word;\n", "    s_broken = word | ld_relaxed_sys(&a.ctl->abort);\n",
+        "csrc/cuda/p2p_device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.ctl->abort))",
+        "if (!word && ld_relaxed_sys(&a.ctl->abort))",
         COST_CHECK, "every block of every call reads the host's abort word across PCIe at its start (host_reads)"),
-    "close_leaves_device_word_clear": (
-        "csrc/cuda/p2p.cpp", "    if (side_ && *abort_src_ == 0) {", "    if (false) {",
+    "replay_skips_host_word": (
+        "csrc/cuda/p2p_device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.ctl->abort))", "if (false)",
         ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
         "a graph replayed after close() runs its call into the peers' areas (they may be freed)"),
     "sym_wait_without_acquire": (
