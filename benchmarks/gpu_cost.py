@@ -162,7 +162,8 @@ def check(rows, world):
         # issue 50: device memory per rank, barriers per call and per piece of the workspace
         if world == 1:
             expect(r["device_bytes"] == 0, f"world 1: {r['device_bytes']} bytes of device memory, want 0")
-        if world == 2:
+        if world == 2 and r["asked"].split("/")[0] in ("auto", "registered"):
+            # by default: a forced ring (its FIFO) or copy (its inboxes) may hold more
             expect(r["device_bytes"] <= 64 << 20,
                    f"world 2: {human(r['device_bytes'])}B of device memory per rank <= 64 MiB")
         if world > 1 and algo != "copy":
