@@ -50,8 +50,10 @@ int main(int argc, char** argv) {
       o.nranks = n;
       o.algo = algo;
       o.timeout_s = 600;
-      // As the torch binding reads it: the workspace's piece size.
+      // As the torch binding reads them: the workspace's piece size
       if (const char* v = std::getenv("RINGREDUCE_CUDA_CHUNK_BYTES")) o.chunk_bytes = std::atoll(v);
+      // and the workspace's most blocks
+      if (const char* v = std::getenv("RINGREDUCE_CUDA_SYM_BLOCKS")) o.sym_blocks = std::atoi(v);
       rings.push_back(std::make_unique<p2p::Ring>(o));
       handles.push_back(rings.back()->handle());
       RR_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));

@@ -2,7 +2,8 @@
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
 # BUDGET_S seconds (default 570): the build, the GPU smoke tests, the roofline for world 2 (MPS on,
 # then off; benchmarks/gpu_roofline.py; torch's SymmetricMemory one-/two-shot in the same bench runs
-# as auto and registered, those runs first, then one-shot and two-shot forced), profiles of 4 KiB
+# as auto and registered, those runs first, then one-shot and two-shot forced, then two-shot and
+# registered on 64 blocks), profiles of 4 KiB
 # and 1 MiB calls (benchmarks/gpu_profile.py: host- or kernel-bound, 24 blocks against 8), the torchrun
 # exit statuses, the close race and the narrow wire's tests, the cost of one handshake by
 # mechanism (benchmarks/gpu_handshake.cu, MPS off and on; HANDSHAKES=0 skips it), the wire's speed
@@ -10,7 +11,8 @@
 # (CHUNK_SWEEP), the ring with a smaller FIFO (RING_SWEEP), the rest of the GPU tests under MPS.
 # Logs and results under $OUT (the device tool's folder; default gpu-lease-out/); the last lines
 # printed are the summary, failing tests by name. Afterwards, where there is no GPU:
-#   python benchmarks/gpu_tune.py --from OUT/roofline.json     # auto's thresholds from the medians
+#   python benchmarks/gpu_tune.py --from OUT/roofline.json     # auto's threshold and the
+#                                                               # workspace's blocks, from the medians
 # A second call on the same machine finds it warm only if it comes within ~30 s of the first's
 # reply; session 24's came later, started a bare machine (no build) and lost 220 s.
 # tests/gpu_suite.sh is the whole plan (native nvcc test too) for a longer lease.
@@ -50,15 +52,19 @@ log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
 
 log "roofline"
 # Issue 50's targets first: auto and registered beside SymmetricMemory, then one-shot and two-shot
-# forced (gpu_tune.py --from needs both), the ring, copy. Session 24's lease gave the roofline its
-# 60 s minimum after the smoke and profiles and got the auto run alone. At least 150 s; otherwise
-# all but 200 s (the profiles, exits, close race and wire tests after it).
+# forced (gpu_tune.py --from: auto's threshold), then two-shot and registered with 64 blocks a call
+# (gpu_tune.py --from: whether the table's sym_blocks for this GPU should say more than the
+# default 24; registered 256 MiB reached 0.50 of the HBM limit on 48 of 132 SMs), the ring, copy.
+# Session 24's lease gave the roofline its 60 s minimum after the smoke and profiles and got the
+# auto run alone. At least 200 s; otherwise all but 120 s (the profiles after it; the exits, close
+# race and wire tests only if time is left, or in a second call).
 # --timeout is per backend (the auto and registered runs carry the peer's two ops: 3 backends);
 # batches of >= 20 ms (the bench's default 50) keep those near a minute (estimated, not measured).
-roof_s=$(( $(left) - 200 )); [ "$roof_s" -lt 150 ] && roof_s=150
+roof_s=$(( $(left) - 120 )); [ "$roof_s" -lt 200 ] && roof_s=200
 timeout -k 10 "$roof_s" "$PY" benchmarks/gpu_roofline.py --worlds 2 \
     --sizes 4K,16K,64K,256K,1M,4M,16M,64M,256M --sizes-off 4K,1M,16M \
-    --algos auto,registered,oneshot,twoshot,ring,copy --bench-args "-n 10 -w 3 --batch_ms 20" \
+    --algos auto,registered,oneshot,twoshot,twoshot@64,registered@64,ring,copy \
+    --bench-args "-n 10 -w 3 --batch_ms 20" \
     --timeout 40 --out "$OUT/roofline.md" --json "$OUT/roofline.json" > "$OUT/roofline.log" 2>&1
 log "roofline exit $?"
 grep "skipped\|bench exited\|killed at" "$OUT/roofline.log" | tee -a "$OUT/steps.txt"
@@ -68,7 +74,7 @@ mps_off
 # 24's H200 had 4 KiB device-bound (15.1 us between kernel starts, host 7.4) and 1-4 MiB at ~55 us
 # where SymmetricMemory's one-shot took 23; session 25 took a PCIe read per block off every call
 # (BENCHMARKS.md section 20). Did that close it, and if not, which kernel and do 24 blocks cost it?
-if [ "$(left)" -ge 140 ]; then
+if [ "$(left)" -ge 110 ]; then
   nvidia-cuda-mps-control -d > /dev/null 2>&1; sleep 1
   profile() {
     local label=$1 size=$2
@@ -130,10 +136,9 @@ if [ "$(left)" -ge 170 ]; then
       --collectives all_reduce -b 4K -e 256M -f 16 -n 10 -w 3 > "$OUT/wire.log" 2>&1
   log "wire exit $?"
 fi
-# The symmetric workspace's blocks (default 24, as SymmetricMemory; vLLM 36) against fewer and more
-# (RINGREDUCE_CUDA_SYM_BLOCKS, at most 32): the first run's 256 MiB reached 0.50 of the HBM limit
-# with shared_empty tensors, 0.26 with ordinary ones: do blocks buy bandwidth? BLOCKS_SWEEP= skips.
-for blocks in ${BLOCKS_SWEEP-32 8}; do
+# The symmetric workspace's blocks (default 24, as SymmetricMemory; vLLM 36) between the roofline's
+# 24 and 64 and below (RINGREDUCE_CUDA_SYM_BLOCKS, at most 64). BLOCKS_SWEEP= skips.
+for blocks in ${BLOCKS_SWEEP-32 48 8}; do
   [ "$(left)" -lt 180 ] && break
   log "blocks: twoshot, at most $blocks"
   bench_p2p "twoshot sym_blocks=$blocks" 1M 256M 16 RINGREDUCE_CUDA_SYM_BLOCKS=$blocks \

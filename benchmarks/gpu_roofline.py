@@ -7,7 +7,7 @@ Prints, and writes as markdown to --out (default gpu_roofline.md) to paste into 
 2. world 1: rr.all_reduce against NCCL's world-1 all_reduce and a bare t.add_(0), us per call;
 3. worlds 2 and 4 as processes sharing the GPU, with MPS and without, per p2p algorithm (auto,
    ring, oneshot, twoshot, copy: RINGREDUCE_CUDA_ALGO; registered: the tensor a shared_empty one;
-   without MPS auto runs copy),
+   without MPS auto runs copy; "twoshot@64": two-shot with RINGREDUCE_CUDA_SYM_BLOCKS=64),
    float32 all_reduce in place: the median us per
    call from `python -m ringreduce.bench`, the fraction of the HBM limit (an all_reduce of S bytes
    per rank on one GPU reads N inputs and writes N outputs: 2NS bytes at the copy bandwidth), and
@@ -43,6 +43,15 @@ PEERS = {"auto": ("torch/symm-oneshot", "torch/symm-twoshot"),
          "registered": ("torch/symm-oneshot-sym", "torch/symm-twoshot-sym")}
 # Runs with the peer first: a lease cut short keeps the comparison the issue's targets need.
 DEFAULT_ORDER = ("auto", "registered", "ring", "oneshot", "twoshot", "copy")
+# An algorithm may name the workspace's most blocks: "twoshot@64" runs twoshot with
+# RINGREDUCE_CUDA_SYM_BLOCKS=64 (no peer beside it); gpu_tune.py --from compares it with "twoshot".
+
+
+def split_algo(label):
+    """(algorithm, blocks or None) of an --algos entry: "twoshot@64" -> ("twoshot", 64)."""
+    algo, _, blocks = label.partition("@")
+    return algo, int(blocks) if blocks else None
+
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -66,9 +75,12 @@ def hbm_limit_us(world, size_bytes, copy_GBps):
     return 2 * world * size_bytes / (copy_GBps * 1e9) * 1e6
 
 
-def row_names():
-    """Every algorithm and peer label in table order, each peer after the algorithm it runs with."""
-    return [x for algo in ALGOS for x in (algo,) + PEERS.get(algo, ())]
+def row_names(labels=()):
+    """Every algorithm and peer label in table order, each peer after the algorithm it runs with,
+    and each of labels with blocks ("twoshot@64") after its algorithm's rows."""
+    variants = lambda algo: sorted((x for x in set(labels) if split_algo(x)[0] == algo and "@" in x),  # noqa: E731
+                                   key=lambda x: split_algo(x)[1])
+    return [x for algo in ALGOS for x in (algo,) + PEERS.get(algo, ()) + tuple(variants(algo))]
 
 
 def table(results, copy_GBps, sizes):
@@ -80,7 +92,7 @@ def table(results, copy_GBps, sizes):
     worlds = sorted({w for _, w, _ in results})
     for w in worlds:
         for s in sizes:
-            for algo in row_names():
+            for algo in row_names([x for _, _, x in results]):
                 on = results.get(("on", w, algo), {}).get(s)
                 off = results.get(("off", w, algo), {}).get(s)
                 if on is None and off is None:
@@ -205,14 +217,17 @@ def run_bench_rows(world, algo, sizes, timeout, bench_args=(), peers=()):
     backends alternated iteration by iteration; timeout is per backend. The run is a process group
     of its own: at the time limit every rank is killed with it (a rank left spinning would skew
     every later run) and the rows printed so far are kept."""
-    registered = algo == "registered"
+    base, blocks = split_algo(algo)
+    registered = base == "registered"
     ours = "ringreduce/p2p-shared" if registered else "ringreduce/p2p"
     timeout *= 1 + len(peers)
     cmd = [sys.executable, "-m", "ringreduce.bench", "--nranks", str(world), "--backends",
            ",".join((ours,) + tuple(peers)), "--collectives",
            "all_reduce", "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", *bench_args]
-    env = {**os.environ, "RINGREDUCE_CUDA_ALGO": "auto" if registered else algo,
+    env = {**os.environ, "RINGREDUCE_CUDA_ALGO": "auto" if registered else base,
            "PYTHONUNBUFFERED": "1"}
+    if blocks:
+        env["RINGREDUCE_CUDA_SYM_BLOCKS"] = str(blocks)
     with tempfile.TemporaryFile("w+") as out:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
@@ -262,8 +277,10 @@ def main(argv=None):
     worlds = [int(w) for w in a.worlds.split(",")]
     algos = [x for x in a.algos.split(",") if x]
     for x in algos:
-        if x not in ALGOS:
-            p.error(f"--algos: {x!r} is not one of {', '.join(ALGOS)}")
+        base, _, blocks = x.partition("@")
+        if base not in ALGOS or (blocks and not blocks.isdigit()):
+            p.error(f"--algos: {x!r} is not one of {', '.join(ALGOS)} (optionally @blocks: "
+                    f"twoshot@64)")
     if a.phase1:  # in a process of its own: no CUDA context of ours stays while MPS starts
         import torch
         if not torch.cuda.is_available():

@@ -45,6 +45,30 @@ def threshold(times, sizes):
     return oneshot_max
 
 
+def sym_blocks(plain, variants, current=None):
+    """The workspace's most blocks for the table: variants[blocks][algo] = {size: us} are runs with
+    RINGREDUCE_CUDA_SYM_BLOCKS=blocks, plain[algo] the same algorithms with the table's current
+    value (None: the default). A variant replaces it where, for two-shot and for registered where
+    both ran, it is nowhere slower by more than MARGIN at 1 MiB and above (below, a piece has too
+    few 32 KiB parts for the cap to matter) and two-shot's largest common size is faster by more
+    than MARGIN; of those, the fastest there. Otherwise current stays."""
+    best, best_t = current, None
+    for blocks, runs in sorted(variants.items()):
+        sizes = sorted(set(plain.get("twoshot", {})) & set(runs.get("twoshot", {})))
+        sizes = [s for s in sizes if s >= 1 << 20]
+        if not sizes:
+            continue
+        ok = True
+        for algo in ("twoshot", "registered"):
+            base, var = plain.get(algo, {}), runs.get(algo, {})
+            ok = ok and all(var[s] <= base[s] * (1 + MARGIN) for s in set(base) & set(var) if s >= 1 << 20)
+        top = sizes[-1]
+        t = runs["twoshot"][top]
+        if ok and t * (1 + MARGIN) < plain["twoshot"][top] and (best_t is None or t < best_t):
+            best, best_t = blocks, t
+    return best
+
+
 def update_table(path, entry):
     """Replaces the entry of the same (device, world, ranks_per_device), or adds it."""
     with open(path) as f:
@@ -76,7 +100,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.source:
         with open(a.source) as f:
-            for entry in entries_from_roofline(json.load(f), " ".join(argv or sys.argv[1:])):
+            for entry in entries_from_roofline(json.load(f), " ".join(argv or sys.argv[1:]), a.table):
                 update_table(a.table, entry)
                 print(describe(entry), flush=True)
         return
@@ -89,44 +113,79 @@ def main(argv=None):
         per_device = -(-world // torch.cuda.device_count())  # the bench's round-robin placement
         times = {algo: roof.run_bench(world, algo, sizes, a.timeout) for algo in MEASURED}
         entry = make_entry(device, world, per_device, times, mps_running(), torch.__version__,
-                           "python benchmarks/gpu_tune.py " + " ".join(argv or sys.argv[1:]))
+                           "python benchmarks/gpu_tune.py " + " ".join(argv or sys.argv[1:]),
+                           current_blocks(a.table, device, world, per_device))
         update_table(a.table, entry)
         print(describe(entry), flush=True)
 
 
-def make_entry(device, world, per_device, times, mps, torch_version, command):
-    sizes = sorted({s for ts in times.values() for s in ts})
-    return {"device": device, "world": world, "ranks_per_device": per_device,
-            "oneshot_max": threshold(times, sizes),
-            "date": datetime.date.today().isoformat(), "mps": mps, "torch": torch_version,
+def make_entry(device, world, per_device, times, mps, torch_version, command, blocks=None):
+    """An entry of the table from times[algo] = {size: us} (one-shot and two-shot; with
+    blocks, also the runs that chose them)."""
+    sizes = sorted({s for algo in MEASURED for s in times.get(algo, {})})
+    e = {"device": device, "world": world, "ranks_per_device": per_device,
+         "oneshot_max": threshold(times, sizes)}
+    if blocks:
+        e["sym_blocks"] = blocks
+    return {**e, "date": datetime.date.today().isoformat(), "mps": mps, "torch": torch_version,
             "command": command,
             "median_us": {algo: {str(s): round(v, 2) for s, v in sorted(ts.items())}
                           for algo, ts in times.items()}}
 
 
-def entries_from_roofline(doc, args):
+def current_blocks(path, device, world, per_device):
+    """The sym_blocks of the table's entry (what the plain runs used), or None."""
+    try:
+        with open(path) as f:
+            entries = json.load(f)["entries"]
+    except (OSError, ValueError, KeyError):
+        return None
+    for e in entries:
+        if (e["device"], e["world"], e["ranks_per_device"]) == (device, world, per_device):
+            return e.get("sym_blocks")
+    return None
+
+
+def entries_from_roofline(doc, args, table=TABLE):
     """One entry per world of a gpu_roofline.py --json document's MPS runs (its ranks share one
     GPU: ranks per device = world). A world without both forced runs (one-shot and two-shot, each
     with a median) has nothing to tune from: no entry, and it is said on stderr (session 24's
     roofline, cut after its auto run, would otherwise have written one-shot <= 0 B: two-shot at
-    every size)."""
+    every size). Runs with blocks ("twoshot@64", "registered@64") against the plain ones choose
+    the entry's sym_blocks (sym_blocks()); the table's current value stays otherwise."""
     out = []
     for world in sorted({r["world"] for r in doc["results"] if r["mps"] == "on"}):
-        times = {r["algo"]: {int(s): v for s, v in r["median_us"].items()} for r in doc["results"]
-                 if r["mps"] == "on" and r["world"] == world and r["algo"] in MEASURED}
-        missing = [algo for algo in MEASURED if not times.get(algo)]
+        runs = {r["algo"]: {int(s): v for s, v in r["median_us"].items()} for r in doc["results"]
+                if r["mps"] == "on" and r["world"] == world and "peer_of" not in r}
+        times = {algo: runs[algo] for algo in MEASURED if runs.get(algo)}
+        missing = [algo for algo in MEASURED if algo not in times]
         if missing:
             print(f"gpu_tune.py: world {world}: no {' or '.join(missing)} medians in the roofline; "
                   f"its threshold is left as it is", file=sys.stderr)
             continue
+        variants = {}
+        for label, ts in runs.items():
+            algo, blocks = roof.split_algo(label)
+            if blocks and algo in ("twoshot", "registered") and ts:
+                variants.setdefault(blocks, {})[algo] = ts
+        current = current_blocks(table, doc["device"], world, world)
+        blocks = sym_blocks({a: runs.get(a, {}) for a in ("twoshot", "registered")}, variants, current)
+        if blocks != current:
+            print(f"gpu_tune.py: world {world}: workspace calls of at most {blocks} blocks (was "
+                  f"{current or 'the default'})", file=sys.stderr)
+        for b, rs in variants.items():
+            times.update({f"{a}@{b}": ts for a, ts in rs.items()})
+        if runs.get("registered"):
+            times["registered"] = runs["registered"]
         out.append(make_entry(doc["device"], world, world, times, True, doc["torch"],
-                              "python benchmarks/gpu_tune.py " + args))
+                              "python benchmarks/gpu_tune.py " + args, blocks))
     return out
 
 
 def describe(e):
     return (f"{e['device']}, world {e['world']}, {e['ranks_per_device']} ranks per device: "
-            f"one-shot <= {e['oneshot_max']} B, two-shot above")
+            f"one-shot <= {e['oneshot_max']} B, two-shot above; workspace calls of at most "
+            f"{e.get('sym_blocks', 'the default')} blocks")
 
 
 if __name__ == "__main__":

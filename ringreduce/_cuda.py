@@ -103,20 +103,23 @@ def _nccl_lib():
 TUNING_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_tuning.json")
 
 
-def tuned_threshold(device_name, world, ranks_per_device, path=TUNING_PATH):
-    """(oneshot_max or None, where from) for p2p's auto choice: the entry of the
-    measured table for this device name, world size and ranks per device; None: the model's."""
+def tuned(device_name, world, ranks_per_device, path=TUNING_PATH):
+    """(oneshot_max or None, sym_blocks or None, where from): the entry of the measured table
+    (gpu_tuning.json) for this device name, world size and ranks per device: auto's one-shot
+    threshold, and a workspace call's most blocks where a measurement found more blocks faster;
+    None: the model's threshold, the default blocks."""
     try:
         with open(path) as f:
             entries = json.load(f)["entries"]
     except (OSError, ValueError, KeyError) as e:
-        return None, f"the model's thresholds (no table: {e})"
+        return None, None, f"the model's thresholds (no table: {e})"
     for e in entries:
         if (e["device"], e["world"], e["ranks_per_device"]) == (device_name, world, ranks_per_device):
-            return (int(e["oneshot_max"]),
+            blocks = e.get("sym_blocks")
+            return (int(e["oneshot_max"]), int(blocks) if blocks else None,
                     f"measured on {e['device']} ({e.get('date', '?')}, {e.get('command', '?')})")
-    return None, (f"the model's thresholds (no measurement for {device_name}, world {world}, "
-                  f"{ranks_per_device} ranks per device in {os.path.basename(path)})")
+    return None, None, (f"the model's thresholds (no measurement for {device_name}, world {world}, "
+                        f"{ranks_per_device} ranks per device in {os.path.basename(path)})")
 
 
 def decide_transport(hosts, verdicts):
@@ -258,7 +261,7 @@ def resident_blocks(where):
 # The knobs' names in p2p_knobs()["config"] and in the error when ranks disagree.
 P2P_KNOBS = ("channels", "slice_bytes", "chunk_bytes", "algo", "blocks_cap", "copy_bytes", "sym_blocks")
 # A workspace call's most blocks (csrc/cuda/p2p.h: kDefaultSymBlocks, kMaxSymBlocks).
-DEFAULT_SYM_BLOCKS, MAX_SYM_BLOCKS = 24, 32
+DEFAULT_SYM_BLOCKS, MAX_SYM_BLOCKS = 24, 64
 
 
 def p2p_knobs():
@@ -272,16 +275,19 @@ def p2p_knobs():
              # SMs to the model's kernels (as NCCL_MAX_CTAS does), and measure what blocks buy.
              blocks_cap=env_int("RINGREDUCE_CUDA_MAX_BLOCKS", 0),
              copy_bytes=env_int("RINGREDUCE_CUDA_COPY_BYTES", DEFAULT_COPY_BYTES),
-             # The workspace's blocks below that cap: SymmetricMemory's ~24 by default; what more
-             # or fewer buy at large sizes is the GPU's to say (BENCHMARKS.md section 17).
-             sym_blocks=env_int("RINGREDUCE_CUDA_SYM_BLOCKS", DEFAULT_SYM_BLOCKS))
+             # The workspace's blocks below that cap; unset: the device's entry in gpu_tuning.json
+             # where a measurement found more blocks faster, else SymmetricMemory's ~24.
+             sym_blocks=env_int("RINGREDUCE_CUDA_SYM_BLOCKS", 0))
     if k["copy_bytes"] < 16 or k["copy_bytes"] % 16:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_COPY_BYTES must be a positive multiple of "
                          f"16 (the copy algorithm's largest piece); got {k['copy_bytes']}")
     if k["blocks_cap"] < 0:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_MAX_BLOCKS must be >= 0 (0: from the "
                          f"device); got {k['blocks_cap']}")
-    if not 1 <= k["sym_blocks"] <= MAX_SYM_BLOCKS:
+    k["sym_blocks_set"] = k["sym_blocks"] or None
+    if "RINGREDUCE_CUDA_SYM_BLOCKS" not in os.environ:
+        k["sym_blocks"] = "measured"  # in the config the ranks compare: the table's, else the default
+    elif not 1 <= k["sym_blocks"] <= MAX_SYM_BLOCKS:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_SYM_BLOCKS must be 1..{MAX_SYM_BLOCKS} (a "
                          f"workspace call's most thread blocks); got {k['sym_blocks']}")
     if k["chunk_bytes"] < 16 or k["chunk_bytes"] % 16:
@@ -360,7 +366,7 @@ class Communicator(_lifecycle.Communicator):
                              "other rank's memory (one host, peer access); this group cannot")
         native = _C.P2pComm(self.device.index, self.rank, self.world_size, channels, slice_bytes,
                             self.timeout, algo, chunk_bytes, max_blocks, direct, k["copy_bytes"],
-                            k["sym_blocks"])
+                            k["sym_blocks_set"] or DEFAULT_SYM_BLOCKS)
         try:
             # The plan of every call must be the same on every rank: so must these.
             config = k["config"].encode()
@@ -378,7 +384,7 @@ class Communicator(_lifecycle.Communicator):
                         f"every rank")
             # Every rank's handle when every rank can map every other, else the neighbours' only:
             # the same choice on every rank.
-            self._tune(native, algo)
+            self._tune(native, algo, k["sym_blocks_set"])
             self._warn_if_sharing()
             up, down = (r - 1) % n, (r + 1) % n
             native.connect([b"" if q == r or not (direct or q in (up, down)) else
@@ -429,21 +435,24 @@ class Communicator(_lifecycle.Communicator):
             _warned_sharing.add(self.device.index)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
-    def _tune(self, native, algo):
-        """Auto's thresholds, rank 0's choice for every rank (a plan must be the same on all)."""
-        if algo != "auto":
-            return
+    def _tune(self, native, algo, sym_blocks):
+        """The measured table's entry for this device, rank 0's for every rank (a plan must be the
+        same on all): auto's one-shot threshold, and the workspace's most blocks unless
+        RINGREDUCE_CUDA_SYM_BLOCKS set them (sym_blocks; the ranks agreed on it)."""
         if self.rank == 0:
             per_device = sum(1 for b in self._bus_ids if b == self._bus_ids[0])
-            tuned, source = tuned_threshold(torch.cuda.get_device_name(self.device),
-                                             self.world_size, per_device)
-            one = tuned if tuned is not None else -1
-            self._setup.set("tuning", f"{one}|{source}")
-        one, source = self._setup.get("tuning", "rank 0's algorithm thresholds").decode().split("|", 1)
-        if int(one) >= 0:
-            native.set_threshold(int(one))
-        log.debug("rank %d: p2p auto: one-shot <= %s, two-shot above (%s)", self.rank,
-                  f"{one} B" if int(one) >= 0 else "the model's threshold", source)
+            one, blocks, source = tuned(torch.cuda.get_device_name(self.device), self.world_size,
+                                        per_device)
+            self._setup.set("tuning", f"{one if one is not None else -1}|{blocks or 0}|{source}")
+        one, blocks, source = self._setup.get("tuning", "rank 0's measured table entry").decode().split("|", 2)
+        one, blocks = int(one), int(blocks)
+        if algo == "auto" and one >= 0:
+            native.set_threshold(one)
+        if sym_blocks is None and blocks > 0:
+            native.set_sym_blocks(min(blocks, MAX_SYM_BLOCKS))
+        log.debug("rank %d: p2p: one-shot <= %s, two-shot above (auto); workspace calls of at most %s "
+                  "blocks (%s)", self.rank, f"{one} B" if one >= 0 else "the model's threshold",
+                  sym_blocks or blocks or DEFAULT_SYM_BLOCKS, source)
 
     def _direct_possible(self):
         """Whether every rank can map every other rank's memory (the one-shot and two-shot

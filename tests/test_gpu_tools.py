@@ -44,6 +44,15 @@ def test_sizes(text, value):
     assert roof.parse_size(text) == value
 
 
+def test_algorithms_with_blocks_in_the_table():
+    assert roof.split_algo("twoshot@64") == ("twoshot", 64) and roof.split_algo("auto") == ("auto", None)
+    names = roof.row_names(["twoshot@64", "registered@64", "twoshot@48", "twoshot"])
+    assert names.index("twoshot") < names.index("twoshot@48") < names.index("twoshot@64")
+    assert names.index("torch/symm-twoshot-sym") < names.index("registered@64")
+    rows = roof.table({("on", 2, "twoshot@64"): {256 << 20: 600.0}}, 4175, [256 << 20])
+    assert "| 2 | 256 MiB | twoshot@64 | 600.0 | 0.43 |" in rows
+
+
 # -- benchmarks/gpu_tune.py and the table auto reads (ringreduce._cuda.tuned_threshold) --------
 spec_t = importlib.util.spec_from_file_location(
     "gpu_tune", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_tune.py")
@@ -112,17 +121,64 @@ def test_no_entry_from_a_roofline_without_forced_runs(capsys):
 
 
 def test_table_written_and_read_back(tmp_path):
-    from ringreduce._cuda import tuned_threshold
+    from ringreduce._cuda import tuned
     table = tmp_path / "gpu_tuning.json"
     table.write_text('{"about": "", "entries": []}')
-    assert tuned_threshold("NVIDIA H100 80GB HBM3", 2, 2, str(table))[0] is None
+    assert tuned("NVIDIA H100 80GB HBM3", 2, 2, str(table))[:2] == (None, None)
     entry = {"device": "NVIDIA H100 80GB HBM3", "world": 2, "ranks_per_device": 2,
              "oneshot_max": 65536, "date": "2026-11-25", "command": "x"}
     tune.update_table(str(table), entry)
     tune.update_table(str(table), {**entry, "oneshot_max": 4096})  # replaced, not added
-    assert tuned_threshold("NVIDIA H100 80GB HBM3", 2, 2, str(table))[0] == 4096
-    limits, why = tuned_threshold("NVIDIA H100 80GB HBM3", 4, 4, str(table))
-    assert limits is None and "no measurement for NVIDIA H100 80GB HBM3, world 4" in why
+    assert tuned("NVIDIA H100 80GB HBM3", 2, 2, str(table))[:2] == (4096, None)
+    tune.update_table(str(table), {**entry, "sym_blocks": 64})
+    assert tuned("NVIDIA H100 80GB HBM3", 2, 2, str(table))[:2] == (65536, 64)
+    assert tune.current_blocks(str(table), "NVIDIA H100 80GB HBM3", 2, 2) == 64
+    limits, blocks, why = tuned("NVIDIA H100 80GB HBM3", 4, 4, str(table))
+    assert (limits, blocks) == (None, None) and "no measurement for NVIDIA H100 80GB HBM3, world 4" in why
+
+
+def test_more_blocks_taken_only_where_measured_faster():
+    plain = {"twoshot": {64 * K: 20.0, 1 * M: 50.0, 16 * M: 90.0, 256 * M: 990.0},
+             "registered": {1 * M: 50.0, 256 * M: 515.0}}
+    faster = {"twoshot": {64 * K: 30.0, 1 * M: 52.0, 16 * M: 70.0, 256 * M: 600.0},
+              "registered": {1 * M: 50.0, 256 * M: 330.0}}
+    assert tune.sym_blocks(plain, {64: faster}) == 64
+    # 64 KiB runs one block either way: its noise does not count.
+    assert tune.sym_blocks(plain, {64: {**faster, "twoshot": {**faster["twoshot"], 64 * K: 90.0}}}) == 64
+    # Slower beyond the margin at one size from 1 MiB, for either algorithm: the current value stays.
+    slow_1m = {**faster, "twoshot": {**faster["twoshot"], 1 * M: 60.0}}
+    assert tune.sym_blocks(plain, {64: slow_1m}) is None
+    assert tune.sym_blocks(plain, {64: {**faster, "registered": {256 * M: 600.0}}}, 32) == 32
+    # A gain within the margin is noise.
+    assert tune.sym_blocks(plain, {64: {"twoshot": {1 * M: 50.0, 256 * M: 950.0}}}) is None
+    # Of two that qualify, the faster at the largest size.
+    assert tune.sym_blocks(plain, {48: {"twoshot": {1 * M: 50.0, 256 * M: 700.0}},
+                                   64: {"twoshot": {1 * M: 50.0, 256 * M: 650.0}}}) == 64
+    assert tune.sym_blocks(plain, {}) is None and tune.sym_blocks(plain, {}, 48) == 48
+
+
+def test_blocks_entry_from_a_roofline_json(tmp_path):
+    table = tmp_path / "gpu_tuning.json"
+    table.write_text('{"about": "", "entries": []}')
+    run = lambda algo, ts, **kw: {"mps": "on", "world": 2, "algo": algo,  # noqa: E731
+                                  "median_us": {str(s): v for s, v in ts.items()}, **kw}
+    results = [run("oneshot", {4 * K: 10.0, 1 * M: 90.0}), run("twoshot", {4 * K: 12.0, 1 * M: 40.0, 256 * M: 990.0}),
+               run("registered", {1 * M: 30.0, 256 * M: 515.0}),
+               run("torch/symm-twoshot-sym", {256 * M: 470.0}, peer_of="registered")]
+    doc = {"device": "NVIDIA H200", "torch": "2.11.0", "copy_GBps": 4175.0, "results": results}
+    (e,) = tune.entries_from_roofline(doc, "--from x.json", str(table))
+    assert "sym_blocks" not in e and e["oneshot_max"] == 4 * K
+    doc["results"] = results + [run("twoshot@64", {1 * M: 41.0, 256 * M: 700.0}),
+                                run("registered@64", {1 * M: 30.0, 256 * M: 340.0})]
+    (e,) = tune.entries_from_roofline(doc, "--from x.json", str(table))
+    assert e["sym_blocks"] == 64 and e["oneshot_max"] == 4 * K
+    assert e["median_us"]["twoshot@64"] == {str(1 * M): 41.0, str(256 * M): 700.0}
+    assert "torch/symm-twoshot-sym" not in e["median_us"]
+    tune.update_table(str(table), e)
+    # Measured again without the variant: the table's 64 ran as "twoshot", and stays.
+    doc["results"] = results
+    (e,) = tune.entries_from_roofline(doc, "--from x.json", str(table))
+    assert e["sym_blocks"] == 64
 
 
 def test_the_checked_in_table_parses():
@@ -208,7 +264,7 @@ def test_copy_knob_checked(monkeypatch):
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", "copy")
     monkeypatch.setenv("RINGREDUCE_CUDA_COPY_BYTES", "4096")
     k = p2p_knobs()
-    assert k["algo"] == "copy" and k["copy_bytes"] == 4096 and k["config"].endswith("/4096/24")
+    assert k["algo"] == "copy" and k["copy_bytes"] == 4096 and k["config"].endswith("/4096/measured")
     monkeypatch.setenv("RINGREDUCE_CUDA_COPY_BYTES", "100")
     with pytest.raises(ValueError, match="RINGREDUCE_CUDA_COPY_BYTES must be a positive multiple of 16"):
         p2p_knobs()
@@ -233,6 +289,14 @@ def test_checked_in_table_follows_from_its_medians():
         times = {a: {int(s): v for s, v in ts.items()} for a, ts in e["median_us"].items()}
         sizes = sorted({s for ts in times.values() for s in ts})
         assert tune.threshold(times, sizes) == e["oneshot_max"], e["device"]
+        variants = {}
+        for label, ts in times.items():
+            algo, blocks = roof.split_algo(label)
+            if blocks:
+                variants.setdefault(blocks, {})[algo] = ts
+        if variants:  # the blocks it took, from the runs recorded beside it
+            plain = {a: times.get(a, {}) for a in ("twoshot", "registered")}
+            assert tune.sym_blocks(plain, variants) == e.get("sym_blocks"), e["device"]
 
 
 def test_python_block_constants_match_the_kernels():
@@ -254,15 +318,18 @@ def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     k = p2p_knobs()
     assert (k["chunk_bytes"], k["blocks_cap"], k["algo"]) == (16 << 20, 0, "auto")
-    assert k["config"] == "16/524288/16777216/auto/0/8388608/24"
+    # Blocks unset: the measured table's for the device, else the default (the ranks compare that).
+    assert k["config"] == "16/524288/16777216/auto/0/8388608/measured" and k["sym_blocks_set"] is None
     monkeypatch.setenv("RINGREDUCE_CUDA_CHUNK_BYTES", "4096")
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", " OneShot ")
-    assert p2p_knobs()["config"] == "16/524288/4096/oneshot/0/8388608/24"
-    monkeypatch.setenv("RINGREDUCE_CUDA_SYM_BLOCKS", "32")
-    assert p2p_knobs()["config"].endswith("/32")
-    for value in ("0", "33"):
+    assert p2p_knobs()["config"] == "16/524288/4096/oneshot/0/8388608/measured"
+    monkeypatch.setenv("RINGREDUCE_CUDA_SYM_BLOCKS", "24")  # set: not the table's, even at the default
+    assert p2p_knobs()["config"].endswith("/24") and p2p_knobs()["sym_blocks_set"] == 24
+    monkeypatch.setenv("RINGREDUCE_CUDA_SYM_BLOCKS", "64")
+    assert p2p_knobs()["config"].endswith("/64")
+    for value in ("0", "65", "-1"):
         monkeypatch.setenv("RINGREDUCE_CUDA_SYM_BLOCKS", value)
-        with pytest.raises(ValueError, match=f"RINGREDUCE_CUDA_SYM_BLOCKS must be 1..32 .*got {value}"):
+        with pytest.raises(ValueError, match=f"RINGREDUCE_CUDA_SYM_BLOCKS must be 1..64 .*got {value}"):
             p2p_knobs()
     monkeypatch.delenv("RINGREDUCE_CUDA_SYM_BLOCKS")
     for value in ("0", "24"):
@@ -379,3 +446,49 @@ def test_a_stopped_roofline_takes_the_bench_ranks_with_it(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the bench's child outlived the roofline")
+
+
+def test_measured_blocks_applied_on_every_rank_unless_set(tmp_path, monkeypatch):
+    """Communicator._tune with a real store: rank 0 reads the table, every rank applies its
+    entry (auto's threshold for auto only; the blocks unless RINGREDUCE_CUDA_SYM_BLOCKS set them)."""
+    import copy
+    import types
+    import torch
+    import torch.distributed as dist
+    from ringreduce import _cuda, _lifecycle
+    table = tmp_path / "gpu_tuning.json"
+    table.write_text('{"about": "", "entries": []}')
+    tune.update_table(str(table), {"device": "NVIDIA H200", "world": 2, "ranks_per_device": 2,
+                                   "oneshot_max": 262144, "sym_blocks": 64, "date": "x",
+                                   "command": "a | b"})
+    real = _cuda.tuned  # its path argument's default binds at definition: pass the table in
+    monkeypatch.setattr(_cuda, "tuned", lambda d, w, p: real(d, w, p, str(table)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+
+    class Native:
+        def __init__(self):
+            self.calls = []
+
+        def set_threshold(self, b):
+            self.calls.append(("threshold", b))
+
+        def set_sym_blocks(self, b):
+            self.calls.append(("blocks", b))
+
+    def tuned_on(setup, rank, algo, sym_blocks):
+        c = object.__new__(_cuda.Communicator)
+        c.rank, c.world_size, c.device = rank, 2, torch.device("cpu")
+        c._bus_ids = ["h|0000:01:00.0"] * 2
+        c._setup = copy.copy(setup)  # the same keys on both ranks
+        c._setup.rank = rank
+        native = Native()
+        c._tune(native, algo, sym_blocks)
+        return native.calls
+
+    for algo, sym_blocks, want in (("auto", None, [("threshold", 262144), ("blocks", 64)]),
+                                   ("twoshot", None, [("blocks", 64)]),
+                                   ("auto", 24, [("threshold", 262144)])):
+        member = types.SimpleNamespace(store=dist.HashStore(), rank=0, name="0-1")
+        setup = _lifecycle.Bootstrap(member, "p2p-test", 5.0)
+        assert tuned_on(setup, 0, algo, sym_blocks) == want
+        assert tuned_on(setup, 1, algo, sym_blocks) == want  # rank 0's entry, read from the store

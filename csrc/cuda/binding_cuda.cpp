@@ -869,6 +869,9 @@ void register_cuda(py::module_& m) {
       .def("set_threshold", [](P2pComm& c, size_t oneshot_max) {
         c.ring().set_threshold(oneshot_max);
       }, py::arg("oneshot_max"))
+      .def("set_sym_blocks", [](P2pComm& c, int blocks) {
+        c.ring().set_sym_blocks(blocks);
+      }, py::arg("blocks"))
       .def("algorithm", [](P2pComm& c, const std::string& coll, int64_t numel, int dtype_bytes) {
         // The plan of a float-like call of this size (for logs and tests of the choice).
         const rr::Coll k = coll == "all_reduce" ? rr::Coll::AllReduce

@@ -59,6 +59,9 @@ constexpr double kModelRttS = 1e-6;
 constexpr double kModelLinkBytesPerS = 450e9;
 // The copy algorithm's kernel: a block per this many bytes of a piece.
 constexpr size_t kCopyBytesPerBlock = 64 << 10;
+// As many as before the workspace's cap went to 64 (the copy algorithm's kernels are unmeasured
+// above 32).
+constexpr int kMaxCopyBlocks = 32;
 
 size_t oneshot_max_bytes(int n) {
   // One-shot reads (n-1) x size per rank against two-shot's 2(n-1)/n x size, and saves one of
@@ -75,7 +78,7 @@ size_t oneshot_max_bytes(int n) {
 int copy_blocks(int64_t piece_bytes) {
   // These blocks never wait for another rank's, so no residency cap.
   return static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(kMaxBlocks, piece_bytes / static_cast<int64_t>(kCopyBytesPerBlock))));
+      1, std::min<int64_t>(kMaxCopyBlocks, piece_bytes / static_cast<int64_t>(kCopyBytesPerBlock))));
 }
 
 // The narrow wire (sym_wire.cu): one-shot or two-shot on the workspace, in pieces of whole wire
@@ -376,6 +379,13 @@ void Ring::connect(const std::vector<std::string>& handles) {
     peers_[q] = static_cast<char*>(p);
   }
   direct_ = all;
+}
+
+void Ring::set_sym_blocks(int blocks) {
+  if (blocks < 1 || blocks > kMaxSymBlocks)
+    throw std::invalid_argument("ringreduce: p2p sym_blocks must be 1.." + std::to_string(kMaxSymBlocks) +
+                                ", got " + std::to_string(blocks));
+  opt_.sym_blocks = blocks;
 }
 
 void Ring::connect_local(const std::vector<const Ring*>& rings) {

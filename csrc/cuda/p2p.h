@@ -45,13 +45,15 @@ constexpr size_t kMinSliceBytes = 4 << 10;
 // up to this many ranks.
 constexpr int kMaxPeers = 16;
 // Their thread blocks: at most kMaxSymBlocks, by default at most kDefaultSymBlocks (torch's
-// SymmetricMemory launches ~24, vLLM's custom all-reduce 36; Options::sym_blocks sets another),
-// one per kSymBytesPerBlock of a piece below that (a 4 KiB call runs one).
+// SymmetricMemory launches ~24, vLLM's custom all-reduce 36; Options::sym_blocks sets another,
+// from RINGREDUCE_CUDA_SYM_BLOCKS or the device's measured entry in gpu_tuning.json), one per
+// kSymBytesPerBlock of a piece below that (a 4 KiB call runs one). 64 lets a measurement try
+// half of an H100/H200's SMs per rank at world 2 (24 blocks left the H200's HBM half idle).
 // Every block spins on its peers' blocks, so all must be resident: Options::max_blocks caps them.
-constexpr int kMaxSymBlocks = 32;
+constexpr int kMaxSymBlocks = 64;
 constexpr int kDefaultSymBlocks = 24;
 constexpr size_t kSymBytesPerBlock = 32 << 10;
-// The most blocks of either kernel (one error record each).
+// The most blocks of any kernel (one error record each).
 constexpr int kMaxBlocks = kMaxChannels > kMaxSymBlocks ? kMaxChannels : kMaxSymBlocks;
 // The workspace: two halves of this many bytes per rank (plus alignment slack), pieces of a call
 // alternating between them, so that a rank copies piece k + 1 into one half while its peers may
@@ -382,12 +384,14 @@ class Ring {
     std::lock_guard<std::mutex> lk(reg_mu_);
     return static_cast<int>(regs_.size());
   }
-  // Auto's thresholds (see Options); the same on every rank, before the first call.
   // Auto's one-shot threshold (see Options); the same on every rank, before the first call.
   void set_threshold(size_t oneshot_max) {
     opt_.tuned = true;
     opt_.oneshot_max = oneshot_max;
   }
+  // A workspace call's most blocks (Options::sym_blocks), measured for this device (the binding
+  // reads ringreduce/gpu_tuning.json); the same on every rank, before the first call.
+  void set_sym_blocks(int blocks);
   bool direct() const { return direct_; }
   // The first failure the device recorded, formatted, or "" while there is none.
   std::string failure();

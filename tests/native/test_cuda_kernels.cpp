@@ -852,8 +852,9 @@ static void test_timeout() {
 static void test_timeout_with_every_block() {
   const int64_t numel = 1 << 20;
   DevBuf buf(numel * 4);
-  Group g(3, rc::p2p::kMaxSymBlocks, 4096, 1.0, rc::p2p::Algo::TwoShot, true, rc::p2p::kDefaultChunkBytes,
-          false, rc::p2p::kMaxSymBlocks);
+  Group g(3, 2, 4096, 1.0, rc::p2p::Algo::TwoShot, false, rc::p2p::kDefaultChunkBytes, false,
+          rc::p2p::kMaxSymBlocks, false, rc::p2p::kDefaultCopySlotBytes,
+          [](int, rc::p2p::Options& o) { o.sym_blocks = rc::p2p::kMaxSymBlocks; });
   EXPECT(g.rings[0]->plan_of(g.call(numel, buf)).blocks == rc::p2p::kMaxSymBlocks,
          "a 4 MiB two-shot call runs %d blocks", g.rings[0]->plan_of(g.call(numel, buf)).blocks);
   const auto t0 = Clock::now();
@@ -1373,6 +1374,22 @@ static void test_sym_blocks_knob() {
     EXPECT(contains(what, "sym_blocks must be 1.." + std::to_string(rc::p2p::kMaxSymBlocks)), "sym_blocks=%d: '%s'",
            bad, what.c_str());
   }
+  // The measured table's value (Ring::set_sym_blocks, from the binding), checked alike; a call
+  // of 64 MiB at world 2 then runs kMaxSymBlocks blocks where the device has the SMs.
+  rc::p2p::Options one;
+  one.nranks = 1;
+  rc::p2p::Ring ring(one);
+  std::string what;
+  try {
+    ring.set_sym_blocks(rc::p2p::kMaxSymBlocks + 1);
+  } catch (const std::invalid_argument& e) {
+    what = e.what();
+  }
+  EXPECT(contains(what, "sym_blocks must be 1.." + std::to_string(rc::p2p::kMaxSymBlocks)), "set_sym_blocks: '%s'",
+         what.c_str());
+  o.sym_blocks = rc::p2p::kMaxSymBlocks;
+  o.max_blocks = 66;  // an H200's 132 SMs over two ranks
+  EXPECT(blocks_of(big, rr::Wire::None) == 64, "64 MiB at world 2 with 66 resident: %d", blocks_of(big, rr::Wire::None));
 }
 
 // A CUDA graph that captured launches of a ring pins it (Ring::graph_pin): close() keeps what the
