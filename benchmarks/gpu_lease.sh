@@ -21,6 +21,11 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-lease-out}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-570}
+# PART=tests: a second call on the warm machine (within ~30 s of the first's reply): no build if
+# the extension imports, no smoke, roofline, profiles or sweeps; the exits, close race, wire tests
+# and the rest of the GPU tests, which the first call's roofline usually leaves no time for.
+PART=${PART:-all}
+case "$PART" in all|tests) ;; *) echo "PART must be all or tests, got $PART" >&2; exit 2 ;; esac
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -33,48 +38,54 @@ mps_off() { echo quit | nvidia-cuda-mps-control > /dev/null 2>&1; sleep 1; }
   echo "cores $(nproc); commit $(git rev-parse --short HEAD 2>/dev/null) $(git status --short | wc -l) changed files"
 } 2>&1 | tee -a "$OUT/steps.txt"
 
-log "build"
-RINGREDUCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" -m pip install --no-build-isolation --no-deps -e . \
-    > "$OUT/build.log" 2>&1 || { log "build FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+if [ "$PART" = tests ] && "$PY" -c "import ringreduce._C" 2> /dev/null; then
+  log "built already (PART=tests)"
+else
+  log "build"
+  RINGREDUCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" -m pip install --no-build-isolation --no-deps -e . \
+      > "$OUT/build.log" 2>&1 || { log "build FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+fi
 
 EXITS="test_processes_exit_cleanly_under_torchrun"
-log "smoke and the copy algorithm (no MPS)"
-# test_stream_semantics and the callers' streams test: synchronous p2p calls on the caller's stream
-# and the C fast path (binding_cuda.cpp). The exit statuses, the close race and the wire's tests
-# (passed on the H200 in session 24) run after the roofline.
-timeout -k 10 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
-    test_transport_choice_logged or test_world_one_moves_nothing or test_shared_buffers or \
-    p2p_copy-2 or test_time_sliced_ranks_are_warned or (test_stream_semantics and p2p) or \
-    test_sync_calls_run_on_the_callers_stream or test_cuda_graph or \
-    test_async_calls_beside_a_global_capture" tests/test_cuda.py \
-    --durations=10 -rfE > "$OUT/smoke.log" 2>&1
-log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
+if [ "$PART" = all ]; then
+  log "smoke and the copy algorithm (no MPS)"
+  # test_stream_semantics and the callers' streams test: synchronous p2p calls on the caller's stream
+  # and the C fast path (binding_cuda.cpp). The exit statuses, the close race and the wire's tests
+  # (passed on the H200 in session 24) run after the roofline.
+  timeout -k 10 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
+      test_transport_choice_logged or test_world_one_moves_nothing or test_shared_buffers or \
+      p2p_copy-2 or test_time_sliced_ranks_are_warned or (test_stream_semantics and p2p) or \
+      test_sync_calls_run_on_the_callers_stream or test_cuda_graph or \
+      test_async_calls_beside_a_global_capture" tests/test_cuda.py \
+      --durations=10 -rfE > "$OUT/smoke.log" 2>&1
+  log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
 
-log "roofline"
-# Issue 50's targets first: auto and registered beside SymmetricMemory, then one-shot and two-shot
-# forced (gpu_tune.py --from: auto's threshold), then two-shot and registered with 64 blocks a call
-# (gpu_tune.py --from: whether the table's sym_blocks for this GPU should say more than the
-# default 24; registered 256 MiB reached 0.50 of the HBM limit on 48 of 132 SMs), the ring, copy.
-# Session 24's lease gave the roofline its 60 s minimum after the smoke and profiles and got the
-# auto run alone. At least 200 s; otherwise all but 120 s (the profiles after it; the exits, close
-# race and wire tests only if time is left, or in a second call).
-# --timeout is per backend (the auto and registered runs carry the peer's two ops: 3 backends);
-# batches of >= 20 ms (the bench's default 50) keep those near a minute (estimated, not measured).
-roof_s=$(( $(left) - 120 )); [ "$roof_s" -lt 200 ] && roof_s=200
-timeout -k 10 "$roof_s" "$PY" benchmarks/gpu_roofline.py --worlds 2 \
-    --sizes 4K,16K,64K,256K,1M,4M,16M,64M,256M --sizes-off 4K,1M,16M \
-    --algos auto,registered,oneshot,twoshot,twoshot@64,registered@64,ring,copy \
-    --bench-args "-n 10 -w 3 --batch_ms 20" \
-    --timeout 40 --out "$OUT/roofline.md" --json "$OUT/roofline.json" > "$OUT/roofline.log" 2>&1
-log "roofline exit $?"
-grep "skipped\|bench exited\|killed at" "$OUT/roofline.log" | tee -a "$OUT/steps.txt"
-mps_off
+  log "roofline"
+  # Issue 50's targets first: auto and registered beside SymmetricMemory, then one-shot and two-shot
+  # forced (gpu_tune.py --from: auto's threshold), then two-shot and registered with 64 blocks a call
+  # (gpu_tune.py --from: whether the table's sym_blocks for this GPU should say more than the
+  # default 24; registered 256 MiB reached 0.50 of the HBM limit on 48 of 132 SMs), the ring, copy.
+  # Session 24's lease gave the roofline its 60 s minimum after the smoke and profiles and got the
+  # auto run alone. At least 200 s; otherwise all but 120 s (the profiles after it; the exits, close
+  # race and wire tests only if time is left, or in a second call).
+  # --timeout is per backend (the auto and registered runs carry the peer's two ops: 3 backends);
+  # batches of >= 20 ms (the bench's default 50) keep those near a minute (estimated, not measured).
+  roof_s=$(( $(left) - 120 )); [ "$roof_s" -lt 200 ] && roof_s=200
+  timeout -k 10 "$roof_s" "$PY" benchmarks/gpu_roofline.py --worlds 2 \
+      --sizes 4K,16K,64K,256K,1M,4M,16M,64M,256M --sizes-off 4K,1M,16M \
+      --algos auto,registered,oneshot,twoshot,twoshot@64,registered@64,ring,copy \
+      --bench-args "-n 10 -w 3 --batch_ms 20" \
+      --timeout 40 --out "$OUT/roofline.md" --json "$OUT/roofline.json" > "$OUT/roofline.log" 2>&1
+  log "roofline exit $?"
+  grep "skipped\|bench exited\|killed at" "$OUT/roofline.log" | tee -a "$OUT/steps.txt"
+  mps_off
+fi
 
 # Host or kernel, by size and algorithm (benchmarks/gpu_profile.py, world 2 under MPS): session
 # 24's H200 had 4 KiB device-bound (15.1 us between kernel starts, host 7.4) and 1-4 MiB at ~55 us
 # where SymmetricMemory's one-shot took 23; session 25 took a PCIe read per block off every call
 # (BENCHMARKS.md section 20). Did that close it, and if not, which kernel and do 24 blocks cost it?
-if [ "$(left)" -ge 110 ]; then
+if [ "$PART" = all ] && [ "$(left)" -ge 110 ]; then
   nvidia-cuda-mps-control -d > /dev/null 2>&1; sleep 1
   profile() {
     local label=$1 size=$2
@@ -113,7 +124,7 @@ bench_p2p() {
 # What one cross-process handshake costs on this GPU by mechanism (a spinning kernel, stream memory
 # operations, a copy plus memops), without MPS and with it: the design question of issue 36 item 3.
 # HANDSHAKES=0 skips it (measured on the H200 in session 23: BENCHMARKS.md section 17).
-if [ "${HANDSHAKES-1}" = 1 ] && [ "$(left)" -ge 100 ]; then
+if [ "$PART" = all ] && [ "${HANDSHAKES-1}" = 1 ] && [ "$(left)" -ge 100 ]; then
   log "handshakes (benchmarks/gpu_handshake.cu)"
   NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
   if "$NVCC" -O2 -std=c++17 -arch=sm_90 benchmarks/gpu_handshake.cu -o "$OUT/gpu_handshake" \
@@ -130,7 +141,7 @@ mps_off
 nvidia-cuda-mps-control -d && sleep 1
 # The narrow wire's speed against float32 (issue 52; emulated count: 0.5x / 0.26x the bytes between
 # ranks), world 2 under MPS, in one bench run: the last table is the speedup and the largest error.
-if [ "$(left)" -ge 170 ]; then
+if [ "$PART" = all ] && [ "$(left)" -ge 170 ]; then
   log "wire: bf16 and fp8 against float32 (p2p, MPS)"
   timeout -k 5 60 "$PY" -m ringreduce.bench --nranks 2 --backends ringreduce/p2p --wire bf16,fp8 \
       --collectives all_reduce -b 4K -e 256M -f 16 -n 10 -w 3 > "$OUT/wire.log" 2>&1
@@ -139,7 +150,7 @@ fi
 # The symmetric workspace's blocks (default 24, as SymmetricMemory; vLLM 36) between the roofline's
 # 24 and 64 and below (RINGREDUCE_CUDA_SYM_BLOCKS, at most 64). BLOCKS_SWEEP= skips.
 for blocks in ${BLOCKS_SWEEP-32 48 8}; do
-  [ "$(left)" -lt 180 ] && break
+  [ "$PART" != all ] || [ "$(left)" -lt 180 ] && break
   log "blocks: twoshot, at most $blocks"
   bench_p2p "twoshot sym_blocks=$blocks" 1M 256M 16 RINGREDUCE_CUDA_SYM_BLOCKS=$blocks \
       RINGREDUCE_CUDA_ALGO=twoshot
@@ -147,14 +158,14 @@ done
 # The workspace's piece (RINGREDUCE_CUDA_CHUNK_BYTES, default 16 MiB: one barrier, two-shot two,
 # per piece; two halves per rank) smaller and larger. CHUNK_SWEEP= (empty) skips it.
 for chunk in ${CHUNK_SWEEP-4194304 67108864}; do
-  [ "$(left)" -lt 150 ] && break
+  [ "$PART" != all ] || [ "$(left)" -lt 150 ] && break
   log "pieces: twoshot, chunk $chunk B"
   bench_p2p "twoshot chunk=$chunk" 1M 256M 16 RINGREDUCE_CUDA_CHUNK_BYTES=$chunk RINGREDUCE_CUDA_ALGO=twoshot
 done
 # The ring's staging FIFO (16 channels x 8 slots x slice bytes: 64 MiB per rank at the default
 # 512 KiB, more than the L2 for two ranks) with smaller slices. RING_SWEEP= skips it.
 for slice in ${RING_SWEEP-131072 524288}; do
-  [ "$(left)" -lt 120 ] && break
+  [ "$PART" != all ] || [ "$(left)" -lt 120 ] && break
   log "ring FIFO: slice $slice B"
   bench_p2p "ring slice=$slice" 4M 256M 4 RINGREDUCE_CUDA_SLICE_BYTES=$slice RINGREDUCE_CUDA_ALGO=ring
 done
