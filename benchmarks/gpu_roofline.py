@@ -47,6 +47,9 @@ DEFAULT_ORDER = ("auto", "registered", "ring", "oneshot", "twoshot", "copy")
 # RINGREDUCE_CUDA_SYM_BLOCKS=64 (no peer beside it); gpu_tune.py --from compares it with "twoshot".
 
 
+MAX_BLOCKS = 64  # RINGREDUCE_CUDA_SYM_BLOCKS's range (ringreduce/_cuda.py: MAX_SYM_BLOCKS)
+
+
 def split_algo(label):
     """(algorithm, blocks or None) of an --algos entry: "twoshot@64" -> ("twoshot", 64)."""
     algo, _, blocks = label.partition("@")
@@ -277,16 +280,20 @@ def main(argv=None):
     worlds = [int(w) for w in a.worlds.split(",")]
     algos = [x for x in a.algos.split(",") if x]
     for x in algos:
-        base, _, blocks = x.partition("@")
-        if base not in ALGOS or (blocks and not blocks.isdigit()):
-            p.error(f"--algos: {x!r} is not one of {', '.join(ALGOS)} (optionally @blocks: "
-                    f"twoshot@64)")
+        base, at, blocks = x.partition("@")
+        if base not in ALGOS or (at and not (blocks.isdigit() and 1 <= int(blocks) <= MAX_BLOCKS)):
+            p.error(f"--algos: {x!r} is not one of {', '.join(ALGOS)} (optionally @blocks, 1 to "
+                    f"{MAX_BLOCKS}: twoshot@64)")
     if a.phase1:  # in a process of its own: no CUDA context of ours stays while MPS starts
         import torch
         if not torch.cuda.is_available():
             raise SystemExit("gpu_roofline.py needs a CUDA device")
-        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "copy_GBps": copy_bandwidth_GBps(), "world1": {}}
+        from ringreduce._cuda import tuned
+        name = torch.cuda.get_device_name()
+        # The workspace's blocks the plain runs get (the table's entry; None: the default), for
+        # gpu_tune.py --from to compare the "@blocks" runs with.
+        doc = {"device": name, "torch": torch.__version__, "copy_GBps": copy_bandwidth_GBps(),
+               "world1": {}, "plain_sym_blocks": {str(w): tuned(name, w, w)[1] for w in worlds}}
         with open(a.phase1, "w") as f:  # the copy bandwidth stays if world 1 fails
             json.dump(doc, f)
         doc["world1"] = world_one(sizes)
@@ -296,7 +303,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "phase1.json")
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--sizes", a.sizes,
-                            "--phase1", path], timeout=a.timeout)
+                            "--worlds", a.worlds, "--phase1", path], timeout=a.timeout)
         if not os.path.exists(path):
             raise SystemExit(f"gpu_roofline.py: the copy bandwidth was not measured (exit {r.returncode})")
         with open(path) as f:

@@ -47,24 +47,23 @@ def threshold(times, sizes):
 
 def sym_blocks(plain, variants, current=None):
     """The workspace's most blocks for the table: variants[blocks][algo] = {size: us} are runs with
-    RINGREDUCE_CUDA_SYM_BLOCKS=blocks, plain[algo] the same algorithms with the table's current
-    value (None: the default). A variant replaces it where, for two-shot and for registered where
-    both ran, it is nowhere slower by more than MARGIN at 1 MiB and above (below, a piece has too
-    few 32 KiB parts for the cap to matter) and two-shot's largest common size is faster by more
-    than MARGIN; of those, the fastest there. Otherwise current stays."""
-    best, best_t = current, None
+    RINGREDUCE_CUDA_SYM_BLOCKS=blocks, plain[algo] the same algorithms with the blocks the table
+    gave them (current; None: the default). A variant replaces current where, for two-shot and for
+    registered where both ran, it is nowhere slower by more than MARGIN at 1 MiB and above (below,
+    a piece has too few 32 KiB parts for the cap to matter) and, at the plain two-shot's largest
+    size, faster by more than MARGIN; of those, the fastest there (a variant cut short before that
+    size does not count). Otherwise current stays."""
+    big = [s for s in plain.get("twoshot", {}) if s >= 1 << 20]
+    if not big:
+        return current
+    top = max(big)
+    best, best_t = current, plain["twoshot"][top] / (1 + MARGIN)
     for blocks, runs in sorted(variants.items()):
-        sizes = sorted(set(plain.get("twoshot", {})) & set(runs.get("twoshot", {})))
-        sizes = [s for s in sizes if s >= 1 << 20]
-        if not sizes:
+        t = runs.get("twoshot", {}).get(top)
+        if t is None or t >= best_t:
             continue
-        ok = True
-        for algo in ("twoshot", "registered"):
-            base, var = plain.get(algo, {}), runs.get(algo, {})
-            ok = ok and all(var[s] <= base[s] * (1 + MARGIN) for s in set(base) & set(var) if s >= 1 << 20)
-        top = sizes[-1]
-        t = runs["twoshot"][top]
-        if ok and t * (1 + MARGIN) < plain["twoshot"][top] and (best_t is None or t < best_t):
+        if all(runs.get(algo, {})[s] <= base[s] * (1 + MARGIN)
+               for algo, base in plain.items() for s in set(base) & set(runs.get(algo, {})) if s >= 1 << 20):
             best, best_t = blocks, t
     return best
 
@@ -168,8 +167,13 @@ def entries_from_roofline(doc, args, table=TABLE):
             algo, blocks = roof.split_algo(label)
             if blocks and algo in ("twoshot", "registered") and ts:
                 variants.setdefault(blocks, {})[algo] = ts
-        current = current_blocks(table, doc["device"], world, world)
-        blocks = sym_blocks({a: runs.get(a, {}) for a in ("twoshot", "registered")}, variants, current)
+        # The blocks the plain runs had: the table's entry when the roofline ran (it says), else now.
+        if "plain_sym_blocks" in doc:
+            current = doc["plain_sym_blocks"].get(str(world))
+        else:
+            current = current_blocks(table, doc["device"], world, world)
+        plain = {a: runs[a] for a in ("twoshot", "registered") if runs.get(a)}
+        blocks = sym_blocks(plain, variants, current)
         if blocks != current:
             print(f"gpu_tune.py: world {world}: workspace calls of at most {blocks} blocks (was "
                   f"{current or 'the default'})", file=sys.stderr)
@@ -177,8 +181,11 @@ def entries_from_roofline(doc, args, table=TABLE):
             times.update({f"{a}@{b}": ts for a, ts in rs.items()})
         if runs.get("registered"):
             times["registered"] = runs["registered"]
-        out.append(make_entry(doc["device"], world, world, times, True, doc["torch"],
-                              "python benchmarks/gpu_tune.py " + args, blocks))
+        e = make_entry(doc["device"], world, world, times, True, doc["torch"],
+                       "python benchmarks/gpu_tune.py " + args, blocks)
+        if variants:  # what the plain runs' medians were measured with (the check recomputes it)
+            e["plain_sym_blocks"] = current
+        out.append(e)
     return out
 
 

@@ -44,6 +44,12 @@ def test_sizes(text, value):
     assert roof.parse_size(text) == value
 
 
+def test_algorithms_with_blocks_checked(tmp_path):
+    for bad in ("twoshot@", "twoshot@0", "twoshot@65", "tree@8", "twoshot@x"):
+        with pytest.raises(SystemExit):
+            roof.main(["--algos", bad, "--out", str(tmp_path / "r.md")])
+
+
 def test_algorithms_with_blocks_in_the_table():
     assert roof.split_algo("twoshot@64") == ("twoshot", 64) and roof.split_algo("auto") == ("auto", None)
     names = roof.row_names(["twoshot@64", "registered@64", "twoshot@48", "twoshot"])
@@ -155,6 +161,9 @@ def test_more_blocks_taken_only_where_measured_faster():
     assert tune.sym_blocks(plain, {48: {"twoshot": {1 * M: 50.0, 256 * M: 700.0}},
                                    64: {"twoshot": {1 * M: 50.0, 256 * M: 650.0}}}) == 64
     assert tune.sym_blocks(plain, {}) is None and tune.sym_blocks(plain, {}, 48) == 48
+    # A run cut short before the plain run's largest size does not count, however fast it was.
+    assert tune.sym_blocks(plain, {48: {"twoshot": {1 * M: 30.0, 16 * M: 40.0}},
+                                   64: {"twoshot": {1 * M: 50.0, 256 * M: 800.0}}}) == 64
 
 
 def test_blocks_entry_from_a_roofline_json(tmp_path):
@@ -171,7 +180,7 @@ def test_blocks_entry_from_a_roofline_json(tmp_path):
     doc["results"] = results + [run("twoshot@64", {1 * M: 41.0, 256 * M: 700.0}),
                                 run("registered@64", {1 * M: 30.0, 256 * M: 340.0})]
     (e,) = tune.entries_from_roofline(doc, "--from x.json", str(table))
-    assert e["sym_blocks"] == 64 and e["oneshot_max"] == 4 * K
+    assert e["sym_blocks"] == 64 and e["oneshot_max"] == 4 * K and e["plain_sym_blocks"] is None
     assert e["median_us"]["twoshot@64"] == {str(1 * M): 41.0, str(256 * M): 700.0}
     assert "torch/symm-twoshot-sym" not in e["median_us"]
     tune.update_table(str(table), e)
@@ -179,6 +188,12 @@ def test_blocks_entry_from_a_roofline_json(tmp_path):
     doc["results"] = results
     (e,) = tune.entries_from_roofline(doc, "--from x.json", str(table))
     assert e["sym_blocks"] == 64
+    # The roofline says what its plain runs had: 64 from the table, against a run at 24 that is no
+    # faster: 64 stays (and the recorded runs give the same answer again).
+    doc["plain_sym_blocks"] = {"2": 64}
+    doc["results"] = results + [run("twoshot@24", {1 * M: 40.0, 256 * M: 985.0})]
+    (e,) = tune.entries_from_roofline(doc, "--from x.json", str(table))
+    assert (e["sym_blocks"], e["plain_sym_blocks"]) == (64, 64)
 
 
 def test_the_checked_in_table_parses():
@@ -287,7 +302,7 @@ def test_checked_in_table_follows_from_its_medians():
         entries = json.load(f)["entries"]
     for e in entries:
         times = {a: {int(s): v for s, v in ts.items()} for a, ts in e["median_us"].items()}
-        sizes = sorted({s for ts in times.values() for s in ts})
+        sizes = sorted({s for a in tune.MEASURED for s in times.get(a, {})})
         assert tune.threshold(times, sizes) == e["oneshot_max"], e["device"]
         variants = {}
         for label, ts in times.items():
@@ -295,8 +310,8 @@ def test_checked_in_table_follows_from_its_medians():
             if blocks:
                 variants.setdefault(blocks, {})[algo] = ts
         if variants:  # the blocks it took, from the runs recorded beside it
-            plain = {a: times.get(a, {}) for a in ("twoshot", "registered")}
-            assert tune.sym_blocks(plain, variants) == e.get("sym_blocks"), e["device"]
+            plain = {a: times[a] for a in ("twoshot", "registered") if a in times}
+            assert tune.sym_blocks(plain, variants, e["plain_sym_blocks"]) == e.get("sym_blocks"), e["device"]
 
 
 def test_python_block_constants_match_the_kernels():
@@ -304,6 +319,7 @@ def test_python_block_constants_match_the_kernels():
     from ringreduce import _cuda
     header = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "p2p.h").read_text()
     value = lambda name: int(re.search(rf"constexpr int {name} = (\d+);", header).group(1))  # noqa: E731
+    assert roof.MAX_BLOCKS == _cuda.MAX_SYM_BLOCKS
     assert (_cuda.DEFAULT_SYM_BLOCKS, _cuda.MAX_SYM_BLOCKS) == (value("kDefaultSymBlocks"),
                                                                 value("kMaxSymBlocks"))
 
