@@ -870,6 +870,22 @@ static void test_timeout_with_every_block() {
   std::printf("timeout with %d blocks: rank 0 says: %s\n", rc::p2p::kMaxSymBlocks, g.rings[0]->failure().c_str());
 }
 
+// Calls of kMaxSymBlocks blocks (RINGREDUCE_CUDA_SYM_BLOCKS=64, as a measured table entry may set):
+// every collective's result, on every workspace algorithm, 8 blocks of each rank at a time.
+static void test_calls_of_the_most_blocks() {
+  const int64_t numel = int64_t{1} << 20;  // 4 MiB of f32: 128 parts of 32 KiB
+  for (rc::p2p::Algo algo : {rc::p2p::Algo::OneShot, rc::p2p::Algo::TwoShot}) {
+    Group g(2, 2, 4096, 20.0, algo, false, rc::p2p::kDefaultChunkBytes, false, rc::p2p::kMaxSymBlocks, false,
+            rc::p2p::kDefaultCopySlotBytes, [](int, rc::p2p::Options& o) { o.sym_blocks = rc::p2p::kMaxSymBlocks; });
+    DevBuf any(16);
+    EXPECT(g.rings[0]->plan_of(g.call(numel, any)).blocks == rc::p2p::kMaxSymBlocks, "%s: %d blocks",
+           rc::p2p::algo_name(algo), g.rings[0]->plan_of(g.call(numel, any)).blocks);
+    for (rr::Coll coll : {rr::Coll::AllReduce, rr::Coll::ReduceScatter, rr::Coll::AllGather})
+      check_collective(g.ranks, coll, rr::DType::F32, rr::RedOp::Sum, numel, coll == rr::Coll::AllReduce,
+                       "the most blocks");
+  }
+}
+
 // Rank 1 calls with another numel: every rank fails, one names both calls; the good call before
 // the mismatch is not counted as failed. On each algorithm.
 static void test_mismatch() {
@@ -1774,6 +1790,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_deterministic_plan", [&] { test_deterministic_plan(); });
     run_test(argc, argv, "test_tuned_thresholds", [&] { test_tuned_thresholds(); });
     run_test(argc, argv, "test_sym_blocks_knob", [&] { test_sym_blocks_knob(); });
+    run_test(argc, argv, "test_calls_of_the_most_blocks", [&] { test_calls_of_the_most_blocks(); });
     run_test(argc, argv, "test_options_checked", [&] { test_options_checked(); });
     run_test(argc, argv, "test_replay_after_close_of_a_pinned_ring", [&] { test_replay_after_close_of_a_pinned_ring(); });
     run_test(argc, argv, "test_wire", [&] { test_wire(); });
