@@ -32,13 +32,14 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import _C, _lifecycle
+from . import _C, _hier_wire, _lifecycle
 from ._lifecycle import Bootstrap, RingReduceError, host_id, machine_id
 
 log = logging.getLogger("ringreduce")
 
 SUM, AVG, MIN, MAX, PROD = 0, 1, 2, 3, 4  # the native op codes (csrc/cpu/reduce.h)
 WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
+WIRE_F16 = 2  # the only wire that can overflow (csrc/cpu/wire.h, Wire::F16)
 _GLOO_OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,
              PROD: dist.ReduceOp.PRODUCT}
 
@@ -139,17 +140,31 @@ class HierCommunicator(_lifecycle.Communicator):
     def _gloo_step(self, what, fn):
         """Runs a Gloo call; its error becomes ours, naming the call, the phase and the group; the
         host's shared-memory ring is aborted so local peers waiting on this rank raise at once."""
+        self._gloo_wait(self._gloo_start(what, fn))
+
+    def _gloo_start(self, what, fn):
+        """Starts a Gloo call (fn returns its Work); _gloo_wait waits for it, as _gloo_step."""
         try:
-            fn().wait()
+            return what, fn()
         except Exception as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            reason = (f"{self._where()}: inter-host step ({what}, Gloo) failed in group "
-                      f"{self.member.name}: {first}")
-            try:
-                self.intra.abort(reason)
-            except Exception:
-                pass
-            raise RingReduceError(f"ringreduce: {reason}") from e
+            self._gloo_failed(what, e)
+
+    def _gloo_wait(self, started):
+        what, work = started
+        try:
+            work.wait()
+        except Exception as e:
+            self._gloo_failed(what, e)
+
+    def _gloo_failed(self, what, e):
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = (f"{self._where()}: inter-host step ({what}, Gloo) failed in group "
+                  f"{self.member.name}: {first}")
+        try:
+            self.intra.abort(reason)
+        except Exception:
+            pass
+        raise RingReduceError(f"ringreduce: {reason}") from e
 
     def _shm(self, what, fn, *args):
         """Runs a call of the host's shared-memory ring; its error (whose ranks are local ranks)
@@ -215,17 +230,17 @@ class HierCommunicator(_lifecycle.Communicator):
                 raise RingReduceError(f"ringreduce: {reason}") from e
         return self._all
 
-    def _wire(self, rows, code, wire, out, round_result):
-        """rows: (N, c), row k this rank's piece for rank k (c a whole number of blocks, or a
-        reduce_scatter's output size: blocks from each piece's start, as the shared-memory
-        transport cuts them). Each row goes onto the wire and to its owner, which folds the N in
-        rank order into out (c,); round_result: rounded onto the wire once more, and every rank's
-        result gathered back (returns the (N, c) gathered values' wire bytes). Every row carries
-        its sender's count of fp16 overflows (8 bytes after the wire bytes); returns the total
-        this rank learned."""
+    def _wire(self, rows, code, wire, out, round_result, group=None, divisor=0):
+        """rows: (n, c), row k this rank's piece for member k of group (default: every rank; c a
+        whole number of blocks, or a reduce_scatter's output size: blocks from each piece's start,
+        as the shared-memory transport cuts them). Each row goes onto the wire and to its owner,
+        which folds the n in member order into out (c,), AVG dividing by divisor (0: n);
+        round_result: rounded onto the wire once more, and every member's result gathered back
+        (returns the (n, c) gathered values' wire bytes). Every row carries its sender's count of
+        fp16 overflows (8 bytes after the wire bytes); returns the total this rank learned."""
         n, c = rows.shape
         wb = _C.wire_bytes(wire, c)
-        group = self._all_group()
+        group = self._all_group() if group is None else group
         send = self._buf("wire_send", n * (wb + 8), torch.uint8).view(n, wb + 8)
         over = sum(_C.wire_encode(send[k, :wb], rows[k], wire) for k in range(n))
         send[:, wb:].copy_(torch.tensor([over], dtype=torch.int64).view(torch.uint8).expand(n, 8))
@@ -235,7 +250,8 @@ class HierCommunicator(_lifecycle.Communicator):
                                                     dist.AllToAllOptions()))
         over = int(got[:, wb:].contiguous().view(torch.int64).sum())
         res = self._buf("wire_res", wb + 8, torch.uint8) if round_result else None
-        over += _C.wire_reduce(out, res[:wb] if round_result else None, got[:, :wb], code, wire)
+        over += _C.wire_reduce(out, res[:wb] if round_result else None, got[:, :wb], code, wire,
+                               divisor)
         if not round_result:
             return None, over
         res[wb:].copy_(torch.tensor([over], dtype=torch.int64).view(torch.uint8))
@@ -266,6 +282,69 @@ class HierCommunicator(_lifecycle.Communicator):
             _C.wire_decode(rows[k], gathered[k, :wb], wire)
         flat.copy_(padded[:numel])
         self._overflowed("all_reduce", over)
+
+    def _cross_wire(self, rows, code, wire):
+        """rows: (H, c) this rank's host partial sums, row h for host h (c whole blocks); every
+        row of every host's rank of this cross group rounded onto the wire once, folded in host
+        order in float32 (AVG: divided by the group's size), rounded once more and gathered:
+        rows then hold the result on every member. Returns the fp16 overflows learned."""
+        c = rows.shape[1]
+        mine = self._buf("wire_mine", c, rows.dtype)
+        gathered, over = self._wire(rows, code, wire, mine, True, self.cross, self.world_size)
+        wb = _C.wire_bytes(wire, c)
+        for k in range(rows.shape[0]):
+            _C.wire_decode(rows[k], gathered[k, :wb], wire)
+        return over
+
+    def _host_total(self, over, wire):
+        """The fp16 overflows every rank of the host learned, summed (the same on every rank of
+        the group: each host's ranks together saw every encode once); 0 without an fp16 wire."""
+        if wire != WIRE_F16:
+            return over
+        t = torch.tensor([over], dtype=torch.int64)
+        if self.plan == "two-level":
+            if len(self.local_ranks) > 1:
+                self._shm("overflow count", self.intra._native.all_reduce, t, SUM)
+        else:
+            self._broadcast_from_first(t)
+        return int(t[0])
+
+    def _all_reduce_wire_hosts(self, flat, code, wire):
+        """The wire on the inter-host leg: float32 (the tensor's dtype) inside each host, each
+        host's partial sum rounded onto the wire once between hosts (docs/usage.md)."""
+        H, L, numel = self.nhosts, len(self.local_ranks), flat.numel()
+        two_level = self.plan == "two-level"
+        cb = -(-numel // ((L if two_level else 1) * H * WIRE_BLOCK)) * WIRE_BLOCK
+        m = (L if two_level else 1) * H * cb
+        buf = flat
+        if m != numel:
+            buf = self._buf("wire_pad", m, flat.dtype)
+            buf[:numel].copy_(flat)
+            buf[numel:].zero_()  # zeros do not move a block's largest value; dropped after
+        over = 0
+        if two_level:
+            over = _hier_wire.all_reduce(self, buf, code, wire)
+        else:
+            self._shm("all-reduce", self.intra._native.all_reduce, buf, SUM)
+            if self.cross is not None:
+                over = self._cross_wire(buf.view(H, cb), code, wire)
+            self._broadcast_from_first(buf)
+        over = self._host_total(over, wire)
+        if buf is not flat:
+            flat.copy_(buf[:numel])
+        self._overflowed("all_reduce", over)
+
+    def _reduce_scatter_wire_hosts(self, src, out, code, wire):
+        """Two-level reduce_scatter with the wire between hosts: the host's partial sums of this
+        local rank's ranks' chunks, each rounded once onto the wire, folded in host order."""
+        H, c = self.nhosts, out.numel()
+        buf = self._buf("perm", src.numel(), src.dtype)  # (local rank, host) order
+        torch.index_select(src.view(self.world_size, c), 0, self._order_index(),
+                           out=buf.view(self.world_size, c))
+        mine = buf[self.local_rank * H * c:(self.local_rank + 1) * H * c]
+        self._shm("reduce-scatter", self.intra._native.reduce_scatter, mine, buf, SUM)
+        _, over = self._wire(mine.view(H, c), code, wire, out, False, self.cross, self.world_size)
+        self._overflowed("reduce_scatter_tensor", self._host_total(over, wire))
 
     def _ordered(self, rows, code):
         """rows: (N, c), row k this rank's piece for rank k. Returns this rank's (c,) piece of the
@@ -315,7 +394,10 @@ class HierCommunicator(_lifecycle.Communicator):
                 return
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
             if wire:
-                self._all_reduce_wire(flat, op_code, wire)
+                if _C.deterministic():  # the flat form: bits that do not depend on the layout
+                    self._all_reduce_wire(flat, op_code, wire)
+                else:
+                    self._all_reduce_wire_hosts(flat, op_code, wire)
                 if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
                     tensor.copy_(flat.view(tensor.shape))
                 return
@@ -355,9 +437,12 @@ class HierCommunicator(_lifecycle.Communicator):
             src = input.contiguous().view(-1)
             if wire:
                 out = self._buf("wire_out", c, output.dtype)
-                _, over = self._wire(src.view(self.world_size, c), op_code, wire, out, False)
+                if self.plan == "two-level" and not _C.deterministic():
+                    self._reduce_scatter_wire_hosts(src, out, op_code, wire)
+                else:  # the flat form (deterministic mode; uneven layouts)
+                    _, over = self._wire(src.view(self.world_size, c), op_code, wire, out, False)
+                    self._overflowed("reduce_scatter_tensor", over)
                 output.copy_(out.view(output.shape))
-                self._overflowed("reduce_scatter_tensor", over)
                 return
             if _C.deterministic():
                 output.copy_(self._ordered(src.view(self.world_size, c), op_code).view(output.shape))

@@ -109,20 +109,52 @@ def wire_round(x, wire):
     return (q * scale).reshape(-1)[:n]
 
 
-def wire_fold(rows, wire, op, round_result):
+def wire_fold(rows, wire, op, round_result, divisor=None):
     """The rank-order float32 fold of the rows, each rounded onto the wire first; AVG divides by
-    the row count; round_result rounds the sum onto the wire once more."""
+    divisor (default: the row count); round_result rounds the sum onto the wire once more."""
     acc = wire_round(rows[0], wire).clone()
     for x in rows[1:]:
         acc = acc + wire_round(x, wire)
     if op == dist.ReduceOp.AVG:
-        acc = acc / len(rows)
+        acc = acc / (divisor or len(rows))
     return wire_round(acc, wire) if round_result else acc
 
 
 def wire_reference(inputs, wire, op):
     """What every rank's tensor holds after all_reduce(..., op, wire_dtype=wire)."""
     return wire_fold(inputs, wire, op, True).to(inputs[0].dtype).reshape(inputs[0].shape)
+
+
+def host_partials(inputs, hosts):
+    """Each host's partial sum of its ranks' inputs, in host order (first appearance), as the
+    shared-memory transport computes it inside a host: float32 accumulation rounded to the
+    inputs' dtype. Exact for hosts of at most two ranks (one addition, in either order)."""
+    order = list(dict.fromkeys(hosts))
+    out = []
+    for h in order:
+        acc = None
+        for x, hx in zip(inputs, hosts):
+            if hx == h:
+                acc = x.to(torch.float32) if acc is None else acc + x.to(torch.float32)
+        out.append(acc.to(inputs[0].dtype))
+    return out
+
+
+def wire_hosts_reference(inputs, hosts, wire, op):
+    """all_reduce(..., wire_dtype=wire) on a group across hosts (not deterministic mode): each
+    host's partial sum rounded onto the wire once, folded in host order in float32, divided by
+    the number of ranks for AVG, rounded once more."""
+    rows = host_partials(inputs, hosts)
+    return (wire_fold(rows, wire, op, True, divisor=len(inputs)).to(inputs[0].dtype)
+            .reshape(inputs[0].shape))
+
+
+def wire_hosts_scatter_reference(inputs, hosts, wire, op, rank):
+    """reduce_scatter_tensor(..., wire_dtype=wire) on a two-level group: rank's chunk of the host
+    partial sums (blocks from the chunk's start), folded as wire_hosts_reference, not rounded."""
+    m = inputs[0].numel() // len(inputs)
+    rows = [p.reshape(-1)[rank * m:(rank + 1) * m] for p in host_partials(inputs, hosts)]
+    return wire_fold(rows, wire, op, False, divisor=len(inputs)).to(inputs[0].dtype)
 
 
 def wire_scatter_reference(inputs, wire, op, rank):

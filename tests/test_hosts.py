@@ -193,22 +193,53 @@ def test_async_subgroup_and_backend():
     assert all(v == [] for v in leftovers.values()), leftovers
 
 
-def wire_hosts_worker(rank, world, sizes):
-    """test_wire's sweep (every wire, all_reduce and reduce_scatter, the reference's bits) on a
-    group across hosts, then the transport and plan."""
-    from test_wire import WIRES, sweep_worker as wire_sweep
-    failures, digests = wire_sweep(rank, world, WIRES, sizes, (torch.float32,))
+def wire_hosts_worker(rank, world, hosts, sizes, dtypes):
+    """all_reduce (in place, SUM and AVG, every other call async) and reduce_scatter_tensor with
+    every wire on a group across hosts: the bits of tests/reference.py's hosts references (the
+    wire on the inter-host leg: each host's partial sum rounded once), then the plan."""
+    from reference import wire_hosts_reference, wire_hosts_scatter_reference, wire_scatter_reference
+    from test_wire import WIRES, bits, wide_input
+    failures, digests = [], []
+    two_level = plan_worker(rank, world)[1] == "two-level"
+    for wire in WIRES:
+        for dtype in dtypes:
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                for k, numel in enumerate(sizes):
+                    tag = f"{wire} {dtype} {op} numel={numel} hosts={hosts}"
+                    ins = [wide_input(r, numel, dtype, seed=numel) for r in range(world)]
+                    t = ins[rank].clone()
+                    work = rr.all_reduce(t, op=op, wire_dtype=wire, async_op=k % 2 == 1)
+                    if work is not None:
+                        work.wait()
+                    if not torch.equal(bits(t), bits(wire_hosts_reference(ins, hosts, wire, op))):
+                        failures.append(f"all_reduce {tag}")
+                    digests.append(bits(t).sum().item())
+                    m = numel // world
+                    big = [x[:m * world] for x in ins]
+                    out = torch.empty(m, dtype=dtype)
+                    rr.reduce_scatter_tensor(out, big[rank].clone(), op=op, wire_dtype=wire)
+                    want = (wire_hosts_scatter_reference(big, hosts, wire, op, rank) if two_level
+                            else wire_scatter_reference(big, wire, op, rank))  # uneven: flat
+                    if not torch.equal(bits(out), bits(want)):
+                        failures.append(f"reduce_scatter {tag}")
     return failures, digests, plan_worker(rank, world)
 
 
-@pytest.mark.parametrize("hosts", [["a", "b", "a", "b"], ["a", "a", "b", "c"]])
-def test_wire_across_hosts(hosts):
-    """wire_dtype between hosts: every rank's contribution on the wire over Gloo to its owner, the
-    same bits as on one host (and as tests/reference.py), whatever the plan."""
-    results, leftovers = run(hosts, "test_hosts:wire_hosts_worker", (1, 129, 5000, 70001),
-                             timeout=600)
-    for r, (failures, digests, plan) in results.items():
+@pytest.mark.parametrize("hosts,plan", [
+    (["a", "a", "b", "b"], "two-level"),   # 2 hosts x 2 ranks
+    (["a", "b", "a", "b"], "two-level"),   # interleaved
+    (["a", "b"], "two-level"),             # 2 hosts x 1 rank
+    (["a", "a", "b", "c"], "leaders"),     # uneven: the wire on the leaders' leg
+])
+def test_wire_across_hosts(hosts, plan):
+    """wire_dtype between hosts: the tensor's dtype inside each host, each host's partial sum
+    rounded onto the wire once between hosts; the reference's bits, every wire and op, on every
+    rank."""
+    dtypes = (torch.float32, torch.bfloat16) if hosts == ["a", "a", "b", "b"] else (torch.float32,)
+    results, leftovers = run(hosts, "test_hosts:wire_hosts_worker", hosts, (1, 129, 5000, 70001),
+                             dtypes, timeout=600)
+    for r, (failures, digests, got) in results.items():
         assert failures == [], (r, failures[:5])
         assert digests == results[0][1]
-        assert plan[0] == "hier", plan
+        assert got == ("hier", plan), got
     assert all(v == [] for v in leftovers.values()), leftovers

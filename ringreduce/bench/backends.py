@@ -28,6 +28,7 @@ def _is_chunk_of(small, big, rank):
 
 ALGOS = ("ring", "oneshot", "twoshot", "cma")  # ringreduce/<algo>: the shm transport with RINGREDUCE_ALGO=<algo>
 HOSTS = 1  # --hosts: ringreduce/hier's group is split into this many simulated hosts
+REAL_HOSTS = False  # --link: the ranks are on emulated hosts; the group's own host ids count
 
 
 def simulated_hosts(world, hosts):
@@ -59,7 +60,7 @@ class RingReduce:
         elif self.algo or variant == "hier":
             self.group = dist.new_group(backend="gloo")
             options = {"algo": self.algo} if self.algo else \
-                {"hosts": simulated_hosts(world, HOSTS)}
+                {} if REAL_HOSTS else {"hosts": simulated_hosts(world, HOSTS)}
             rr.get_communicator(self.group, **options)  # collective: every rank is here
 
     def supports(self, collective, dtype):

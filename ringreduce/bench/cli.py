@@ -6,6 +6,7 @@ import importlib.util
 import os
 import re
 import shutil
+import sys
 import subprocess
 import time
 
@@ -114,6 +115,9 @@ def _nranks(text):
     return list(dict.fromkeys(items))
 
 
+DEFAULT_BACKENDS = ["ringreduce", "torch", "torch/ringreduce", "torch/symm", "ps"]
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m ringreduce.bench",
@@ -140,7 +144,7 @@ def build_parser():
     p.add_argument("--collectives", type=_choice_list(COLLECTIVES, "collective"),
                    default=list(COLLECTIVES), help="comma list (default all)")
     p.add_argument("--backends", type=_choice_list(BACKENDS, "backend"),
-                   default=["ringreduce", "torch", "torch/ringreduce", "torch/symm", "ps"],
+                   default=DEFAULT_BACKENDS,
                    help="comma list of ringreduce[/shm|/ring|/oneshot|/twoshot|/cma|/pool|/p2p|/p2p-shared|/nccl] (ringreduce on "
                         "the CPU: auto, ring and one-shot algorithms), torch (Gloo or NCCL), "
                         "torch/ringreduce (torch.distributed calls on ringreduce's backend), "
@@ -167,6 +171,12 @@ def build_parser():
                         "for the row ringreduce/hier, the hierarchical all-reduce (shared memory "
                         "inside a host, Gloo over loopback TCP between hosts); the other rows stay "
                         "flat (default 1: no ringreduce/hier row)")
+    p.add_argument("--link", metavar="RATE",
+                   help="with --hosts H >= 2: run every rank on H emulated hosts (network "
+                        "namespaces on a bridge, each host's link shaped both ways to RATE by tc "
+                        "tbf, e.g. 1gbit, 10gbit; 'none': unshaped veth), started by torchrun "
+                        "per host; needs root. Default backends there: torch (Gloo over the "
+                        "link) and ringreduce/hier")
     p.add_argument("--quick", action="store_true", help="small sweep for smoke tests")
     # Test-only: corrupts rank 0's result of BACKEND once per row (see the package docstring).
     p.add_argument("--corrupt-for-test", metavar="BACKEND", help=argparse.SUPPRESS)
@@ -222,16 +232,27 @@ def parse_args(argv=None):
             a.results += f"-{os.getpid()}"
     if a.hosts > 1 and a.device != "cpu":
         parser.error("--hosts: simulated hosts split CPU groups only")
+    a.lab = os.environ.get(LAB_ENV)  # set by the --link launcher for the ranks it starts
+    if a.link is not None:
+        _check_link(a, parser)
     if a.hosts > min(a.nranks):
         parser.error(f"--hosts {a.hosts}: more simulated hosts than ranks (--nranks "
                      f"{','.join(map(str, a.nranks))})")
     a.skipped = []  # one line per command-line name left out here, with the reason
+    lab = a.link is not None or a.lab
+    if lab and a.backends == DEFAULT_BACKENDS:
+        a.backends = ["torch", "ringreduce/hier"]
     if a.wire:
         # CUDA: the p2p transport's wire; torch's compress hooks are compared on the CPU only
         a.backends = list(a.backends) + [f"ringreduce/wire-{w}" for w in a.wire] + (
             (["torch/bf16-compress"] + (["torch/fp16-compress"] if "fp16" in a.wire else []))
             if a.device == "cpu" else [])
     a.backends = expand_backends(a.backends, a.device, parser, a.hosts, a.skipped)
+    if lab:
+        for b in [b for b in a.backends if b in ONE_HOST]:
+            a.backends.remove(b)
+            a.skipped.append(f"{b} skipped: it joins the ranks of one host, and --link puts "
+                             f"them on {a.hosts} emulated hosts")
     if not a.backends:
         parser.error("no backend to run: " + "; ".join(a.skipped))
     if a.corrupt_for_test in BACKENDS:  # a command-line name: the first label it stands for
@@ -289,6 +310,38 @@ def symm_unavailable(device):
     if missing:
         return f"torch {torch.__version__} has no torch.ops.symm_mem.{missing[0]}"
     return None
+
+
+# The --link launcher tells the ranks it starts (under torchrun, one per emulated host) what the
+# lab is, in this variable: the header line, and "the hosts are real" to ringreduce/hier.
+LAB_ENV = "RINGREDUCE_BENCH_LAB"
+# Backends that join ranks of one host only: left out on emulated hosts.
+ONE_HOST = ("ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot", "ringreduce/twoshot",
+            "ringreduce/cma", "ringreduce/pool", "torch/ringreduce", "deepspeed/shm")
+
+
+def _check_link(a, parser):
+    from .netlab import lab_unavailable, rate_bits
+    if a.link != "none":
+        try:
+            rate_bits(a.link)
+        except ValueError as e:
+            parser.error(f"--link: {e}")
+    if a.hosts < 2:
+        parser.error(f"--link {a.link} needs --hosts H with H >= 2 emulated hosts")
+    if a.torchrun:
+        parser.error("--link starts the ranks itself (torchrun per emulated host); run it "
+                     "without torchrun")
+    if any(b.startswith("mpi") for b in a.backends):
+        parser.error("--link: the MPI backend starts its ranks with mpirun, not on the hosts")
+    if len(a.nranks) != 1 or a.nranks[0] % a.hosts:
+        parser.error(f"--link: --nranks must be one multiple of --hosts {a.hosts} (torchrun "
+                     f"starts the same number of ranks on every host), got "
+                     f"{','.join(map(str, a.nranks))}")
+    why = lab_unavailable()
+    if why:
+        print(f"ringreduce.bench: --link: {why}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def expand_backends(names, device, parser, hosts=1, skipped=None):

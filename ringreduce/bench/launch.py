@@ -327,6 +327,9 @@ def _torchrun_main(args):
     load = header.load_average()
     if rank == 0:
         print("\n".join(header.lines(args, load, local_world)), flush=True)
+        if args.lab:
+            print(f"# ranks: {world} on {args.hosts} emulated hosts x {local_world} "
+                  f"(torchrun per host)", flush=True)
     dist.init_process_group(_backend(args.device), init_method="env://")
     try:
         run = run_rank(args, rank, world, device, local_world)
@@ -354,8 +357,68 @@ def _prepare_deepspeed():
     return shm_prefix()
 
 
+def _child_argv(argv):
+    """The command line without --link (the ranks under torchrun run the sweep itself)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--link":
+            skip = True
+        elif not a.startswith("--link="):
+            out.append(a)
+    return out
+
+
+def _lab_main(args, argv):
+    """--link: builds the emulated hosts, measures what a socket gets across the link, and starts
+    `torchrun --nnodes H --node-rank h` inside each host's namespace (its own /dev/shm) with the
+    rendezvous at host 0's address; host 0's output is this run's. Everything is torn down at the
+    end, on Ctrl-C and after a failure."""
+    from .cli import LAB_ENV
+    from .netlab import Lab
+    H, world = args.hosts, args.nranks[0]
+    rate = None if args.link == "none" else args.link
+    with Lab(H, rate) as lab:
+        gbps = lab.measure()
+        desc = f"{lab.describe()}; one TCP stream between two hosts: {gbps:.2f} GB/s"
+        print(f"# link: {desc}", flush=True)
+        env = dict(os.environ, **{LAB_ENV: desc})
+        env.pop("RINGREDUCE_TRANSPORT", None)
+        logs, procs = [], []
+        for h in range(H):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(H),
+                   "--node-rank", str(h), "--nproc-per-node", str(world // H),
+                   "--master-addr", lab.address(0), "--master-port", "29500",
+                   "-m", "ringreduce.bench"] + _child_argv(argv)
+            log = None if h == 0 else tempfile.TemporaryFile(mode="w+")
+            logs.append(log)
+            procs.append(lab.popen(h, cmd, private_shm=True, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT if log else None))
+        failed_at = None
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.2)
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > GRACE_S + 30:
+                break  # torchrun stops its own workers; the lab kills what is left
+        codes = [p.poll() for p in procs]
+        for h, (code, log) in enumerate(zip(codes, logs)):
+            if code != 0 and log is not None:
+                log.seek(0)
+                print(f"--- host {h} (torchrun exited with {code}) ---\n{log.read()[-6000:]}",
+                      file=sys.stderr, flush=True)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.link is not None:
+        try:
+            return _lab_main(args, argv)
+        except KeyboardInterrupt:
+            return 130
     if args.torchrun:
         return _torchrun_main(args)
     runs = []

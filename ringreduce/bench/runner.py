@@ -86,6 +86,7 @@ class Context:
         self.args, self.rank, self.world, self.device, self.ctrl = args, rank, world, device, ctrl
         self.cuda = device.type == "cuda"
         bk.HOSTS = args.hosts
+        bk.REAL_HOSTS = bool(getattr(args, "lab", None))
         self.notes = []
         self.tty = sys.stderr.isatty()
         for line in getattr(args, "skipped", ()):  # names the command line left out here
