@@ -32,7 +32,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import _C, _hier_wire, _lifecycle
+from . import _C, _lifecycle, _two_level
 from ._lifecycle import Bootstrap, RingReduceError, host_id, machine_id
 
 log = logging.getLogger("ringreduce")
@@ -187,15 +187,8 @@ class HierCommunicator(_lifecycle.Communicator):
         red = SUM if code == AVG else code
         opts = dist.AllreduceOptions()
         opts.reduceOp = _GLOO_OPS[red]
-        if self.plan == "two-level":
-            L = len(self.local_ranks)
-            c = buf.numel() // L
-            mine = buf[self.local_rank * c:(self.local_rank + 1) * c]
-            self._shm("reduce-scatter", self.intra._native.reduce_scatter, mine, buf, red)
-            self._gloo_step("all_reduce of this rank's chunk",
-                            lambda: self.cross.allreduce([mine], opts))
-            self._finish_avg(mine, code)
-            self._shm("all-gather", self.intra._native.all_gather, buf, mine)
+        if self.plan == "two-level":  # pipelined over pieces (_two_level.py)
+            _two_level.all_reduce(self, buf, code)
             return
         self._shm("all-reduce", self.intra._native.all_reduce, buf, red)
         if self.cross is not None:
@@ -323,7 +316,7 @@ class HierCommunicator(_lifecycle.Communicator):
             buf[numel:].zero_()  # zeros do not move a block's largest value; dropped after
         over = 0
         if two_level:
-            over = _hier_wire.all_reduce(self, buf, code, wire)
+            over = _two_level.all_reduce_wire(self, buf, code, wire)
         else:
             self._shm("all-reduce", self.intra._native.all_reduce, buf, SUM)
             if self.cross is not None:

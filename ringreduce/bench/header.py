@@ -17,13 +17,15 @@ LEGEND = {
     "ringreduce/twoshot": "ringreduce's two-shot (direct reduce-scatter, then all-gather) forced",
     "ringreduce/cma": "ringreduce's two-shot over process_vm_readv (one copy) forced",
     "ringreduce/pool": "ringreduce on tensors every rank maps (rr.shared_empty): one pass",
-    "ringreduce/hier": "ringreduce's two-level plan over simulated hosts (--hosts)",
+    "ringreduce/hier": "ringreduce across hosts (--hosts): shared memory inside a host, Gloo "
+                       "between hosts (two-level plan, or leaders for uneven hosts)",
     "ringreduce/p2p": "ringreduce's CUDA transport over CUDA IPC (automatic algorithm)",
     "ringreduce/p2p-shared": "ringreduce/p2p on rr.shared_empty tensors (no copy in or out)",
     "ringreduce/nccl": "ringreduce's ring over NCCL send/recv",
     "torch/gloo": "torch.distributed on Gloo (the CPU baseline)",
     "ringreduce/wire-bf16": "all_reduce(wire_dtype=torch.bfloat16): each rank rounded once, an "
-                            "exact float32 sum in rank order, rounded once more (shm)",
+                            "exact float32 sum in rank order, rounded once more (shm); across "
+                            "hosts, each host's float32 partial sum rounded once between hosts",
     "ringreduce/wire-fp16": "ringreduce/wire-bf16 with float16 on the wire",
     "ringreduce/wire-fp8": "ringreduce/wire-bf16 with float8_e4m3fn on the wire (a float32 scale "
                            "per 128 elements)",

@@ -206,13 +206,16 @@ def print_machine(info, args, world):
     print(f"# sizes {args.minbytes}..{args.maxbytes} B x{args.stepfactor}, iters {args.iters}, "
           f"agg {args.agg_iters or f'auto (batches >= {args.batch_ms:g} ms)'}, warmup {args.warmup_iters}, check {args.check}, type {args.type_name}, op {args.op}, "
           f"backends {','.join(args.backends)}" +
-          (f"; ringreduce/hier on {args.hosts} simulated hosts (Gloo over loopback TCP between "
+          (f"; every row on {args.hosts} emulated hosts" if getattr(args, "lab", None) else
+           f"; ringreduce/hier on {args.hosts} simulated hosts (Gloo over loopback TCP between "
            f"them)" if args.hosts > 1 else ""), flush=True)
+    if getattr(args, "lab", None):
+        print(f"# link: {args.lab}", flush=True)
 
 
 def write_json(path, args, info, runs, extra=None):
     """Writes the run's document (command, flags, machine, runs, and extra) to path; returns it."""
-    keep = ("minbytes", "maxbytes", "stepfactor", "iters", "agg_iters", "batch_ms", "hosts", "warmup_iters", "check", "datatype",
+    keep = ("minbytes", "maxbytes", "stepfactor", "iters", "agg_iters", "batch_ms", "hosts", "lab", "warmup_iters", "check", "datatype",
             "op", "nranks", "collectives", "backends", "quick", "device", "torchrun", "results")
     doc = {"command": [os.path.basename(sys.executable), "-m", "ringreduce.bench"] + sys.argv[1:],
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -1,0 +1,186 @@
+"""The two-level plan's all_reduce (_hier.py: every host has L of the group's ranks), pipelined
+over pieces of the tensor, with or without a narrow wire between hosts.
+
+Each piece goes through these stages: a reduce-scatter inside the host over shared memory (local
+rank j then holds the host's partial sum of its shard, in the tensor's dtype); the shard reduced
+among the H ranks of local rank j, one per host; an all-gather inside the host. Between hosts
+each rank sends 2(H-1)/H of 1/L of the tensor (of its wire-width copy with a wire).
+
+- float (no wire): the shard's all_reduce over Gloo.
+- wire: the shard's H rows rounded onto the wire once, row h sent to host h; the H rows that
+  arrive folded in host order in float32 (AVG divides by the group's size) and rounded once more;
+  the results gathered among the same ranks (Gloo point-to-point, receives posted first).
+
+The stages of consecutive pieces overlap: while piece p is reduced inside the host, earlier
+pieces are on the network (Gloo's own threads), so a slow link, not the host, sets the pace.
+Every rank issues the same calls in the same order (shared-memory calls on the caller's thread;
+Gloo calls started there, run by Gloo), so the pipeline needs no agreement beyond the call's.
+With a wire, pieces are whole numbers of 128-element blocks in every row, so a cut never moves a
+block boundary: the bits do not depend on the piece size.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+SUM, AVG = 0, 1  # the native op codes (csrc/cpu/reduce.h)
+GLOO_OPS = {0: dist.ReduceOp.SUM, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.MAX, 4: dist.ReduceOp.PRODUCT}
+WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
+# Tensor bytes per piece. Smaller pieces overlap more of the link with the host's work but pay
+# each stage's fixed cost (two Gloo calls and two shared-memory calls, ~0.2-0.5 ms each on the
+# 2-core dev machine) more often; measured on emulated hosts (BENCHMARKS.md, "Hosts on a real
+# link"). RINGREDUCE_HIER_PIECE_KB overrides it (measurements, tests).
+PIECE_BYTES = 16 << 20
+SLOTS = 3  # pieces in flight: one reduced inside the host, one exchanged, one gathered
+
+
+def piece_bytes():
+    kb = os.environ.get("RINGREDUCE_HIER_PIECE_KB", "").strip()
+    return int(kb) << 10 if kb else PIECE_BYTES
+
+
+def pieces(per_rank, L, H, elem_size, align):
+    """[(offset in the buffer, row length)] of a buffer of L * H * per_rank elements (per_rank a
+    multiple of align): each piece L * H rows of a multiple of align elements."""
+    per_row = max(align, piece_bytes() // (elem_size * L * H) // align * align)
+    out, done = [], 0
+    while done < per_rank:
+        n = min(per_row, per_rank - done)
+        out.append((L * H * done, n))
+        done += n
+    return out
+
+
+def _drive(count, start, middle, end, depth):
+    """Runs pieces 0..count-1 through start, middle (or None) and end, up to depth pieces in
+    flight, every stage in piece order; returns the sum of what end returned."""
+    total, inflight = 0, []
+    for p in range(count):
+        inflight.append(start(p))
+        if middle is not None and len(inflight) >= 2:
+            middle(inflight[-2])
+        if len(inflight) == depth:
+            total += end(inflight.pop(0))
+    if middle is not None and inflight:
+        middle(inflight[-1])
+    for pc in inflight:
+        total += end(pc)
+    return total
+
+
+TAG_ROWS, TAG_GATHER = 100, 200  # Gloo point-to-point tags: + the piece's slot
+
+
+class _Works:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+
+def _exchange(pg, me, send, got, tag):
+    """Among pg's members: got[k] = what member k sends this member, for every k but this member's
+    own (the caller writes got[me]); send is (members, bytes), row k for member k, or one row for
+    all (a gather). Receives are posted before sends, so no member's data waits for a buffer
+    (Gloo's alltoall and allgather took 1.5x the link's time on emulated hosts where this takes
+    1.0x: BENCHMARKS.md, "Hosts on a real link")."""
+    n = got.shape[0]
+    row = (lambda k: send[k]) if send.dim() == 2 else (lambda k: send)
+    works = [pg.recv([got[k]], k, tag) for k in range(n) if k != me]
+    works += [pg.send([row(k)], k, tag) for k in range(n) if k != me]
+    return _Works(works)
+
+
+class _Piece:
+    __slots__ = ("slot", "off", "n", "wb", "rows", "shard", "send", "got", "gathered", "work")
+
+
+def all_reduce(comm, buf, code):
+    """In-place all_reduce of buf (L * c elements) without a wire (code: SUM, MIN, MAX,
+    PROD, or AVG, which sums and divides once by the group's size on the shard's owner)."""
+    L, j = len(comm.local_ranks), comm.local_rank
+    red = SUM if code == AVG else code
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = GLOO_OPS[red]
+    plan = pieces(buf.numel() // L, L, 1, buf.element_size(), 1)
+
+    def start(p):
+        off, n = plan[p]
+        piece = buf[off:off + L * n]
+        shard = piece[j * n:(j + 1) * n]
+        if L > 1:
+            comm._shm("reduce-scatter", comm.intra._native.reduce_scatter, shard, piece, red)
+        work = comm._gloo_start("all_reduce of this rank's chunk",
+                                lambda: comm.cross.allreduce([shard], opts))
+        return piece, shard, work
+
+    def end(pc):
+        piece, shard, work = pc
+        comm._gloo_wait(work)
+        comm._finish_avg(shard, code)
+        if L > 1:
+            comm._shm("all-gather", comm.intra._native.all_gather, piece, shard)
+        return 0
+
+    _drive(len(plan), start, None, end, 2)
+
+
+def all_reduce_wire(comm, buf, code, wire):
+    """All-reduce of buf (L * H * cb elements, cb whole blocks) with the wire between hosts;
+    returns the fp16 overflows this rank learned (its local rank's ranks' encodes and folds)."""
+    H, L, j = comm.nhosts, len(comm.local_ranks), comm.local_rank
+    plan = pieces(buf.numel() // (L * H), L, H, buf.element_size(), WIRE_BLOCK)
+
+    def start(p):
+        pc = _Piece()
+        pc.slot, (pc.off, pc.n) = p % SLOTS, plan[p]
+        piece = buf[pc.off:pc.off + L * H * pc.n]
+        pc.shard = piece[j * H * pc.n:(j + 1) * H * pc.n]
+        if L > 1:
+            comm._shm("reduce-scatter", comm.intra._native.reduce_scatter, pc.shard, piece, SUM)
+        pc.rows = pc.shard.view(H, pc.n)
+        pc.wb = wb = _C.wire_bytes(wire, pc.n)
+        me = comm.host
+        pc.send = comm._buf(f"wp_send{pc.slot}", H * (wb + 8), torch.uint8).view(H, wb + 8)
+        pc.got = comm._buf(f"wp_got{pc.slot}", H * (wb + 8), torch.uint8).view(H, wb + 8)
+        # this host's own row goes straight where the fold reads it
+        count = sum(_C.wire_encode((pc.got if k == me else pc.send)[k, :wb], pc.rows[k], wire)
+                    for k in range(H))
+        counts = torch.tensor([count], dtype=torch.int64).view(torch.uint8)
+        pc.send[:, wb:].copy_(counts.expand(H, 8))
+        pc.got[me, wb:].copy_(counts)
+        pc.work = comm._gloo_start("exchange of the wire rows with the other hosts",
+                                   lambda: _exchange(comm.cross, me, pc.send, pc.got,
+                                                     TAG_ROWS + pc.slot))
+        return pc
+
+    def exchanged(pc):
+        comm._gloo_wait(pc.work)
+        wb, me = pc.wb, comm.host
+        count = int(pc.got[:, wb:].contiguous().view(torch.int64).sum())
+        pc.gathered = comm._buf(f"wp_all{pc.slot}", H * (wb + 8), torch.uint8).view(H, wb + 8)
+        # The fold's result, rounded, is this host's row of the shard (its input row is on the
+        # wire already) and its wire bytes this member's row of the gather.
+        count += _C.wire_reduce(pc.rows[me], pc.gathered[me, :wb], pc.got[:, :wb], code, wire,
+                                comm.world_size)
+        pc.gathered[me, wb:].copy_(torch.tensor([count], dtype=torch.int64).view(torch.uint8))
+        pc.work = comm._gloo_start("gather of the folded wire rows from the other hosts",
+                                   lambda: _exchange(comm.cross, me, pc.gathered[me],
+                                                     pc.gathered, TAG_GATHER + pc.slot))
+
+    def gathered(pc):
+        comm._gloo_wait(pc.work)
+        wb = pc.wb
+        for k in range(H):
+            if k != comm.host:
+                _C.wire_decode(pc.rows[k], pc.gathered[k, :wb], wire)
+        if L > 1:
+            piece = buf[pc.off:pc.off + L * H * pc.n]
+            comm._shm("all-gather", comm.intra._native.all_gather, piece, pc.shard)
+        return int(pc.gathered[:, wb:].contiguous().view(torch.int64).sum())
+
+    return _drive(len(plan), start, exchanged, gathered, SLOTS)
