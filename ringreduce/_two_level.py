@@ -28,10 +28,11 @@ from . import _C
 SUM, AVG = 0, 1  # the native op codes (csrc/cpu/reduce.h)
 GLOO_OPS = {0: dist.ReduceOp.SUM, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.MAX, 4: dist.ReduceOp.PRODUCT}
 WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
-# Tensor bytes per piece. Smaller pieces overlap more of the link with the host's work but pay
-# each stage's fixed cost (two Gloo calls and two shared-memory calls, ~0.2-0.5 ms each on the
-# 2-core dev machine) more often; measured on emulated hosts (BENCHMARKS.md, "Hosts on a real
-# link"). RINGREDUCE_HIER_PIECE_KB overrides it (measurements, tests).
+# Tensor bytes per piece. Smaller pieces overlap more of the link with the host's work but meet
+# the other ranks more often, and each meeting costs a time slice when ranks outnumber cores.
+# Measured on emulated hosts (2 x 2 ranks on the 2-core dev machine, 16 MiB bf16 / fp8 wire,
+# ms): 1 Gbit/s 4 MiB pieces 77 / 41, 16 MiB 82 / 47; 10 Gbit/s 4 MiB 43 / 35, 16 MiB 30 / 24.
+# RINGREDUCE_HIER_PIECE_KB overrides it (measurements; tests force many pieces).
 PIECE_BYTES = 16 << 20
 SLOTS = 3  # pieces in flight: one reduced inside the host, one exchanged, one gathered
 
