@@ -93,6 +93,44 @@ def costs(p, m):
     return {"flat ring": flat, "two-level": two, "tree": tree}
 
 
+def leaders_cost(p, m):
+    """(a, b) of the leaders plan (_hier.py): all-reduce inside each host (ring over L), a ring
+    all-reduce of the whole tensor among the H hosts' first ranks (one NIC each), broadcast from
+    the first rank inside the host (one intra message of S)."""
+    h, l = layout(p, m)
+    a_in, a_out = m.alpha_intra_us * 1e-6, m.alpha_inter_us * 1e-6
+    bw_in, bw_nic = m.bw_intra_GBps * 1e9, m.bw_inter_GBps * 1e9
+    a = 2 * (l - 1) * a_in + 2 * (h - 1) * a_out + (a_in if l > 1 else 0.0)
+    b = 2 * (l - 1) / (l * bw_in) + 2 * (h - 1) / (h * bw_nic) + (1 / bw_in if l > 1 else 0.0)
+    return a, b
+
+
+def compare_lab(path, m):
+    """Prints the model beside a `python -m ringreduce.bench --link` run (its --json): for every
+    size, the model's two-level (phases in sequence, and pipelined) and leaders times against the
+    measured medians of torch/gloo and ringreduce/hier (in place)."""
+    import json
+    with open(path) as f:
+        doc = json.load(f)
+    print(f"# {doc['args'].get('lab') or 'no lab recorded'}")
+    print(f"# model: inter {m.alpha_inter_us:g} us + {m.bw_inter_GBps:g} GB/s per NIC, intra "
+          f"{m.alpha_intra_us:g} us + {m.bw_intra_GBps:g} GB/s, {m.ranks_per_host} ranks/host")
+    print(f"{'ranks':>5} {'size':>9} | {'two-level':>10} {'pipelined':>10} {'leaders':>10} | "
+          f"{'measured: gloo':>14} {'rr/hier':>10}  (ms)")
+    for run in doc["runs"]:
+        p = run["nranks"]
+        seq, pipe = costs(p, m)["two-level"], costs(p, replace(m, pipelined=True))["two-level"]
+        lead = leaders_cost(p, m)
+        rows = {(r["backend"], r["size_bytes"]): r for r in run["rows"]
+                if r["collective"] == "all_reduce" and r["inplace"]}
+        for size in sorted({b for _, b in rows}):
+            got = [rows.get((k, size)) for k in ("torch/gloo", "ringreduce/hier")]
+            cells = " ".join(f"{(a + b * size) * 1e3:>10.1f}" for a, b in (seq, pipe, lead))
+            meas = [f"{g['time_us'] / 1e3:.1f}" if g else "-" for g in got]
+            print(f"{p:>5} {fmt_size(size):>9} | {cells} | {meas[0]:>14} {meas[1]:>10}")
+    return 0
+
+
 def times(p, size, m):
     return {k: a + b * size for k, (a, b) in costs(p, m).items()}
 
@@ -219,6 +257,9 @@ def main(argv=None):
                     help="comma-separated rank counts")
     ap.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help="e.g. 4K,1M,1G")
     ap.add_argument("--plot", metavar="PATH", help="write a figure (needs matplotlib)")
+    ap.add_argument("--compare", metavar="RUN.json",
+                    help="the model beside a `python -m ringreduce.bench --link ... --json` run "
+                         "on emulated hosts (docs/scaling.md, 'Measured on emulated hosts')")
     a = ap.parse_args(argv)
 
     m = make_model(a.profile, ranks_per_host=a.ranks_per_host, nics_per_host=a.nics_per_host,
@@ -227,6 +268,8 @@ def main(argv=None):
                    channels=a.channels, pipelined=a.pipelined)
     if min(m.ranks_per_host, m.nics_per_host, m.channels) < 1:
         ap.error("ranks per host, NICs per host and channels must be >= 1")
+    if a.compare:
+        return compare_lab(a.compare, m)
     ranks, skipped = ranks_that_fit([int(x) for x in a.ranks.split(",")], m)
     if skipped:
         print(f"# skipped (fewer than 2 ranks, or not a whole number of hosts): {skipped}")

@@ -98,3 +98,34 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp_pat
     assert sm.main(["--sizes", "4K", "--ranks", "2", "--plot", str(tmp_path / "x.png")]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_leaders_pays_for_its_broadcast_and_equals_two_level_with_one_rank_per_host():
+    """Leaders (uneven hosts' plan): with one NIC per host its inter-host traffic is the two-level
+    plan's (the L rings share the NIC), plus a broadcast inside the host; with one rank per host
+    the two plans are the same ring among the hosts."""
+    m = sm.make_model("cpu", bw_inter_GBps=0.12, alpha_inter_us=500)
+    a2, b2 = sm.costs(4, m)["two-level"]
+    al, bl = sm.leaders_cost(4, m)
+    assert bl == pytest.approx(b2 + 1 / (m.bw_intra_GBps * 1e9)) and al > a2
+    one = sm.replace(m, ranks_per_host=1)
+    assert sm.leaders_cost(4, one) == pytest.approx(sm.costs(4, one)["two-level"])
+
+
+def test_compare_reads_a_lab_run(tmp_path):
+    """--compare prints the model beside a bench --link run's measured medians."""
+    import json
+    rows = [{"collective": "all_reduce", "backend": b, "size_bytes": 16 * MIB, "inplace": True,
+             "time_us": t} for b, t in (("torch/gloo", 170000.0), ("ringreduce/hier", 150000.0))]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"args": {"lab": "2 emulated hosts, 1gbit"},
+                                "runs": [{"nranks": 4, "rows": rows}]}))
+    r = run("--profile", "cpu", "--bw-inter-GBps", "0.12", "--compare", str(path))
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.strip().startswith("4 "))
+    cells = line.split("|")
+    model = [float(x) for x in cells[1].split()]
+    m = sm.make_model("cpu", bw_inter_GBps=0.12)
+    a, b = sm.costs(4, m)["two-level"]
+    assert model[0] == pytest.approx((a + b * 16 * MIB) * 1e3, abs=0.05)
+    assert cells[2].split() == ["170.0", "150.0"]
