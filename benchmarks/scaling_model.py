@@ -94,7 +94,7 @@ def costs(p, m):
 
 
 def leaders_cost(p, m):
-    """(a, b) of the leaders plan (_hier.py): all-reduce inside each host (ring over L), a ring
+    """(a, b) of the leaders plan (ringreduce/_hier/): all-reduce inside each host (ring over L), a ring
     all-reduce of the whole tensor among the H hosts' first ranks (one NIC each), broadcast from
     the first rank inside the host (one intra message of S)."""
     h, l = layout(p, m)

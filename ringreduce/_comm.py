@@ -3,7 +3,7 @@
 The group is used only to bootstrap (rank 0 creates the segment and publishes its name through the
 group's store); then data moves through the native ring. Caching, the worker thread that runs async
 calls in order, and close() are the lifecycle every transport shares (_lifecycle.py). Which CPU
-communicator a group gets (this ring on one host, _hier.py's across hosts) is chosen a layer up
+communicator a group gets (this ring on one host, _hier/'s across hosts) is chosen a layer up
 (collectives.cpu_communicator).
 """
 import logging

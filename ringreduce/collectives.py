@@ -163,7 +163,7 @@ def traced(*tensors):
 
 def cpu_communicator(member, timeout=None, hosts=None, **options):
     """A new communicator for member's CPU ranks: the shared-memory ring when they are on one host,
-    else the hierarchical one (_hier.py). Collective: every rank of member must reach it. hosts:
+    else the hierarchical one (_hier/). Collective: every rank of member must reach it. hosts:
     every rank's host id, in rank order, instead of discovering them (the benchmark's simulated
     hosts)."""
     timeout = float(timeout) if timeout is not None else default_timeout()

@@ -1,4 +1,4 @@
-"""The two-level plan's all_reduce (_hier.py: every host has L of the group's ranks), pipelined
+"""The two-level plan's all_reduce (_hier/__init__.py: every host has L of the group's ranks), pipelined
 over pieces of the tensor, with or without a narrow wire between hosts.
 
 Each piece goes through these stages: a reduce-scatter inside the host over shared memory (local
@@ -18,12 +18,13 @@ Gloo calls started there, run by Gloo), so the pipeline needs no agreement beyon
 With a wire, pieces are whole numbers of 128-element blocks in every row, so a cut never moves a
 block boundary: the bits do not depend on the piece size.
 """
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
-from . import _C
+from .. import _C
 
 SUM, AVG = 0, 1  # the native op codes (csrc/cpu/reduce.h)
 GLOO_OPS = {0: dist.ReduceOp.SUM, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.MAX, 4: dist.ReduceOp.PRODUCT}
@@ -75,15 +76,18 @@ TAG_ROWS, TAG_GATHER = 100, 200  # Gloo point-to-point tags: + the piece's slot
 
 
 class _Works:
-    def __init__(self, works):
-        self.works = works
+    """Gloo point-to-point works waited for together, each within the communicator's timeout (a
+    peer host that vanished without closing its connections fails the wait, never hangs it)."""
+
+    def __init__(self, works, timeout):
+        self.works, self.timeout = works, datetime.timedelta(seconds=timeout)
 
     def wait(self):
         for w in self.works:
-            w.wait()
+            w.wait(self.timeout)
 
 
-def _exchange(pg, me, send, got, tag):
+def _exchange(pg, me, send, got, tag, timeout):
     """Among pg's members: got[k] = what member k sends this member, for every k but this member's
     own (the caller writes got[me]); send is (members, bytes), row k for member k, or one row for
     all (a gather). Receives are posted before sends, so no member's data waits for a buffer
@@ -93,7 +97,7 @@ def _exchange(pg, me, send, got, tag):
     row = (lambda k: send[k]) if send.dim() == 2 else (lambda k: send)
     works = [pg.recv([got[k]], k, tag) for k in range(n) if k != me]
     works += [pg.send([row(k)], k, tag) for k in range(n) if k != me]
-    return _Works(works)
+    return _Works(works, timeout)
 
 
 class _Piece:
@@ -156,7 +160,7 @@ def all_reduce_wire(comm, buf, code, wire):
         pc.got[me, wb:].copy_(counts)
         pc.work = comm._gloo_start("exchange of the wire rows with the other hosts",
                                    lambda: _exchange(comm.cross, me, pc.send, pc.got,
-                                                     TAG_ROWS + pc.slot))
+                                                     TAG_ROWS + pc.slot, comm.timeout))
         return pc
 
     def exchanged(pc):
@@ -171,7 +175,8 @@ def all_reduce_wire(comm, buf, code, wire):
         pc.gathered[me, wb:].copy_(torch.tensor([count], dtype=torch.int64).view(torch.uint8))
         pc.work = comm._gloo_start("gather of the folded wire rows from the other hosts",
                                    lambda: _exchange(comm.cross, me, pc.gathered[me],
-                                                     pc.gathered, TAG_GATHER + pc.slot))
+                                                     pc.gathered, TAG_GATHER + pc.slot,
+                                                     comm.timeout))
 
     def gathered(pc):
         comm._gloo_wait(pc.work)

@@ -33,8 +33,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _C, _lifecycle, _two_level
-from ._lifecycle import Bootstrap, RingReduceError, host_id, machine_id
+from .. import _C, _lifecycle
+from .._lifecycle import Bootstrap, RingReduceError, host_id, machine_id
+from . import two_level
 
 log = logging.getLogger("ringreduce")
 
@@ -193,8 +194,8 @@ class HierCommunicator(_lifecycle.Communicator):
         red = SUM if code == AVG else code
         opts = dist.AllreduceOptions()
         opts.reduceOp = _GLOO_OPS[red]
-        if self.plan == "two-level":  # pipelined over pieces (_two_level.py)
-            _two_level.all_reduce(self, buf, code)
+        if self.plan == "two-level":  # pipelined over pieces (two_level.py)
+            two_level.all_reduce(self, buf, code)
             return
         self._shm("all-reduce", self.intra._native.all_reduce, buf, red)
         if self.cross is not None:
@@ -322,7 +323,7 @@ class HierCommunicator(_lifecycle.Communicator):
             buf[numel:].zero_()  # zeros do not move a block's largest value; dropped after
         over = 0
         if two_level:
-            over = _two_level.all_reduce_wire(self, buf, code, wire)
+            over = two_level.all_reduce_wire(self, buf, code, wire)
         else:
             self._shm("all-reduce", self.intra._native.all_reduce, buf, SUM)
             if self.cross is not None:
