@@ -313,16 +313,16 @@ class HierCommunicator(_lifecycle.Communicator):
         """The wire on the inter-host leg: float32 (the tensor's dtype) inside each host, each
         host's partial sum rounded onto the wire once between hosts (docs/usage.md)."""
         H, L, numel = self.nhosts, len(self.local_ranks), flat.numel()
-        two_level = self.plan == "two-level"
-        cb = -(-numel // ((L if two_level else 1) * H * WIRE_BLOCK)) * WIRE_BLOCK
-        m = (L if two_level else 1) * H * cb
+        per_host = self.plan == "two-level"
+        cb = -(-numel // ((L if per_host else 1) * H * WIRE_BLOCK)) * WIRE_BLOCK
+        m = (L if per_host else 1) * H * cb
         buf = flat
         if m != numel:
             buf = self._buf("wire_pad", m, flat.dtype)
             buf[:numel].copy_(flat)
             buf[numel:].zero_()  # zeros do not move a block's largest value; dropped after
         over = 0
-        if two_level:
+        if per_host:
             over = two_level.all_reduce_wire(self, buf, code, wire)
         else:
             self._shm("all-reduce", self.intra._native.all_reduce, buf, SUM)
