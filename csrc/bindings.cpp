@@ -324,11 +324,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     rr::cpu::wire_decode(w, src.data_ptr(), out.numel(), dt, out.data_ptr());
   }, py::arg("out"), py::arg("src"), py::arg("wire"));
   // out = the fold of rows (one wire span of out.numel() elements per row, rank order); AVG
-  // divides by divisor (0: the row count; the two-level plan's rows are hosts' partial sums of
-  // several ranks each); wire_out (or None): the result rounded onto the wire, and out then
+  // divides by the row count; wire_out (or None): the result rounded onto the wire, and out then
   // holds those values. Returns the fp16 overflows of that rounding.
   m.def("wire_reduce", [](at::Tensor& out, std::optional<at::Tensor> wire_out, const at::Tensor& rows,
-                          int op, int wire, int divisor) {
+                          int op, int wire) {
     const rr::Wire w = rr::to_wire(wire, out, op, "out");
     const size_t wb = rr::wire_span_bytes(w, out.numel());
     TORCH_CHECK_VALUE(w != rr::Wire::None && out.is_contiguous() && !out.is_cuda() &&
@@ -343,13 +342,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::vector<const void*> srcs(n);
     for (int q = 0; q < n; ++q) srcs[q] = static_cast<const char*>(rows.data_ptr()) + q * rows.stride(0);
     void* wo = wire_out ? wire_out->data_ptr() : nullptr;
-    TORCH_CHECK_VALUE(divisor >= 0, "ringreduce.wire_reduce: divisor must be >= 0, got ", divisor);
-    const int avg_by = divisor ? divisor : n;
     py::gil_scoped_release nogil;
     return rr::cpu::wire_reduce(w, srcs.data(), n, out.numel(),
-                                op == static_cast<int>(rr::RedOp::Avg) ? avg_by : 1, wo, dt, out.data_ptr());
-  }, py::arg("out"), py::arg("wire_out"), py::arg("rows"), py::arg("op"), py::arg("wire"),
-     py::arg("divisor") = 0);
+                                op == static_cast<int>(rr::RedOp::Avg) ? n : 1, wo, dt, out.data_ptr());
+  }, py::arg("out"), py::arg("wire_out"), py::arg("rows"), py::arg("op"), py::arg("wire"));
   m.def("shm_unlink", &rr::shm::Comm::unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
   register_backend(m);

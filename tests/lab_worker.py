@@ -26,39 +26,17 @@ import ringreduce as rr  # noqa: E402
 
 
 def exact(rank, world):
-    from reference import wire_hosts_reference, wire_hosts_scatter_reference
-    from test_wire import WIRES, bits, wide_input
+    from test_hosts import wire_hosts_worker
     hosts = [None] * world
     dist.all_gather_object(hosts, os.environ["RINGREDUCE_HOST_ID"])
-    failures, digests = [], []
-    for wire in WIRES:
-        for dtype in (torch.float32, torch.bfloat16):
-            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-                for k, numel in enumerate((1, 129, 5000, 70001)):
-                    tag = f"{wire} {dtype} {op} numel={numel}"
-                    ins = [wide_input(r, numel, dtype, seed=numel) for r in range(world)]
-                    t = ins[rank].clone()
-                    work = rr.all_reduce(t, op=op, wire_dtype=wire, async_op=k % 2 == 1)
-                    if work is not None:
-                        work.wait()
-                    if not torch.equal(bits(t), bits(wire_hosts_reference(ins, hosts, wire, op))):
-                        failures.append(f"all_reduce {tag}")
-                    digests.append(int(bits(t).sum()))
-                    m = numel // world
-                    big = [x[:m * world] for x in ins]
-                    out = torch.empty(m, dtype=dtype)
-                    rr.reduce_scatter_tensor(out, big[rank].clone(), op=op, wire_dtype=wire)
-                    want = wire_hosts_scatter_reference(big, hosts, wire, op, rank)
-                    if not torch.equal(bits(out), bits(want)):
-                        failures.append(f"reduce_scatter {tag}")
+    failures, digests, plan = wire_hosts_worker(rank, world, hosts, (1, 129, 5000, 70001),
+                                                (torch.float32, torch.bfloat16))
     t = torch.arange(300001, dtype=torch.float32) + rank  # integers: exact in any order
     rr.all_reduce(t)
     want = torch.arange(300001, dtype=torch.float32) * world + world * (world - 1) // 2
     if not torch.equal(t, want):
         failures.append("float32 all_reduce of integers")
-    comm = rr.get_communicator()
-    return {"failures": failures, "digests": digests, "hosts": hosts,
-            "plan": [comm.transport, getattr(comm, "plan", "flat")]}
+    return {"failures": failures, "digests": digests, "hosts": hosts, "plan": list(plan)}
 
 
 def victim(rank, world):

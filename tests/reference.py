@@ -109,14 +109,14 @@ def wire_round(x, wire):
     return (q * scale).reshape(-1)[:n]
 
 
-def wire_fold(rows, wire, op, round_result, divisor=None):
+def wire_fold(rows, wire, op, round_result):
     """The rank-order float32 fold of the rows, each rounded onto the wire first; AVG divides by
-    divisor (default: the row count); round_result rounds the sum onto the wire once more."""
+    the row count; round_result rounds the sum onto the wire once more."""
     acc = wire_round(rows[0], wire).clone()
     for x in rows[1:]:
         acc = acc + wire_round(x, wire)
     if op == dist.ReduceOp.AVG:
-        acc = acc / (divisor or len(rows))
+        acc = acc / len(rows)
     return wire_round(acc, wire) if round_result else acc
 
 
@@ -140,12 +140,21 @@ def host_partials(inputs, hosts):
     return out
 
 
+def _host_rows(inputs, hosts, op):
+    """The host partial sums as they go onto the wire: AVG divides each by the number of ranks
+    first (in the inputs' dtype), so that the wire carries the average's range."""
+    rows = host_partials(inputs, hosts)
+    if op == dist.ReduceOp.AVG:
+        rows = [p / len(inputs) for p in rows]
+    return rows
+
+
 def wire_hosts_reference(inputs, hosts, wire, op):
     """all_reduce(..., wire_dtype=wire) on a group across hosts (not deterministic mode): each
-    host's partial sum rounded onto the wire once, folded in host order in float32, divided by
-    the number of ranks for AVG, rounded once more."""
-    rows = host_partials(inputs, hosts)
-    return (wire_fold(rows, wire, op, True, divisor=len(inputs)).to(inputs[0].dtype)
+    host's partial sum (AVG: divided by the number of ranks) rounded onto the wire once, folded
+    in host order in float32, rounded once more."""
+    rows = _host_rows(inputs, hosts, op)
+    return (wire_fold(rows, wire, dist.ReduceOp.SUM, True).to(inputs[0].dtype)
             .reshape(inputs[0].shape))
 
 
@@ -153,8 +162,8 @@ def wire_hosts_scatter_reference(inputs, hosts, wire, op, rank):
     """reduce_scatter_tensor(..., wire_dtype=wire) on a two-level group: rank's chunk of the host
     partial sums (blocks from the chunk's start), folded as wire_hosts_reference, not rounded."""
     m = inputs[0].numel() // len(inputs)
-    rows = [p.reshape(-1)[rank * m:(rank + 1) * m] for p in host_partials(inputs, hosts)]
-    return wire_fold(rows, wire, op, False, divisor=len(inputs)).to(inputs[0].dtype)
+    rows = [p.reshape(-1)[rank * m:(rank + 1) * m] for p in _host_rows(inputs, hosts, op)]
+    return wire_fold(rows, wire, dist.ReduceOp.SUM, False).to(inputs[0].dtype)
 
 
 def wire_scatter_reference(inputs, wire, op, rank):

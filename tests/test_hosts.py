@@ -243,3 +243,20 @@ def test_wire_across_hosts(hosts, plan):
         assert digests == results[0][1]
         assert got == ("hier", plan), got
     assert all(v == [] for v in leftovers.values()), leftovers
+
+
+def hosts_overflow_worker(rank, world):
+    from test_wire import overflow_worker
+    return overflow_worker(rank, world)
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "b", "c"]])
+def test_fp16_wire_overflow_across_hosts(hosts):
+    """A float16 wire's overflow on one rank's part of the call (a value beyond 65504 in one
+    host's partial sum, or a sum beyond it) is an error on every rank of every host; AVG divides
+    each host's partial sum first, so the average of values that fit fits."""
+    results, leftovers = run(hosts, "test_hosts:hosts_overflow_worker", timeout=300)
+    for r, (errors, avg, inf) in results.items():
+        assert len(errors) == 2 and all("65504" in e for e in errors), (r, errors)
+        assert avg == 40000.0 and inf, (r, avg, inf)
+    assert all(v == [] for v in leftovers.values()), leftovers

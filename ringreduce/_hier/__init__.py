@@ -73,6 +73,17 @@ def plan_for(hosts):
     return "leaders", by_host, f"{len(order)} hosts with unequal rank counts {sizes}"
 
 
+def _overflow_as_error(fn):
+    """A float16 wire's overflow from an async call: RingReduceError at Work.wait(), as the
+    shared-memory transport raises it (a synchronous call raises OverflowError)."""
+    def run():
+        try:
+            fn()
+        except OverflowError as e:
+            raise RingReduceError(str(e)) from e
+    return run
+
+
 def _gloo(store, prefix, rank, size, timeout):
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
                                  datetime.timedelta(seconds=timeout))
@@ -230,11 +241,11 @@ class HierCommunicator(_lifecycle.Communicator):
                 raise RingReduceError(f"ringreduce: {reason}") from e
         return self._all
 
-    def _wire(self, rows, code, wire, out, round_result, group=None, divisor=0):
+    def _wire(self, rows, code, wire, out, round_result, group=None):
         """rows: (n, c), row k this rank's piece for member k of group (default: every rank; c a
         whole number of blocks, or a reduce_scatter's output size: blocks from each piece's start,
         as the shared-memory transport cuts them). Each row goes onto the wire and to its owner,
-        which folds the n in member order into out (c,), AVG dividing by divisor (0: n);
+        which folds the n in member order into out (c,), AVG dividing by n;
         round_result: rounded onto the wire once more, and every member's result gathered back
         (returns the (n, c) gathered values' wire bytes). Every row carries its sender's count of
         fp16 overflows (8 bytes after the wire bytes); returns the total this rank learned."""
@@ -250,8 +261,7 @@ class HierCommunicator(_lifecycle.Communicator):
                                                     dist.AllToAllOptions()))
         over = int(got[:, wb:].contiguous().view(torch.int64).sum())
         res = self._buf("wire_res", wb + 8, torch.uint8) if round_result else None
-        over += _C.wire_reduce(out, res[:wb] if round_result else None, got[:, :wb], code, wire,
-                               divisor)
+        over += _C.wire_reduce(out, res[:wb] if round_result else None, got[:, :wb], code, wire)
         if not round_result:
             return None, over
         res[wb:].copy_(torch.tensor([over], dtype=torch.int64).view(torch.uint8))
@@ -285,12 +295,15 @@ class HierCommunicator(_lifecycle.Communicator):
 
     def _cross_wire(self, rows, code, wire):
         """rows: (H, c) this rank's host partial sums, row h for host h (c whole blocks); every
-        row of every host's rank of this cross group rounded onto the wire once, folded in host
-        order in float32 (AVG: divided by the group's size), rounded once more and gathered:
-        rows then hold the result on every member. Returns the fp16 overflows learned."""
+        row of every host's rank of this cross group (AVG: divided by the group's size first)
+        rounded onto the wire once, folded in host order in float32, rounded once more and
+        gathered: rows then hold the result on every member. Returns the fp16 overflows
+        learned."""
         c = rows.shape[1]
         mine = self._buf("wire_mine", c, rows.dtype)
-        gathered, over = self._wire(rows, code, wire, mine, True, self.cross, self.world_size)
+        if code == AVG:
+            rows.div_(self.world_size)
+        gathered, over = self._wire(rows, SUM, wire, mine, True, self.cross)
         wb = _C.wire_bytes(wire, c)
         for k in range(rows.shape[0]):
             _C.wire_decode(rows[k], gathered[k, :wb], wire)
@@ -343,7 +356,9 @@ class HierCommunicator(_lifecycle.Communicator):
                            out=buf.view(self.world_size, c))
         mine = buf[self.local_rank * H * c:(self.local_rank + 1) * H * c]
         self._shm("reduce-scatter", self.intra._native.reduce_scatter, mine, buf, SUM)
-        _, over = self._wire(mine.view(H, c), code, wire, out, False, self.cross, self.world_size)
+        if code == AVG:  # as all_reduce's: the average's range on the wire
+            mine.div_(self.world_size)
+        _, over = self._wire(mine.view(H, c), SUM, wire, out, False, self.cross)
         self._overflowed("reduce_scatter_tensor", self._host_total(over, wire))
 
     def _ordered(self, rows, code):
@@ -511,6 +526,8 @@ class HierCommunicator(_lifecycle.Communicator):
                          [output], async_op)
 
     def _run(self, fn, result, async_op):
+        if async_op:
+            fn = _overflow_as_error(fn)
         fut = self._submit(fn, result, torch.futures.Future, inline=not async_op)
         if fut is None:
             return None

@@ -7,9 +7,10 @@ among the H ranks of local rank j, one per host; an all-gather inside the host. 
 each rank sends 2(H-1)/H of 1/L of the tensor (of its wire-width copy with a wire).
 
 - float (no wire): the shard's all_reduce over Gloo.
-- wire: the shard's H rows rounded onto the wire once, row h sent to host h; the H rows that
-  arrive folded in host order in float32 (AVG divides by the group's size) and rounded once more;
-  the results gathered among the same ranks (Gloo point-to-point, receives posted first).
+- wire: the shard's H rows (AVG: divided by the group's size first, so that the wire carries the
+  average's range) rounded onto the wire once, row h sent to host h; the H rows that arrive
+  folded in host order in float32 and rounded once more; the results gathered among the same
+  ranks (Gloo point-to-point, receives posted first).
 
 The stages of consecutive pieces overlap: while piece p is reduced inside the host, earlier
 pieces are on the network (Gloo's own threads), so a slow link, not the host, sets the pace.
@@ -29,24 +30,27 @@ from .. import _C
 SUM, AVG = 0, 1  # the native op codes (csrc/cpu/reduce.h)
 GLOO_OPS = {0: dist.ReduceOp.SUM, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.MAX, 4: dist.ReduceOp.PRODUCT}
 WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
-# Tensor bytes per piece. Smaller pieces overlap more of the link with the host's work but meet
-# the other ranks more often, and each meeting costs a time slice when ranks outnumber cores.
-# Measured on emulated hosts (2 x 2 ranks on the 2-core dev machine, 16 MiB bf16 / fp8 wire,
-# ms): 1 Gbit/s 4 MiB pieces 77 / 41, 16 MiB 82 / 47; 10 Gbit/s 4 MiB 43 / 35, 16 MiB 30 / 24.
-# RINGREDUCE_HIER_PIECE_KB overrides it (measurements; tests force many pieces).
-PIECE_BYTES = 16 << 20
+# Tensor bytes per piece: a quarter of the tensor, between 4 and 16 MiB. Smaller pieces overlap
+# more of the link with the host's work but meet the other ranks more often, and each meeting
+# costs a time slice when ranks outnumber cores. Measured on emulated hosts (2 hosts x 2 ranks on
+# the 2-core dev machine; float32 / bf16 wire / fp8 wire, ms): 16 MiB at 1 Gbit/s in 4 MiB pieces
+# 144 / 77 / 41, in one piece 151 / 82 / 47; at 10 Gbit/s 40 / 43 / 35 and 38-53 / 30 / 24;
+# 64 MiB at 1 Gbit/s in 4 MiB pieces 566 / 287 / 160, in 16 MiB 582 / 300 / 164; at 10 Gbit/s
+# 161 / 162 / 134 and 134 / 116 / 102. RINGREDUCE_HIER_PIECE_KB fixes it (tests force many).
+PIECE_MIN, PIECE_MAX = 4 << 20, 16 << 20
 SLOTS = 3  # pieces in flight: one reduced inside the host, one exchanged, one gathered
 
 
-def piece_bytes():
+def piece_bytes(total):
     kb = os.environ.get("RINGREDUCE_HIER_PIECE_KB", "").strip()
-    return int(kb) << 10 if kb else PIECE_BYTES
+    return int(kb) << 10 if kb else max(PIECE_MIN, min(PIECE_MAX, total // 4))
 
 
 def pieces(per_rank, L, H, elem_size, align):
     """[(offset in the buffer, row length)] of a buffer of L * H * per_rank elements (per_rank a
     multiple of align): each piece L * H rows of a multiple of align elements."""
-    per_row = max(align, piece_bytes() // (elem_size * L * H) // align * align)
+    per_row = max(align, piece_bytes(per_rank * L * H * elem_size) // (elem_size * L * H)
+                  // align * align)
     out, done = [], 0
     while done < per_rank:
         n = min(per_row, per_rank - done)
@@ -147,6 +151,8 @@ def all_reduce_wire(comm, buf, code, wire):
         pc.shard = piece[j * H * pc.n:(j + 1) * H * pc.n]
         if L > 1:
             comm._shm("reduce-scatter", comm.intra._native.reduce_scatter, pc.shard, piece, SUM)
+        if code == AVG:  # the average's range on the wire (a float16 wire would overflow first)
+            pc.shard.div_(comm.world_size)
         pc.rows = pc.shard.view(H, pc.n)
         pc.wb = wb = _C.wire_bytes(wire, pc.n)
         me = comm.host
@@ -170,8 +176,7 @@ def all_reduce_wire(comm, buf, code, wire):
         pc.gathered = comm._buf(f"wp_all{pc.slot}", H * (wb + 8), torch.uint8).view(H, wb + 8)
         # The fold's result, rounded, is this host's row of the shard (its input row is on the
         # wire already) and its wire bytes this member's row of the gather.
-        count += _C.wire_reduce(pc.rows[me], pc.gathered[me, :wb], pc.got[:, :wb], code, wire,
-                                comm.world_size)
+        count += _C.wire_reduce(pc.rows[me], pc.gathered[me, :wb], pc.got[:, :wb], SUM, wire)
         pc.gathered[me, wb:].copy_(torch.tensor([count], dtype=torch.int64).view(torch.uint8))
         pc.work = comm._gloo_start("gather of the folded wire rows from the other hosts",
                                    lambda: _exchange(comm.cross, me, pc.gathered[me],
