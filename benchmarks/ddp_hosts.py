@@ -36,7 +36,8 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--ranks-per-host", type=int, default=2)
-    ap.add_argument("--link", default="1gbit", help="tc rate of every host's link ('none': unshaped)")
+    ap.add_argument("--link", default="1gbit",
+                    help="tc rate of every host's link ('none': unshaped)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=16, help="per rank")
     ap.add_argument("--features", type=int, default=1024)

@@ -230,14 +230,16 @@ def wire_hosts_worker(rank, world, hosts, sizes, dtypes):
     (["a", "b", "a", "b"], "two-level"),   # interleaved
     (["a", "b"], "two-level"),             # 2 hosts x 1 rank
     (["a", "a", "b", "c"], "leaders"),     # uneven: the wire on the leaders' leg
+    (["a", "a", "b", "b", "c", "c"], "two-level"),  # 3 hosts: two steps above 256 KiB
 ])
 def test_wire_across_hosts(hosts, plan):
     """wire_dtype between hosts: the tensor's dtype inside each host, each host's partial sum
     rounded onto the wire once between hosts; the reference's bits, every wire and op, on every
     rank."""
     dtypes = (torch.float32, torch.bfloat16) if hosts == ["a", "a", "b", "b"] else (torch.float32,)
-    results, leftovers = run(hosts, "test_hosts:wire_hosts_worker", hosts, (1, 129, 5000, 70001),
-                             dtypes, timeout=600)
+    sizes = (1, 129, 5000, 70001) if len(hosts) < 6 else (129, 70001, 200003)
+    results, leftovers = run(hosts, "test_hosts:wire_hosts_worker", hosts, sizes, dtypes,
+                             timeout=600)
     for r, (failures, digests, got) in results.items():
         assert failures == [], (r, failures[:5])
         assert digests == results[0][1]
@@ -259,4 +261,18 @@ def test_fp16_wire_overflow_across_hosts(hosts):
     for r, (errors, avg, inf) in results.items():
         assert len(errors) == 2 and all("65504" in e for e in errors), (r, errors)
         assert avg == 40000.0 and inf, (r, avg, inf)
+    assert all(v == [] for v in leftovers.values()), leftovers
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "b", "b", "c", "c"]])
+def test_wire_across_hosts_in_many_pieces(hosts):
+    """The pipeline with many pieces in flight (RINGREDUCE_HIER_PIECE_KB=16: pieces of 16 KiB):
+    the same bits as in one piece, on every rank, for the one-step exchange (2 hosts) and the
+    two steps (3 hosts, above 256 KiB)."""
+    results, leftovers = run(hosts, "test_hosts:wire_hosts_worker", hosts, (70001, 200003),
+                             (torch.float32,), timeout=600,
+                             env={"RINGREDUCE_HIER_PIECE_KB": "16"})
+    for r, (failures, digests, got) in results.items():
+        assert failures == [], (r, failures[:5])
+        assert digests == results[0][1]
     assert all(v == [] for v in leftovers.values()), leftovers

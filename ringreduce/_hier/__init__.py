@@ -65,7 +65,8 @@ def plan_for(hosts):
         return "flat", by_host, f"all {len(hosts)} ranks on one host"
     forced = os.environ.get("RINGREDUCE_HIER_PLAN", "auto").strip() or "auto"
     if forced not in ("auto", "leaders"):
-        raise ValueError(f"ringreduce: RINGREDUCE_HIER_PLAN must be auto or leaders, got {forced!r}")
+        raise ValueError(f"ringreduce: RINGREDUCE_HIER_PLAN must be auto or leaders, "
+                         f"got {forced!r}")
     if forced == "leaders":  # measurements: the leaders plan on a layout two-level would take
         return "leaders", by_host, f"{len(order)} hosts of {sizes} ranks (RINGREDUCE_HIER_PLAN)"
     if len(set(sizes)) == 1:

@@ -1,5 +1,5 @@
-"""The two-level plan's all_reduce (_hier/__init__.py: every host has L of the group's ranks), pipelined
-over pieces of the tensor, with or without a narrow wire between hosts.
+"""The two-level plan's all_reduce (every host has L of the group's ranks: _hier/__init__.py),
+pipelined over pieces of the tensor, with or without a narrow wire between hosts.
 
 Each piece goes through these stages: a reduce-scatter inside the host over shared memory (local
 rank j then holds the host's partial sum of its shard, in the tensor's dtype); the shard reduced
@@ -28,7 +28,8 @@ import torch.distributed as dist
 from .. import _C
 
 SUM, AVG = 0, 1  # the native op codes (csrc/cpu/reduce.h)
-GLOO_OPS = {0: dist.ReduceOp.SUM, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.MAX, 4: dist.ReduceOp.PRODUCT}
+GLOO_OPS = {0: dist.ReduceOp.SUM, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.MAX,
+            4: dist.ReduceOp.PRODUCT}
 WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
 # Tensor bytes per piece: a quarter of the tensor, between 4 and 16 MiB. Smaller pieces overlap
 # more of the link with the host's work but meet the other ranks more often, and each meeting
@@ -39,6 +40,9 @@ WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
 # 161 / 162 / 134 and 134 / 116 / 102. RINGREDUCE_HIER_PIECE_KB fixes it (tests force many).
 PIECE_MIN, PIECE_MAX = 4 << 20, 16 << 20
 SLOTS = 3  # pieces in flight: one reduced inside the host, one exchanged, one gathered
+# More than two hosts: tensors up to this size go in one exchange (one round trip, H/2 times the
+# bytes of the two steps); two hosts always do (the same bytes).
+ONE_SHOT_BYTES = 256 << 10
 
 
 def piece_bytes(total):
@@ -143,8 +147,9 @@ def all_reduce_wire(comm, buf, code, wire):
     returns the fp16 overflows this rank learned (its local rank's ranks' encodes and folds)."""
     H, L, j = comm.nhosts, len(comm.local_ranks), comm.local_rank
     plan = pieces(buf.numel() // (L * H), L, H, buf.element_size(), WIRE_BLOCK)
+    me = comm.host
 
-    def start(p):
+    def reduced(p):
         pc = _Piece()
         pc.slot, (pc.off, pc.n) = p % SLOTS, plan[p]
         piece = buf[pc.off:pc.off + L * H * pc.n]
@@ -154,8 +159,20 @@ def all_reduce_wire(comm, buf, code, wire):
         if code == AVG:  # the average's range on the wire (a float16 wire would overflow first)
             pc.shard.div_(comm.world_size)
         pc.rows = pc.shard.view(H, pc.n)
-        pc.wb = wb = _C.wire_bytes(wire, pc.n)
-        me = comm.host
+        pc.wb = _C.wire_bytes(wire, pc.n)
+        return pc
+
+    def all_gather(pc):
+        if L > 1:
+            piece = buf[pc.off:pc.off + L * H * pc.n]
+            comm._shm("all-gather", comm.intra._native.all_gather, piece, pc.shard)
+
+    if H == 2 or buf.numel() * buf.element_size() <= ONE_SHOT_BYTES:
+        return _one_shot(comm, plan, reduced, all_gather, wire)
+
+    def start(p):
+        pc = reduced(p)
+        wb = pc.wb
         pc.send = comm._buf(f"wp_send{pc.slot}", H * (wb + 8), torch.uint8).view(H, wb + 8)
         pc.got = comm._buf(f"wp_got{pc.slot}", H * (wb + 8), torch.uint8).view(H, wb + 8)
         # this host's own row goes straight where the fold reads it
@@ -171,7 +188,7 @@ def all_reduce_wire(comm, buf, code, wire):
 
     def exchanged(pc):
         comm._gloo_wait(pc.work)
-        wb, me = pc.wb, comm.host
+        wb = pc.wb
         count = int(pc.got[:, wb:].contiguous().view(torch.int64).sum())
         pc.gathered = comm._buf(f"wp_all{pc.slot}", H * (wb + 8), torch.uint8).view(H, wb + 8)
         # The fold's result, rounded, is this host's row of the shard (its input row is on the
@@ -189,9 +206,43 @@ def all_reduce_wire(comm, buf, code, wire):
         for k in range(H):
             if k != comm.host:
                 _C.wire_decode(pc.rows[k], pc.gathered[k, :wb], wire)
-        if L > 1:
-            piece = buf[pc.off:pc.off + L * H * pc.n]
-            comm._shm("all-gather", comm.intra._native.all_gather, piece, pc.shard)
+        all_gather(pc)
         return int(pc.gathered[:, wb:].contiguous().view(torch.int64).sum())
 
     return _drive(len(plan), start, exchanged, gathered, SLOTS)
+
+
+def _one_shot(comm, plan, reduced, all_gather, wire):
+    """The wire's exchange in one step: every host's rank of this cross group sends its whole
+    shard on the wire to every other, and each folds every row itself in host order (the same
+    inputs in the same order: the same bits as the row's owner gets in two steps). With two
+    hosts it moves the same bytes as the two steps (a row out, a row back) in one round trip;
+    with more it moves H/2 times as many, so it serves only small tensors there."""
+    H, me = comm.nhosts, comm.host
+
+    def start(p):
+        pc = reduced(p)
+        wb = pc.wb
+        # got[h, k]: host h's row k; this host's rows are encoded in place and sent from there
+        pc.got = comm._buf(f"wp_got{pc.slot}", H * H * (wb + 8), torch.uint8).view(H, H, wb + 8)
+        mine = pc.got[me]
+        count = sum(_C.wire_encode(mine[k, :wb], pc.rows[k], wire) for k in range(H))
+        mine[:, wb:].zero_()
+        mine[0, wb:].copy_(torch.tensor([count], dtype=torch.int64).view(torch.uint8))
+        pc.work = comm._gloo_start("exchange of the wire shards with the other hosts",
+                                   lambda: _exchange(comm.cross, me, mine.view(-1),
+                                                     pc.got.view(H, -1), TAG_ROWS + pc.slot,
+                                                     comm.timeout))
+        return pc
+
+    def end(pc):
+        comm._gloo_wait(pc.work)
+        wb = pc.wb
+        count = int(pc.got[:, :, wb:].contiguous().view(torch.int64).sum())
+        scratch = comm._buf("wp_res", wb, torch.uint8)
+        for k in range(H):  # the fold of row k over the hosts, rounded: the result's row k
+            count += _C.wire_reduce(pc.rows[k], scratch, pc.got[:, k, :wb], SUM, wire)
+        all_gather(pc)
+        return count
+
+    return _drive(len(plan), start, None, end, 2)

@@ -21,6 +21,7 @@ lab_unavailable() returns that line (or None) without making anything.
 import atexit
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +29,8 @@ import sys
 import time
 
 PREFIX = "rrlab"  # every lab's namespaces start with this, then the owner's pid
-SUBNET = "10.213"  # host addresses: 10.213.<lab index>.<host + 1>; nothing outside the lab routes there
+# Host addresses: 10.213.<lab index>.<host + 1>; nothing outside the lab's namespaces routes there.
+SUBNET = "10.213"
 RATE_RE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
 # The token bucket's depth: 2 ms of the rate (at least 64 KiB). A socket then gets the rate
 # (measured: 0.120 GB/s at 1gbit, 1.197 at 10gbit: the payload of 1500-byte frames), while a deep
@@ -57,8 +59,7 @@ def lab_unavailable():
         return ("emulated hosts need CAP_NET_ADMIN (run as root): network namespaces, veth pairs "
                 "and tc shaping")
     for tool in ("ip", "tc"):
-        if not any(os.access(os.path.join(d, tool), os.X_OK)
-                   for d in os.environ.get("PATH", "/usr/sbin:/sbin").split(os.pathsep) + ["/usr/sbin", "/sbin"]):
+        if shutil.which(tool, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None:
             return f"emulated hosts need `{tool}` (Debian's iproute2)"
     return None
 
@@ -225,7 +226,8 @@ class Lab:
         port = 29400 + os.getpid() % 500
         code = ("import socket,sys,time\n"
                 "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-                f"s.bind(('0.0.0.0',{port})); s.listen(1); c,_=s.accept(); n=0; buf=bytearray(1<<20)\n"
+                f"s.bind(('0.0.0.0',{port})); s.listen(1); c,_=s.accept(); n=0\n"
+                "buf=bytearray(1<<20)\n"
                 "t=None\n"
                 "while True:\n"
                 "    k=c.recv_into(buf)\n"
