@@ -48,7 +48,7 @@ def victim(rank, world):
         try:
             rr.all_reduce(t, wire_dtype=torch.bfloat16)
         except Exception as e:
-            took = time.monotonic() - start
+            took, error = time.monotonic() - start, [type(e).__name__, str(e)]
             break
         t.fill_(1)
         if i == 2:
@@ -61,7 +61,7 @@ def victim(rank, world):
         again = "no error"
     except Exception as e2:
         again = str(e2)
-    return {"error": [type(e).__name__, str(e)], "took": took, "timeout": comm.timeout,
+    return {"error": error, "took": took, "timeout": comm.timeout,
             "again": again, "again_took": time.monotonic() - start}
 
 

@@ -28,6 +28,7 @@ def _lab_names():
 def test_lab_builds_shapes_and_tears_down():
     """Three hosts on a bridge reach each other; a socket gets no more than the shaped rate; close()
     kills what runs inside and leaves no namespace (and so no interface) behind."""
+    netlab.remove_stale()  # what an earlier, killed run left (Lab() would remove it below)
     before = set(_lab_names())
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     with netlab.Lab(3, "200mbit") as lab:
@@ -161,6 +162,7 @@ def test_bench_rows_on_emulated_hosts(tmp_path):
     """python -m ringreduce.bench --hosts 2 --link 1gbit: Gloo, ringreduce/hier and the wire rows
     on the same link, every result checked, the link and a measured socket rate in the header,
     and nothing left behind."""
+    netlab.remove_stale()
     before = set(_lab_names())
     res = subprocess.run(
         [sys.executable, "-m", "ringreduce.bench", "--quick", "--nranks", "4", "--hosts", "2",

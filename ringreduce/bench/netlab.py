@@ -119,7 +119,7 @@ def remove_stale():
     """Removes the labs whose owner process is gone; returns their namespaces."""
     gone = []
     for ns in _namespaces():
-        m = re.match(rf"^{PREFIX}(\d+)-", ns)
+        m = re.match(rf"^{PREFIX}(\d+)x\d+-", ns)
         if m and not _pid_alive(int(m.group(1))):
             _delete(ns)
             gone.append(ns)
