@@ -125,8 +125,8 @@ def test_torchrun_two_hosts_exact_wire(tmp_path):
 def test_host_lost_mid_call(tmp_path):
     """Host 1 vanishes during a wire all_reduce (its link goes down, then its processes are
     killed: no connection is closed, as when a machine loses power): both ranks of host 0 raise
-    RingReduceError within the timeout, naming the inter-host step, and a later call raises at
-    once."""
+    RingReduceError within the timeout, naming the step and the lost host with its ranks, and a
+    later call raises at once."""
     timeout = 15
     with netlab.Lab(2, "10gbit") as lab:
         procs = _torchrun(lab, 2, "victim", tmp_path, env={"RINGREDUCE_TIMEOUT": str(timeout)})
@@ -154,6 +154,7 @@ def test_host_lost_mid_call(tmp_path):
         assert name == "RingReduceError", (r, msg)
         assert res["took"] < timeout + 10, (r, res["took"], msg)
         assert "inter-host step" in msg or "intra-host step" in msg, msg
+        assert "host 1 (ranks 2, 3)" in msg, msg  # the lost host, named on every survivor
         assert "broken by an earlier failure" in res["again"] and res["again_took"] < 1, res
     assert elapsed < timeout + 60, elapsed
 

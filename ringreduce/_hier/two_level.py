@@ -85,26 +85,37 @@ TAG_ROWS, TAG_GATHER = 100, 200  # Gloo point-to-point tags: + the piece's slot
 
 class _Works:
     """Gloo point-to-point works waited for together, each within the communicator's timeout (a
-    peer host that vanished without closing its connections fails the wait, never hangs it)."""
+    peer host that vanished without closing its connections fails the wait, never hangs it); a
+    failure names the peer: what it was (receiving from / sending to host h (its ranks))."""
 
     def __init__(self, works, timeout):
         self.works, self.timeout = works, datetime.timedelta(seconds=timeout)
 
     def wait(self):
-        for w in self.works:
-            w.wait(self.timeout)
+        for what, w in self.works:
+            try:
+                w.wait(self.timeout)
+            except Exception as e:
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise RuntimeError(f"{what}: {first}") from e
 
 
-def _exchange(pg, me, send, got, tag, timeout):
+def hosts_of(comm):
+    """How errors name the cross group's members: host h and its ranks in the group."""
+    return [f"host {h} (ranks {', '.join(map(str, rs))})" for h, rs in enumerate(comm.by_host)]
+
+
+def _exchange(pg, me, send, got, tag, timeout, peers):
     """Among pg's members: got[k] = what member k sends this member, for every k but this member's
     own (the caller writes got[me]); send is (members, bytes), row k for member k, or one row for
     all (a gather). Receives are posted before sends, so no member's data waits for a buffer
     (Gloo's alltoall and allgather took 1.5x the link's time on emulated hosts where this takes
-    1.0x: BENCHMARKS.md, "Hosts on a real link")."""
+    1.0x: BENCHMARKS.md, "Hosts on a real link"). peers[k] names member k in errors."""
     n = got.shape[0]
     row = (lambda k: send[k]) if send.dim() == 2 else (lambda k: send)
-    works = [pg.recv([got[k]], k, tag) for k in range(n) if k != me]
-    works += [pg.send([row(k)], k, tag) for k in range(n) if k != me]
+    works = [(f"receiving from {peers[k]}", pg.recv([got[k]], k, tag))
+             for k in range(n) if k != me]
+    works += [(f"sending to {peers[k]}", pg.send([row(k)], k, tag)) for k in range(n) if k != me]
     return _Works(works, timeout)
 
 
@@ -147,7 +158,7 @@ def all_reduce_wire(comm, buf, code, wire):
     returns the fp16 overflows this rank learned (its local rank's ranks' encodes and folds)."""
     H, L, j = comm.nhosts, len(comm.local_ranks), comm.local_rank
     plan = pieces(buf.numel() // (L * H), L, H, buf.element_size(), WIRE_BLOCK)
-    me = comm.host
+    me, peers = comm.host, hosts_of(comm)
 
     def reduced(p):
         pc = _Piece()
@@ -183,7 +194,7 @@ def all_reduce_wire(comm, buf, code, wire):
         pc.got[me, wb:].copy_(counts)
         pc.work = comm._gloo_start("exchange of the wire rows with the other hosts",
                                    lambda: _exchange(comm.cross, me, pc.send, pc.got,
-                                                     TAG_ROWS + pc.slot, comm.timeout))
+                                                     TAG_ROWS + pc.slot, comm.timeout, peers))
         return pc
 
     def exchanged(pc):
@@ -198,7 +209,7 @@ def all_reduce_wire(comm, buf, code, wire):
         pc.work = comm._gloo_start("gather of the folded wire rows from the other hosts",
                                    lambda: _exchange(comm.cross, me, pc.gathered[me],
                                                      pc.gathered, TAG_GATHER + pc.slot,
-                                                     comm.timeout))
+                                                     comm.timeout, peers))
 
     def gathered(pc):
         comm._gloo_wait(pc.work)
@@ -232,7 +243,7 @@ def _one_shot(comm, plan, reduced, all_gather, wire):
         pc.work = comm._gloo_start("exchange of the wire shards with the other hosts",
                                    lambda: _exchange(comm.cross, me, mine.view(-1),
                                                      pc.got.view(H, -1), TAG_ROWS + pc.slot,
-                                                     comm.timeout))
+                                                     comm.timeout, hosts_of(comm)))
         return pc
 
     def end(pc):
