@@ -110,10 +110,14 @@ os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
 import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
-cpu_sources = ["csrc/bindings.cpp", "csrc/backend.cpp", "csrc/shm_comm.cpp", "csrc/ops.cpp",
-               "csrc/cpu/reduce.cpp", "csrc/cpu/wire.cpp", "csrc/shm/wire_run.cpp",
-               "csrc/shm/protocol.cpp", "csrc/shm/segment.cpp", "csrc/host/peers.cpp", "csrc/host/recorder.cpp"]
-cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+# csrc/binding/ is the torch side (every file that includes torch or Python); the folders beside it
+# are torch-free. cuda_comm*.cpp are the CUDA communicator's binding, built with the kernels.
+cpu_sources = (sorted(f for f in glob.glob("csrc/binding/*.cpp") if "cuda_" not in f) +
+               sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/shm/*.cpp")) +
+               sorted(glob.glob("csrc/host/*.cpp")))
+cuda_sources = (sorted(glob.glob("csrc/cuda/**/*.cu", recursive=True)) +
+                sorted(glob.glob("csrc/cuda/**/*.cpp", recursive=True)) +
+                sorted(glob.glob("csrc/binding/cuda_*.cpp")))
 with_cuda, why = cuda_choice(flag, torch.version.cuda, cuda_home, cuda_sources,
                              torch.cuda.device_count)
 print("ringreduce: building %s (%s; torch %s, CUDA toolkit %s)" % (

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "cuda/kernels.h"
-#include "cuda/p2p.h"
+#include "cuda/p2p/ring.h"
 #include "emu.h"
-#include "shm/segment.h"
+#include "host/shm_map.h"
 
 #include <unistd.h>
 
@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
         RR_CUDA_CHECK(cudaSetDevice(r));
         rings[r]->copy_attach(name, r == 0);
       }
-      rr::shm::Comm::unlink(name);
+      rr::host::shm_unlink(name);
     }
     for (int i = 4; i < argc; ++i) {
       const int64_t numel = (std::atoll(argv[i]) / 4 / n) * n;

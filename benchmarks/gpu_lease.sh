@@ -106,7 +106,7 @@ if [ "$(left)" -ge 130 ]; then
   timeout -k 10 $(( $(left) - 100 )) "$PY" -m pytest -q -p no:cacheprovider -m gpu \
       -k "$EXITS or test_close_while_threads_enqueue" tests/test_cuda.py -rfE > "$OUT/exits.log" 2>&1
   log "exits exit $?: $(tail -1 "$OUT/exits.log")"
-  # The narrow wire on CUDA (csrc/cuda/sym_wire.cu): the CPU's bits at worlds 1-3 with auto's
+  # The narrow wire on CUDA (csrc/cuda/p2p/sym_wire.cu): the CPU's bits at worlds 1-3 with auto's
   # algorithm, the float16 overflow on every rank, nccl refusing it.
   timeout -k 10 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "auto or overflow or nccl" \
       tests/test_wire.py -rfE > "$OUT/wire_tests.log" 2>&1

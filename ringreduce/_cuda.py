@@ -8,7 +8,7 @@ Semantics, as torch.distributed with NCCL where it has them:
 - A synchronous p2p collective runs on the caller's current stream; an async one, or any nccl
   collective, on the communicator's stream after the work already on the caller's current stream
   (the caller's stream waits for a sync nccl call's result). Calls of one communicator run in call
-  order whatever streams they are made on (csrc/cuda/binding_cuda.cpp, follow()). A synchronous
+  order whatever streams they are made on (csrc/binding/cuda_comm.cpp, follow()). A synchronous
   call returns once it is enqueued: the host does not wait. If the collective then fails on the
   device (a timeout, mismatched calls, a dead peer, an abort), the failure is recorded and the
   next call on the communicator raises it at once
@@ -24,7 +24,7 @@ Semantics, as torch.distributed with NCCL where it has them:
 - World 1 moves nothing: all_reduce returns at once, reduce_scatter/all_gather out of place copy on
   the caller's stream; async_op=True returns a completed Work (nothing on our stream, no worker).
 
-Lifetime (csrc/cuda/binding_cuda.cpp says how): the communicator's stream is never destroyed, since
+Lifetime (csrc/binding/cuda_comm.cpp says how): the communicator's stream is never destroyed, since
 torch may refer to it after close() (self._stream, a Future's events); the tensors of a call on
 that stream are held until the device is done with them instead of record_stream. A synchronous
 p2p call runs on the caller's stream as any torch op does: a tensor made on another stream needs
@@ -49,23 +49,23 @@ log = logging.getLogger("ringreduce")
 _WIRE_F16 = 2  # the float16 wire's code (csrc/cpu/wire.h: Wire::F16)
 RingReduceError = _C.RingReduceError
 
-# p2p knobs (see csrc/cuda/p2p.h for where the defaults come from). RINGREDUCE_CUDA_SLICE_BYTES is
+# p2p knobs (see csrc/cuda/p2p/ring.h for where the defaults come from). RINGREDUCE_CUDA_SLICE_BYTES is
 # also the test-only knob: a tiny value (e.g. 256) forces many pipeline steps per chunk.
 DEFAULT_CHANNELS = 16
 DEFAULT_SLICE_BYTES = 512 << 10  # the largest slice; each call's plan cuts smaller ones by size
 # The symmetric workspace's largest piece, bytes per rank (RINGREDUCE_CUDA_CHUNK_BYTES; the
-# workspace is two of them; csrc/cuda/p2p.h): one barrier (two-shot: two) per piece. A tiny value
+# workspace is two of them; csrc/cuda/p2p/ring.h): one barrier (two-shot: two) per piece. A tiny value
 # forces many pieces per call, as RINGREDUCE_CUDA_SLICE_BYTES does slices for the ring.
 DEFAULT_CHUNK_BYTES = 16 << 20
 # copy: no kernel waits for another rank (for ranks sharing a GPU without MPS; opt-in, unmeasured;
-# csrc/cuda/p2p_copy.cpp).
+# csrc/cuda/p2p/copy.cpp).
 ALGOS = ("auto", "ring", "oneshot", "twoshot", "copy")
-# The copy algorithm's largest piece (RINGREDUCE_CUDA_COPY_BYTES; csrc/cuda/p2p.h): each piece is a
+# The copy algorithm's largest piece (RINGREDUCE_CUDA_COPY_BYTES; csrc/cuda/p2p/ring.h): each piece is a
 # handshake, i.e. time slices, between ranks sharing a GPU without MPS.
 DEFAULT_COPY_BYTES = 8 << 20
-# The direct algorithms write into every rank's memory: up to this many ranks (csrc/cuda/p2p.h).
+# The direct algorithms write into every rank's memory: up to this many ranks (csrc/cuda/p2p/ring.h).
 MAX_DIRECT_RANKS = 16
-# nccl staging buffer (bytes, two of them); see csrc/cuda/nccl_ring.h.
+# nccl staging buffer (bytes, two of them); see csrc/cuda/nccl/ring.h.
 DEFAULT_STAGING_BYTES = 16 << 20
 # How long close() waits for the other ranks to stop using this rank's memory.
 CLOSE_BARRIER_S = 30.0
@@ -260,7 +260,7 @@ def resident_blocks(where):
 
 # The knobs' names in p2p_knobs()["config"] and in the error when ranks disagree.
 P2P_KNOBS = ("channels", "slice_bytes", "chunk_bytes", "algo", "blocks_cap", "copy_bytes", "sym_blocks")
-# A workspace call's most blocks (csrc/cuda/p2p.h: kDefaultSymBlocks, kMaxSymBlocks).
+# A workspace call's most blocks (csrc/cuda/p2p/ring.h: kDefaultSymBlocks, kMaxSymBlocks).
 DEFAULT_SYM_BLOCKS, MAX_SYM_BLOCKS = 24, 64
 
 
@@ -600,7 +600,7 @@ class Communicator(_lifecycle.Communicator):
                 return self._finish(native, [output], check=self._wire_check(wire, fn))
             return self._copy_back(native, dst, output, self._wire_check(wire, fn))
 
-    # -- the narrow wire (csrc/cuda/sym_wire.cu) ---------------------------------------------
+    # -- the narrow wire (csrc/cuda/p2p/sym_wire.cu) ---------------------------------------------
     def _check_wire(self, wire, fn):
         if not wire:
             return

@@ -11,7 +11,7 @@ that this backend creates lazily on the same store under its own prefix: Gloo fo
 NCCL for CUDA tensors. The group's timeout (init_process_group(timeout=...)) is the ring's timeout
 unless RINGREDUCE_TIMEOUT is set.
 
-torch calls the C++ half (csrc/backend.cpp). Once this object has created a group's shared-memory
+torch calls the C++ half (csrc/binding/backend.cpp). Once this object has created a group's shared-memory
 communicator (on the first ring call, collectively), the C++ half runs the ring operations on CPU
 tensors itself, without Python: a synchronous call (async_op=False) on the calling thread, raising
 RingReduceError itself, an asynchronous one (DDP's buckets) queued on the communicator's executor,

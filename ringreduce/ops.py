@@ -1,4 +1,4 @@
-"""Kernels of the registered operators torch.ops.ringreduce.* (schemas: csrc/ops.cpp).
+"""Kernels of the registered operators torch.ops.ringreduce.* (schemas: csrc/binding/ops.cpp).
 
 CPU and CUDA kernels run the collective on the calling thread, as a synchronous rr.* call does;
 fake kernels give torch.compile / torch.export the outputs' shapes. rr.all_reduce and friends

@@ -1,4 +1,4 @@
-"""ringreduce as a torch.distributed backend (ringreduce/backend.py, csrc/backend.cpp), on the CPU
+"""ringreduce as a torch.distributed backend (ringreduce/backend.py, csrc/binding/backend.cpp), on the CPU
 with real processes: every collective through dist.* against exact or float64 references, which
 ops the ring serves and which go to the Gloo delegate, real clients (DDP without a hook, FSDP2,
 object collectives) against the same code on Gloo, and failures."""

@@ -62,9 +62,9 @@ def code_lines(path, comment):
 
 
 def test_binding_never_destroys_a_stream_torch_may_hold():
-    """Streams of communicators go back to a free list (csrc/cuda/binding_cuda.cpp)."""
-    binding = ROOT / "csrc" / "cuda" / "binding_cuda.cpp"
-    code = "\n".join(code_lines(binding, "//"))
+    """Streams of communicators go back to a free list (csrc/binding/cuda_comm.h, .cpp)."""
+    code = "\n".join(line for f in ("cuda_comm.h", "cuda_comm.cpp")
+                     for line in code_lines(ROOT / "csrc" / "binding" / f, "//"))
     assert "cudaStreamDestroy" not in code
     assert "give_back_stream(device_, stream_)" in code and "take_stream(device_)" in code
 
@@ -72,8 +72,8 @@ def test_binding_never_destroys_a_stream_torch_may_hold():
 def test_no_record_stream_on_our_streams():
     """Tensors are held until the call's event instead (as TORCH_NCCL_AVOID_RECORD_STREAMS)."""
     offenders = []
-    for path in [ROOT / "csrc" / "cuda" / "binding_cuda.cpp", *sorted((ROOT / "ringreduce").rglob("*.py"))]:
-        comment = "//" if path.suffix == ".cpp" else "#"
+    for path in [*sorted((ROOT / "csrc" / "binding").glob("cuda_*")), *sorted((ROOT / "ringreduce").rglob("*.py"))]:
+        comment = "#" if path.suffix == ".py" else "//"
         for n, line in enumerate(code_lines(path, comment), 1):
             if re.search(r"\brecord_stream\s*\(", line):
                 offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
@@ -81,7 +81,7 @@ def test_no_record_stream_on_our_streams():
 
 
 def test_destructors_make_no_cuda_call_while_python_finalizes():
-    binding = (ROOT / "csrc" / "cuda" / "binding_cuda.cpp").read_text()
+    binding = (ROOT / "csrc" / "binding" / "cuda_comm.h").read_text()
     for cls in ("~CudaWork()", "~CudaComm()"):
         body = binding.split(cls, 1)[1].split("\n  }\n", 1)[0]
         assert "finalizing()" in body, f"{cls} must check finalizing() first:\n{body}"

@@ -3,6 +3,7 @@ lower ones, transports do not import each other, and no module reaches itself th
 Imports are read with `ast`, inside functions too (a lazy import is still an import). Nothing is
 imported or built: this test runs without the extension."""
 import ast
+import re
 import pathlib
 
 import pytest
@@ -159,3 +160,97 @@ def test_checks_catch_what_they_are_for(graph, expected):
         assert cycles(graph) == [["collectives", "nn", "collectives"]]
     else:
         assert violations(graph) == [expected]
+
+
+# -- csrc/: the same rules for the C++ folders ---------------------------------------------------
+
+CSRC = PACKAGE.parent / "csrc"
+# Bottom to top: a folder includes its own files and lower levels' only; folders on one level stay
+# apart. cuda/p2p and cuda/nccl (the two CUDA transports) sit above cuda/ (what they share).
+CSRC_LEVELS = {
+    "ring": 0,                   # the call vocabulary: types, calls, schedules (header-only)
+    "cpu": 1, "host": 1,         # CPU kernels; runtime services (threads, peers, recorder, mappings)
+    "shm": 2, "cuda": 2,         # the shared-memory transport; what the CUDA transports share
+    "cuda/p2p": 3, "cuda/nccl": 3,
+    "binding": 4,                # the torch side: every file that includes torch or Python
+}
+TORCH_HEADERS = ("torch/", "ATen/", "c10/", "Python.h", "pybind11/", "nvtx3/")
+
+
+def csrc_folder(rel):
+    """The folder of a path relative to csrc ("cuda/p2p/ring.h" -> "cuda/p2p")."""
+    parts = rel.split("/")[:-1]
+    for k in range(len(parts), 0, -1):
+        if "/".join(parts[:k]) in CSRC_LEVELS:
+            return "/".join(parts[:k])
+    raise KeyError(rel)
+
+
+def csrc_includes(root=CSRC):
+    """{file relative to csrc: [(line number, included path, quoted?)]}"""
+    out = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        found = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            m = re.match(r'\s*#\s*include\s*([<"])([^>"]+)[>"]', line)
+            if m:
+                found.append((n, m.group(2), m.group(1) == '"'))
+        out[path.relative_to(root).as_posix()] = found
+    return out
+
+
+def csrc_violations(includes):
+    out = []
+    for f, incs in sorted(includes.items()):
+        here = csrc_folder(f)
+        for n, target, quoted in incs:
+            if target.startswith(TORCH_HEADERS) and here != "binding":
+                out.append(f"{f}:{n} includes <{target}>: only csrc/binding/ sees torch or Python")
+            if not quoted:
+                continue
+            there = csrc_folder(target)
+            if there == here:
+                continue
+            if CSRC_LEVELS[there] >= CSRC_LEVELS[here]:
+                out.append(f"{f}:{n} ({here}) includes {target} ({there}): "
+                           + ("a higher level" if CSRC_LEVELS[there] > CSRC_LEVELS[here]
+                              else "a folder beside it"))
+    return out
+
+
+def csrc_depth(includes):
+    """Folders on the longest chain of includes between folders."""
+    edges = {}
+    for f, incs in includes.items():
+        for _, target, quoted in incs:
+            if quoted and csrc_folder(target) != csrc_folder(f):
+                edges.setdefault(csrc_folder(f), set()).add(csrc_folder(target))
+
+    def longest(folder, seen=()):
+        assert folder not in seen, f"include cycle between folders: {seen + (folder,)}"
+        return 1 + max((longest(t, seen + (folder,)) for t in edges.get(folder, ())), default=0)
+    return max(longest(f) for f in CSRC_LEVELS)
+
+
+def test_csrc_folders_include_down_only():
+    includes = csrc_includes()
+    assert set(map(csrc_folder, includes)) <= set(CSRC_LEVELS)
+    assert csrc_violations(includes) == []
+    # ring/ is the bottom: nothing outside it (and the standard library)
+    assert all(csrc_folder(t) == "ring" for f, incs in includes.items() if csrc_folder(f) == "ring"
+               for _, t, quoted in incs if quoted)
+    assert csrc_depth(includes) <= 5
+
+
+def test_csrc_checks_catch_what_they_are_for():
+    bad = {"cuda/p2p/ring.h": [(3, "ATen/ATen.h", False), (4, "binding/shm_comm.h", True),
+                               (5, "cuda/nccl/ring.h", True), (6, "cuda/kernels.h", True)],
+           "ring/call.h": [(7, "cpu/reduce.h", True)],
+           "binding/module.cpp": [(1, "torch/extension.h", False), (2, "cuda/p2p/ring.h", True)]}
+    assert csrc_violations(bad) == [
+        "cuda/p2p/ring.h:3 includes <ATen/ATen.h>: only csrc/binding/ sees torch or Python",
+        "cuda/p2p/ring.h:4 (cuda/p2p) includes binding/shm_comm.h (binding): a higher level",
+        "cuda/p2p/ring.h:5 (cuda/p2p) includes cuda/nccl/ring.h (cuda/nccl): a folder beside it",
+        "ring/call.h:7 (ring) includes cpu/reduce.h (cpu): a higher level"]
+    assert csrc_depth({"binding/a.cpp": [(1, "cuda/p2p/x.h", True)],
+                       "cuda/p2p/x.h": [(1, "cuda/k.h", True)], "cuda/k.h": [(1, "ring/t.h", True)]}) == 4

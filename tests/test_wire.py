@@ -346,7 +346,7 @@ def test_wire_hooks_and_bucketer():
         assert 0 < res["fp8"] < 0.08 and 0 < res["fp8-ef"] < 0.08, res
 
 
-# -- CUDA tensors: the symmetric workspace's wire kernel (csrc/cuda/sym_wire.cu) -------------------
+# -- CUDA tensors: the symmetric workspace's wire kernel (csrc/cuda/p2p/sym_wire.cu) -------------------
 # The same bits as on the CPU (the inputs have no inf or nan: a GPU's NaN bits are its own). Run where a GPU is lent (tests/gpu_suite.sh, benchmarks/gpu_lease.sh);
 # the ranks of a one-GPU machine share it. CI runs the kernel on the emulated device
 # (tests/native/test_cuda_kernels.cpp: test_wire, test_wire_overflow, weak_wire).

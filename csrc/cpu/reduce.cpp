@@ -1,4 +1,5 @@
 #include "cpu/reduce.h"
+#include "ring/wire_scalar.h"
 
 #include <algorithm>
 #include <cstring>
@@ -7,28 +8,9 @@
 
 namespace ringreduce {
 
-size_t dtype_size(DType t) {
-  static const size_t sizes[] = {4, 8, 2, 2, 1, 1, 4, 8};
-  return sizes[static_cast<int>(t)];
-}
-const char* dtype_name(DType t) {
-  static const char* names[] = {"float32", "float64", "float16", "bfloat16",
-                                "int8",    "uint8",   "int32",   "int64"};
-  return t < DType::kCount ? names[static_cast<int>(t)] : "unknown";
-}
-const char* op_name(RedOp op) {
-  static const char* names[] = {"SUM", "AVG", "MIN", "MAX", "PRODUCT"};
-  return op < RedOp::kCount ? names[static_cast<int>(op)] : "unknown";
-}
-bool dtype_is_float(DType t) { return t <= DType::BF16; }
-
 namespace cpu {
-namespace {
-
-uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-
-}  // namespace
+using wire::bits;
+using wire::from_bits;
 
 float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;

@@ -3,18 +3,9 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace ringreduce {
+#include "ring/types.h"
 
-// Values are part of the wire format (message headers) and of the Python binding.
-enum class DType : uint8_t { F32 = 0, F64, F16, BF16, I8, U8, I32, I64, kCount };
-enum class RedOp : uint8_t { Sum = 0, Avg, Min, Max, Prod, kCount };
-
-size_t dtype_size(DType t);
-const char* dtype_name(DType t);
-const char* op_name(RedOp op);
-bool dtype_is_float(DType t);
-
-namespace cpu {
+namespace ringreduce::cpu {
 
 // dst[i] = a[i] op b[i] for i < n; dst may be the same pointer as a or b.
 // fp16/bf16 are computed in fp32 and rounded once. Integer SUM/PROD wrap around.
@@ -43,5 +34,4 @@ uint16_t float_to_half(float f);
 float bf16_to_float(uint16_t h);
 uint16_t float_to_bf16(float f);
 
-}  // namespace cpu
-}  // namespace ringreduce
+}  // namespace ringreduce::cpu

@@ -1,5 +1,5 @@
 #include "cpu/wire.h"
-#include "cpu/wire_scalar.h"
+#include "ring/wire_scalar.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -11,13 +11,6 @@
 #endif
 
 namespace ringreduce {
-
-const char* wire_name(Wire w) {
-  static const char* names[] = {"none", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"};
-  return w < Wire::kCount ? names[static_cast<int>(w)] : "unknown";
-}
-
-size_t wire_elem_bytes(Wire w) { return w == Wire::BF16 || w == Wire::F16 ? 2 : 1; }
 
 namespace cpu {
 namespace {

@@ -9,25 +9,6 @@
 
 namespace ringreduce {
 
-// Values are part of the message headers and of the Python binding.
-enum class Wire : uint8_t { None = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, kCount };
-
-// Elements per block. fp8 carries one fp32 scale per block (absmax / the format's largest finite
-// value), so a block is the unit of chunks and slices: its bits never depend on how a call is cut.
-// 128 as in the issue (and DeepSeek-V3's fp8 training: 1 x 128 tiles).
-constexpr int64_t kWireBlock = 128;
-
-const char* wire_name(Wire w);
-size_t wire_elem_bytes(Wire w);  // 2 (bf16, fp16) or 1 (fp8)
-constexpr bool wire_scaled(Wire w) { return w == Wire::E4M3 || w == Wire::E5M2; }
-inline int64_t wire_blocks(int64_t n) { return (n + kWireBlock - 1) / kWireBlock; }
-// A span of n elements on the wire: fp8: [fp32 scale per block][n bytes]; else [n elements].
-inline size_t wire_span_bytes(Wire w, int64_t n) {
-  return (wire_scaled(w) ? 4 * wire_blocks(n) : 0) + n * wire_elem_bytes(w);
-}
-// Room for n elements when n is a whole number of blocks: what a slot holds per part.
-inline size_t wire_block_bytes(Wire w) { return wire_span_bytes(w, kWireBlock); }
-
 namespace cpu {
 
 // Rounds n elements of src (dtype t: F32, F16 or BF16) onto the wire span dst, blocks from

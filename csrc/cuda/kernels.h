@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <string>
 
-#include "cpu/reduce.h"
 #include "ring/call.h"
 
 namespace ringreduce::cuda {

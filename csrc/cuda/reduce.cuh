@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cpu/reduce.h"
+#include "ring/types.h"
 #include "cuda/kernels.h"
 #include "cuda/platform.cuh"
 

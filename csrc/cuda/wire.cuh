@@ -1,11 +1,10 @@
-// Device side of the narrow wire (csrc/cuda/sym_wire.cu): one element onto the wire and back,
-// with the CPU kernels' arithmetic (cpu/wire_scalar.h), so that a CUDA call gives the bits of the
+// Device side of the narrow wire (csrc/cuda/p2p/sym_wire.cu): one element onto the wire and back,
+// with the CPU kernels' arithmetic (ring/wire_scalar.h), so that a CUDA call gives the bits of the
 // CPU's and of tests/reference.py. Included by .cu files only.
 #pragma once
 #include <type_traits>
 
-#include "cpu/wire.h"
-#include "cpu/wire_scalar.h"
+#include "ring/wire_scalar.h"
 #include "cuda/reduce.cuh"
 
 namespace ringreduce::cuda {
@@ -21,7 +20,7 @@ __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, 
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 
-// x onto the wire (fp8: x times its block's inv, cpu/wire_scalar.h's fp8_scale).
+// x onto the wire (fp8: x times its block's inv, ring/wire_scalar.h's fp8_scale).
 template <Wire W>
 __device__ __forceinline__ typename WireElem<W>::E wire_put(float x, float inv) {
   if constexpr (W == Wire::BF16) return wire::to_bf16(x);

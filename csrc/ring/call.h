@@ -5,8 +5,7 @@
 #include <cstdint>
 #include <stdexcept>
 
-#include "cpu/reduce.h"  // DType, RedOp (values are part of the message headers)
-#include "cpu/wire.h"    // Wire
+#include "ring/types.h"
 
 namespace ringreduce {
 
@@ -26,6 +25,19 @@ inline const char* coll_name(Coll c) {
   return "unknown";
 }
 
+// Which algorithm a call runs; each transport runs a subset (shm: ring, oneshot, twoshot, cma,
+// pool, wire; p2p: ring, oneshot, twoshot, registered, copy; nccl: ring, oneshot, twoshot). Values
+// are part of the message headers.
+enum class Algo : uint8_t {
+  Auto = 0, Ring, OneShot, TwoShot, Cma, Pool, Wire, Registered, Copy, kCount
+};
+
+inline const char* algo_name(Algo a) {
+  static const char* const names[] = {"auto", "ring", "oneshot", "twoshot", "cma",
+                                      "pool", "wire", "registered", "copy"};
+  return a < Algo::kCount ? names[static_cast<int>(a)] : "unknown";
+}
+
 struct Call {
   Coll coll;
   DType dtype;
@@ -34,7 +46,7 @@ struct Call {
                   // all-gather's output (numel / nranks per rank for the latter two)
   const void* in;
   void* out;
-  Wire wire = Wire::None;  // all-reduce / reduce-scatter of floats over a narrow wire (cpu/wire.h)
+  Wire wire = Wire::None;  // all-reduce / reduce-scatter of floats over a narrow wire (ring/types.h)
 };
 
 // RINGREDUCE_DETERMINISTIC=1 / rr.set_deterministic(True): every all_reduce and reduce_scatter of

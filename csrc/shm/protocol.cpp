@@ -30,7 +30,6 @@ constexpr auto kPeerCheck = std::chrono::milliseconds(50);
 
 using Clock = std::chrono::steady_clock;
 
-size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 size_t slot_stride(size_t slice_bytes) { return sizeof(MsgHeader) + round_up(slice_bytes, 64); }
 
 // Wrap-around safe "v has reached target" for the 32-bit futex counters.
@@ -50,18 +49,6 @@ void post(Counter& c, uint32_t v) {
 
 }  // namespace
 
-const char* algo_name(Algo a) {
-  switch (a) {
-    case Algo::Auto: return "auto";
-    case Algo::Ring: return "ring";
-    case Algo::OneShot: return "oneshot";
-    case Algo::TwoShot: return "twoshot";
-    case Algo::Cma: return "cma";
-    case Algo::Pool: return "pool";
-    case Algo::Wire: return "wire";
-  }
-  return "unknown";
-}
 
 namespace {
 

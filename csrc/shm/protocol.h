@@ -52,8 +52,9 @@ struct alignas(64) GroupHeader {
 // every rank's tensor in rank order and writes it into all of them, one pass, no slots.
 // Wire: a call with a wire dtype (Call::wire): two-shot's schedule in whole blocks of
 // kWireBlock elements, each part rounded onto the wire as it is published (shm/wire_run.cpp).
-enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3, Cma = 4, Pool = 5, Wire = 6 };
-const char* algo_name(Algo a);
+
+using ringreduce::Algo;  // the shared names (ring/call.h); this transport runs Auto to Wire
+using ringreduce::algo_name;
 
 // Every message carries the call it belongs to, so a reader checks it before touching data.
 struct alignas(64) MsgHeader {

@@ -42,12 +42,7 @@ struct PoolBuffer {
   ~PoolBuffer();
 };
 
-// Creates (O_EXCL) and maps a segment of bytes; the caller unlinks the name once the peers mapped it.
-char* pool_create(const std::string& name, uint64_t bytes);
-// Maps another rank's segment, which must be bytes long.
-char* pool_map(const std::string& name, uint64_t bytes);
-void pool_unmap(char* base, uint64_t bytes);
-
+// The copies are named segments (host/shm_map.h): made by host::shm_create, mapped by shm_map.
 // Buffers in use, by their owner's copy. pool_find: the buffer made for owner whose copy holds
 // [p, p + bytes), or null (cheap when no buffer exists).
 void pool_register(const std::shared_ptr<PoolBuffer>& b);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "ring/schedule.h"
+#include "cpu/wire.h"
 #include "shm/protocol.h"
 
 namespace ringreduce {

@@ -141,7 +141,7 @@ class Wire(RingReduce):
         return self.step * magnitude * 2 * self.world
 
     def _on(self, t):
-        if t.is_cuda:  # CUDA tensors: the p2p transport's wire (csrc/cuda/sym_wire.cu)
+        if t.is_cuda:  # CUDA tensors: the p2p transport's wire (csrc/cuda/p2p/sym_wire.cu)
             self.transport = "p2p"
         self._select()
 

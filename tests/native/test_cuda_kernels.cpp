@@ -23,13 +23,13 @@
 #include <fstream>
 #include <thread>
 
-#include "cuda/nccl_ring.h"
-#include "cuda/p2p.h"
+#include "cuda/nccl/ring.h"
+#include "cuda/p2p/ring.h"
 #include "cuda_check.h"
 #include "deterministic_check.h"
 #include "wire_check.h"
 #include "host/recorder.h"
-#include "shm/segment.h"
+#include "host/shm_map.h"
 #ifdef RINGREDUCE_EMU
 #include "emu.h"
 #endif
@@ -178,7 +178,7 @@ struct Group {
         RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
         rings[r]->copy_attach(name, r == 0);
       }
-      rr::shm::Comm::unlink(name);
+      rr::host::shm_unlink(name);
     }
   }
   ~Group() {

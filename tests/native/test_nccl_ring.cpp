@@ -1,4 +1,4 @@
-// Native test of the nccl transport (csrc/cuda/nccl_ring.cpp) on the emulated device, against the
+// Native test of the nccl transport (csrc/cuda/nccl/ring.cpp) on the emulated device, against the
 // in-process NCCL stand-in (tests/native/emu/nccl_standin.cpp), which nccl_ring.cpp loads by path as
 // it loads torch's libnccl.so.2. Ranks are threads; rank r on emulated device r.
 // (1) the schedules (ring, one-shot, two-shot, and the choice by size): 2-4 ranks, every
@@ -20,7 +20,7 @@
 
 #include <thread>
 
-#include "cuda/nccl_ring.h"
+#include "cuda/nccl/ring.h"
 #include "cuda_check.h"
 #include "deterministic_check.h"
 #include "emu.h"

@@ -16,10 +16,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 BUILD = ROOT / "cbuild"
 
-KERNEL = "csrc/cuda/p2p_kernel.cu"
-SYM = "csrc/cuda/sym_kernel.cu"
-SYM_BARRIER = "csrc/cuda/sym_barrier.cuh"
-WIRE = "csrc/cuda/sym_wire.cu"
+KERNEL = "csrc/cuda/p2p/ring_kernel.cu"
+SYM = "csrc/cuda/p2p/sym_kernel.cu"
+SYM_BARRIER = "csrc/cuda/p2p/sym_barrier.cuh"
+WIRE = "csrc/cuda/p2p/sym_wire.cu"
 WIRE_TEST = ("test_cuda_kernels_emu", ["test_wire", "weak_wire"])
 STANDIN = "tests/native/emu/nccl_standin.cpp"
 P2P_TEST = ("test_cuda_kernels_emu", ["test_ring", "test_timeout", "test_mismatch"])
@@ -44,17 +44,17 @@ MUTATIONS = {
         "csrc/cuda/reduce.cuh", "      if (q + 1 < ns) load(w, q + 1);", "      if (q + 2 < ns) load(w, q + 1);",
         P2P_TEST, "with three or more sources the fold's last source is never loaded (the one before counts twice)"),
     "copy_allgather_slot_misaligned": (
-        "csrc/cuda/p2p_copy.cpp", "const int64_t at_out = c.coll == Coll::AllGather ? r * span + begin : begin;",
+        "csrc/cuda/p2p/copy.cpp", "const int64_t at_out = c.coll == Coll::AllGather ? r * span + begin : begin;",
         "const int64_t at_out = begin;", COPY_TEST,
         "all_gather's sender puts a piece where the receiver does not look when chunks are not 16-byte multiples"),
     "copy_timeout_names_no_peer": (
-        "csrc/cuda/p2p_copy.cpp", "__ATOMIC_ACQUIRE) < reached)", "__ATOMIC_ACQUIRE) > reached)",
+        "csrc/cuda/p2p/copy.cpp", "__ATOMIC_ACQUIRE) < reached)", "__ATOMIC_ACQUIRE) > reached)",
         COPY_FAILURES, "the copy algorithm's timeout names no rank (or the wrong one) as missing"),
     "copy_one_inbox_slot": (
-        "csrc/cuda/p2p.h", "constexpr int kCopyDepth = 2;", "constexpr int kCopyDepth = 1;", COPY_TEST,
+        "csrc/cuda/p2p/ring.h", "constexpr int kCopyDepth = 2;", "constexpr int kCopyDepth = 1;", COPY_TEST,
         "a sender overwrites the receiver's only slot for it while the receiver still folds it"),
     "copy_release_all_ones": (
-        "csrc/cuda/p2p.h", "constexpr uint64_t kReleased = uint64_t{1} << 62;",
+        "csrc/cuda/p2p/ring.h", "constexpr uint64_t kReleased = uint64_t{1} << 62;",
         "constexpr uint64_t kReleased = ~uint64_t{0};", COPY_FAILURES,
         "released stream waits never pass the driver's cyclic compare: the ranks hang"),
     "copy_headers_unchecked": (
@@ -62,12 +62,12 @@ MUTATIONS = {
         "      const uint32_t cause = kOk;\n      if (cause != kOk) {\n        stop = abort_word(cause, r);",
         COPY_FAILURES, "mismatched calls fold each other's pieces silently, or wait forever"),
     "copy_watchdog_releases_nothing": (
-        "csrc/cuda/p2p_copy.cpp",
+        "csrc/cuda/p2p/copy.cpp",
         "    for (int s = 0; s < opt_.nranks; ++s) __atomic_store_n(&cctl_->arrived[q][s].value, kReleased, __ATOMIC_SEQ_CST);",
         "    (void)q;", COPY_FAILURES,
         "a timed-out or aborted rank leaves every stream waiting (no kernel runs to release them)"),
     "copy_watchdog_never_fires": (
-        "csrc/cuda/p2p_copy.cpp",
+        "csrc/cuda/p2p/copy.cpp",
         "  if (now - watch_.since < std::chrono::duration<double>(opt_.timeout_s)) return;",
         "  return;", COPY_FAILURES, "a rank that never calls leaves its peers' streams waiting forever"),
     "copy_kernel_skips_abort_word": (
@@ -75,13 +75,13 @@ MUTATIONS = {
         "    uint32_t stop = 0;\n    bool local = false;", COPY_FAILURES,
         "a rank whose waits were released (a peer timed out or aborted) folds stale inboxes as a result"),
     "error_records_for_ring_blocks_only": (
-        "csrc/cuda/p2p.h",
+        "csrc/cuda/p2p/ring.h",
         "  alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index",
         "  alignas(kLine) ErrorRecord err[kMaxChannels];  // by block index",
         ("test_cuda_kernels_emu", ["test_timeout_with_every_block"]),
         "direct blocks past the 32nd record their stops past the end of the host-mapped records"),
     "plan_ignores_resident_blocks": (
-        "csrc/cuda/p2p.cpp",
+        "csrc/cuda/p2p/ring.cpp",
         [("  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;\n  const int most",
           "  const int resident = kMaxBlocks;\n  const int most"),
          ("  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;\n  if (algo",
@@ -89,7 +89,7 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_ranks_share_a_device", "test_two_communicators_share_a_device"]),
         "ranks sharing a device launch more blocks than it holds: some wait for blocks that never end"),
     "close_frees_a_pinned_ring": (
-        "csrc/cuda/p2p.cpp",
+        "csrc/cuda/p2p/ring.cpp",
         "  const bool replayable = area_ && pins_->load() > 0;",
         "  const bool replayable = false;",
         ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
@@ -123,11 +123,11 @@ MUTATIONS = {
         "the sender's stores (the happens-before check, tests/native/emu/hb.cpp; the weak mode alone "
         "missed it)"),
     "start_reads_host_abort": (
-        "csrc/cuda/p2p_device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.ctl->abort))",
+        "csrc/cuda/p2p/device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.ctl->abort))",
         "if (!word && ld_relaxed_sys(&a.ctl->abort))",
         COST_CHECK, "every block of every call reads the host's abort word across PCIe at its start (host_reads)"),
     "replay_skips_host_word": (
-        "csrc/cuda/p2p_device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.ctl->abort))", "if (false)",
+        "csrc/cuda/p2p/device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.ctl->abort))", "if (false)",
         ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
         "a graph replayed after close() runs its call into the peers' areas (they may be freed)"),
     "sym_wait_without_acquire": (
@@ -137,7 +137,7 @@ MUTATIONS = {
         WEAK_DIRECT, "no acquire after a workspace barrier's poll: the peers' inputs read with nothing ordering "
         "them after their stores (the happens-before check)"),
     "nccl_reduce_on_default_stream": (
-        "csrc/cuda/nccl_ring.cpp",
+        "csrc/cuda/nccl/ring.cpp",
         "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"
         "                      stream);",
         "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"
@@ -152,14 +152,14 @@ MUTATIONS = {
           "    slot(i).posted = true;\n    cl.cv.notify_all();")],
         None, NCCL_TEST, "every rank waits for its receive before posting its send: the ring deadlocks"),
     "nccl_descriptors_not_compared": (
-        "csrc/cuda/nccl_ring.cpp",
+        "csrc/cuda/nccl/ring.cpp",
         "        mismatch = p.descs ? check_descs(p) : std::string();",
         "        mismatch = std::string();",
         ("test_nccl_ring_emu", ["test_size_mismatch"]),
         "a mismatched call fails only the ranks NCCL tells (the receiver of a truncated message): the "
         "sender's call succeeds"),
     "nccl_descriptors_to_neighbours_only": (
-        "csrc/cuda/nccl_ring.cpp",
+        "csrc/cuda/nccl/ring.cpp",
         "    for (int k = 1; k < opt_.nranks; ++k) {\n      const int to = (opt_.rank + k) % opt_.nranks, from",
         "    for (int k = 1; k < opt_.nranks; k += std::max(1, opt_.nranks - 2)) {\n"
         "      const int to = (opt_.rank + k) % opt_.nranks, from",
@@ -167,7 +167,7 @@ MUTATIONS = {
         "descriptors go to the ring's neighbours only: a rank two steps from the mismatched one sees "
         "none and learns of it by its timeout"),
     "nccl_descriptors_in_the_data_group": (
-        "csrc/cuda/nccl_ring.cpp",
+        "csrc/cuda/nccl/ring.cpp",
         '    post(gops_, stream, "ncclGroupEnd (call descriptors with the peers)");',
         '    gops_.insert(gops_.end(), ops.begin(), ops.end());\n'
         '    post(gops_, stream, "ncclGroupEnd (call descriptors with the peers)");\n'
@@ -180,26 +180,26 @@ MUTATIONS = {
         "the descriptors ride in the first data group (the design before): a group that mismatched "
         "calls block holds them back, and the ranks fail by their timeout"),
     "release_frees_a_mapped_copy": (
-        "csrc/cuda/p2p.cpp",
+        "csrc/cuda/p2p/ring.cpp",
         "        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);\n    g.at.clear();\n  }",
         "        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);\n    g.at.clear();\n    g.own.reset();\n  }",
         ("test_cuda_kernels_emu", ["test_registered_release", "test_close_frees_nothing_mapped"]),
         "a released shared buffer's own copy is freed at once, while the peers still map it"),
     "unmap_peers_does_nothing": (
-        "csrc/cuda/p2p.cpp",
+        "csrc/cuda/p2p/ring.cpp",
         "  if (pins_->load() > 0) return false;\n  unmapped_ = true;",
         "  if (pins_->load() > 0) return false;\n  return true;\n  unmapped_ = true;",
         ("test_cuda_kernels_emu", ["test_close_frees_nothing_mapped"]),
         "the close's first phase unmaps nothing: every rank frees its workspace while the others map it"),
     "launch_failure_does_not_abort": (
-        "csrc/cuda/p2p.cpp",
+        "csrc/cuda/p2p/ring.cpp",
         '    abort(std::string("could not enqueue call #") + std::to_string(op_seq_) + ": " + e.what());\n',
         "",
         ("test_cuda_kernels_emu", ["test_launch_failure_aborts_the_group"]),
         "a refused kernel launch throws on its rank only: the peers wait in the call's kernel until "
         "their timeout"),
     "nccl_wrong_staging_buffer": (
-        "csrc/cuda/nccl_ring.cpp",
+        "csrc/cuda/nccl/ring.cpp",
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];",
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[s & 1];",
         NCCL_TEST, "step s forwards the buffer being received into, not what step s-1 reduced"),
@@ -213,7 +213,7 @@ MUTATIONS = {
         "the test's own race (issue 35): inputs and outputs filled on the legacy stream, which the "
         "ranks' non-blocking streams do not wait for"),
     "registered_plan_past_the_end": (
-        "csrc/cuda/p2p.cpp",
+        "csrc/cuda/p2p/ring.cpp",
         "      if (!g.mapped || p < base || p + bytes > base + g.bytes) continue;",
         "      if (!g.mapped || p < base || p >= base + g.bytes) continue;",
         ("test_cuda_kernels_emu", ["test_registered"]),
@@ -236,9 +236,9 @@ MUTATIONS = {
         "      for (int d = 0; d < nd; ++d) __stcg(reinterpret_cast<uint4*>(dst[d] + head) + i, r);",
         ("test_cuda_kernels_emu", ["test_ring"]),
         "the fold's unrolled body stores every lane's result at the first lane's index"),
-    # The symmetric workspace kernel (csrc/cuda/sym_kernel.cu, issue 50).
+    # The symmetric workspace kernel (csrc/cuda/p2p/sym_kernel.cu, issue 50).
     "sym_replay_after_close_notifies_peers": (
-        "csrc/cuda/p2p_device.cuh",
+        "csrc/cuda/p2p/device.cuh",
         "  if (ld_relaxed_sys(&a.ctl->abort) != kCtlClosed) {",
         "  if (true) {",
         ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
@@ -292,14 +292,14 @@ MUTATIONS = {
         "only the thread that failed stops; the others go on to the next barrier"),
 
     "nccl_watchdog_queries_in_global_mode": (
-        "csrc/cuda/nccl_ring.cpp", "  RelaxedCapture relaxed;  // this thread's queries, for its whole life\n", "",
+        "csrc/cuda/nccl/ring.cpp", "  RelaxedCapture relaxed;  // this thread's queries, for its whole life\n", "",
         ("test_nccl_ring_emu", ["test_watchdog_spares_a_capture"]),
         "the watchdog's event queries invalidate a CUDA graph another thread captures (issue 51, finding 2)"),
     "close_forgets_failed_calls": (
-        "csrc/cuda/p2p.cpp", "  closed_failed_seq_ = failed_seq_locked();\n", "",
+        "csrc/cuda/p2p/ring.cpp", "  closed_failed_seq_ = failed_seq_locked();\n", "",
         ("test_cuda_kernels_emu", ["test_failed_call_survives_close"]),
         "a Work waited on after close reports success for a call that failed on the device (issue 51, finding 4)"),
-    # The narrow wire on the workspace (csrc/cuda/sym_wire.cu, issue 52).
+    # The narrow wire on the workspace (csrc/cuda/p2p/sym_wire.cu, issue 52).
     "wire_scales_of_first_threads_only": (
         WIRE, "    for (int t = threadIdx.x; t < nblk; t += blockDim.x) {\n      float inv, sc;",
         "    for (int t = threadIdx.x; t < nblk && t < 8; t += blockDim.x) {\n      float inv, sc;",
@@ -318,7 +318,7 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_wire_overflow"]),
         "an fp16 overflow is known only to the rank that rounded it"),
     "wire_not_in_header": (
-        "csrc/cuda/p2p_device.cuh", "  h.op = static_cast<uint8_t>(a.op | a.wire << 4);", "  h.op = a.op;",
+        "csrc/cuda/p2p/device.cuh", "  h.op = static_cast<uint8_t>(a.op | a.wire << 4);", "  h.op = a.op;",
         ("test_cuda_kernels_emu", ["test_wire_mismatch"]),
         "ranks on different wires read each other's spans as their own type"),
     "wire_rs_grid_from_tensor_start": (

@@ -1,4 +1,4 @@
-// An in-process stand-in for the NCCL calls of csrc/cuda/nccl_ring.cpp (tests only), built as
+// An in-process stand-in for the NCCL calls of csrc/cuda/nccl/ring.cpp (tests only), built as
 // libnccl.so.2 and loaded by path as nccl_ring.cpp loads torch's NCCL. Ranks are threads of one
 // process. What it keeps of NCCL's semantics:
 // - communicators from one unique id form a clique once all nranks have joined; non-blocking

@@ -1,4 +1,4 @@
-// The NCCL API subset that csrc/cuda/nccl_ring.cpp uses, declared for the in-process NCCL stand-in
+// The NCCL API subset that csrc/cuda/nccl/ring.cpp uses, declared for the in-process NCCL stand-in
 // of the emulated device (tests only; tests/native/emu/nccl_standin.cpp). Names, result codes and
 // signatures follow NCCL's public API so that nccl_ring.cpp compiles unchanged against either.
 #pragma once

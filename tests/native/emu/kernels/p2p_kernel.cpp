@@ -1,2 +1,2 @@
-// csrc/cuda/p2p_kernel.cu compiled by the host compiler for the emulated device (tests only).
-#include "cuda/p2p_kernel.cu"
+// csrc/cuda/p2p/ring_kernel.cu compiled by the host compiler for the emulated device (tests only).
+#include "cuda/p2p/ring_kernel.cu"

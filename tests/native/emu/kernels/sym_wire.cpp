@@ -1,2 +1,2 @@
-// csrc/cuda/sym_wire.cu compiled by the host compiler for the emulated device (tests only).
-#include "cuda/sym_wire.cu"
+// csrc/cuda/p2p/sym_wire.cu compiled by the host compiler for the emulated device (tests only).
+#include "cuda/p2p/sym_wire.cu"

@@ -1,11 +1,12 @@
-#include "shm_comm.h"
+#include "binding/shm_comm.h"
 
 #include <optional>
 
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include "torch_types.h"
+#include "binding/torch_types.h"
+#include "host/shm_map.h"
 
 namespace ringreduce {
 
@@ -491,7 +492,7 @@ void ShmComm::pool_create(const std::string& name, int64_t bytes) {
   b->rank = rank_;
   b->bytes = static_cast<uint64_t>(bytes);
   b->bases.assign(nranks_, nullptr);
-  b->bases[rank_] = shm::pool_create(name, b->bytes);
+  b->bases[rank_] = host::shm_create(name, b->bytes);
   pending_pool_ = std::move(b);
 }
 
@@ -501,7 +502,10 @@ at::Tensor ShmComm::pool_attach(const std::vector<std::string>& names) {
                     " buffer names for ", nranks_, " ranks");
   std::shared_ptr<shm::PoolBuffer> b = std::move(pending_pool_);
   for (int q = 0; q < nranks_; ++q)
-    if (q != rank_) b->bases[q] = shm::pool_map(names[q], b->bytes);
+    if (q != rank_) {
+      uint64_t bytes = b->bytes;
+      b->bases[q] = host::shm_map(names[q], &bytes);
+    }
   shm::pool_register(b);
   // The tensor's deleter drops the registration; the mappings go with the last reference.
   return at::from_blob(

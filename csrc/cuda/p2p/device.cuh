@@ -1,9 +1,9 @@
-// Device code shared by the transport's kernels (csrc/cuda/p2p_kernel.cu: ring and copy;
-// csrc/cuda/sym_kernel.cu: the symmetric workspace): call headers, stop records, the abort words.
+// Device code shared by the transport's kernels (csrc/cuda/p2p/ring_kernel.cu: ring and copy;
+// csrc/cuda/p2p/sym_kernel.cu: the symmetric workspace): call headers, stop records, the abort words.
 // Included by those .cu files only.
 #pragma once
 #include "cuda/kernels.h"
-#include "cuda/p2p.h"
+#include "cuda/p2p/launch.h"
 #include "cuda/platform.cuh"
 
 namespace ringreduce::cuda::p2p {

@@ -4,8 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "cpu/reduce.h"
-#include "cpu/wire.h"
+#include "ring/types.h"
 
 namespace ringreduce {
 

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "shm_comm.h"
+#include "binding/shm_comm.h"
 
 namespace {
 

@@ -16,8 +16,8 @@
 // rank (the same cut everywhere), so per-block barriers order all of it; across calls, a peer's
 // block at the next call's start barrier means that peer's previous kernel has ended (stream order).
 // A registered tensor is the user's: its end barrier keeps the peers' reads before our return.
-#include "cuda/p2p_device.cuh"
-#include "cuda/sym_barrier.cuh"
+#include "cuda/p2p/device.cuh"
+#include "cuda/p2p/sym_barrier.cuh"
 #include "cuda/reduce.cuh"
 
 namespace ringreduce::cuda::p2p {

@@ -1,7 +1,7 @@
 // The shared-memory communicator as Python and the torch.distributed backend see it: torch tensors
 // in, ring calls out, every call (direct API, backend, sync or async) through one Executor so that
-// calls run in the order they were made. The backend (csrc/backend.cpp) calls it from C++ without
-// Python; the direct API through pybind11 (csrc/bindings.cpp).
+// calls run in the order they were made. The backend (csrc/binding/backend.cpp) calls it from C++ without
+// Python; the direct API through pybind11 (csrc/binding/module.cpp).
 #pragma once
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <ATen/ATen.h>

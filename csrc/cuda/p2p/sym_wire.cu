@@ -14,8 +14,8 @@
 // A kernel block rounds 16 wire blocks at a time through shared memory (an fp8 scale needs its
 // block's largest magnitude before any element is rounded); a thread moves the wire 16 bytes at a
 // time (kGroup), as the float32 kernels move their data.
-#include "cuda/p2p_device.cuh"
-#include "cuda/sym_barrier.cuh"
+#include "cuda/p2p/device.cuh"
+#include "cuda/p2p/sym_barrier.cuh"
 #include "cuda/wire.cuh"
 
 namespace ringreduce::cuda::p2p {

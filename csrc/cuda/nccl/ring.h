@@ -54,8 +54,9 @@ constexpr size_t kSlotAlign = 16;
 // on a GPU (none lent).
 constexpr size_t kTwoShotMaxBytes = 16 << 20;
 
-enum class Algo : uint8_t { Auto = 0, Ring = 1, OneShot = 2, TwoShot = 3 };
-const char* algo_name(Algo a);
+using ringreduce::Algo;  // the shared names (ring/call.h); this transport runs Auto to TwoShot
+using ringreduce::algo_name;
+
 // How often the watchdog looks at the oldest call in flight and at NCCL's async error.
 constexpr auto kWatchPeriod = std::chrono::milliseconds(100);
 

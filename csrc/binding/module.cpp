@@ -11,16 +11,17 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
-#include "shm_comm.h"
-#include "torch_types.h"
+#include "binding/shm_comm.h"
+#include "binding/torch_types.h"
+#include "cpu/wire.h"
 
 namespace rr = ringreduce;
 
-// Defined in csrc/backend.cpp: the torch.distributed backend's C++ half.
+// Defined in csrc/binding/backend.cpp: the torch.distributed backend's C++ half.
 void register_backend(py::module_& m);
 
 #ifdef RINGREDUCE_WITH_CUDA
-// Defined in csrc/cuda/binding_cuda.cpp: adds the CUDA communicator classes to the module.
+// Defined in csrc/binding/cuda_comm.cpp: adds the CUDA communicator classes to the module.
 void register_cuda(py::module_& m);
 #endif
 

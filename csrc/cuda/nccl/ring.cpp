@@ -1,4 +1,4 @@
-#include "cuda/nccl_ring.h"
+#include "cuda/nccl/ring.h"
 
 #include <dlfcn.h>
 #include <nccl.h>
@@ -89,19 +89,6 @@ const Api& api(const std::string& lib) {
   return a;
 }
 
-class DeviceScope {
- public:
-  explicit DeviceScope(int dev) {
-    cudaGetDevice(&prev_);
-    if (prev_ != dev) cudaSetDevice(dev);
-  }
-  ~DeviceScope() { cudaSetDevice(prev_); }
-
- private:
-  int prev_ = 0;
-};
-
-size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 std::string seconds(double s) {
   char t[32];
@@ -113,15 +100,6 @@ std::string seconds(double s) {
 
 int version(const std::string& lib) { return api(lib).version; }
 
-const char* algo_name(Algo a) {
-  switch (a) {
-    case Algo::Auto: return "auto";
-    case Algo::Ring: return "ring";
-    case Algo::OneShot: return "oneshot";
-    case Algo::TwoShot: return "twoshot";
-  }
-  return "unknown";
-}
 
 size_t oneshot_max_bytes(int n) {
   constexpr double kAlphaS = 10e-6;           // one group round trip (header: settle + p2p latency)

@@ -1,9 +1,9 @@
-// The barriers of the symmetric workspace kernels (csrc/cuda/sym_kernel.cu, sym_wire.cu): one
+// The barriers of the symmetric workspace kernels (csrc/cuda/p2p/sym_kernel.cu, sym_wire.cu): one
 // 64-bit word per (block, peer), written by the peer's same block, carrying the piece and the
 // barrier it reached; the call's header checked at each piece's start barrier. Included by those
 // .cu files only.
 #pragma once
-#include "cuda/p2p_device.cuh"
+#include "cuda/p2p/device.cuh"
 
 namespace ringreduce::cuda::p2p {
 namespace {

@@ -8,7 +8,7 @@
 //         peers): all-gather copies each arriving slice from it into the output.
 //   copy: see copy_kernel.
 // Every message carries the call's header, checked against this rank's call from local memory.
-#include "cuda/p2p_device.cuh"
+#include "cuda/p2p/device.cuh"
 #include "cuda/reduce.cuh"
 
 namespace ringreduce::cuda::p2p {

@@ -1,0 +1,70 @@
+// How one call of the p2p transport runs (algorithm, blocks, slices, pieces): pure arithmetic on
+// the call and the group's options, the same on every rank. No CUDA, no host state.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/p2p/layout.h"
+
+namespace ringreduce::cuda::p2p {
+
+struct Options {
+  int rank = 0;
+  int nranks = 1;
+  // Whether every rank will map every other (Ring::connect gets every handle) and the group has at
+  // most kMaxPeers ranks: the symmetric workspace algorithms, and the workspace; else the ring
+  // only. The same on every rank.
+  bool direct = true;
+  int channels = kDefaultChannels;  // the most ring channels a call uses
+  size_t slice_bytes = kDefaultSliceBytes;  // the largest ring slice (a FIFO slot)
+  // The largest piece of a symmetric workspace call (bytes per rank and half of the workspace).
+  // Test knob: a tiny value makes many pieces (barriers, halves reused) per call.
+  size_t chunk_bytes = kDefaultChunkBytes;
+  // The most blocks one call's kernel may use: every block of every rank's kernel spins until its
+  // peers' blocks run, so all must be resident at once. One block of these kernels fills an SM
+  // (512 threads of up to 128 registers), so: the SM count over the ranks sharing a device, the
+  // least over the group (the same on every rank: plans must agree). 0: unknown; Ring takes this
+  // device's SM count (one rank per device).
+  int max_blocks = 0;
+  // The most blocks a workspace call uses below that cap (RINGREDUCE_CUDA_SYM_BLOCKS), 1 to
+  // kMaxSymBlocks: what blocks buy at large sizes is the GPU's to say (BENCHMARKS.md section 17).
+  int sym_blocks = kDefaultSymBlocks;
+  // Test knob: every ring call uses exactly `channels` and `slice_bytes`, and every symmetric
+  // workspace call min(channels, kMaxSymBlocks) blocks (no plan by size), so that tiny slices force
+  // many pipeline steps at every size.
+  bool exact = false;
+  Algo algo = Algo::Auto;  // RINGREDUCE_CUDA_ALGO
+  // Auto's threshold (bytes of the full tensor): one-shot up to oneshot_max (all_reduce), two-shot
+  // above; used when `tuned` (0 then means never), else the model's (oneshot_max_bytes()). Set
+  // from a table measured on a GPU (benchmarks/gpu_tune.py, ringreduce/gpu_tuning.json).
+  bool tuned = false;
+  size_t oneshot_max = 0;
+  double timeout_s = 300.0;  // RINGREDUCE_TIMEOUT: per wait
+  size_t copy_slot_bytes = kDefaultCopySlotBytes;  // RINGREDUCE_CUDA_COPY_BYTES: the largest piece
+};
+
+// How one call runs: the algorithm, its blocks, and its slice/piece size in elements.
+struct Plan {
+  Algo algo;
+  int blocks;
+  int64_t slice_elems;  // ring: slice; symmetric workspace: piece (SymArgs::chunk_elems); copy: piece
+  int64_t steps;        // ring: slices per channel; symmetric workspace and copy: pieces
+  int reg = -1;          // Registered: the buffer's index
+  uint64_t reg_offset = 0;  // and the tensor's byte offset in it
+};
+// The same inputs give the same plan on every rank. direct: the symmetric workspace algorithms are
+// possible (every rank maps every other, nranks <= kMaxPeers); where they are not, every call runs
+// the ring. Auto: one-shot up to the threshold (all_reduce), else two-shot; the ring only when
+// forced. Deterministic mode (ringreduce::deterministic()): an all_reduce or reduce_scatter never
+// runs the ring (a forced ring runs as Auto); where the others are impossible (!direct) plan throws
+// RingError saying why and what to use instead.
+Plan plan(const Call& c, const Options& o, bool direct);
+// Auto's one-shot threshold (bytes of the full tensor) from the alpha-beta model of
+// benchmarks/gpu_cost.py (not from GPU timings): one-shot while its extra remote bytes, (n-1) x
+// size against two-shot's 2(n-1)/n x size, cost less than the barrier it saves.
+size_t oneshot_max_bytes(int nranks);
+
+// Blocks of the copy algorithm's kernel for a piece of this many bytes.
+int copy_blocks(int64_t piece_bytes);
+
+}  // namespace ringreduce::cuda::p2p

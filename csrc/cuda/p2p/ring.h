@@ -1,0 +1,235 @@
+// The host side of the p2p transport, one rank's Ring: the ring protocol of shm/protocol.h on GPU memory shared by CUDA IPC: each rank owns, per
+// channel, a FIFO of kSlots message slots and two counters (posted, consumed) in its own cudaMalloc'ed
+// area; its downstream neighbour reads the slots and the posted counter through an IPC mapping, its
+// upstream neighbour reads the consumed counter. Every message carries the call's header, checked
+// before the data is touched. Waits poll a host-mapped abort flag, the neighbours' abort words and a
+// deadline (%globaltimer): nothing spins forever. Torch-free.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda/call_log.h"
+#include "cuda/p2p/launch.h"
+#include "cuda/p2p/plan.h"
+#include "host/peers.h"
+
+namespace ringreduce::cuda::p2p {
+
+// "all_reduce(numel=..., dtype=..., op=...; algorithm)" for error messages.
+std::string call_text(const MsgHeader& h);
+
+// The transport choice: PCI bus id of the current device ("0000:17:00.0"), and whether the current
+// device can map memory of the device with that bus id through CUDA IPC (the same device, or a peer
+// in cudaDeviceCanAccessPeer's sense); why: the reason when it cannot.
+std::string device_bus_id();
+bool can_map(const std::string& bus_id, std::string* why);
+
+// One rank's side of the group, on the device current at construction.
+class Ring {
+ public:
+  explicit Ring(const Options& opt);
+  ~Ring();
+  Ring(const Ring&) = delete;
+  Ring& operator=(const Ring&) = delete;
+
+  // This rank's area as cudaIpcMemHandle_t bytes, for the other ranks ("" at world 1: no area).
+  std::string handle() const;
+  // Maps the other ranks' areas: handles[q] from handle() on rank q (this rank's own is ignored).
+  // The neighbours' are required; with Options::direct every rank's (an empty string: not
+  // mappable, an error then).
+  void connect(const std::vector<std::string>& handles);
+  // Native tests only: ranks as streams of one process, the others' areas used directly.
+  void connect_local(const std::vector<const Ring*>& rings);
+  // Enqueues one collective on stream (ordered after what is already there). Throws RingError when
+  // the ring is broken, or when deterministic mode needs the symmetric workspace and the group
+  // cannot run it (see plan()); a failure inside the kernel is seen later by failure().
+  // Capture-safe (CUDA graphs): no host synchronisation, and the kernels take where each FIFO and
+  // epoch counter stands from device memory, so a replayed launch continues where the group is.
+  // plan: plan_of(c) if the caller has it already (the binding's flight recorder), else computed.
+  void run(const Call& c, cudaStream_t stream, const Plan* plan = nullptr);
+  // Native tests: launches call c's kernel again with the arguments run() gave it (after run()
+  // counted the call), as a CUDA graph replays a captured launch. Ring and symmetric workspace.
+  void launch_again(const Call& c, cudaStream_t stream) const;
+  // The kernel arguments of call c under plan p as run() launches them (after run() counted the
+  // call): ring and copy; the symmetric workspace.
+  Args args(const Call& c, const Plan& p) const;
+  SymArgs sym_args(const Call& c, const Plan& p) const;
+  // plan(), except that an all_reduce in place of a tensor in a registered buffer runs
+  // Algo::Registered when the algorithm is Auto (a forced one keeps its meaning) and the tensor is
+  // larger than auto's one-shot threshold.
+  Plan plan_of(const Call& c) const;
+  // Registered buffers (ringreduce.shared_empty on CUDA): every rank allocates the same buffers in
+  // the same order. reg_alloc: a new buffer of `bytes` on this device; returns its index and
+  // (handle) its IPC handle. reg_connect maps every other rank's copy (handles by rank, this
+  // rank's ignored); a group where not every rank maps every other cannot have them. The memory
+  // stays until close() (the peers map it) and, past that, while reg_memory()'s owner lives.
+  int reg_alloc(size_t bytes, std::string* handle);
+  void reg_connect(int id, const std::vector<std::string>& handles);
+  // Native tests only: ranks as streams of one process, the others' buffers used directly.
+  void reg_connect_local(int id, const std::vector<const Ring*>& rings);
+  std::shared_ptr<char> reg_memory(int id) const;
+  // This rank's tensor of buffer id is gone (no call of this rank uses it any more: a call holds
+  // its tensor until it ends): unmaps the peers' copies and lets go of this one, which goes with
+  // its last owner. Kept instead (until exit) while a CUDA graph may replay a launch on it, and
+  // this rank's copy also once the ring broke (a peer's stopped call may still write into it).
+  void reg_release(int id);
+  int reg_count() const {
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    return static_cast<int>(regs_.size());
+  }
+  // Auto's one-shot threshold (see Options); the same on every rank, before the first call.
+  void set_threshold(size_t oneshot_max) {
+    opt_.tuned = true;
+    opt_.oneshot_max = oneshot_max;
+  }
+  // A workspace call's most blocks (Options::sym_blocks), measured for this device (the binding
+  // reads ringreduce/gpu_tuning.json); the same on every rank, before the first call.
+  void set_sym_blocks(int blocks);
+  bool direct() const { return direct_; }
+  // The first failure the device recorded, formatted, or "" while there is none.
+  std::string failure();
+  bool broken() { return !failure().empty(); }
+  // The op_seq of the first call that failed, or 0: that call and every later one failed, every
+  // earlier one completed. Final for a call once its kernel has finished.
+  uint64_t failed_seq();
+  uint64_t failed_seq_locked() const;  // under mu_
+  // Stops this rank's running and future kernels and tells every mapped peer.
+  void abort(const std::string& why);
+  // Watches the processes of these peers (every 50 ms): a dead one aborts the ring with
+  // "peer rank R (pid P) died", so no rank waits out its timeout for a killed one.
+  void watch_peers(std::vector<host::Peer> peers);
+  // Stops the peer watcher thread, nothing else (no CUDA call): for a ring left to the process's
+  // exit while the interpreter finalizes.
+  void stop_threads() {
+    if (watcher_) watcher_->stop();
+    if (copy_watch_) copy_watch_->stop();
+  }
+  // Whether this ring has the copy algorithm's inbox (RINGREDUCE_CUDA_ALGO=copy: opt-in, for ranks
+  // sharing a GPU without MPS; auto does not pick it, no GPU has shown it faster yet).
+  bool copies() const { return copy_bytes() > 0; }
+  // The copy algorithm's counters (CopyCtl), shared by the group: rank 0 creates the POSIX shared
+  // memory segment `name`, the others map it (after rank 0 made it); every rank registers it with
+  // CUDA. The creator unlinks the name once all have mapped it. Before the first call.
+  void copy_attach(const std::string& name, bool create);
+  // Unmaps the peers and frees. Idempotent; no kernel of this ring may be running.
+  // peers_done=false: a peer may still read or write this rank's area (the close barrier failed,
+  // or the ring broke): the area is marked aborted, so their waits stop, and kept until the
+  // process exits, since freeing it could hand memory they still use to another allocation.
+  void close(bool peers_done = true);
+  // The first half of a two-phase close: stops the watchers and unmaps the peers' areas and
+  // shared buffers (no call may run after it). Freeing memory another process still maps is
+  // undefined in CUDA, so every rank does this, then a barrier, then close(true) frees. False when
+  // the mappings stay (a CUDA graph pins the ring, or pinned it at close: its launches were
+  // captured with the peers' addresses): then no rank of the group may free its memory.
+  bool unmap_peers();
+  // Areas kept by close(false) in this process (bytes), for tests and logs.
+  static size_t kept_bytes();
+  // A CUDA graph that captured a launch of this ring replays it with this ring's addresses. While
+  // a graph holds a pin (taken at capture, released when CUDA destroys the graph), close() frees
+  // and unmaps nothing a kernel touches (kept until exit) and raises only this rank's host abort
+  // flag, so that a replay after close stops at its start (a captured launch reads that flag
+  // there: KernelBase::graph): never a use of freed memory.
+  // graph_pin() returns the argument for release_graph_pin, a cudaUserObject destructor (it makes
+  // no CUDA call, as those must not).
+  void* graph_pin();
+  static void release_graph_pin(void* pin);
+  int graph_pins() const { return pins_->load(); }
+  bool closed() const { return closed_; }
+  bool unmapped() const { return unmapped_; }  // the first half of a close ran
+  uint64_t op_seq() const { return op_seq_; }
+  // Whether call `seq` (a narrow wire with fp16) rounded a finite value beyond fp16's range on
+  // some rank: every rank learns it. Final once the call's kernel has finished; for the last
+  // kWireOverflowSlots calls.
+  bool wire_overflowed(uint64_t seq) const {
+    return ctl_ && reinterpret_cast<volatile const uint64_t*>(ctl_->wire_overflow)[seq % kWireOverflowSlots] == seq;
+  }
+  // Which calls have finished on the device (the flight recorder reads it without blocking).
+  CallLog& calls() { return calls_; }
+  int device() const { return device_; }
+  // Device memory this rank's communicator holds (its area: flags, the ring's FIFO where the ring
+  // can run, the workspace where the symmetric algorithms can, the copy inbox where asked for);
+  // 0 at world 1. Registered buffers are the user's and not counted.
+  size_t area_bytes() const;
+
+ private:
+  std::string describe(const ErrorRecord& e, int block) const;
+  // cause: what the abort word written into every area says (the peers' errors name it).
+  void abort_locked(const std::string& why, uint32_t cause = kHostAbort);
+  bool ring_fifo() const;     // whether the ring can run (its FIFO is allocated)
+  size_t fifo_bytes() const;  // 0 where the ring cannot run (Options::direct, no forced ring)
+  size_t ws_half_bytes() const;  // one half of the workspace; 0 without one
+  size_t ws_offset() const { return data_offset() + fifo_bytes(); }
+  size_t copy_bytes() const;  // the inbox: kCopyDepth x nranks slots; 0 without the copy algorithm
+  size_t copy_offset() const { return ws_offset() + 2 * ws_half_bytes(); }
+
+  // The copy algorithm (csrc/cuda/p2p/copy.cpp): enqueues call c's pieces on stream; and the
+  // watchdog's look (every 50 ms) at where the stream stands: a piece waited on for longer than
+  // the timeout fails the group (stream waits never time out), and a broken group's waits are
+  // released while calls remain.
+  void copy_check(cudaStream_t stream);  // throws where the copy algorithm cannot run
+  void run_copy(const Call& c, const Plan& p, cudaStream_t stream);
+  void copy_tick();
+  // Every copy wait of the group released by CPU stores, after `word` (if not 0) became the
+  // group's abort word.
+  void release_copy_waits_locked(uint32_t word);
+
+  Options opt_;
+  int device_ = 0;
+  int up_ = 0, down_ = 0;
+  char* area_ = nullptr;  // own area (cudaMalloc)
+  std::vector<char*> peers_;  // every rank's area by rank (own included; null: not mapped)
+  bool ipc_ = false;  // peers_ are IPC mappings (closed on close())
+  bool direct_ = false;
+  bool closed_ = false;
+  bool unmapped_ = false;  // unmap_peers() ran: the ring runs nothing more
+  bool maps_kept_ = false;  // closed under a graph pin: the peers stay mapped until exit
+  HostCtl* ctl_ = nullptr;  // host-mapped (cudaHostAlloc)
+  HostCtl* ctl_dev_ = nullptr;  // the same memory as the device sees it
+  uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the areas
+  CopyCtl* cctl_ = nullptr;      // the group's copy counters (shared memory, registered)
+  CopyCtl* cctl_dev_ = nullptr;  // the same as the device sees them
+  cudaStream_t side_ = nullptr;  // for that copy, beside a kernel that may be spinning
+  std::atomic<uint64_t> op_seq_{0};
+  CallLog calls_;
+  uint64_t abort_seq_ = 0;  // op_seq_ + 1 at a host abort: the first call it can affect
+  uint64_t closed_failed_seq_ = 0;  // the device's first failed call, read at close (ctl_ is gone)
+  // reason_ and failure_: abort() and failure() are called from other threads (Work.wait(),
+  // Communicator.abort() hold the GIL) while run() calls failure() with the GIL released.
+  std::mutex mu_;
+  std::string reason_;  // why this rank aborted (host side)
+  std::string failure_;
+  std::shared_ptr<std::atomic<int>> pins_ = std::make_shared<std::atomic<int>>(0);  // graphs
+  struct Reg {
+    size_t bytes = 0;
+    std::shared_ptr<char> own;  // cudaFree when the last owner (this ring, a tensor) lets go
+    std::vector<char*> at;      // every rank's copy by rank (own included); null: not mapped yet
+    bool mapped = false;        // every at[] is set: calls may use it
+    bool ipc = false;           // at[] are IPC mappings (closed on close())
+    bool kept = false;          // own is kept until exit (counted once in g_kept_bytes)
+  };
+  std::vector<Reg> regs_;
+  mutable std::mutex reg_mu_;  // regs_: a buffer may be registered while another thread calls
+  uint64_t pieces_ = 0;  // copy algorithm: pieces enqueued (the same count on every rank)
+  struct CopyCall {
+    MsgHeader call;
+    uint64_t first_piece;
+  };
+  CopyCall copy_calls_[64] = {};  // the last calls run_copy enqueued, by op_seq % 64 (under mu_)
+  struct Watch {  // copy_tick's state
+    uint64_t reached = 0, done = 0;
+    std::chrono::steady_clock::time_point since{};
+  } watch_;
+  std::unique_ptr<host::Ticker> copy_watch_;
+  std::unique_ptr<host::Ticker> watcher_;  // declared last: stopped first
+};
+
+}  // namespace ringreduce::cuda::p2p
