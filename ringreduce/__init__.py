@@ -17,7 +17,7 @@ if "CUDA_DEVICE_MAX_CONNECTIONS" not in _os.environ and not torch.cuda.is_initia
     _os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
 
 from . import _C
-from ._comm import Communicator
+from ._shm import Communicator
 from ._lifecycle import RingReduceError, Work, dump_trace
 from .collectives import (SUPPORTED_DTYPES, all_gather_into_tensor, all_reduce, destroy,
                           get_communicator, is_deterministic, reduce_scatter_tensor,

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ._lifecycle import traced_source
-from . import _comm
+from . import _shm
 from .collectives import (SUPPORTED_DTYPES, WIRE_BLOCK, WIRE_DTYPES, WIRE_TENSOR_DTYPES, _comm_for,
                           all_reduce, get_communicator,
                           shared_empty)
@@ -236,7 +236,7 @@ class GradientBucketer:
         if self._shared is None:
             g = self.group if self.group is not None else dist.group.WORLD
             comm = get_communicator(g)
-            self._shared = isinstance(comm, _comm.Communicator) and comm.transport == "shm"
+            self._shared = isinstance(comm, _shm.Communicator) and comm.transport == "shm"
         return self._shared
 
     def _cuda_shared(self, device):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _C, _comm, _hier, _lifecycle
+from . import _C, _hier, _lifecycle, _shm
 from ._lifecycle import REGISTRY, default_timeout
 
 log = logging.getLogger("ringreduce")
@@ -178,8 +178,8 @@ def cpu_communicator(member, timeout=None, hosts=None, **options):
     log.debug("rank %d/%d of %s: CPU plan %s (%s)", member.rank, member.size, member.name, plan,
               reason)
     if plan == "flat":
-        return _comm.Communicator(member=member, timeout=timeout, **options)
-    return _hier.HierCommunicator(member, timeout, plan, by_host, _comm.Communicator,
+        return _shm.Communicator(member=member, timeout=timeout, **options)
+    return _hier.HierCommunicator(member, timeout, plan, by_host, _shm.Communicator,
                                   machine_ranks=machines.count(machines[member.rank]))
 
 
@@ -215,7 +215,7 @@ def _overlap(a, b):
 # synchronous calls without a wire only: P2pComm.fast_all_reduce), emptied of a communicator's entries
 # when it closes. A hit costs a dictionary lookup, a few attribute reads and one C function
 # (ShmComm.fast_all_reduce) that matches op by identity and checks the tensor itself: ~0.4 us at
-# world 1 (BENCHMARKS.md). An async call takes it too (the C function queues the call and returns
+# world 1 (python -m ringreduce.bench --overhead). An async call takes it too (the C function queues the call and returns
 # its Work). Anything else (CUDA, views, subclasses, other op objects, tracing, a sync call with
 # calls in flight, bad arguments) takes the full path, which checks everything and raises the
 # API's errors. is_compiling() comes before the C call: torch.compile folds it and never sees the call.
@@ -262,7 +262,7 @@ def shared_empty(*size, dtype=None, group=None, device=None):
         return None
     if device.type == "cuda":
         return comm.shared_empty(size, dtype)
-    if not isinstance(comm, _comm.Communicator) or getattr(comm, "transport", None) != "shm":
+    if not isinstance(comm, _shm.Communicator) or getattr(comm, "transport", None) != "shm":
         raise ValueError(f"ringreduce.{fn}: the group spans more than one host; shared buffers "
                          f"need every rank on one host (the shared-memory transport)")
     return comm.shared_empty(size, dtype)

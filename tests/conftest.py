@@ -27,7 +27,7 @@ def pytest_sessionfinish(session, exitstatus):
         if reporter is not None:
             reporter.write_line(f"temp dir of this session kept for a look: {SESSION_TMP}")
 
-SHM_PREFIX = "ringreduce-"  # every segment and pool buffer ringreduce creates (ringreduce/_comm.py)
+SHM_PREFIX = "ringreduce-"  # every segment and pool buffer ringreduce creates (ringreduce/_shm.py)
 
 
 def shm_entries():

@@ -267,19 +267,19 @@ def test_forced_setting(forced):
 
 
 def algo_worker(rank, world):
-    from ringreduce import _comm
+    from ringreduce import _shm
     rr.all_reduce(torch.ones(4))
     comm = rr.get_communicator()
-    # world 2: one-shot up to 1 KiB, the ring above (BENCHMARKS.md section 13)
+    # world 2: one-shot up to 1 KiB, the ring above (measured: _shm.ONESHOT_MAX_BYTES_WORLD2)
     out = {"small": comm.algo_for(256, torch.float32), "above": comm.algo_for(257, torch.float32),
            "large": comm.algo_for(1 << 20, torch.float32), "default": comm.algo}
     try:
-        _comm.Communicator(dist.new_group(), algo="fastest")
+        _shm.Communicator(dist.new_group(), algo="fastest")
     except ValueError as e:
         out["bad"] = str(e)
     os.environ["RINGREDUCE_STREAM"] = "sometimes"
     try:
-        _comm.Communicator(dist.new_group())
+        _shm.Communicator(dist.new_group())
     except ValueError as e:
         out["bad_stream"] = str(e)
     del os.environ["RINGREDUCE_STREAM"]

@@ -317,7 +317,7 @@ def test_checked_in_table_follows_from_its_medians():
 def test_python_block_constants_match_the_kernels():
     import re
     from ringreduce import _cuda
-    header = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "p2p.h").read_text()
+    header = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "p2p" / "layout.h").read_text()
     value = lambda name: int(re.search(rf"constexpr int {name} = (\d+);", header).group(1))  # noqa: E731
     assert roof.MAX_BLOCKS == _cuda.MAX_SYM_BLOCKS
     assert (_cuda.DEFAULT_SYM_BLOCKS, _cuda.MAX_SYM_BLOCKS) == (value("kDefaultSymBlocks"),

@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ringreduce"
 # Bottom to top. The extension (_C) sits below all of them; any layer may use it.
 LAYERS = [
     ("core", {"_lifecycle"}),  # errors, Work, registry, options, environment, host identity
-    ("transport", {"_comm", "_hier", "_cuda"}),  # shared memory, across hosts, CUDA
+    ("transport", {"_shm", "_hier", "_cuda"}),  # shared memory, across hosts, CUDA
     ("api", {"collectives", "ops", "functional", "ddp", "bucketing", "nn"}),
     ("backend", {"backend"}),  # dist.init_process_group("ringreduce")
     ("package", {"__init__"}),  # `import ringreduce`: the public names
@@ -137,21 +137,21 @@ def test_no_import_cycles():
 def test_reader_sees_lazy_and_relative_imports():
     """The reader finds what the checks depend on: imports inside functions, `from . import x`,
     `from .x import y`, absolute `ringreduce.x`, and not torch's or a name of the package."""
-    known = {"__init__", "_lifecycle", "_comm", "_hier", "backend", "bench", "bench.cli", "_C"}
+    known = {"__init__", "_lifecycle", "_shm", "_hier", "backend", "bench", "bench.cli", "_C"}
     src = ("import os\nimport torch\nfrom . import _C, _lifecycle\nfrom ._hier import plan_for\n"
            "def f():\n    from . import backend\n    import ringreduce.bench.cli\n"
            "    from ringreduce import all_reduce\n")
-    assert imports_of(src, "_comm", known) == {"_C", "_lifecycle", "_hier", "backend",
+    assert imports_of(src, "_shm", known) == {"_C", "_lifecycle", "_hier", "backend",
                                                "bench.cli", "__init__"}
-    assert imports_of("from . import cli\nfrom .. import _comm\n", "bench.launch",
-                      known | {"bench.launch"}) == {"bench.cli", "_comm"}
+    assert imports_of("from . import cli\nfrom .. import _shm\n", "bench.launch",
+                      known | {"bench.launch"}) == {"bench.cli", "_shm"}
 
 
 @pytest.mark.parametrize("graph, expected", [
     ({"_lifecycle": {"backend"}, "backend": set()},
      "_lifecycle (core) imports backend (backend), a higher layer"),
-    ({"_comm": {"_hier"}, "_hier": set()},
-     "_comm imports _hier: transport modules go through the core, not each other"),
+    ({"_shm": {"_hier"}, "_hier": set()},
+     "_shm imports _hier: transport modules go through the core, not each other"),
     ({"collectives": {"nn"}, "nn": {"collectives"}}, None),  # same layer: allowed, but a cycle
 ])
 def test_checks_catch_what_they_are_for(graph, expected):

@@ -6,7 +6,8 @@
 // does (sync, nccl). Calls of one communicator run in call order whatever streams they are on
 // (follow()). The only file of csrc/cuda that includes torch.
 //
-// Ownership of what torch sees (the first GPU run crashed every process at exit for this):
+// Ownership of what torch sees (a stream or tensor torch still holds must outlive us, or the
+// process crashes at exit):
 // - communicator streams are never destroyed (take_stream/give_back_stream): torch may hold one
 //   after close (the ExternalStream of _cuda.py, a Future's events, a user's record_stream);
 // - the tensors of a call on our stream are held until its event completes (held_), not given to

@@ -14,6 +14,7 @@
 #include "binding/shm_comm.h"
 #include "binding/torch_types.h"
 #include "cpu/wire.h"
+#include "host/shm_map.h"
 
 namespace rr = ringreduce;
 
@@ -347,7 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return rr::cpu::wire_reduce(w, srcs.data(), n, out.numel(),
                                 op == static_cast<int>(rr::RedOp::Avg) ? n : 1, wo, dt, out.data_ptr());
   }, py::arg("out"), py::arg("wire_out"), py::arg("rows"), py::arg("op"), py::arg("wire"));
-  m.def("shm_unlink", &rr::shm::Comm::unlink, py::arg("name"));
+  m.def("shm_unlink", &rr::host::shm_unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
   register_backend(m);
 #ifdef RINGREDUCE_WITH_CUDA

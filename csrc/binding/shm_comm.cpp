@@ -208,7 +208,7 @@ ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, siz
   TORCH_CHECK_VALUE(slice_bytes >= 64, "ringreduce: slice_bytes must be >= 64, got ", slice_bytes);
   TORCH_CHECK_VALUE(trace_buffer >= 0, "ringreduce: RINGREDUCE_TRACE_BUFFER must be >= 0, got ",
                     trace_buffer);
-  comm_ = std::make_unique<shm::Comm>(name, create, opt, slice_bytes);
+  comm_ = std::make_unique<shm::Segment>(name, create, opt, slice_bytes);
   exec_ = std::make_shared<Executor>();
   rec_ = std::make_shared<host::Recorder>(static_cast<size_t>(trace_buffer));
   rec_->set_probe([this] { return comm_->closed() ? std::string() : comm_->ring().waiting(); });

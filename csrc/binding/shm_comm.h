@@ -153,7 +153,7 @@ class ShmComm {
   void run_ring(const Call& c, const Executor::Interrupted* interrupted, host::Source source,
                 int64_t t_queued);
 
-  std::unique_ptr<shm::Comm> comm_;
+  std::unique_ptr<shm::Segment> comm_;
   std::shared_ptr<Executor> exec_;
   std::shared_ptr<host::Recorder> rec_;
   std::mutex close_mu_;

@@ -100,7 +100,7 @@ Ring::Ring(void* base, size_t bytes, const Options& opt) : opt_(opt) {
 }
 
 // On this VM an ordinary store to a line another core has cached is sometimes ~20x slower than
-// usual for seconds at a time (BENCHMARKS.md section 14); non-temporal stores do not slow down
+// usual for seconds at a time (the peers harness saw it on the AMD machine); non-temporal stores do not slow down
 // then, but cost 2-3x the fast state's time (the reader fetches the data from memory). So copy
 // with ordinary stores, time each copy, and stream for a while after a run of slow ones.
 void Ring::put(void* dst, const void* src, size_t bytes) {

@@ -91,8 +91,8 @@ struct Options {
   size_t oneshot_max_bytes = 0;  // Auto picks one-shot for all-reduces up to this size
   // RINGREDUCE_STREAM: how data other ranks read is written (slots, pool tensors), from
   // kStreamMinBytes up: Auto copies with ordinary stores and switches to non-temporal ones for a
-  // while when copies run slower than kSlowBytesPerNs (this VM's slow state, BENCHMARKS.md
-  // section 14); Never/Always force one way.
+  // while when copies run slower than kSlowBytesPerNs (a VM's slow state: Ring::put);
+  // Never/Always force one way.
   enum class Stream : uint8_t { Auto = 0, Never = 1, Always = 2 } stream = Stream::Auto;
 };
 

@@ -8,7 +8,7 @@
 
 namespace ringreduce::shm {
 
-Comm::Comm(const std::string& name, bool create, const Options& opt, size_t slice_bytes) {
+Segment::Segment(const std::string& name, bool create, const Options& opt, size_t slice_bytes) {
   uint64_t bytes = create ? segment_bytes(opt.nranks, slice_bytes) : 0;
   base_ = create ? host::shm_create(name, bytes) : host::shm_map(name, &bytes);
   bytes_ = bytes;
@@ -21,20 +21,19 @@ Comm::Comm(const std::string& name, bool create, const Options& opt, size_t slic
   }
 }
 
-Comm::~Comm() { close(); }
+Segment::~Segment() { close(); }
 
-Ring& Comm::ring() {
+Ring& Segment::ring() {
   if (!ring_) throw RingError("ringreduce: communicator is closed");
   return *ring_;
 }
 
-void Comm::close() {
+void Segment::close() {
   ring_.reset();
   host::shm_unmap(static_cast<char*>(base_), bytes_);
   base_ = nullptr;
 }
 
-void Comm::unlink(const std::string& name) { host::shm_unlink(name); }
 
 namespace {
 // Never destroyed: a tensor freed during exit, after static destructors, still finds them.

@@ -8,22 +8,19 @@
 
 namespace ringreduce::shm {
 
-class Comm {
+class Segment {
  public:
   // create=true: make the named segment (it must not exist), size and initialise it.
   // create=false: map the segment another rank made.
-  Comm(const std::string& name, bool create, const Options& opt, size_t slice_bytes);
-  ~Comm();
-  Comm(const Comm&) = delete;
-  Comm& operator=(const Comm&) = delete;
+  Segment(const std::string& name, bool create, const Options& opt, size_t slice_bytes);
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
 
   Ring& ring();
   // Unmaps; idempotent. The ring must not be running.
   void close();
   bool closed() const { return base_ == nullptr; }
-
-  // Removes the name (the memory lives on while mapped). Missing names are fine.
-  static void unlink(const std::string& name);
 
  private:
   void* base_ = nullptr;

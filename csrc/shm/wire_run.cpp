@@ -14,8 +14,7 @@ namespace ringreduce {
 namespace shm {
 
 // All-reduces up to this size (of the tensor, not of the wire) run one-shot: one meeting where
-// two-shot has two, N x the fold's reads. Measured with python -m ringreduce.bench --wire
-// (BENCHMARKS.md section 16).
+// two-shot has two, N x the fold's reads. Measured with python -m ringreduce.bench --wire.
 constexpr size_t kWireOneShotMaxBytes = 32 << 10;
 
 int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
@@ -114,7 +113,7 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
         continue;
       }
       // Encoded here (L2), then put(): the slot gets the same stores as every other message
-      // (non-temporal in this machine's slow state, BENCHMARKS.md section 14).
+      // (non-temporal in the machine's slow state: Ring::put).
       over += cpu::wire_encode(w, c.dtype, in + sp.begin * es, sp.count, wire_tmp_.data());
       put(parts + at(r, k), wire_tmp_.data(), wire_span_bytes(w, sp.count));
     }

@@ -1,7 +1,7 @@
 """Groups whose CPU ranks sit on several hosts: shared memory inside a host, Gloo between hosts.
 
 Host discovery: at setup every rank publishes its host identity (RINGREDUCE_HOST_ID, else host name
-and boot id) through the group's store; one host -> the flat shared-memory ring (_comm.py), more ->
+and boot id) through the group's store; one host -> the flat shared-memory ring (_shm.py), more ->
 a HierCommunicator with one of two plans, logged at debug level with the reason (the choice:
 collectives.cpu_communicator, which also hands it the host's ring; transports do not import
 each other):

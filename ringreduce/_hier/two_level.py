@@ -110,7 +110,7 @@ def _exchange(pg, me, send, got, tag, timeout, peers):
     own (the caller writes got[me]); send is (members, bytes), row k for member k, or one row for
     all (a gather). Receives are posted before sends, so no member's data waits for a buffer
     (Gloo's alltoall and allgather took 1.5x the link's time on emulated hosts where this takes
-    1.0x: BENCHMARKS.md, "Hosts on a real link"). peers[k] names member k in errors."""
+    1.0x). peers[k] names member k in errors."""
     n = got.shape[0]
     row = (lambda k: send[k]) if send.dim() == 2 else (lambda k: send)
     works = [(f"receiving from {peers[k]}", pg.recv([got[k]], k, tag))

@@ -1,5 +1,5 @@
 // Native test of the nccl transport (csrc/cuda/nccl/ring.cpp) on the emulated device, against the
-// in-process NCCL stand-in (tests/native/emu/nccl_standin.cpp), which nccl_ring.cpp loads by path as
+// in-process NCCL stand-in (tests/native/emu/nccl_standin.cpp), which cuda/nccl/ring.cpp loads by path as
 // it loads torch's libnccl.so.2. Ranks are threads; rank r on emulated device r.
 // (1) the schedules (ring, one-shot, two-shot, and the choice by size): 2-4 ranks, every
 //     collective, in place and not, zero-size and numel < N, tiny staging buffers (a chunk in many
@@ -30,7 +30,7 @@ using Clock = std::chrono::steady_clock;
 
 static const char* kLib = RR_TEST_NCCL_LIB;
 
-// The stand-in's test hooks, from the library nccl_ring.cpp loads.
+// The stand-in's test hooks, from the library cuda/nccl/ring.cpp loads.
 struct Hooks {
   void (*fail_next)(const char*, ncclResult_t) = nullptr;
   int (*group_depth)() = nullptr;

@@ -50,8 +50,8 @@ constexpr size_t kSlotAlign = 16;
 // per rank; two-shot saves 2(N-1) - 2 group round trips (~10-20 us each: ncclGroupEnd settling plus
 // NCCL's p2p latency), which matter up to about this size at network speed (16 MiB x 2 x 7/8 at
 // 25 GB/s ~ 1.2 ms against ~0.2 ms of round trips at N = 8); above it the ring's one flow per rank
-// to its neighbour is what links between hosts carry best. Not measured
-// on a GPU (none lent).
+// to its neighbour is what links between hosts carry best. A model, not yet
+// measured on GPUs.
 constexpr size_t kTwoShotMaxBytes = 16 << 20;
 
 using ringreduce::Algo;  // the shared names (ring/call.h); this transport runs Auto to TwoShot

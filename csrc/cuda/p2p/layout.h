@@ -15,7 +15,7 @@ namespace ringreduce::cuda::p2p {
 constexpr int kSlots = ring::kSlots;
 // Ring channels (one thread block each, over disjoint parts of every chunk): at most this many, and
 // by default at most 16 (NCCL's ring channel counts on NVLink machines are 16-32 on A100/H100; not
-// measured here: no GPU). The count used per call comes from plan().
+// measured for ours). The count used per call comes from plan().
 constexpr int kDefaultChannels = 16;
 constexpr int kMaxChannels = 32;
 // The largest slice (and so the FIFO slot): 512 KiB, NCCL's slice in its simple protocol

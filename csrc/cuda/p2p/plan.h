@@ -27,7 +27,7 @@ struct Options {
   // device's SM count (one rank per device).
   int max_blocks = 0;
   // The most blocks a workspace call uses below that cap (RINGREDUCE_CUDA_SYM_BLOCKS), 1 to
-  // kMaxSymBlocks: what blocks buy at large sizes is the GPU's to say (BENCHMARKS.md section 17).
+  // kMaxSymBlocks: what blocks buy at large sizes differs by GPU (measured per device: gpu_tune.py).
   int sym_blocks = kDefaultSymBlocks;
   // Test knob: every ring call uses exactly `channels` and `slice_bytes`, and every symmetric
   // workspace call min(channels, kMaxSymBlocks) blocks (no plan by size), so that tiny slices force

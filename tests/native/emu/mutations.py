@@ -51,10 +51,10 @@ MUTATIONS = {
         "csrc/cuda/p2p/copy.cpp", "__ATOMIC_ACQUIRE) < reached)", "__ATOMIC_ACQUIRE) > reached)",
         COPY_FAILURES, "the copy algorithm's timeout names no rank (or the wrong one) as missing"),
     "copy_one_inbox_slot": (
-        "csrc/cuda/p2p/ring.h", "constexpr int kCopyDepth = 2;", "constexpr int kCopyDepth = 1;", COPY_TEST,
+        "csrc/cuda/p2p/layout.h", "constexpr int kCopyDepth = 2;", "constexpr int kCopyDepth = 1;", COPY_TEST,
         "a sender overwrites the receiver's only slot for it while the receiver still folds it"),
     "copy_release_all_ones": (
-        "csrc/cuda/p2p/ring.h", "constexpr uint64_t kReleased = uint64_t{1} << 62;",
+        "csrc/cuda/p2p/layout.h", "constexpr uint64_t kReleased = uint64_t{1} << 62;",
         "constexpr uint64_t kReleased = ~uint64_t{0};", COPY_FAILURES,
         "released stream waits never pass the driver's cyclic compare: the ranks hang"),
     "copy_headers_unchecked": (
@@ -75,13 +75,13 @@ MUTATIONS = {
         "    uint32_t stop = 0;\n    bool local = false;", COPY_FAILURES,
         "a rank whose waits were released (a peer timed out or aborted) folds stale inboxes as a result"),
     "error_records_for_ring_blocks_only": (
-        "csrc/cuda/p2p/ring.h",
+        "csrc/cuda/p2p/layout.h",
         "  alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index",
         "  alignas(kLine) ErrorRecord err[kMaxChannels];  // by block index",
         ("test_cuda_kernels_emu", ["test_timeout_with_every_block"]),
         "direct blocks past the 32nd record their stops past the end of the host-mapped records"),
     "plan_ignores_resident_blocks": (
-        "csrc/cuda/p2p/ring.cpp",
+        "csrc/cuda/p2p/plan.cpp",
         [("  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;\n  const int most",
           "  const int resident = kMaxBlocks;\n  const int most"),
          ("  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;\n  if (algo",

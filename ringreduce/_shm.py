@@ -24,19 +24,18 @@ DEFAULT_SLICE_BYTES = 128 << 10
 # Busy-poll before sleeping on a futex. With more ranks than cores a spinning waiter steals the
 # core from the rank it waits for, so it goes straight to yielding then (one 64-pause poll first):
 # world 4 on 2 cores, 4 KiB all-reduce, 12.5-17 us a call against 15-25 with a 2 us spin, and no
-# worse at 256 KiB-4 MiB (BENCHMARKS.md section 5).
+# worse at 256 KiB-4 MiB.
 SPIN_NS_DEDICATED = 50_000
 SPIN_NS_OVERSUBSCRIBED = 0
 # Then, with more ranks than cores, poll with sched_yield this long before the futex sleep: the
 # yield hands the core to the rank being waited for at once, where a futex sleep and wake-up costs
-# two system calls and a scheduler round trip per ring step (BENCHMARKS.md).
+# two system calls and a scheduler round trip per ring step.
 YIELD_NS_OVERSUBSCRIBED = 1_000_000
 # Auto algorithm: one-shot for all-reduces up to this many bytes, the ring above. Measured on the
 # 2-core dev machine: at world 4 (oversubscribed) one-shot wins at 4-16 KiB, wins or ties at
-# 32 KiB, and loses at 64 KiB (BENCHMARKS.md section 5, four runs). At world 2 one-shot wins up to
-# 1 KiB and the ring from 2 KiB (section 13: 4 runs, one-shot 3-31% slower at 2-32 KiB in all 24
-# cells, faster at 512 B-1 KiB in 7 of 8); section 5's runs, before the ring's later changes, had
-# them tied up to 16 KiB.
+# 32 KiB, and loses at 64 KiB (four runs). At world 2 one-shot wins up to 1 KiB and the ring from
+# 2 KiB (4 runs, one-shot 3-31% slower at 2-32 KiB in all 24 cells, faster at 512 B-1 KiB in 7 of
+# 8); earlier runs, before the ring's later changes, had them tied up to 16 KiB.
 # Noisy machine; not measured with more ranks or on dedicated cores at world > 2.
 ONESHOT_MAX_BYTES = 32 << 10
 ONESHOT_MAX_BYTES_WORLD2 = 1 << 10
