@@ -85,7 +85,11 @@ def load_digits_8x8():
         if os.path.exists(path):
             data = np.loadtxt(path, delimiter=",")
             return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise SystemExit("examples/train_ddp.py reads scikit-learn's digits: pip install scikit-learn "
+                         "(the bench and test extras install it)") from None
     digits = load_digits()
     return digits.images, digits.target
 

@@ -541,3 +541,24 @@ def test_summary_fits_100_columns(capsys):
                                                                       "8.00"], first
     # the full matrix (every ringreduce row against every baseline) is still in the JSON summary
     assert summary["time_ratios_inplace"][0]["deepspeed / ringreduce/ring"] == 4.0
+
+
+def test_progress_line_is_erased_before_a_row(capsys):
+    """On a terminal the progress line (stderr, no newline) is erased before a note or a row goes
+    to stdout on the same terminal; in a log every progress line ends with its newline."""
+    from ringreduce.bench.runner import Context
+    ctx = object.__new__(Context)  # the printing half only: no group, no backends
+    ctx.rank, ctx.notes, ctx.tty, ctx.progress_shown = 0, [], True, False
+    ctx.progress("[bench] N=2 all_reduce 4 KiB")
+    ctx.clear_progress()
+    ctx.note("a note")
+    ctx.clear_progress()  # nothing shown: writes nothing
+    ctx.progress("[bench] N=2 done", final=True)
+    ctx.clear_progress()
+    out = capsys.readouterr()
+    assert out.err == "\r\033[K[bench] N=2 all_reduce 4 KiB\r\033[K\r\033[K[bench] N=2 done\n"
+    assert out.out == "# note: a note\n"
+    ctx.tty = False
+    ctx.progress("[bench] N=2 all_reduce 8 KiB")
+    ctx.clear_progress()
+    assert capsys.readouterr().err == "[bench] N=2 all_reduce 8 KiB\n"

@@ -462,3 +462,29 @@ def test_docs_are_linked_and_links_resolve():
                 todo.append(dest)
     missing = [p.name for p in DOC_FILES if p not in reach]
     assert not missing, f"docs not linked from README.md (directly or through a linked doc): {missing}"
+
+
+def _collected(*args):
+    """The node ids `pytest --collect-only` finds under tests/ with these extra arguments."""
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          *args, str(ROOT / "tests")], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    ids = [line for line in res.stdout.splitlines() if "::" in line]
+    assert ids, res.stdout[-2000:] + res.stderr[-2000:]
+    return ids
+
+
+def test_readme_counts_what_the_suite_holds():
+    """The README's test counts come from the suite, not from a hand: every test, those that need
+    a GPU (marked gpu), those that need root (tests/test_lab.py); and the README fits 300 lines."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"The suite has (\d+) tests \((\d+) need a GPU and skip without one; the (\d+) of\s+"
+                  r"`tests/test_lab.py` need\s+root\)", text)
+    assert m, "README.md: the sentence 'The suite has N tests (G need a GPU ...; the L of " \
+              "`tests/test_lab.py` need root)' is missing"
+    every = _collected()
+    said = tuple(int(g) for g in m.groups())
+    found = (len(every), len(_collected("-m", "gpu")),
+             sum(i.startswith("tests/test_lab.py::") for i in every))
+    assert said == found, f"README.md says {said} (tests, GPU, root); the suite holds {found}"
+    assert len(text.splitlines()) <= 300, f"README.md has {len(text.splitlines())} lines (at most 300)"

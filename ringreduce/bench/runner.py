@@ -89,6 +89,7 @@ class Context:
         bk.REAL_HOSTS = bool(getattr(args, "lab", None))
         self.notes = []
         self.tty = sys.stderr.isatty()
+        self.progress_shown = False  # a progress line stands on the terminal, unterminated
         for line in getattr(args, "skipped", ()):  # names the command line left out here
             self.note(line)
         self.backends = [bk.make(label, args.op, rank, world) for label in args.backends]
@@ -107,6 +108,7 @@ class Context:
     def note(self, text):
         self.notes.append(text)
         if self.rank == 0:
+            self.clear_progress()
             print(f"# note: {text}", flush=True)
 
     def progress(self, text, final=False):
@@ -114,9 +116,18 @@ class Context:
             return
         if self.tty:  # one line, rewritten in place
             sys.stderr.write("\r\033[K" + text + ("\n" if final else ""))
+            self.progress_shown = not final
         else:  # a log: one line per step
             sys.stderr.write(text + "\n")
         sys.stderr.flush()
+
+    def clear_progress(self):
+        """Erases the progress line before a line of the table goes to the same terminal (stdout
+        and stderr share it: a row printed after it would start where it ends)."""
+        if self.progress_shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.progress_shown = False
 
 
 def peak_membw(ctx):
@@ -267,6 +278,7 @@ def sweep(ctx):
             else:
                 runnable.append(b)
         if ctx.rank == 0:
+            ctx.clear_progress()
             report.print_header(collective, ctx.world, ctx.device)
         for size in sizes(a):
             count = element_count(collective, size, elsize, ctx.world)
@@ -289,6 +301,7 @@ def sweep(ctx):
                                      agg_iters=s["agg_iters"],
                                      time_us_min=s["time_us_min"], time_us_max=s["time_us_max"]))
                 if ctx.rank == 0:
+                    ctx.clear_progress()
                     report.print_row(rows[-2], rows[-1])
             del buffers
             for b in runnable:
