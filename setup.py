@@ -114,7 +114,7 @@ from torch.utils import cpp_extension  # noqa: E402
 # are torch-free. cuda_comm*.cpp are the CUDA communicator's binding, built with the kernels.
 cpu_sources = (sorted(f for f in glob.glob("csrc/binding/*.cpp") if "cuda_" not in f) +
                sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/shm/*.cpp")) +
-               sorted(glob.glob("csrc/host/*.cpp")))
+               sorted(glob.glob("csrc/runtime/*.cpp")))
 cuda_sources = (sorted(glob.glob("csrc/cuda/**/*.cu", recursive=True)) +
                 sorted(glob.glob("csrc/cuda/**/*.cpp", recursive=True)) +
                 sorted(glob.glob("csrc/binding/cuda_*.cpp")))

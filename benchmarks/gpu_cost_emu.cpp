@@ -13,7 +13,7 @@
 #include "cuda/kernels.h"
 #include "cuda/p2p/ring.h"
 #include "emu.h"
-#include "host/shm_map.h"
+#include "runtime/shm_map.h"
 
 #include <unistd.h>
 
@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
         RR_CUDA_CHECK(cudaSetDevice(r));
         rings[r]->copy_attach(name, r == 0);
       }
-      rr::host::shm_unlink(name);
+      rr::runtime::shm_unlink(name);
     }
     for (int i = 4; i < argc; ++i) {
       const int64_t numel = (std::atoll(argv[i]) / 4 / n) * n;

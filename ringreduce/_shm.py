@@ -159,7 +159,7 @@ class Communicator(_lifecycle.Communicator):
         return raw[:numel * es].view(dtype).view(shape)
 
     # -- collectives (arguments already checked by ringreduce.collectives) --------------------
-    # The native communicator runs every call in order on its own executor (csrc/host/executor.h):
+    # The native communicator runs every call in order on its own executor (csrc/runtime/executor.h):
     # a sync call on this thread, an async one on its worker or on the thread that waits for it.
     # Non-contiguous tensors run through contiguous copies, copied back when the call is done.
     def all_reduce(self, tensor, op_code, async_op, wire=0):

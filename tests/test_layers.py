@@ -169,7 +169,7 @@ CSRC = PACKAGE.parent / "csrc"
 # apart. cuda/p2p and cuda/nccl (the two CUDA transports) sit above cuda/ (what they share).
 CSRC_LEVELS = {
     "ring": 0,                   # the call vocabulary: types, calls, schedules (header-only)
-    "cpu": 1, "host": 1,         # CPU kernels; runtime services (threads, peers, recorder, mappings)
+    "cpu": 1, "runtime": 1,      # CPU kernels; runtime services (threads, peers, recorder, mappings)
     "shm": 2, "cuda": 2,         # the shared-memory transport; what the CUDA transports share
     "cuda/p2p": 3, "cuda/nccl": 3,
     "binding": 4,                # the torch side: every file that includes torch or Python

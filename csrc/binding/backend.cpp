@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "binding/shm_comm.h"
+#include "binding/torch_types.h"
 
 namespace {
 
@@ -78,13 +79,8 @@ int op_code(const c10d::ReduceOp& op) {
 }
 
 bool ring_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
-    case at::kChar: case at::kByte: case at::kInt: case at::kLong:
-      return true;
-    default:
-      return false;
-  }
+  ringreduce::DType unused;
+  return ringreduce::try_dtype(t, unused);  // the dtypes the core reduces (torch_types.h)
 }
 
 // Dense CPU tensors of one ring dtype.
@@ -120,7 +116,7 @@ class ForwardingBackend : public c10d::Backend {
 
   template <class... Args>
   WorkPtr call(const char* name, Args&&... args) {
-    rr::host::SourceScope source(rr::host::Source::Backend);
+    rr::runtime::SourceScope source(rr::runtime::Source::Backend);
     py::gil_scoped_acquire gil;
     return impl_.attr(name)(std::forward<Args>(args)...).template cast<WorkPtr>();
   }
@@ -280,7 +276,7 @@ class ForwardingBackend : public c10d::Backend {
   // queued (the executor's Work).
   WorkPtr run(rr::ShmComm& c, rr::Prepared p, bool async_op, c10d::OpType type) {
     std::vector<at::Tensor> outputs = p.outputs;
-    rr::host::SourceScope source(rr::host::Source::Backend);
+    rr::runtime::SourceScope source(rr::runtime::Source::Backend);
     WorkPtr w = c.start(std::move(p), async_op, type, /*gil=*/false);
     if (w) return w;
     return c10::make_intrusive<rr::DoneWork>(type, std::move(outputs));

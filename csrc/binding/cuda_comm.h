@@ -42,7 +42,7 @@
 #include <vector>
 
 #include "cuda/kernels.h"
-#include "host/recorder.h"
+#include "runtime/recorder.h"
 #include "cuda/nccl/ring.h"
 #include "cuda/p2p/ring.h"
 #include "binding/torch_types.h"
@@ -220,7 +220,7 @@ class CudaComm {
   std::string failure() { return shared_->failure(); }
   // The flight recorder this communicator records its calls in; dumps ask the device (without
   // blocking) which of them have finished.
-  void attach_recorder(std::shared_ptr<rr::host::Recorder> rec) {
+  void attach_recorder(std::shared_ptr<rr::runtime::Recorder> rec) {
     std::weak_ptr<Shared<Ring>> weak = shared_;
     rec->set_device_probe([weak](uint64_t dev_seq, int64_t* done_ns, std::string* error) {
       auto s = weak.lock();
@@ -305,7 +305,7 @@ class CudaComm {
     cudaGetLastError();
   }
   void watch_peers(const std::vector<std::pair<int, int>>& peers) {
-    std::vector<ringreduce::host::Peer> p;
+    std::vector<ringreduce::runtime::Peer> p;
     for (const auto& [rank, pid] : peers) p.push_back({rank, pid});
     ring().watch_peers(std::move(p));
   }
@@ -407,9 +407,9 @@ class CudaComm {
       C10_CUDA_CHECK(cudaMemcpyAsync(c.out, c.in, bytes, cudaMemcpyDeviceToDevice, cur));
     }
     if (rec_ && rec_->on()) {
-      const int64_t t = rr::host::now_ns();
+      const int64_t t = rr::runtime::now_ns();
       const uint64_t seq = rec_->begin(rr::coll_name(c.coll), rr::dtype_name(c.dtype), rr::op_name(c.op),
-                                       "local", c.numel, bytes, rr::host::current_source(), t, t);
+                                       "local", c.numel, bytes, rr::runtime::current_source(), t, t);
       rec_->finished(seq);
     }
     if (!async_op) return py::none();
@@ -478,10 +478,10 @@ class CudaComm {
     if (rec_ && rec_->on()) {  // started = enqueued; the device says when it ended
       const char* algo = "nccl";
       if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) algo = rc::p2p::algo_name(plan.algo);
-      const int64_t t = rr::host::now_ns();
+      const int64_t t = rr::runtime::now_ns();
       seq = rec_->begin(rr::coll_name(c.coll), rr::dtype_name(c.dtype), rr::op_name(c.op), algo, c.numel,
                         static_cast<uint64_t>(c.numel) * rr::dtype_size(c.dtype),
-                        rr::host::current_source(), t, t);
+                        rr::runtime::current_source(), t, t);
     }
     try {
       if constexpr (std::is_same_v<Ring, rc::p2p::Ring>) {
@@ -646,7 +646,7 @@ class CudaComm {
   std::mutex held_mu_;  // held_ and spare_events_
   std::deque<Held> held_;
   std::vector<cudaEvent_t> spare_events_;
-  std::shared_ptr<rr::host::Recorder> rec_;
+  std::shared_ptr<rr::runtime::Recorder> rec_;
 };
 
 

@@ -14,7 +14,7 @@
 #include "binding/shm_comm.h"
 #include "binding/torch_types.h"
 #include "cpu/wire.h"
-#include "host/shm_map.h"
+#include "runtime/shm_map.h"
 
 namespace rr = ringreduce;
 
@@ -33,8 +33,8 @@ using ShmPtr = std::shared_ptr<ShmComm>;
 
 // The flight recorder as the Python transports (hierarchical, CUDA) and dumps use it.
 void register_recorder(py::module_& m) {
-  namespace host = rr::host;
-  using Rec = host::Recorder;
+  namespace runtime = rr::runtime;
+  using Rec = runtime::Recorder;
   py::class_<Rec, std::shared_ptr<Rec>>(m, "Recorder")
       .def(py::init([](int64_t capacity) {
              TORCH_CHECK_VALUE(capacity >= 0, "ringreduce: RINGREDUCE_TRACE_BUFFER must be >= 0, got ",
@@ -49,9 +49,9 @@ void register_recorder(py::module_& m) {
       .def("begin", [](Rec& r, const std::string& coll, int64_t numel, const std::string& dtype,
                        const std::string& op, const std::string& algo, int64_t nbytes, bool started) {
         if (!r.on()) return uint64_t{0};
-        const int64_t t = host::now_ns();
+        const int64_t t = runtime::now_ns();
         return r.begin(r.intern(coll), r.intern(dtype), r.intern(op), r.intern(algo), numel,
-                       static_cast<uint64_t>(nbytes), host::current_source(), t, started ? t : 0);
+                       static_cast<uint64_t>(nbytes), runtime::current_source(), t, started ? t : 0);
       }, py::arg("coll"), py::arg("numel"), py::arg("dtype"), py::arg("op"), py::arg("algo"),
          py::arg("nbytes"), py::arg("started") = true,
          "records a new call made now by this thread's source; returns its seq (0: off)")
@@ -75,15 +75,15 @@ void register_recorder(py::module_& m) {
       .def("dump_on_failure", &Rec::dump_on_failure, py::call_guard<py::gil_scoped_release>(),
            "the first failure's dump (written once); '' when none could be written");
   m.def("trace_source", [](const std::string& name) {
-    host::Source s;
-    TORCH_CHECK_VALUE(host::parse_source(name, s), "ringreduce: unknown call source '", name, "'");
-    const char* before = host::source_name(host::current_source());
-    host::current_source() = s;
+    runtime::Source s;
+    TORCH_CHECK_VALUE(runtime::parse_source(name, s), "ringreduce: unknown call source '", name, "'");
+    const char* before = runtime::source_name(runtime::current_source());
+    runtime::current_source() = s;
     return std::string(before);
   }, py::arg("name"), "sets this thread's call source for the flight recorder; returns the old one");
   m.def("install_trace_signal", [](int signo) {
     std::string error;
-    if (!host::install_dump_signal(signo, &error))
+    if (!runtime::install_dump_signal(signo, &error))
       throw std::runtime_error("ringreduce: RINGREDUCE_TRACE_SIGNAL: " + error);
   }, py::arg("signo"), "a signal that dumps every flight recorder of the process (idempotent)");
 }
@@ -348,7 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return rr::cpu::wire_reduce(w, srcs.data(), n, out.numel(),
                                 op == static_cast<int>(rr::RedOp::Avg) ? n : 1, wo, dt, out.data_ptr());
   }, py::arg("out"), py::arg("wire_out"), py::arg("rows"), py::arg("op"), py::arg("wire"));
-  m.def("shm_unlink", &rr::host::shm_unlink, py::arg("name"));
+  m.def("shm_unlink", &rr::runtime::shm_unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
   register_backend(m);
 #ifdef RINGREDUCE_WITH_CUDA

@@ -6,7 +6,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "binding/torch_types.h"
-#include "host/shm_map.h"
+#include "runtime/shm_map.h"
 
 namespace ringreduce {
 
@@ -210,9 +210,9 @@ ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, siz
                     trace_buffer);
   comm_ = std::make_unique<shm::Segment>(name, create, opt, slice_bytes);
   exec_ = std::make_shared<Executor>();
-  rec_ = std::make_shared<host::Recorder>(static_cast<size_t>(trace_buffer));
+  rec_ = std::make_shared<runtime::Recorder>(static_cast<size_t>(trace_buffer));
   rec_->set_probe([this] { return comm_->closed() ? std::string() : comm_->ring().waiting(); });
-  host::Recorder::add(rec_);
+  runtime::Recorder::add(rec_);
 }
 
 ShmComm::~ShmComm() {
@@ -310,7 +310,7 @@ Prepared ShmComm::all_gather(const at::Tensor& out, const at::Tensor& in) {
   return p;
 }
 
-void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, host::Source source,
+void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, runtime::Source source,
                        int64_t t_queued) {
   if (comm_->closed()) throw RingError("ringreduce: communicator is closed");
   shm::Ring& ring = comm_->ring();
@@ -324,7 +324,7 @@ void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, 
   const shm::Pool* pp = buf ? &pool : nullptr;
   uint64_t seq = 0;
   if (rec_->on()) {
-    const int64_t t = host::now_ns();
+    const int64_t t = runtime::now_ns();
     seq = rec_->begin(coll_name(c.coll), dtype_name(c.dtype), op_name(c.op),
                       shm::algo_name(ring.choose(c, pp)), c.numel,
                       static_cast<uint64_t>(c.numel) * dtype_size(c.dtype), source,
@@ -366,7 +366,7 @@ WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
     // torch.profiler: one range around the call on this thread, with its tensors' shapes and
     // dtypes (inputs are built only while a profiler listens).
     RECORD_FUNCTION(profile_name(p.call.coll), std::vector<c10::IValue>(p.outputs.begin(), p.outputs.end()));
-    const host::Source source = host::current_source();
+    const runtime::Source source = runtime::current_source();
     std::optional<py::gil_scoped_release> nogil;
     if (gil) nogil.emplace();
     with_interrupts([&](const Executor::Interrupted* i) {
@@ -383,8 +383,8 @@ WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
   const char* title = at::hasCallbacks() ? profile_name(p.call.coll) : nullptr;
   auto work = c10::make_intrusive<RingWork>(op, p.outputs, title);
   auto shared = std::make_shared<Prepared>(std::move(p));
-  const host::Source source = host::current_source();
-  const int64_t queued = rec_->on() ? host::now_ns() : 0;
+  const runtime::Source source = runtime::current_source();
+  const int64_t queued = rec_->on() ? runtime::now_ns() : 0;
   auto job = exec_->submit(
       [this, shared, source, queued](const Executor::Interrupted* i) {
         run_ring(shared->call, i, source, queued);
@@ -440,7 +440,7 @@ bool ShmComm::try_all_reduce(PyObject* obj, int op, int wire) {
   RECORD_FUNCTION("ringreduce::all_reduce", std::vector<c10::IValue>({t}));
   py::gil_scoped_release nogil;
   with_interrupts([&](const Executor::Interrupted* i) {
-    run_ring(c, i, host::current_source(), 0);
+    run_ring(c, i, runtime::current_source(), 0);
     return true;
   }, nullptr);
   return true;
@@ -492,7 +492,7 @@ void ShmComm::pool_create(const std::string& name, int64_t bytes) {
   b->rank = rank_;
   b->bytes = static_cast<uint64_t>(bytes);
   b->bases.assign(nranks_, nullptr);
-  b->bases[rank_] = host::shm_create(name, b->bytes);
+  b->bases[rank_] = runtime::shm_create(name, b->bytes);
   pending_pool_ = std::move(b);
 }
 
@@ -504,7 +504,7 @@ at::Tensor ShmComm::pool_attach(const std::vector<std::string>& names) {
   for (int q = 0; q < nranks_; ++q)
     if (q != rank_) {
       uint64_t bytes = b->bytes;
-      b->bases[q] = host::shm_map(names[q], &bytes);
+      b->bases[q] = runtime::shm_map(names[q], &bytes);
     }
   shm::pool_register(b);
   // The tensor's deleter drops the registration; the mappings go with the last reference.

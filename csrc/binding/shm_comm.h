@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "host/executor.h"
-#include "host/recorder.h"
+#include "runtime/executor.h"
+#include "runtime/recorder.h"
 #include "shm/segment.h"
 
 namespace ringreduce {
@@ -135,7 +135,7 @@ class ShmComm {
   // Stops the executor (queued calls run or fail first), then unmaps. Call without the GIL.
   void close();
   bool closed();
-  const std::shared_ptr<host::Recorder>& recorder() { return rec_; }
+  const std::shared_ptr<runtime::Recorder>& recorder() { return rec_; }
   std::vector<int> pids();  // every rank's process id (0: not mapped yet)
 
   // ringreduce.shared_empty, in two steps around the exchange of names (Python, the store):
@@ -150,12 +150,12 @@ class ShmComm {
  private:
   // Runs one ring call on this thread (the executor claimed), recorded in the flight recorder as
   // made at t_queued (0: now) from source; a failure dumps the recorder and names the file.
-  void run_ring(const Call& c, const Executor::Interrupted* interrupted, host::Source source,
+  void run_ring(const Call& c, const Executor::Interrupted* interrupted, runtime::Source source,
                 int64_t t_queued);
 
   std::unique_ptr<shm::Segment> comm_;
   std::shared_ptr<Executor> exec_;
-  std::shared_ptr<host::Recorder> rec_;
+  std::shared_ptr<runtime::Recorder> rec_;
   std::mutex close_mu_;
   int nranks_ = 0, rank_ = 0;
   std::shared_ptr<shm::PoolBuffer> pending_pool_;  // made by pool_create, not yet attached

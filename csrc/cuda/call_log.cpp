@@ -1,6 +1,6 @@
 #include "cuda/call_log.h"
 
-#include "host/recorder.h"  // now_ns
+#include "runtime/recorder.h"  // now_ns
 
 namespace ringreduce::cuda {
 
@@ -14,7 +14,7 @@ bool CallLog::start(cudaStream_t stream) {
   if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return false;
   bool ok = cudaEventCreate(&ref_) == cudaSuccess && cudaEventRecord(ref_, s) == cudaSuccess &&
             cudaEventSynchronize(ref_) == cudaSuccess;
-  ref_ns_ = host::now_ns();
+  ref_ns_ = runtime::now_ns();
   cudaStreamDestroy(s);
   (void)stream;
   if (!ok && ref_) {

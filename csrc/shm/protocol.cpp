@@ -14,7 +14,7 @@
 #include <cstring>
 #include <new>
 
-#include "host/peers.h"
+#include "runtime/peers.h"
 #include "ring/schedule.h"
 
 namespace ringreduce {
@@ -183,7 +183,7 @@ std::string Ring::waiting() const {
   return buf;
 }
 
-bool Ring::peer_dead(int peer) const { return host::process_dead(areas_[peer].pid.load()); }
+bool Ring::peer_dead(int peer) const { return runtime::process_dead(areas_[peer].pid.load()); }
 
 void Ring::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const char* what) {
   if (reached(c.value.load(std::memory_order_acquire), target)) return;

@@ -4,13 +4,13 @@
 #include <map>
 #include <mutex>
 
-#include "host/shm_map.h"
+#include "runtime/shm_map.h"
 
 namespace ringreduce::shm {
 
 Segment::Segment(const std::string& name, bool create, const Options& opt, size_t slice_bytes) {
   uint64_t bytes = create ? segment_bytes(opt.nranks, slice_bytes) : 0;
-  base_ = create ? host::shm_create(name, bytes) : host::shm_map(name, &bytes);
+  base_ = create ? runtime::shm_create(name, bytes) : runtime::shm_map(name, &bytes);
   bytes_ = bytes;
   try {
     if (create) init_segment(base_, opt.nranks, slice_bytes);
@@ -30,7 +30,7 @@ Ring& Segment::ring() {
 
 void Segment::close() {
   ring_.reset();
-  host::shm_unmap(static_cast<char*>(base_), bytes_);
+  runtime::shm_unmap(static_cast<char*>(base_), bytes_);
   base_ = nullptr;
 }
 
@@ -44,7 +44,7 @@ std::atomic<int> pool_live{0};
 }  // namespace
 
 PoolBuffer::~PoolBuffer() {
-  for (char* b : bases) host::shm_unmap(b, bytes);
+  for (char* b : bases) runtime::shm_unmap(b, bytes);
 }
 
 void pool_register(const std::shared_ptr<PoolBuffer>& b) {

@@ -28,8 +28,8 @@
 #include "cuda_check.h"
 #include "deterministic_check.h"
 #include "wire_check.h"
-#include "host/recorder.h"
-#include "host/shm_map.h"
+#include "runtime/recorder.h"
+#include "runtime/shm_map.h"
 #ifdef RINGREDUCE_EMU
 #include "emu.h"
 #endif
@@ -178,7 +178,7 @@ struct Group {
         RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
         rings[r]->copy_attach(name, r == 0);
       }
-      rr::host::shm_unlink(name);
+      rr::runtime::shm_unlink(name);
     }
   }
   ~Group() {
@@ -984,10 +984,10 @@ static void test_abort_between_calls() {
 // the host's "started" record through the device; a call out of the window is done by stream
 // order; a timed-out call is failed through failed_seq.
 static void test_call_log() {
-  namespace host = rr::host;
+  namespace runtime = rr::runtime;
   DevBuf buf(256 * 4);
   Group g(3, 2, 4096, 2.0);
-  host::Recorder rec(8);
+  runtime::Recorder rec(8);
   rc::p2p::Ring& ring = *g.rings[0];
   ring.calls().enable(true);  // as attaching an enabled recorder does
   rec.set_device_probe([&ring](uint64_t dev_seq, int64_t* done, std::string* error) {
@@ -998,8 +998,8 @@ static void test_call_log() {
     }
     return static_cast<int>(ring.calls().state(dev_seq, done));
   });
-  const int64_t t0 = host::now_ns();
-  const uint64_t seq = rec.begin("all_reduce", "float32", "SUM", "p2p", 256, 1024, host::Source::Api, t0, t0);
+  const int64_t t0 = runtime::now_ns();
+  const uint64_t seq = rec.begin("all_reduce", "float32", "SUM", "p2p", 256, 1024, runtime::Source::Api, t0, t0);
   for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(256, buf), g.ranks[r].stream);
   rec.set_dev_seq(seq, ring.op_seq());
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -1010,7 +1010,7 @@ static void test_call_log() {
   EXPECT(contains(j, "\"state\": \"started\"") && contains(j, "\"device\": \"pending\""), "dump: %s", j.c_str());
   g.rings[2]->run(g.call(256, buf), g.ranks[2].stream);
   sync_all(g);
-  const int64_t t1 = host::now_ns();
+  const int64_t t1 = runtime::now_ns();
   EXPECT(ring.calls().state(1, &done) == rc::CallLog::State::Done, "call 1 is not done");
   EXPECT(done >= t0 && done <= t1 + 1000000, "done at %lld, outside [%lld, %lld]", (long long)done,
          (long long)t0, (long long)t1);
@@ -1025,8 +1025,8 @@ static void test_call_log() {
          (long long)done);
   EXPECT(ring.calls().state(ring.op_seq(), &done) == rc::CallLog::State::Done && done > 0, "last call");
   // Rank 2 does not come: the call times out, and the dump says failed, with the device's reason.
-  const uint64_t seq2 = rec.begin("all_reduce", "float32", "SUM", "p2p", 256, 1024, host::Source::Api,
-                                  host::now_ns(), host::now_ns());
+  const uint64_t seq2 = rec.begin("all_reduce", "float32", "SUM", "p2p", 256, 1024, runtime::Source::Api,
+                                  runtime::now_ns(), runtime::now_ns());
   for (int r = 0; r < 2; ++r) g.rings[r]->run(g.call(256, buf), g.ranks[r].stream);
   rec.set_dev_seq(seq2, ring.op_seq());
   sync_all(g);

@@ -1,4 +1,4 @@
-// The executor every communicator runs its calls on (csrc/host/executor.h): calls in the order they
+// The executor every communicator runs its calls on (csrc/runtime/executor.h): calls in the order they
 // were made whoever runs them, a waiter runs its own queued call, a synchronous call waits for the
 // queued ones (running them itself), errors reach done(), stop() runs or fails what is left.
 #include <atomic>
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "check.h"
-#include "host/executor.h"
+#include "runtime/executor.h"
 
 using ringreduce::Executor;
 using namespace std::chrono_literals;

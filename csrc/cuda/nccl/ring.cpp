@@ -698,12 +698,12 @@ void Ring::watch() {
     }
     qlk.unlock();
     if (why.empty()) {
-      std::vector<host::Peer> peers;
+      std::vector<runtime::Peer> peers;
       {
         std::lock_guard<std::mutex> flk(fmu_);
         peers = peers_;
       }
-      const std::string dead = host::dead_peer(peers);
+      const std::string dead = runtime::dead_peer(peers);
       if (!dead.empty()) why = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + dead;
     }
     if (why.empty() && failure().empty()) {
@@ -752,7 +752,7 @@ void Ring::poll() {
   }
 }
 
-void Ring::watch_peers(std::vector<host::Peer> peers) {
+void Ring::watch_peers(std::vector<runtime::Peer> peers) {
   std::lock_guard<std::mutex> lk(fmu_);
   peers_ = std::move(peers);
 }

@@ -31,7 +31,7 @@
 #include <thread>
 #include <vector>
 
-#include "host/peers.h"
+#include "runtime/peers.h"
 #include "cuda/call_log.h"
 #include "ring/call.h"
 
@@ -111,7 +111,7 @@ class Ring {
   void poll();
   void abort(const std::string& why);
   // The watchdog also checks these peers' processes; a dead one fails and aborts the communicator.
-  void watch_peers(std::vector<host::Peer> peers);
+  void watch_peers(std::vector<runtime::Peer> peers);
   // Stops the watchdog thread, nothing else (no NCCL or CUDA call): for a ring left to the
   // process's exit while the interpreter finalizes.
   void stop_threads();
@@ -209,7 +209,7 @@ class Ring {
   std::mutex fmu_;  // failure_, peers_
   std::string failure_;
   std::atomic<uint64_t> failed_seq_{0};
-  std::vector<host::Peer> peers_;
+  std::vector<runtime::Peer> peers_;
   std::mutex qmu_;  // inflight_, stop_
   std::condition_variable qcv_;
   std::deque<Pending> inflight_;  // enqueued and not retired

@@ -19,7 +19,7 @@
 
 #include "cuda/kernels.h"
 #include "cuda/p2p/ring.h"
-#include "host/shm_map.h"
+#include "runtime/shm_map.h"
 
 namespace ringreduce::cuda::p2p {
 namespace {
@@ -106,7 +106,7 @@ void Ring::copy_attach(const std::string& name, bool create) {
   if (!copies()) throw RingError("ringreduce: copy_attach: this ring has no copy algorithm");
   if (cctl_) throw RingError("ringreduce: copy_attach: the counters are attached already");
   uint64_t bytes = sizeof(CopyCtl);
-  char* p = create ? host::shm_create(name, bytes) : host::shm_map(name, &bytes);
+  char* p = create ? runtime::shm_create(name, bytes) : runtime::shm_map(name, &bytes);
   if (create) std::memset(p, 0, sizeof(CopyCtl));
   DeviceScope scope(device_);
   const cudaError_t e = cudaHostRegister(p, sizeof(CopyCtl), cudaHostRegisterMapped | cudaHostRegisterPortable);
@@ -115,7 +115,7 @@ void Ring::copy_attach(const std::string& name, bool create) {
     const cudaError_t err = e != cudaSuccess ? e : cudaGetLastError();
     if (e == cudaSuccess) cudaHostUnregister(p);
     cudaGetLastError();
-    host::shm_unmap(p, sizeof(CopyCtl));
+    runtime::shm_unmap(p, sizeof(CopyCtl));
     throw RingError(std::string("ringreduce: the copy algorithm's counters (shared memory ") + name +
                     ") cannot be registered with CUDA: " + cudaGetErrorString(err));
   }

@@ -10,7 +10,7 @@
 #include <stdexcept>
 
 #include "cuda/kernels.h"
-#include "host/shm_map.h"
+#include "runtime/shm_map.h"
 
 namespace ringreduce::cuda::p2p {
 namespace {
@@ -137,7 +137,7 @@ Ring::Ring(const Options& opt) : opt_(opt) {
     if (area_) RR_CUDA_CHECK(cudaMemsetAsync(area_, 0, data_offset(), side_));
     RR_CUDA_CHECK(cudaStreamSynchronize(side_));
     if (copies())
-      copy_watch_ = std::make_unique<host::Ticker>(std::chrono::milliseconds(50), [this] { copy_tick(); });
+      copy_watch_ = std::make_unique<runtime::Ticker>(std::chrono::milliseconds(50), [this] { copy_tick(); });
   } catch (...) {
     close();
     throw;
@@ -604,10 +604,10 @@ void Ring::abort_locked(const std::string& why, uint32_t cause) {
   if (failure_.empty()) failure_ = "ringreduce: rank " + std::to_string(opt_.rank) + ": aborted: " + why;
 }
 
-void Ring::watch_peers(std::vector<host::Peer> peers) {
+void Ring::watch_peers(std::vector<runtime::Peer> peers) {
   // 50 ms: as the shared-memory ring's peer check; a /proc read per peer each time.
-  watcher_ = std::make_unique<host::Ticker>(std::chrono::milliseconds(50), [this, peers] {
-    const std::string dead = host::dead_peer(peers);
+  watcher_ = std::make_unique<runtime::Ticker>(std::chrono::milliseconds(50), [this, peers] {
+    const std::string dead = runtime::dead_peer(peers);
     if (dead.empty()) return;
     std::lock_guard<std::mutex> lk(mu_);
     if (reason_.empty()) abort_locked(dead);
@@ -714,7 +714,7 @@ void Ring::close(bool peers_done) {
   // (then kept until exit, as the area is).
   if (cctl_ && !keep) {
     cudaHostUnregister(cctl_);
-    host::shm_unmap(reinterpret_cast<char*>(cctl_), sizeof(CopyCtl));
+    runtime::shm_unmap(reinterpret_cast<char*>(cctl_), sizeof(CopyCtl));
   }
   cctl_ = cctl_dev_ = nullptr;
   if (side_) cudaStreamDestroy(side_);

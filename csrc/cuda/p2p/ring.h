@@ -20,7 +20,7 @@
 #include "cuda/call_log.h"
 #include "cuda/p2p/launch.h"
 #include "cuda/p2p/plan.h"
-#include "host/peers.h"
+#include "runtime/peers.h"
 
 namespace ringreduce::cuda::p2p {
 
@@ -106,7 +106,7 @@ class Ring {
   void abort(const std::string& why);
   // Watches the processes of these peers (every 50 ms): a dead one aborts the ring with
   // "peer rank R (pid P) died", so no rank waits out its timeout for a killed one.
-  void watch_peers(std::vector<host::Peer> peers);
+  void watch_peers(std::vector<runtime::Peer> peers);
   // Stops the peer watcher thread, nothing else (no CUDA call): for a ring left to the process's
   // exit while the interpreter finalizes.
   void stop_threads() {
@@ -228,8 +228,8 @@ class Ring {
     uint64_t reached = 0, done = 0;
     std::chrono::steady_clock::time_point since{};
   } watch_;
-  std::unique_ptr<host::Ticker> copy_watch_;
-  std::unique_ptr<host::Ticker> watcher_;  // declared last: stopped first
+  std::unique_ptr<runtime::Ticker> copy_watch_;
+  std::unique_ptr<runtime::Ticker> watcher_;  // declared last: stopped first
 };
 
 }  // namespace ringreduce::cuda::p2p

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-namespace ringreduce::host {
+namespace ringreduce::runtime {
 
 struct Peer {
   int rank;
@@ -38,4 +38,4 @@ class Ticker {
   std::thread th_;
 };
 
-}  // namespace ringreduce::host
+}  // namespace ringreduce::runtime

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-namespace ringreduce::host {
+namespace ringreduce::runtime {
 
 // Creates (O_EXCL), sizes and maps a segment of bytes; on failure nothing is left behind. The
 // caller unlinks the name once the peers mapped it.
@@ -15,4 +15,4 @@ char* shm_map(const std::string& name, uint64_t* bytes);
 void shm_unmap(char* base, uint64_t bytes);  // null: nothing
 void shm_unlink(const std::string& name);   // a missing name is fine
 
-}  // namespace ringreduce::host
+}  // namespace ringreduce::runtime

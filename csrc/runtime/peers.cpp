@@ -1,11 +1,11 @@
-#include "host/peers.h"
+#include "runtime/peers.h"
 
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
 
-namespace ringreduce::host {
+namespace ringreduce::runtime {
 
 bool process_dead(int pid) {
   if (pid <= 0 || pid == getpid()) return false;
@@ -47,4 +47,4 @@ void Ticker::stop() {
   if (th_.joinable() && th_.get_id() != std::this_thread::get_id()) th_.join();
 }
 
-}  // namespace ringreduce::host
+}  // namespace ringreduce::runtime

@@ -1,4 +1,4 @@
-#include "host/recorder.h"
+#include "runtime/recorder.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -13,7 +13,7 @@
 #include <thread>
 #include <utility>
 
-namespace ringreduce::host {
+namespace ringreduce::runtime {
 
 namespace {
 const char* const kSources[] = {"api", "backend", "ddp_hook", "bucketer", "op", "nn"};
@@ -451,4 +451,4 @@ bool install_dump_signal(int signo, std::string* error) {
   return true;
 }
 
-}  // namespace ringreduce::host
+}  // namespace ringreduce::runtime

@@ -1,4 +1,4 @@
-#include "host/shm_map.h"
+#include "runtime/shm_map.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -10,7 +10,7 @@
 
 #include "ring/call.h"  // RingError
 
-namespace ringreduce::host {
+namespace ringreduce::runtime {
 namespace {
 
 std::string sys_error(const std::string& what, const std::string& name) {
@@ -71,4 +71,4 @@ void shm_unmap(char* base, uint64_t bytes) {
 
 void shm_unlink(const std::string& name) { ::shm_unlink(name.c_str()); }
 
-}  // namespace ringreduce::host
+}  // namespace ringreduce::runtime

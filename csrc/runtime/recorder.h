@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-namespace ringreduce::host {
+namespace ringreduce::runtime {
 
 // Where a call came from. Set per thread by the entry points (the backend, hooks, the bucketer,
 // registered ops); the direct API is the default.
@@ -121,4 +121,4 @@ class Recorder {
 // Chains to the handler that was installed before. Returns false (why in *error) on failure.
 bool install_dump_signal(int signo, std::string* error);
 
-}  // namespace ringreduce::host
+}  // namespace ringreduce::runtime
