@@ -47,7 +47,7 @@ DEFAULT_ORDER = ("auto", "registered", "ring", "oneshot", "twoshot", "copy")
 # RINGREDUCE_CUDA_SYM_BLOCKS=64 (no peer beside it); gpu_tune.py --from compares it with "twoshot".
 
 
-MAX_BLOCKS = 64  # RINGREDUCE_CUDA_SYM_BLOCKS's range (ringreduce/_cuda.py: MAX_SYM_BLOCKS)
+MAX_BLOCKS = 64  # RINGREDUCE_CUDA_SYM_BLOCKS's range (ringreduce/_cuda/policy.py: MAX_SYM_BLOCKS)
 
 
 def split_algo(label):

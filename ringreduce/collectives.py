@@ -15,26 +15,15 @@ log = logging.getLogger("ringreduce")
 
 ReduceOp = dist.ReduceOp
 
-# Codes understood by the native core (csrc/cpu/reduce.h, RedOp).
-_OP_CODES = (
-    (ReduceOp.SUM, 0),
-    (ReduceOp.AVG, 1),
-    (ReduceOp.MIN, 2),
-    (ReduceOp.MAX, 3),
-    (ReduceOp.PRODUCT, 4),
-)
+# Codes understood by the native core (csrc/ring/types.h, RedOp), by ReduceOp.
+_OP_CODES = tuple((getattr(ReduceOp, name), code) for name, code in _C.OP_CODES.items())
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                     torch.uint8, torch.int32, torch.int64)
 TRANSPORTS = ("auto", "shm", "p2p", "nccl")
-# wire_dtype= codes (csrc/cpu/wire.h, Wire).
-_WIRE_CODES = (
-    (torch.bfloat16, 1),
-    (torch.float16, 2),
-    (torch.float8_e4m3fn, 3),
-    (torch.float8_e5m2, 4),
-)
+# wire_dtype= codes (csrc/ring/types.h, Wire), by torch dtype.
+_WIRE_CODES = tuple((getattr(torch, name), code) for name, code in _C.WIRE_CODES.items())
 WIRE_DTYPES = tuple(d for d, _ in _WIRE_CODES)
-WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
+WIRE_BLOCK = _C.WIRE_BLOCK  # elements per fp8 scale
 WIRE_TENSOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

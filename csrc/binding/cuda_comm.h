@@ -9,7 +9,7 @@
 // Ownership of what torch sees (a stream or tensor torch still holds must outlive us, or the
 // process crashes at exit):
 // - communicator streams are never destroyed (take_stream/give_back_stream): torch may hold one
-//   after close (the ExternalStream of _cuda.py, a Future's events, a user's record_stream);
+//   after close (the ExternalStream of ringreduce/_cuda, a Future's events, a user's record_stream);
 // - the tensors of a call on our stream are held until its event completes (held_), not given to
 //   record_stream, so the caching allocator never records an event on our stream when they are
 //   freed; a sync p2p call runs on the caller's stream, whose tensors are its own (torch's rule:

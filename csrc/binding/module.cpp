@@ -351,6 +351,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shm_unlink", &rr::runtime::shm_unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
   register_backend(m);
+  // The call vocabulary's codes (ring/types.h), so that Python never spells them itself.
+  py::dict ops, wires;
+  for (int k = 0; k < static_cast<int>(rr::RedOp::kCount); ++k) ops[rr::op_name(rr::RedOp(k))] = k;
+  for (int k = 1; k < static_cast<int>(rr::Wire::kCount); ++k) wires[rr::wire_name(rr::Wire(k))] = k;
+  m.attr("OP_CODES") = ops;      // {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4}
+  m.attr("WIRE_CODES") = wires;  // {"bfloat16": 1, "float16": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}
+  m.attr("WIRE_BLOCK") = rr::kWireBlock;  // elements per fp8 scale
 #ifdef RINGREDUCE_WITH_CUDA
   m.attr("cuda_compiled") = true;
   register_cuda(m);

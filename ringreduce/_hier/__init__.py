@@ -39,9 +39,9 @@ from . import two_level
 
 log = logging.getLogger("ringreduce")
 
-SUM, AVG, MIN, MAX, PROD = 0, 1, 2, 3, 4  # the native op codes (csrc/cpu/reduce.h)
-WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
-WIRE_F16 = 2  # the only wire that can overflow (csrc/cpu/wire.h, Wire::F16)
+SUM, AVG, MIN, MAX, PROD = (_C.OP_CODES[k] for k in ("SUM", "AVG", "MIN", "MAX", "PRODUCT"))
+WIRE_BLOCK = _C.WIRE_BLOCK  # elements per fp8 scale
+WIRE_F16 = _C.WIRE_CODES["float16"]  # the only wire that can overflow
 _GLOO_OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,
              PROD: dist.ReduceOp.PRODUCT}
 

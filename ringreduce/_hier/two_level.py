@@ -27,10 +27,9 @@ import torch.distributed as dist
 
 from .. import _C
 
-SUM, AVG = 0, 1  # the native op codes (csrc/cpu/reduce.h)
-GLOO_OPS = {0: dist.ReduceOp.SUM, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.MAX,
-            4: dist.ReduceOp.PRODUCT}
-WIRE_BLOCK = 128  # elements per fp8 scale (csrc/cpu/wire.h, kWireBlock)
+SUM, AVG = _C.OP_CODES["SUM"], _C.OP_CODES["AVG"]  # the native op codes
+GLOO_OPS = {_C.OP_CODES[k]: getattr(dist.ReduceOp, k) for k in ("SUM", "MIN", "MAX", "PRODUCT")}
+WIRE_BLOCK = _C.WIRE_BLOCK  # elements per fp8 scale
 # Tensor bytes per piece: a quarter of the tensor, between 4 and 16 MiB. Smaller pieces overlap
 # more of the link with the host's work but meet the other ranks more often, and each meeting
 # costs a time slice when ranks outnumber cores. Measured on emulated hosts (2 hosts x 2 ranks on

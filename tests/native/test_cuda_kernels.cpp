@@ -289,7 +289,7 @@ static void test_epochs_stay_equal() {
 
 // Two communicators per rank on one shared device, their calls in flight at once (a DDP hook's
 // bucket beside another group's call): the torch binding gives each the SMs over the ranks and the
-// live communicators of the device (ringreduce/_cuda.py: usable_sms, resident_blocks), so every
+// live communicators of the device (ringreduce/_cuda/policy.py: usable_sms, resident_blocks), so every
 // block of all four kernels is resident together. The emulator holds EMU_CUDA_SMS blocks at once;
 // with more per kernel some would wait for blocks that never end (the mutation
 // plan_ignores_resident_blocks).
