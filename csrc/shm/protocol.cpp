@@ -347,11 +347,8 @@ void Ring::release_wide(uint32_t m) {
 // A slot is rewritten only once every rank has consumed it (wide_until_).
 void Ring::run_oneshot(const Call& c, Ctx& ctx) {
   const int n = opt_.nranks, r = opt_.rank;
-  const size_t es = dtype_size(c.dtype);
-  const char* in = static_cast<const char*>(c.in);
-  char* out = static_cast<char*>(c.out);
-  const int divisor = c.op == RedOp::Avg ? n : 1;
-  const int64_t S = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es));
+  const CallView v(c, n, r);
+  const int64_t S = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / v.es));
   const int64_t ns = ring::num_slices(c.numel, S);
   srcs_.resize(n);
   ctx.phase = "one-shot";
@@ -359,17 +356,17 @@ void Ring::run_oneshot(const Call& c, Ctx& ctx) {
     ctx.slice = j;
     ctx.step = 0;
     const ring::Span sp = ring::slice({0, c.numel}, j, S);
-    const uint64_t bytes = sp.count * es;
+    const uint64_t bytes = sp.count * v.es;
     const uint32_t m = sent_;
     wait_all_consumed(m + 1 - kSlots, ctx);
-    put(slot(r, m) + sizeof(MsgHeader), in + sp.begin * es, bytes);
+    put(slot(r, m) + sizeof(MsgHeader), v.in + sp.begin * v.es, bytes);
     wide_until_ = m + 1;  // before post: from here this slot is read by every rank
     post_send(ctx, bytes);
     for (int k = 0; k < n; ++k) {
       ctx.step = k;
-      srcs_[k] = k == r ? in + sp.begin * es : recv_wide(ctx, k, m, bytes);
+      srcs_[k] = k == r ? v.in + sp.begin * v.es : recv_wide(ctx, k, m, bytes);
     }
-    cpu::reduce_rows(c.dtype, c.op, out + sp.begin * es, srcs_.data(), n, sp.count, divisor);
+    cpu::reduce_rows(c.dtype, c.op, v.out + sp.begin * v.es, srcs_.data(), n, sp.count, v.divisor);
     release_wide(m);
   }
 }
@@ -382,21 +379,14 @@ void Ring::run_oneshot(const Call& c, Ctx& ctx) {
 // meeting at every message. Reads and writes per rank: the ring's, plus the copy of the input.
 void Ring::run_twoshot(const Call& c, Ctx& ctx) {
   const int n = opt_.nranks, r = opt_.rank;
-  const size_t es = dtype_size(c.dtype);
-  const char* in = static_cast<const char*>(c.in);
-  char* out = static_cast<char*>(c.out);
-  const int divisor = c.op == RedOp::Avg ? n : 1;
-  const bool ar = c.coll == Coll::AllReduce;
-  const int64_t m = c.numel / n;
-  auto chunk_of = [&](int k) { return ar ? ring::chunk(c.numel, n, k) : ring::Span{k * m, m}; };
-  const int64_t P = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es / (n - 1)));
-  const int64_t ns = ring::num_slices(ar ? (c.numel + n - 1) / n : m, P);
-  const int64_t out_shift = ar ? 0 : r * m;  // reduce-scatter's output holds chunk r only
+  const CallView v(c, n, r);
+  const int64_t P = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / v.es / (n - 1)));
+  const int64_t ns = ring::num_slices(v.largest_chunk(), P);
   // Where part k sits in rank q's message (q's own part is not in it).
-  auto at = [&](int q, int k) { return static_cast<int64_t>(k < q ? k : k - 1) * P * es; };
+  auto at = [&](int q, int k) { return static_cast<int64_t>(k < q ? k : k - 1) * P * v.es; };
   auto parts_bytes = [&](int64_t j) {  // the header's size: slice j of every chunk (every rank's)
     uint64_t b = 0;
-    for (int k = 0; k < n; ++k) b += ring::slice(chunk_of(k), j, P).count * es;
+    for (int k = 0; k < n; ++k) b += ring::slice(v.chunk(k), j, P).count * v.es;
     return b;
   };
   auto publish = [&](int64_t j) {
@@ -408,8 +398,8 @@ void Ring::run_twoshot(const Call& c, Ctx& ctx) {
     char* parts = slot(r, ma) + sizeof(MsgHeader);
     for (int k = 0; k < n; ++k) {
       if (k == r) continue;
-      const ring::Span sp = ring::slice(chunk_of(k), j, P);
-      put(parts + at(r, k), in + sp.begin * es, sp.count * es);
+      const ring::Span sp = ring::slice(v.chunk(k), j, P);
+      put(parts + at(r, k), v.in + sp.begin * v.es, sp.count * v.es);
     }
     wide_until_ = ma + 1;
     post_send(ctx, parts_bytes(j));
@@ -420,15 +410,15 @@ void Ring::run_twoshot(const Call& c, Ctx& ctx) {
     const uint32_t ma = sent_ - 1;  // slice j's parts
     ctx.slice = j;
     ctx.phase = "two-shot reduce";
-    const ring::Span mine = ring::slice(chunk_of(r), j, P);
+    const ring::Span mine = ring::slice(v.chunk(r), j, P);
     for (int q = 0; q < n; ++q) {
       ctx.step = q;
-      srcs_[q] = q == r ? in + mine.begin * es : recv_wide(ctx, q, ma, parts_bytes(j)) + at(q, r);
+      srcs_[q] = q == r ? v.in + mine.begin * v.es : recv_wide(ctx, q, ma, parts_bytes(j)) + at(q, r);
     }
-    char* dst = out + (mine.begin - out_shift) * es;
-    cpu::reduce_rows(c.dtype, c.op, dst, srcs_.data(), n, mine.count, divisor);
+    char* dst = v.out + (mine.begin - v.out_shift) * v.es;
+    cpu::reduce_rows(c.dtype, c.op, dst, srcs_.data(), n, mine.count, v.divisor);
     release_wide(ma);
-    if (!ar) {
+    if (!v.ar) {
       if (j + 1 < ns) publish(j + 1);
       continue;
     }
@@ -436,9 +426,9 @@ void Ring::run_twoshot(const Call& c, Ctx& ctx) {
     ctx.step = 0;
     const uint32_t mb = sent_;
     wait_all_consumed(mb + 1 - kSlots, ctx);
-    put(slot(r, mb) + sizeof(MsgHeader), dst, mine.count * es);
+    put(slot(r, mb) + sizeof(MsgHeader), dst, mine.count * v.es);
     wide_until_ = mb + 1;
-    post_send(ctx, mine.count * es);
+    post_send(ctx, mine.count * v.es);
     // In place, slice j+1's parts are still unread input: publishing them before the copy-out
     // below is safe (the copy-out writes slice j only).
     if (j + 1 < ns) publish(j + 1);
@@ -447,8 +437,8 @@ void Ring::run_twoshot(const Call& c, Ctx& ctx) {
     for (int q = 0; q < n; ++q) {
       if (q == r) continue;
       ctx.step = q;
-      const ring::Span sp = ring::slice(chunk_of(q), j, P);
-      std::memcpy(out + sp.begin * es, recv_wide(ctx, q, mb, sp.count * es), sp.count * es);
+      const ring::Span sp = ring::slice(v.chunk(q), j, P);
+      std::memcpy(v.out + sp.begin * v.es, recv_wide(ctx, q, mb, sp.count * v.es), sp.count * v.es);
     }
     received_ = mb + 1;  // B(j) read; A(j+1) from the others is not (release_wide(ma) next round)
     post(areas_[r].consumed, received_);
@@ -494,19 +484,12 @@ void Ring::read_peer(int q, void* local, uint64_t addr, size_t bytes, const Ctx&
 // rank overwrites chunk q of its buffer only after rank q, the only reader of it, said final.
 void Ring::run_cma(const Call& c, Ctx& ctx) {
   const int n = opt_.nranks, r = opt_.rank;
-  const size_t es = dtype_size(c.dtype);
-  const char* in = static_cast<const char*>(c.in);
-  char* out = static_cast<char*>(c.out);
-  const int divisor = c.op == RedOp::Avg ? n : 1;
-  const bool ar = c.coll == Coll::AllReduce;
-  const int64_t m = c.numel / n;
-  auto chunk_of = [&](int k) { return ar ? ring::chunk(c.numel, n, k) : ring::Span{k * m, m}; };
-  const int64_t out_shift = ar ? 0 : r * m;
+  const CallView v(c, n, r);
   auto say = [&](const void* payload, uint64_t bytes) { return say_wide(ctx, payload, bytes); };
   ctx.phase = "cma addresses";
   ctx.step = 0;
   ctx.slice = 0;
-  uint64_t addrs[2] = {reinterpret_cast<uint64_t>(in), reinterpret_cast<uint64_t>(out)};
+  uint64_t addrs[2] = {reinterpret_cast<uint64_t>(v.in), reinterpret_cast<uint64_t>(v.out)};
   const uint32_t m0 = say(addrs, sizeof addrs);
   peer_in_.assign(n, 0);
   peer_out_.assign(n, 0);
@@ -520,9 +503,9 @@ void Ring::run_cma(const Call& c, Ctx& ctx) {
   release_wide(m0);
 
   ctx.phase = "cma reduce";
-  const ring::Span mine = chunk_of(r);
-  const int64_t B = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es));
-  scratch_.resize(static_cast<size_t>(n - 1) * B * es);
+  const ring::Span mine = v.chunk(r);
+  const int64_t B = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / v.es));
+  scratch_.resize(static_cast<size_t>(n - 1) * B * v.es);
   srcs_.resize(n);
   for (int64_t b = 0, j = 0; b < mine.count; b += B, ++j) {
     ctx.slice = j;
@@ -530,15 +513,15 @@ void Ring::run_cma(const Call& c, Ctx& ctx) {
     const int64_t at = mine.begin + b;
     for (int q = 0; q < n; ++q) {
       if (q == r) {
-        srcs_[q] = in + at * es;
+        srcs_[q] = v.in + at * v.es;
         continue;
       }
       ctx.step = q;
-      char* blk = scratch_.data() + static_cast<size_t>(q < r ? q : q - 1) * B * es;
-      read_peer(q, blk, peer_in_[q] + at * es, cnt * es, ctx);
+      char* blk = scratch_.data() + static_cast<size_t>(q < r ? q : q - 1) * B * v.es;
+      read_peer(q, blk, peer_in_[q] + at * v.es, cnt * v.es, ctx);
       srcs_[q] = blk;
     }
-    cpu::reduce_rows(c.dtype, c.op, out + (at - out_shift) * es, srcs_.data(), n, cnt, divisor);
+    cpu::reduce_rows(c.dtype, c.op, v.out + (at - v.out_shift) * v.es, srcs_.data(), n, cnt, v.divisor);
   }
   ctx.phase = "cma gather";
   ctx.slice = 0;
@@ -547,13 +530,13 @@ void Ring::run_cma(const Call& c, Ctx& ctx) {
     if (q == r) continue;
     ctx.step = q;
     recv_wide(ctx, q, m1, 0);
-    if (ar) {
-      const ring::Span sp = chunk_of(q);
-      read_peer(q, out + sp.begin * es, peer_out_[q] + sp.begin * es, sp.count * es, ctx);
+    if (v.ar) {
+      const ring::Span sp = v.chunk(q);
+      read_peer(q, v.out + sp.begin * v.es, peer_out_[q] + sp.begin * v.es, sp.count * v.es, ctx);
     }
   }
   release_wide(m1);
-  if (!ar) return;
+  if (!v.ar) return;
   ctx.phase = "cma done";
   const uint32_t m2 = say(nullptr, 0);
   for (int q = 0; q < n; ++q) {
@@ -655,12 +638,9 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Po
           "holds inf there. Divide first (op=AVG), or use wire_dtype=torch.bfloat16 (float32's range)");
     return;
   }
-  const size_t es = dtype_size(c.dtype);
-  const char* in = static_cast<const char*>(c.in);
-  char* out = static_cast<char*>(c.out);
-  const int divisor = c.op == RedOp::Avg ? n : 1;
+  const CallView v(c, n, r);
   if (n == 1) {
-    if (c.op == RedOp::Avg || in != out) cpu::divide(c.dtype, out, in, c.numel, 1);
+    if (c.op == RedOp::Avg || v.in != v.out) cpu::divide(c.dtype, v.out, v.in, c.numel, 1);
     return;
   }
   Ctx ctx{c, "reduce-scatter", 0, 0};
@@ -668,38 +648,34 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Po
   if (algo_ == Algo::TwoShot) return run_twoshot(c, ctx);
   if (algo_ == Algo::Cma) return run_cma(c, ctx);
   if (algo_ == Algo::Pool) return run_pool(c, ctx, *pool);
-  const bool ar = c.coll == Coll::AllReduce;
   const bool rs = c.coll != Coll::AllGather, ag = c.coll != Coll::ReduceScatter;
-  const int64_t m = c.numel / n;
-  auto chunk_of = [&](int k) { return ar ? ring::chunk(c.numel, n, k) : ring::Span{k * m, m}; };
-  const int64_t S = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / es));
-  const int64_t ns = ring::num_slices(ar ? (c.numel + n - 1) / n : m, S);
+  const int64_t S = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / v.es));
+  const int64_t ns = ring::num_slices(v.largest_chunk(), S);
   // Reduce-scatter's output holds only chunk r; all-gather's input holds only chunk r.
-  const int64_t out_shift = c.coll == Coll::ReduceScatter ? r * m : 0;
-  const int64_t in_shift = c.coll == Coll::AllGather ? r * m : 0;
+  const int64_t in_shift = c.coll == Coll::AllGather ? r * v.m : 0;
 
   for (int64_t j = 0; j < ns; ++j) {
     ctx.slice = j;
     if (rs) {
       ctx.phase = "reduce-scatter";
       ctx.step = 0;
-      const ring::Span sp = ring::slice(chunk_of(ring::rs_send_chunk(r, 0, n)), j, S);
+      const ring::Span sp = ring::slice(v.chunk(ring::rs_send_chunk(r, 0, n)), j, S);
       char* d = acquire_send(ctx);
-      put(d, in + sp.begin * es, sp.count * es);
-      post_send(ctx, sp.count * es);
+      put(d, v.in + sp.begin * v.es, sp.count * v.es);
+      post_send(ctx, sp.count * v.es);
       for (int s = 0; s < n - 1; ++s) {
         ctx.step = s;
-        const ring::Span rp = ring::slice(chunk_of(ring::rs_recv_chunk(r, s, n)), j, S);
-        const uint64_t bytes = rp.count * es;
+        const ring::Span rp = ring::slice(v.chunk(ring::rs_recv_chunk(r, s, n)), j, S);
+        const uint64_t bytes = rp.count * v.es;
         const char* src = recv(ctx, bytes);
-        const char* own = in + rp.begin * es;
+        const char* own = v.in + rp.begin * v.es;
         if (s < n - 2) {  // recv, reduce, send
           char* sd = acquire_send(ctx);
           cpu::reduce(c.dtype, c.op, sd, src, own, rp.count);
           post_send(ctx, bytes);
         } else {  // recv, reduce, copy (the chunk is final here), and send it on for all-gather
-          char* dst = out + (rp.begin - out_shift) * es;
-          cpu::reduce(c.dtype, c.op, dst, src, own, rp.count, divisor);
+          char* dst = v.out + (rp.begin - v.out_shift) * v.es;
+          cpu::reduce(c.dtype, c.op, dst, src, own, rp.count, v.divisor);
           if (ag) {
             char* sd = acquire_send(ctx);
             put(sd, dst, bytes);
@@ -713,19 +689,19 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Po
       ctx.phase = "all-gather";
       ctx.step = 0;
       if (!rs) {  // all-gather alone: this rank's chunk comes from the input
-        const ring::Span sp = ring::slice(chunk_of(r), j, S);
-        const char* src = in + (sp.begin - in_shift) * es;
-        if (src != out + sp.begin * es) std::memmove(out + sp.begin * es, src, sp.count * es);
+        const ring::Span sp = ring::slice(v.chunk(r), j, S);
+        const char* src = v.in + (sp.begin - in_shift) * v.es;
+        if (src != v.out + sp.begin * v.es) std::memmove(v.out + sp.begin * v.es, src, sp.count * v.es);
         char* d = acquire_send(ctx);
-        put(d, src, sp.count * es);
-        post_send(ctx, sp.count * es);
+        put(d, src, sp.count * v.es);
+        post_send(ctx, sp.count * v.es);
       }
       for (int t = 0; t < n - 1; ++t) {
         ctx.step = t;
-        const ring::Span rp = ring::slice(chunk_of(ring::ag_recv_chunk(r, t, n)), j, S);
-        const uint64_t bytes = rp.count * es;
+        const ring::Span rp = ring::slice(v.chunk(ring::ag_recv_chunk(r, t, n)), j, S);
+        const uint64_t bytes = rp.count * v.es;
         const char* src = recv(ctx, bytes);
-        std::memcpy(out + rp.begin * es, src, bytes);
+        std::memcpy(v.out + rp.begin * v.es, src, bytes);
         if (t < n - 2) {  // recv, copy, send
           char* sd = acquire_send(ctx);
           put(sd, src, bytes);

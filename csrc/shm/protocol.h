@@ -11,6 +11,7 @@
 
 #include "cpu/reduce.h"
 #include "ring/call.h"
+#include "ring/schedule.h"
 
 namespace ringreduce {
 namespace shm {
@@ -78,6 +79,27 @@ struct Pool {
   const std::vector<char*>* bases = nullptr;
   uint64_t bytes = 0;
   uint64_t off = 0;
+};
+
+// What every algorithm reads off its call alike: element size, buffers, AVG's divisor, and the
+// chunks (all_reduce: ring::chunk of the whole tensor; reduce_scatter and all_gather: m each).
+struct CallView {
+  CallView(const Call& c, int n, int r)
+      : es(dtype_size(c.dtype)), in(static_cast<const char*>(c.in)), out(static_cast<char*>(c.out)),
+        divisor(c.op == RedOp::Avg ? n : 1), ar(c.coll == Coll::AllReduce), m(c.numel / n),
+        out_shift(c.coll == Coll::ReduceScatter ? r * m : 0), numel(c.numel), n(n) {}
+  ring::Span chunk(int k) const { return ar ? ring::chunk(numel, n, k) : ring::Span{k * m, m}; }
+  int64_t largest_chunk() const { return ar ? (numel + n - 1) / n : m; }
+
+  const size_t es;
+  const char* const in;
+  char* const out;
+  const int divisor;
+  const bool ar;
+  const int64_t m;          // numel / n
+  const int64_t out_shift;  // reduce_scatter's output holds chunk r only: where it starts
+  const int64_t numel;
+  const int n;
 };
 
 struct Options {

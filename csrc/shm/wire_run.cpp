@@ -19,11 +19,8 @@ constexpr size_t kWireOneShotMaxBytes = 32 << 10;
 
 int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
   const int n = opt_.nranks, r = opt_.rank;
+  const CallView v(c, n, r);
   const Wire w = c.wire;
-  const size_t es = dtype_size(c.dtype);
-  const char* in = static_cast<const char*>(c.in);
-  char* out = static_cast<char*>(c.out);
-  const bool ar = c.coll == Coll::AllReduce;
   const int64_t B = kWireBlock;
   const size_t bb = wire_block_bytes(w);
   int64_t over = 0;
@@ -34,16 +31,15 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
     wire_res_.resize(piece / B * bb);
     for (int64_t i = 0; i < c.numel; i += piece) {
       const int64_t k = std::min(piece, c.numel - i);
-      over += cpu::wire_encode(w, c.dtype, in + i * es, k, wire_own_.data());
+      over += cpu::wire_encode(w, c.dtype, v.in + i * v.es, k, wire_own_.data());
       const void* src = wire_own_.data();
-      over += cpu::wire_reduce(w, &src, 1, k, 1, ar ? wire_res_.data() : nullptr, c.dtype,
-                               out + i * es);
+      over += cpu::wire_reduce(w, &src, 1, k, 1, v.ar ? wire_res_.data() : nullptr, c.dtype,
+                               v.out + i * v.es);
     }
     return over;
   }
 
-  const int divisor = c.op == RedOp::Avg ? n : 1;
-  if (ar && static_cast<size_t>(c.numel) * es <= kWireOneShotMaxBytes &&
+  if (v.ar && static_cast<size_t>(c.numel) * v.es <= kWireOneShotMaxBytes &&
       wire_span_bytes(w, c.numel) <= slice_bytes_) {
     // One-shot: every rank publishes its whole tensor on the wire and folds all N (the same
     // blocks, so the same bits as the two-shot schedule): one meeting instead of two.
@@ -53,7 +49,7 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
     wire_res_.resize(bytes);
     const uint32_t ma = sent_;
     wait_all_consumed(ma + 1 - kSlots, ctx);
-    over += cpu::wire_encode(w, c.dtype, in, c.numel, wire_own_.data());
+    over += cpu::wire_encode(w, c.dtype, v.in, c.numel, wire_own_.data());
     if (over) wire_flags_ |= kFlagOverflow;
     put(slot(r, ma) + sizeof(MsgHeader), wire_own_.data(), bytes);
     wide_until_ = ma + 1;
@@ -63,12 +59,11 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
       ctx.step = q;
       srcs_[q] = q == r ? wire_own_.data() : recv_wide(ctx, q, ma, bytes);
     }
-    over += cpu::wire_reduce(w, srcs_.data(), n, c.numel, divisor, wire_res_.data(), c.dtype, out);
+    over += cpu::wire_reduce(w, srcs_.data(), n, c.numel, v.divisor, wire_res_.data(), c.dtype, v.out);
     release_wide(ma);
     // Every rank folded every input, so each knows every overflow.
     return over + ((wire_flags_ & kFlagOverflow) && !over ? 1 : 0);
   }
-  const int64_t m = c.numel / n;  // reduce-scatter: a rank's chunk, blocked from its own start
   const int64_t P = static_cast<int64_t>(slice_bytes_ / (n - 1) / bb);  // blocks per part
   if (P < 1)
     throw std::invalid_argument(
@@ -76,12 +71,12 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
         std::to_string((n - 1) * bb) + " bytes at world size " + std::to_string(n) +
         " (a block of " + std::to_string(B) + " elements per peer); RINGREDUCE_SLICE_BYTES is " +
         std::to_string(slice_bytes_));
-  const int64_t nbk = wire_blocks(ar ? c.numel : m);
-  const int64_t ns = ring::num_slices(ar ? (nbk + n - 1) / n : nbk, P);
+  const int64_t nbk = wire_blocks(v.ar ? c.numel : v.m);
+  const int64_t ns = ring::num_slices(v.ar ? (nbk + n - 1) / n : nbk, P);
   // Elements of slice j of chunk k: [begin, begin + count) of the full tensor.
   auto part = [&](int k, int64_t j) {
-    const ring::Span sb = ring::slice(ar ? ring::chunk(nbk, n, k) : ring::Span{0, nbk}, j, P);
-    const int64_t base = ar ? 0 : k * m, len = ar ? c.numel : m;
+    const ring::Span sb = ring::slice(v.ar ? ring::chunk(nbk, n, k) : ring::Span{0, nbk}, j, P);
+    const int64_t base = v.ar ? 0 : k * v.m, len = v.ar ? c.numel : v.m;
     const int64_t b = std::min(len, sb.begin * B), e = std::min(len, (sb.begin + sb.count) * B);
     return ring::Span{base + b, e - b};
   };
@@ -95,7 +90,6 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
   wire_own_.resize(P * bb);
   wire_res_.resize(P * bb);
   wire_tmp_.resize(P * bb);
-  const int64_t out_shift = ar ? 0 : r * m;  // reduce-scatter's output holds chunk r only
 
   // This rank's slice j of every chunk onto the wire: the others' parts into one message, its own
   // into wire_own_ (so its flag covers all of its input once the last slice is published).
@@ -109,12 +103,12 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
     for (int k = 0; k < n; ++k) {
       const ring::Span sp = part(k, j);
       if (k == r) {
-        over += cpu::wire_encode(w, c.dtype, in + sp.begin * es, sp.count, wire_own_.data());
+        over += cpu::wire_encode(w, c.dtype, v.in + sp.begin * v.es, sp.count, wire_own_.data());
         continue;
       }
       // Encoded here (L2), then put(): the slot gets the same stores as every other message
       // (non-temporal in the machine's slow state: Ring::put).
-      over += cpu::wire_encode(w, c.dtype, in + sp.begin * es, sp.count, wire_tmp_.data());
+      over += cpu::wire_encode(w, c.dtype, v.in + sp.begin * v.es, sp.count, wire_tmp_.data());
       put(parts + at(r, k), wire_tmp_.data(), wire_span_bytes(w, sp.count));
     }
     if (over) wire_flags_ |= kFlagOverflow;
@@ -132,12 +126,12 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
       ctx.step = q;
       srcs_[q] = q == r ? wire_own_.data() : recv_wide(ctx, q, ma, parts_bytes(j)) + at(q, r);
     }
-    over += cpu::wire_reduce(w, srcs_.data(), n, mine.count, divisor,
-                             ar ? wire_res_.data() : nullptr, c.dtype,
-                             out + (mine.begin - out_shift) * es);
+    over += cpu::wire_reduce(w, srcs_.data(), n, mine.count, v.divisor,
+                             v.ar ? wire_res_.data() : nullptr, c.dtype,
+                             v.out + (mine.begin - v.out_shift) * v.es);
     if (over) wire_flags_ |= kFlagOverflow;
     release_wide(ma);
-    if (!ar) {
+    if (!v.ar) {
       if (j + 1 < ns) publish(j + 1);
       continue;
     }
@@ -158,7 +152,7 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
       ctx.step = q;
       const ring::Span sp = part(q, j);
       const char* src = recv_wide(ctx, q, mb, wire_span_bytes(w, sp.count));
-      cpu::wire_decode(w, src, sp.count, c.dtype, out + sp.begin * es);
+      cpu::wire_decode(w, src, sp.count, c.dtype, v.out + sp.begin * v.es);
     }
     release_wide(mb);  // B(j) read; A(j+1) from the others is not (released next round)
   }
