@@ -1,5 +1,5 @@
 """How one all-reduce's time spreads over seconds: the suite reports a median of ten batches, this
-keeps every batch (BENCHMARKS.md section 14). float32 SUM in place, one process per rank.
+keeps every batch (docs/benchmark-log.md, B14). float32 SUM in place, one process per rank.
 
     OMP_NUM_THREADS=1 python benchmarks/batch_spread.py --bytes 1M --world 2 --calls 50 --seconds 5
 

@@ -30,7 +30,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The model's H100 SXM figures (public, approximate; see BENCHMARKS.md section 8 for the sources):
+# The model's H100 SXM figures (public, approximate; see docs/counted.md, C8, for the sources):
 RTT_US = 1.0            # one remote round trip over NVLink 4 through NVSwitch, ~1 us
 LINK_GBS = 450.0        # NVLink 4: 900 GB/s per GPU in both directions, 450 GB/s each way
 HBM_GBS = 3350.0        # HBM3 of the H100 SXM: 3.35 TB/s

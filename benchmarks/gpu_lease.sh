@@ -84,7 +84,7 @@ fi
 # Host or kernel, by size and algorithm (benchmarks/gpu_profile.py, world 2 under MPS): session
 # 24's H200 had 4 KiB device-bound (15.1 us between kernel starts, host 7.4) and 1-4 MiB at ~55 us
 # where SymmetricMemory's one-shot took 23; session 25 took a PCIe read per block off every call
-# (BENCHMARKS.md section 20). Did that close it, and if not, which kernel and do 24 blocks cost it?
+# (docs/counted.md, C20). Did that close it, and if not, which kernel and do 24 blocks cost it?
 if [ "$PART" = all ] && [ "$(left)" -ge 110 ]; then
   nvidia-cuda-mps-control -d > /dev/null 2>&1; sleep 1
   profile() {
@@ -123,7 +123,7 @@ bench_p2p() {
 }
 # What one cross-process handshake costs on this GPU by mechanism (a spinning kernel, stream memory
 # operations, a copy plus memops), without MPS and with it: the design question of issue 36 item 3.
-# HANDSHAKES=0 skips it (measured on the H200 in session 23: BENCHMARKS.md section 17).
+# HANDSHAKES=0 skips it (measured on the H200: docs/benchmark-log.md, B17).
 if [ "$PART" = all ] && [ "${HANDSHAKES-1}" = 1 ] && [ "$(left)" -ge 100 ]; then
   log "handshakes (benchmarks/gpu_handshake.cu)"
   NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")

@@ -9,7 +9,7 @@ Rank 0 prints one line: host us per call, wall us per call, the collective kerne
 on the device, and the median interval between two of its starts. Host-bound: the interval is the
 host's time and the kernel ends well within it; device-bound: the interval is the kernel's
 duration. The first H200 run of the workspace had 4 KiB at 19 us in one run and 34-39 us in
-others with the same kernel (BENCHMARKS.md section 17): this says which side moved.
+others with the same kernel (docs/benchmark-log.md, B17): this says which side moved.
 """
 import argparse
 import os

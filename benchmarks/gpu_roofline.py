@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_roofline.py [--worlds 2,4] [--sizes 4K,64K,1M,16M,256M] [--mps both]
 
-Prints, and writes as markdown to --out (default gpu_roofline.md) to paste into BENCHMARKS.md:
+Prints, and writes as markdown to --out (default gpu_roofline.md) for a new entry of docs/benchmark-log.md (and BENCHMARKS.md's GPU tables):
 1. the device-to-device copy bandwidth (read + write counted), the limit of everything below;
 2. world 1: rr.all_reduce against NCCL's world-1 all_reduce and a bare t.add_(0), us per call;
 3. worlds 2 and 4 as processes sharing the GPU, with MPS and without, per p2p algorithm (auto,

@@ -28,7 +28,7 @@ PROFILES = {
     # ConnectX-7 InfiniBand per host, one per GPU (50 GB/s each). Alphas are assumptions.
     "gpu": dict(ranks_per_host=8, nics_per_host=8, alpha_intra_us=2.0, bw_intra_GBps=450.0,
                 alpha_inter_us=7.0, bw_inter_GBps=50.0),
-    # This machine (BENCHMARKS.md): shared-memory ring, 2 ranks on 2 cores, ~5 GB/s busbw at
+    # This machine (docs/benchmark-log.md, B5): shared-memory ring, 2 ranks on 2 cores, ~5 GB/s busbw at
     # 64 MiB, ~3 us per 4 KiB call (2 steps). Between hosts: one 10 GbE NIC over TCP (assumed).
     "cpu": dict(ranks_per_host=2, nics_per_host=1, alpha_intra_us=1.5, bw_intra_GBps=5.0,
                 alpha_inter_us=25.0, bw_inter_GBps=1.25),

@@ -1,5 +1,5 @@
 """The machine's shared-memory transfer cost between two processes, without ringreduce
-(BENCHMARKS.md section 14): builds benchmarks/store_probe.c with the system C compiler and runs it
+(docs/benchmark-log.md, B14): builds benchmarks/store_probe.c with the system C compiler and runs it
 in fresh process pairs, alternating the ways of publishing data (copy into the same buffer as a
 ring's slots do, non-temporal stores, a rotation over 64 buffers).
 
