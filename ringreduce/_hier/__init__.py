@@ -85,6 +85,12 @@ def _overflow_as_error(fn):
     return run
 
 
+def intra_grace(timeout):
+    """Seconds a host's ring waits beyond the timeout of the steps between hosts (the ranks of a
+    pipelined call start their waits up to a piece apart)."""
+    return max(5.0, 0.05 * timeout)
+
+
 def _gloo(store, prefix, rank, size, timeout):
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
                                  datetime.timedelta(seconds=timeout))
@@ -111,7 +117,11 @@ class HierCommunicator(_lifecycle.Communicator):
         local = _lifecycle.Member(member.store, self.local_rank, len(self.local_ranks),
                                   f"{member.name}@{setup.prefix}/host{self.host}")
         # Simulated hosts share one machine: the host's ring waits as the machine's load requires.
-        self.intra = host_ring(member=local, timeout=self.timeout, machine_ranks=machine_ranks)
+        # Its waits last intra_grace(timeout) longer than the waits between hosts: a rank waiting
+        # on its host's ring for a rank that waits on a lost host must not time out first, or it
+        # would report a timeout where the other reports (and aborts the ring with) the lost host.
+        self.intra = host_ring(member=local, timeout=self.timeout + intra_grace(self.timeout),
+                               machine_ranks=machine_ranks)
         self.cross = self.host_pg = self._all = None
         self._prefix = setup.prefix
         try:
