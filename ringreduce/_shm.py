@@ -6,6 +6,7 @@ calls in order, and close() are the lifecycle every transport shares (_lifecycle
 communicator a group gets (this ring on one host, _hier/'s across hosts) is chosen a layer up
 (collectives.cpu_communicator).
 """
+import json
 import logging
 import os
 import time
@@ -40,6 +41,52 @@ YIELD_NS_OVERSUBSCRIBED = 1_000_000
 ONESHOT_MAX_BYTES = 32 << 10
 ONESHOT_MAX_BYTES_WORLD2 = 1 << 10
 ALGOS = ("auto", "ring", "oneshot", "twoshot", "cma")
+# The measured table (benchmarks/cpu_tune.py writes it): per CPU model, cores and world size, auto's
+# one-shot threshold and its algorithm above it. RINGREDUCE_CPU_TUNING names another table, or
+# "none" for the defaults above.
+TUNING_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_tuning.json")
+STEP_ALGOS = ("ring", "twoshot", "cma")
+
+
+def cpu_model():
+    """/proc/cpuinfo's model name (the tuning table's key), else the platform's name for the CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def tuned(model, cores, world, path=TUNING_PATH):
+    """(oneshot_max or None, steps, where from): the table's entry for this CPU model, number of
+    cores the ranks share and world size. steps: [(from_bytes, algo)], auto's algorithm above the
+    one-shot threshold (the last step a size reaches; the ring below the first). No entry: (None,
+    [], why), the defaults in this file."""
+    try:
+        with open(path) as f:
+            entries = json.load(f)["entries"]
+    except (OSError, ValueError, KeyError) as e:
+        return None, [], f"the defaults (no table: {e})"
+    for e in entries:
+        if (e["cpu_model"], e["cores"], e["world"]) == (model, cores, world):
+            steps = [(int(b), str(a)) for b, a in e.get("steps", [])]
+            bad = [a for _, a in steps if a not in STEP_ALGOS]
+            if bad:
+                raise ValueError(f"ringreduce: {path}: a step's algorithm must be one of "
+                                 f"{', '.join(STEP_ALGOS)}, got {bad[0]!r}")
+            return (int(e["oneshot_max"]), sorted(steps),
+                    f"measured on {model} ({e.get('date', '?')}, {e.get('command', '?')})")
+    return None, [], (f"the defaults (no measurement for {model!r}, {cores} cores, world {world} "
+                      f"in {os.path.basename(path)})")
+
+
+def without_cma(steps):
+    """steps with cma replaced by the ring: where a rank cannot read its peers' memory."""
+    return [(b, "ring" if a == "cma" else a) for b, a in steps]
 
 
 def algo_from_env():
@@ -72,14 +119,21 @@ class Communicator(_lifecycle.Communicator):
         self.stream = (os.environ.get("RINGREDUCE_STREAM") or "auto").strip().lower()
         if self.stream not in ("auto", "0", "1"):
             raise ValueError(f"RINGREDUCE_STREAM must be auto, 0 or 1, got {self.stream!r}")
-        self.oneshot_max_bytes = env_int(
-            "RINGREDUCE_ONESHOT_MAX_BYTES",
-            ONESHOT_MAX_BYTES_WORLD2 if self.world_size == 2 else ONESHOT_MAX_BYTES)
+        table = os.environ.get("RINGREDUCE_CPU_TUNING", TUNING_PATH).strip()
+        if table.lower() in ("", "none"):
+            oneshot_max, steps, self.tuning = None, [], "the defaults (RINGREDUCE_CPU_TUNING=none)"
+        else:
+            oneshot_max, steps, self.tuning = tuned(cpu_model(), ncpu, self.world_size, table)
+        if oneshot_max is None:
+            oneshot_max = ONESHOT_MAX_BYTES_WORLD2 if self.world_size == 2 else ONESHOT_MAX_BYTES
+        self.oneshot_max_bytes = env_int("RINGREDUCE_ONESHOT_MAX_BYTES", oneshot_max)
+        self.auto_steps = steps if self.algo == "auto" else []
         self._native = self._bootstrap()
         self._setup_trace(self._trace_prefix, self._native.recorder())
         log.debug("rank %d/%d: shm ring ready (slice %d B, timeout %g s, spin %d ns, yield %d ns, "
-                  "algo %s, one-shot up to %d B)", self.rank, self.world_size, self.slice_bytes,
-                  self.timeout, self.spin_ns, self.yield_ns, self.algo, self.oneshot_max_bytes)
+                  "algo %s, one-shot up to %d B, then %s: %s)", self.rank, self.world_size,
+                  self.slice_bytes, self.timeout, self.spin_ns, self.yield_ns, self.algo,
+                  self.oneshot_max_bytes, self.auto_steps or "the ring", self.tuning)
 
     # -- setup -------------------------------------------------------------------------------
     def _bootstrap(self):
@@ -111,6 +165,8 @@ class Communicator(_lifecycle.Communicator):
                         f"({_lifecycle.SETUP_HINT})")
                 time.sleep(0.001)
                 joined = setup.add("mapped", 0)
+            if any(a == "cma" for _, a in self.auto_steps):
+                self._agree_on_cma(setup, native)
             return native
         except BaseException:
             if self.rank == 0 and name is not None:
@@ -120,7 +176,21 @@ class Communicator(_lifecycle.Communicator):
     def _tuning(self):
         return dict(spin_ns=self.spin_ns, yield_ns=self.yield_ns, algo=self.algo,
                     oneshot_max_bytes=self.oneshot_max_bytes, trace_buffer=self.trace_buffer,
-                    stream=self.stream)
+                    stream=self.stream, auto_steps=self.auto_steps)
+
+    def _agree_on_cma(self, setup, native):
+        """Auto runs cma only if every rank can read every peer (a ptrace policy or a seccomp
+        filter may forbid it); every rank learns the same verdict before its first call."""
+        why = native.cma_probe()
+        setup.set(f"cma/{self.rank}", why)
+        verdicts = [v.decode() for v in setup.all("cma", self.world_size, "cross-memory attach probe")]
+        denied = [v for v in verdicts if v]
+        if denied:
+            self.auto_steps = without_cma(self.auto_steps)
+            native.set_auto_steps(self.auto_steps)
+            if self.rank == 0:
+                log.warning("ringreduce: the measured table picks cma for large all_reduces here, "
+                            "but %s; the ring runs instead", denied[0])
 
     def _pids(self):
         return self._native.pids()

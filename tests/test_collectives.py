@@ -1,5 +1,6 @@
 """The public collectives on CPU tensors over real processes (Gloo group for bootstrap)."""
 import datetime
+import json
 import os
 import time
 
@@ -294,6 +295,63 @@ def test_auto_algorithm_choice_and_bad_name():
         assert "algo must be one of auto, ring, oneshot, twoshot, cma, got 'fastest'" in out["bad"], out
         assert "RINGREDUCE_STREAM must be auto, 0 or 1, got 'sometimes'" in out["bad_stream"], out
         assert out["stream_switches"] == 0, out  # 16 B: below the size where copies are timed
+
+
+def table_worker(rank, world, table):
+    os.environ["RINGREDUCE_CPU_TUNING"] = table
+    g = dist.new_group()
+    t = torch.arange(1 << 19, dtype=torch.float32) * (rank + 1)  # 2 MiB: cma
+    rr.all_reduce(t, group=g)
+    comm = rr.get_communicator(g)
+    picks = {b: comm.algo_for(b // 4, torch.float32) for b in (2048, 2052, 65532, 65536, 1 << 20, 4 << 20)}
+    want = torch.arange(1 << 19, dtype=torch.float32) * sum(range(1, world + 1))
+    out = {"picks": picks, "tuning": comm.tuning, "steps": comm.auto_steps, "exact": torch.equal(t, want),
+           "bits": t.numpy().tobytes()}
+    return out
+
+
+def test_auto_follows_the_measured_table(tmp_path):
+    """An entry for this machine (CPU model, cores, world) sets auto's one-shot threshold and its
+    algorithm above it; cma runs only after every rank read every peer (here they can)."""
+    from ringreduce import _shm
+    entry = {"cpu_model": _shm.cpu_model(), "cores": len(os.sched_getaffinity(0)), "world": 2,
+             "oneshot_max": 2048, "steps": [[1 << 20, "cma"], [65536, "twoshot"]],
+             "date": "test", "command": "test"}
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"entries": [dict(entry, world=3), entry]}))
+    a, b = run_ranks(2, table_worker, str(table), timeout=120)
+    assert a["picks"] == {2048: "oneshot", 2052: "ring", 65532: "ring", 65536: "twoshot",
+                          1 << 20: "cma", 4 << 20: "cma"}, a
+    assert a["steps"] == [(65536, "twoshot"), (1 << 20, "cma")], a
+    assert a["tuning"].startswith("measured on "), a
+    assert a["exact"] and b["exact"] and a["bits"] == b["bits"]
+
+
+def test_tuning_table_lookup(tmp_path):
+    from ringreduce import _shm
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"entries": [
+        {"cpu_model": "X", "cores": 2, "world": 2, "oneshot_max": 4096, "steps": [[1 << 20, "cma"]]},
+        {"cpu_model": "X", "cores": 2, "world": 4, "oneshot_max": 0, "steps": [[0, "fastest"]]}]}))
+    assert _shm.tuned("X", 2, 2, str(table))[:2] == (4096, [(1 << 20, "cma")])
+    oneshot_max, steps, why = _shm.tuned("X", 8, 2, str(table))  # another core count: no entry
+    assert (oneshot_max, steps) == (None, []) and "no measurement for 'X', 8 cores, world 2" in why
+    assert "no table" in _shm.tuned("X", 2, 2, str(tmp_path / "missing.json"))[2]
+    with pytest.raises(ValueError, match="must be one of ring, twoshot, cma, got 'fastest'"):
+        _shm.tuned("X", 2, 4, str(table))
+    assert _shm.without_cma([(1, "twoshot"), (5, "cma")]) == [(1, "twoshot"), (5, "ring")]
+
+
+def test_shipped_tuning_table_is_valid():
+    from ringreduce import _shm
+    with open(_shm.TUNING_PATH) as f:
+        entries = json.load(f)["entries"]
+    assert entries
+    for e in entries:
+        assert e["cores"] >= 1 and e["world"] >= 2 and e["oneshot_max"] >= 0, e
+        assert e["date"] and e["command"] and e["median_us"], e
+        oneshot_max, steps, _ = _shm.tuned(e["cpu_model"], e["cores"], e["world"], _shm.TUNING_PATH)
+        assert oneshot_max == e["oneshot_max"] and all(b > oneshot_max for b, _ in steps), e
 
 
 def fast_path_worker(rank, world):

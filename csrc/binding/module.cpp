@@ -171,10 +171,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // returns its Work. Non-contiguous tensors are run through contiguous copies.
   py::class_<ShmComm, ShmPtr>(m, "ShmComm")
       .def(py::init<const std::string&, bool, int, int, size_t, double, int64_t, int64_t,
-                    const std::string&, int64_t, int64_t, const std::string&>(),
+                    const std::string&, int64_t, int64_t, const std::string&,
+                    const std::vector<rr::AutoStep>&>(),
            py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("nranks"), py::arg("slice_bytes"),
            py::arg("timeout_s"), py::arg("spin_ns"), py::arg("yield_ns") = 0, py::arg("algo") = "auto",
-           py::arg("oneshot_max_bytes") = 0, py::arg("trace_buffer") = 2000, py::arg("stream") = "auto")
+           py::arg("oneshot_max_bytes") = 0, py::arg("trace_buffer") = 2000, py::arg("stream") = "auto",
+           py::arg("auto_steps") = std::vector<rr::AutoStep>{})
+      .def("set_auto_steps", &ShmComm::set_auto_steps, py::arg("steps"))
+      .def("cma_probe", &ShmComm::cma_probe,
+           "'' when this rank can read every peer's memory by cross-memory attach, else why not")
       .def("recorder", &ShmComm::recorder, "this communicator's flight recorder")
       .def("pids", &ShmComm::pids, "every rank's process id")
       .def("pool_create", &ShmComm::pool_create, py::arg("name"), py::arg("bytes"))

@@ -44,6 +44,19 @@ shm::Algo parse_algo(const std::string& name) {
                     "got '", name, "'");
 }
 
+std::vector<shm::Step> parse_steps(const std::vector<AutoStep>& steps) {
+  std::vector<shm::Step> out;
+  for (const auto& [from, name] : steps) {
+    TORCH_CHECK_VALUE(from >= 0, "ringreduce: an auto step's size must be >= 0 bytes, got ", from);
+    const shm::Algo a = parse_algo(name);
+    TORCH_CHECK_VALUE(a == shm::Algo::Ring || a == shm::Algo::TwoShot || a == shm::Algo::Cma,
+                      "ringreduce: an auto step's algorithm must be ring, twoshot or cma, got '",
+                      name, "'");
+    out.push_back({static_cast<uint64_t>(from), a});
+  }
+  return out;
+}
+
 void check_cpu(const at::Tensor& t, const char* arg) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "ringreduce: ", arg, " is on ", t.device(),
                     "; the shared-memory transport takes CPU tensors");
@@ -188,7 +201,8 @@ void with_interrupts(const std::function<bool(const Executor::Interrupted*)>& fn
 
 ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
                  double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
-                 int64_t oneshot_max_bytes, int64_t trace_buffer, const std::string& stream) {
+                 int64_t oneshot_max_bytes, int64_t trace_buffer, const std::string& stream,
+                 const std::vector<AutoStep>& auto_steps) {
   shm::Options opt;
   opt.rank = rank;
   opt.nranks = nranks;
@@ -199,6 +213,7 @@ ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, siz
   TORCH_CHECK_VALUE(oneshot_max_bytes >= 0, "ringreduce: oneshot_max_bytes must be >= 0, got ",
                     oneshot_max_bytes);
   opt.oneshot_max_bytes = static_cast<size_t>(oneshot_max_bytes);
+  opt.steps = parse_steps(auto_steps);
   using Stream = shm::Options::Stream;
   TORCH_CHECK_VALUE(stream == "auto" || stream == "0" || stream == "1",
                     "ringreduce: RINGREDUCE_STREAM must be auto, 0 or 1, got '", stream, "'");
@@ -453,6 +468,16 @@ bool ShmComm::broken() { return !comm_->closed() && comm_->ring().broken(); }
 std::string ShmComm::reason() { return comm_->closed() ? "" : comm_->ring().abort_reason(); }
 int64_t ShmComm::slice_bytes() { return static_cast<int64_t>(comm_->ring().slice_bytes()); }
 int64_t ShmComm::op_seq() { return static_cast<int64_t>(comm_->ring().op_seq()); }
+
+void ShmComm::set_auto_steps(const std::vector<AutoStep>& steps) {
+  TORCH_CHECK(!comm_->closed(), "ringreduce: the communicator is closed");
+  comm_->ring().set_steps(parse_steps(steps));
+}
+
+std::string ShmComm::cma_probe() {
+  TORCH_CHECK(!comm_->closed(), "ringreduce: the communicator is closed");
+  return comm_->ring().cma_probe();
+}
 
 std::string ShmComm::algo(int64_t numel, const at::Tensor& like) {
   const Call c{Coll::AllReduce, to_dtype(like, "like"), RedOp::Sum, numel, nullptr, nullptr};

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/executor.h"
@@ -94,12 +95,19 @@ struct Prepared {
   void append(Prepared q);
 };
 
+using AutoStep = std::pair<int64_t, std::string>;
+
 class ShmComm {
  public:
   ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
           double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
-          int64_t oneshot_max_bytes, int64_t trace_buffer, const std::string& stream = "auto");
+          int64_t oneshot_max_bytes, int64_t trace_buffer, const std::string& stream = "auto",
+          const std::vector<AutoStep>& auto_steps = {});
   ~ShmComm();
+  // Auto's algorithm above the one-shot threshold (shm::Step): (from bytes, "ring" | "twoshot" |
+  // "cma"); before the first call, the same on every rank.
+  void set_auto_steps(const std::vector<AutoStep>& steps);
+  std::string cma_probe();  // "" when this rank can read every peer by cross-memory attach
 
   int nranks() const { return nranks_; }
   int rank() const { return rank_; }

@@ -30,6 +30,16 @@ constexpr auto kPeerCheck = std::chrono::milliseconds(50);
 
 using Clock = std::chrono::steady_clock;
 
+// What cma_probe reads from a peer (at the address the peer published in its RankArea).
+const uint64_t kProbeWord = 0x636d612d70726f62ull;  // "cma-prob"
+
+bool uses_cma(const Options& o) {
+  if (o.algo == Algo::Cma) return true;
+  for (const Step& s : o.steps)
+    if (s.algo == Algo::Cma) return true;
+  return false;
+}
+
 size_t slot_stride(size_t slice_bytes) { return sizeof(MsgHeader) + round_up(slice_bytes, 64); }
 
 // Wrap-around safe "v has reached target" for the 32-bit futex counters.
@@ -94,9 +104,24 @@ Ring::Ring(void* base, size_t bytes, const Options& opt) : opt_(opt) {
   slots_ = reinterpret_cast<char*>(areas_ + opt.nranks);
   up_ = ring::mod(opt.rank - 1, opt.nranks);
   down_ = ring::mod(opt.rank + 1, opt.nranks);
+  areas_[opt.rank].probe.store(reinterpret_cast<uint64_t>(&kProbeWord));
   areas_[opt.rank].pid.store(static_cast<int32_t>(getpid()));
   // Where Yama restricts ptrace to descendants, let the peers read this process (cma only).
-  if (opt.algo == Algo::Cma) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  if (uses_cma(opt)) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+}
+
+std::string Ring::cma_probe() const {
+  for (int q = 0; q < opt_.nranks; ++q) {
+    if (q == opt_.rank) continue;
+    uint64_t word = 0;
+    iovec l{&word, sizeof word}, rem{reinterpret_cast<void*>(areas_[q].probe.load()), sizeof word};
+    const ssize_t got = process_vm_readv(areas_[q].pid.load(), &l, 1, &rem, 1, 0);
+    if (got != static_cast<ssize_t>(sizeof word) || word != kProbeWord)
+      return "rank " + std::to_string(opt_.rank) + " cannot read rank " + std::to_string(q) +
+             "'s memory by cross-memory attach (process_vm_readv: " +
+             (got < 0 ? std::strerror(errno) : "short or wrong read") + ")";
+  }
+  return "";
 }
 
 // On this VM an ordinary store to a line another core has cached is sometimes ~20x slower than
@@ -316,16 +341,22 @@ Algo Ring::choose(const Call& c, const Pool* pool) const {
   // A pool tensor's all-reduce reads the peers' copies in place (rank order, so deterministic
   // too), unless an algorithm is forced.
   if (pool && ar && c.in == c.out && opt_.algo == Algo::Auto) return Algo::Pool;
-  const bool small = ar && static_cast<uint64_t>(c.numel) * dtype_size(c.dtype) <= opt_.oneshot_max_bytes;
+  const uint64_t bytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
+  const bool small = ar && bytes <= opt_.oneshot_max_bytes;
+  Algo big = Algo::Ring;  // Auto above the one-shot threshold
+  if (ar)
+    for (const Step& s : opt_.steps)
+      if (bytes >= s.from_bytes) big = s.algo;
   if (opt_.algo == Algo::Cma) return Algo::Cma;  // rank order as well
   if (deterministic()) {  // rank order whatever RINGREDUCE_ALGO says
     if (opt_.algo == Algo::OneShot && ar) return Algo::OneShot;
     if (opt_.algo == Algo::TwoShot) return Algo::TwoShot;
-    return small ? Algo::OneShot : Algo::TwoShot;
+    if (small) return Algo::OneShot;
+    return opt_.algo == Algo::Auto && big == Algo::Cma ? Algo::Cma : Algo::TwoShot;
   }
   switch (opt_.algo) {
     case Algo::OneShot: return ar ? Algo::OneShot : Algo::Ring;  // one-shot: all-reduce only
-    case Algo::Auto: return small ? Algo::OneShot : Algo::Ring;
+    case Algo::Auto: return small ? Algo::OneShot : big;
     default: return opt_.algo;
   }
 }

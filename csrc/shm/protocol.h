@@ -30,6 +30,7 @@ struct alignas(64) RankArea {
   Counter posted;    // messages this rank has written into its own slots
   Counter consumed;  // messages this rank has consumed from its upstream neighbour's slots
   alignas(64) std::atomic<int32_t> pid{0};
+  std::atomic<uint64_t> probe{0};  // where in this process a peer's cma probe reads kProbeWord
 };
 
 struct alignas(64) GroupHeader {
@@ -102,6 +103,14 @@ struct CallView {
   const int n;
 };
 
+// Auto above one-shot's threshold: an all-reduce of at least from_bytes runs algo (ring, twoshot or
+// cma), the last step it reaches; below the first step, the ring. Measured per machine (the table
+// ringreduce/cpu_tuning.json); none: the ring at every size. Every rank must have the same steps.
+struct Step {
+  uint64_t from_bytes;
+  Algo algo;
+};
+
 struct Options {
   int rank = 0;
   int nranks = 1;
@@ -111,6 +120,7 @@ struct Options {
                              // to the rank being waited for at once), then sleep on the futex
   Algo algo = Algo::Auto;    // RINGREDUCE_ALGO
   size_t oneshot_max_bytes = 0;  // Auto picks one-shot for all-reduces up to this size
+  std::vector<Step> steps;       // and these above it
   // RINGREDUCE_STREAM: how data other ranks read is written (slots, pool tensors), from
   // kStreamMinBytes up: Auto copies with ordinary stores and switches to non-temporal ones for a
   // while when copies run slower than kSlowBytesPerNs (a VM's slow state: Ring::put);
@@ -140,6 +150,11 @@ class Ring {
   uint64_t op_seq() const { return op_seq_; }
   // The algorithm run() uses for c (Auto resolved; rank order when ringreduce::deterministic()).
   Algo choose(const Call& c, const Pool* pool = nullptr) const;
+  // Replaces Options::steps; before the first call, the same on every rank.
+  void set_steps(std::vector<Step> steps) { opt_.steps = std::move(steps); }
+  // Whether this rank can read every peer's memory by cross-memory attach: "" if so, else why not
+  // (a ptrace policy, a seccomp filter). Every rank must have constructed its Ring first.
+  std::string cma_probe() const;
   size_t slice_bytes() const { return slice_bytes_; }
   // What this rank waits for now, as a JSON object (the flight recorder's "waiting"), or "" when
   // no wait has outlasted its spin. Kept after a failed wait. Safe from any thread.
