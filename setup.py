@@ -226,7 +226,7 @@ class ninja_steps:
 
 setup(
     packages=find_packages(include=["ringreduce", "ringreduce.*"]),
-    package_data={"ringreduce": ["gpu_tuning.json"]},  # auto's measured thresholds (ringreduce/_cuda/policy.py)
+    package_data={"ringreduce": ["gpu_tuning.json", "cpu_tuning.json"]},  # auto's measured tables (_cuda/policy.py, _shm.py)
     ext_modules=[ext],
     cmdclass={"build_ext": Build},
 )

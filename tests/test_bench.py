@@ -562,3 +562,71 @@ def test_progress_line_is_erased_before_a_row(capsys):
     ctx.progress("[bench] N=2 all_reduce 8 KiB")
     ctx.clear_progress()
     assert capsys.readouterr().err == "[bench] N=2 all_reduce 8 KiB\n"
+
+
+# -- benchmarks/cpu_tune.py: the CPU table's arithmetic (its runs are the bench's) ---------------
+def _cpu_tune():
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location(
+        "cpu_tune", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_tune.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+K, M = 1 << 10, 1 << 20
+
+
+def test_cpu_tune_keeps_the_default_within_the_margin():
+    tune = _cpu_tune()
+    sizes = [K, 4 * K, 64 * K, M, 4 * M, 16 * M]
+    times = {"ring": {s: 100.0 for s in sizes}, "oneshot": {s: 95.0 for s in sizes},
+             "twoshot": {s: 95.0 for s in sizes}, "cma": {s: 95.0 for s in sizes}}
+    # Nothing beats the default by more than 10%: one-shot up to world 2's 1 KiB, the ring above.
+    assert tune.choose(times, 2)[:2] == (K, [])
+    # At world 4 the default threshold is 32 KiB: one-shot stays up to 4 KiB, then the ring.
+    assert tune.choose(times, 4)[:2] == (4 * K, [])
+
+
+def test_cpu_tune_steps_where_the_winner_changes():
+    tune = _cpu_tune()
+    sizes = [K, 4 * K, 64 * K, M, 4 * M, 16 * M]
+    ring = {s: 100.0 for s in sizes}
+    oneshot = {K: 50.0, 4 * K: 60.0, 64 * K: 300.0, M: 80.0, 4 * M: 500.0, 16 * M: 500.0}
+    twoshot = {s: 100.0 for s in sizes} | {64 * K: 70.0}
+    cma = {s: 100.0 for s in sizes} | {4 * M: 60.0, 16 * M: 85.0}
+    oneshot_max, steps, choice = tune.choose(
+        {"ring": ring, "oneshot": oneshot, "twoshot": twoshot, "cma": cma}, 2)
+    # One-shot wins from the bottom up to 4 KiB (beyond world 2's default threshold); its win at
+    # 1 MiB is no run from the bottom: the ring there. 16 MiB: cma 15% faster than the ring.
+    assert oneshot_max == 4 * K
+    assert steps == [[64 * K, "twoshot"], [M, "ring"], [4 * M, "cma"]]
+    assert choice[M] == "oneshot" and choice[16 * M] == "cma"
+    # A missing time loses: without cma's runs it never steps to cma.
+    assert tune.choose({"ring": ring, "twoshot": twoshot}, 2)[1] == [[64 * K, "twoshot"], [M, "ring"]]
+
+
+def test_cpu_tune_table_from_bench_json(tmp_path):
+    """--from: rounds from bench --json files; the entry is what _shm.tuned reads back."""
+    tune = _cpu_tune()
+    from ringreduce import _shm
+
+    def doc(ring_4m):
+        rows = [dict(collective="all_reduce", backend=f"ringreduce/{a}", nranks=2, size_bytes=s,
+                     inplace=ip, time_us=t * (1 if ip else 3))
+                for a, ts in (("ring", {M: 100.0, 4 * M: ring_4m}), ("cma", {M: 99.0, 4 * M: 300.0}),
+                              ("oneshot", {M: 400.0, 4 * M: 1600.0}))
+                for s, t in ts.items() for ip in (False, True)]
+        rows.append(dict(rows[0], backend="mpi/openmpi", time_us=1.0))  # a peer: not an algorithm
+        return {"runs": [{"rows": rows}]}
+
+    paths = []
+    for i, ring_4m in enumerate((500.0, 420.0)):  # cma's 300 beats the best ring (420) by > 10%
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(doc(ring_4m)))
+    table = tmp_path / "table.json"
+    tune.main(["--from", *map(str, paths), "--table", str(table)])
+    entry = json.loads(table.read_text())["entries"][0]
+    assert entry["median_us"]["ring"]["4194304"] == 420.0
+    assert _shm.tuned(entry["cpu_model"], entry["cores"], 2, str(table))[:2] == (0, [(4 * M, "cma")])
