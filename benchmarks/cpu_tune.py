@@ -5,9 +5,10 @@ ringreduce/cpu_tuning.json, one entry per (CPU model, cores, world size).
 
 For each world, ROUNDS runs of `python -m ringreduce.bench` with the ring, one-shot, two-shot and
 cma forced (all_reduce, float32 SUM, sizes x4 apart; the algorithms alternated iteration by
-iteration); each algorithm keeps its best in-place median per size. Per size, the code's default
-(one-shot up to its threshold, the ring above: ringreduce/_shm.py) stays unless another algorithm
-is faster by more than MARGIN (one run's noise must not move the choice). Auto then runs one-shot
+iteration). Per size, each algorithm's in-place median over the default's in the same run (the
+default: one-shot up to the code's threshold, the ring above: ringreduce/_shm.py), the median of
+those ratios over the rounds; the default stays unless another algorithm is faster by more than
+MARGIN. The entry keeps each algorithm's best time per size for the record. Auto then runs one-shot
 up to the last size of the unbroken run of one-shot choices from the smallest size, and above it
 steps to each size's choice where it changes (one-shot above the threshold counts as the ring).
 Sizes between two measured ones take the smaller one's choice. Check the table in with the
@@ -33,7 +34,7 @@ TABLE = _shm.TUNING_PATH
 ALGOS = ("ring", "oneshot", "twoshot", "cma")
 # A step needs a win beyond this: within one bench run the algorithms alternate iteration by
 # iteration, and there cma's lead over the ring at 4-16 MiB, world 2, was 7-15% in five runs
-# (2026-11-28), while separate runs of one algorithm moved 10-20%.
+# (2026-11-28), while separate runs of one algorithm moved 10-20% (so: ratios within a run).
 MARGIN = 0.05
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -47,17 +48,25 @@ def default_oneshot_max(world):
     return _shm.ONESHOT_MAX_BYTES_WORLD2 if world == 2 else _shm.ONESHOT_MAX_BYTES
 
 
-def choose(times, world):
-    """(oneshot_max, steps, choice per size) from times[algo][size] (us, in place). A size an
+def choose(rounds, world):
+    """(oneshot_max, steps, choice per size) from rounds of times[algo][size] (us, in place; the
+    algorithms of a round ran interleaved). Per size, each algorithm's time over the default's in
+    the same round, its median over the rounds: a run's drift cancels. A size or round an
     algorithm lacks counts as a loss for it."""
     inf = float("inf")
-    sizes = sorted({s for ts in times.values() for s in ts})
-    t = lambda algo, s: times.get(algo, {}).get(s, inf)  # noqa: E731
+    sizes = sorted({s for times in rounds for ts in times.values() for s in ts})
+
+    def ratio(algo, default, s):
+        rs = sorted(t.get(algo, {}).get(s, inf) / t.get(default, {}).get(s, inf)
+                    if t.get(default, {}).get(s) else inf for t in rounds)
+        mid = len(rs) // 2
+        return rs[mid] if len(rs) % 2 else (rs[mid - 1] + rs[mid]) / 2
+
     choice = {}
     for s in sizes:
         default = "oneshot" if s <= default_oneshot_max(world) else "ring"
-        best = min(ALGOS, key=lambda a: t(a, s))
-        choice[s] = best if t(best, s) * (1 + MARGIN) < t(default, s) else default
+        best = min(ALGOS, key=lambda a: ratio(a, default, s))
+        choice[s] = best if ratio(best, default, s) * (1 + MARGIN) < 1 else default
     oneshot_max = 0
     for s in sizes:
         if choice[s] != "oneshot":
@@ -114,8 +123,9 @@ def run_round(world, lo, hi, timeout, algos=ALGOS):
             return times_from_bench(json.load(f))
 
 
-def make_entry(model, cores, world, times, command):
-    oneshot_max, steps, _ = choose(times, world)
+def make_entry(model, cores, world, rounds, command):
+    oneshot_max, steps, _ = choose(rounds, world)
+    times = merge_best(rounds)
     return {"cpu_model": model, "cores": cores, "world": world, "oneshot_max": oneshot_max,
             "steps": steps, "date": datetime.date.today().isoformat(), "command": command,
             "median_us": {a: {str(s): round(v, 1) for s, v in sorted(ts.items())}
@@ -183,10 +193,11 @@ def main(argv=None):
                 rounds.append(run_round(world, lo, hi, a.timeout, a.algos.split(",")))
             plan.append((world, rounds))
     for world, rounds in plan:
-        entry = make_entry(model, cores, world, merge_best(rounds), command)
+        entry = make_entry(model, cores, world, rounds, command)
         print(describe(entry), flush=True)
-        for s, c in sorted(choose(merge_best(rounds), world)[2].items()):
-            row = "  ".join(f"{x} {merge_best(rounds).get(x, {}).get(s, float('nan')):9.1f}" for x in ALGOS)
+        best = merge_best(rounds)
+        for s, c in sorted(choose(rounds, world)[2].items()):
+            row = "  ".join(f"{x} {best.get(x, {}).get(s, float('nan')):9.1f}" for x in ALGOS)
             print(f"#   {s:>10} B: {row}  -> {c}", flush=True)
         if not a.dry_run:
             update_table(a.table, entry)

@@ -584,9 +584,9 @@ def test_cpu_tune_keeps_the_default_within_the_margin():
     times = {"ring": {s: 100.0 for s in sizes}, "oneshot": {s: 96.0 for s in sizes},
              "twoshot": {s: 96.0 for s in sizes}, "cma": {s: 96.0 for s in sizes}}
     # Nothing beats the default by more than 5%: one-shot up to world 2's 1 KiB, the ring above.
-    assert tune.choose(times, 2)[:2] == (K, [])
+    assert tune.choose([times], 2)[:2] == (K, [])
     # At world 4 the default threshold is 32 KiB: one-shot stays up to 4 KiB, then the ring.
-    assert tune.choose(times, 4)[:2] == (4 * K, [])
+    assert tune.choose([times], 4)[:2] == (4 * K, [])
 
 
 def test_cpu_tune_steps_where_the_winner_changes():
@@ -597,14 +597,26 @@ def test_cpu_tune_steps_where_the_winner_changes():
     twoshot = {s: 100.0 for s in sizes} | {64 * K: 70.0}
     cma = {s: 100.0 for s in sizes} | {4 * M: 60.0, 16 * M: 85.0}
     oneshot_max, steps, choice = tune.choose(
-        {"ring": ring, "oneshot": oneshot, "twoshot": twoshot, "cma": cma}, 2)
+        [{"ring": ring, "oneshot": oneshot, "twoshot": twoshot, "cma": cma}], 2)
     # One-shot wins from the bottom up to 4 KiB (beyond world 2's default threshold); its win at
     # 1 MiB is no run from the bottom: the ring there. 16 MiB: cma 15% faster than the ring.
     assert oneshot_max == 4 * K
     assert steps == [[64 * K, "twoshot"], [M, "ring"], [4 * M, "cma"]]
     assert choice[M] == "oneshot" and choice[16 * M] == "cma"
     # A missing time loses: without cma's runs it never steps to cma.
-    assert tune.choose({"ring": ring, "twoshot": twoshot}, 2)[1] == [[64 * K, "twoshot"], [M, "ring"]]
+    assert tune.choose([{"ring": ring, "twoshot": twoshot}], 2)[1] == [[64 * K, "twoshot"], [M, "ring"]]
+
+
+def test_cpu_tune_compares_within_a_run():
+    """Ratios to the default within each round, their median over the rounds: a slow round (every
+    algorithm 1.5x) moves nothing, where best-of-rounds would pair one round's cma with another's
+    ring."""
+    tune = _cpu_tune()
+    fast = {"ring": {4 * M: 100.0}, "cma": {4 * M: 98.0}}
+    slow = {"ring": {4 * M: 150.0}, "cma": {4 * M: 135.0}}
+    mid = {"ring": {4 * M: 120.0}, "cma": {4 * M: 105.0}}
+    assert tune.choose([fast, slow, mid], 2)[1] == [[4 * M, "cma"]]  # ratios 0.98, 0.9, 0.875
+    assert tune.choose([fast, fast, mid], 2)[1] == []  # median 0.98: within the margin
 
 
 def test_cpu_tune_table_from_bench_json(tmp_path):
