@@ -231,6 +231,51 @@ static void alternating_algorithms() {
   for (int r = 1; r < n; ++r) CHECK(res[r] == res[0], "rank %d differs", r);
 }
 
+// Auto with measured steps (one-shot up to 4 KiB, the ring, two-shot from 8 KiB, cma from 32 KiB,
+// the ring again from 128 KiB): every algorithm in turn around the FIFO, narrow and wide messages
+// and cma's reads mixed; exact results, the same bits on every rank; reduce_scatter ignores steps.
+static void alternating_steps() {
+  const int n = 3;
+  std::vector<std::vector<float>> res(n);
+  g_algo = shm::Algo::Auto;
+  g_tweak = [](int, shm::Options& o) {
+    o.steps = {{8 << 10, shm::Algo::TwoShot}, {32 << 10, shm::Algo::Cma}, {128 << 10, shm::Algo::Ring}};
+  };
+  with_ring(n, 512, 30.0, [&](int r, Ring& ring) {
+    const int64_t sizes[] = {1, 1500, 3000, 9000, 40000, 7, 1025, 2048, 8191, 8192, 32768, 33000};
+    for (int rep = 0; rep < 6; ++rep) {
+      for (int64_t numel : sizes) {
+        std::vector<float> x(numel);
+        for (int64_t i = 0; i < numel; ++i) x[i] = static_cast<float>(value(r, i + rep));
+        const Call c{Coll::AllReduce, DType::F32, RedOp::Sum, numel, x.data(), x.data()};
+        const int64_t b = numel * 4;
+        const shm::Algo want = b <= 4096 ? shm::Algo::OneShot : b < (8 << 10) ? shm::Algo::Ring
+                               : b < (32 << 10) ? shm::Algo::TwoShot : b < (128 << 10) ? shm::Algo::Cma
+                                                                      : shm::Algo::Ring;
+        CHECK(ring.choose(c) == want, "auto with steps chose %s for %lld floats, want %s",
+              shm::algo_name(ring.choose(c)), (long long)numel, shm::algo_name(want));
+        ring.run(c);
+        for (int64_t i = 0; i < numel; ++i) {
+          double want_v = 0;
+          for (int k = 0; k < n; ++k) want_v += value(k, i + rep);
+          if (x[i] != static_cast<float>(want_v)) {
+            CHECK(false, "rank %d rep %d numel %lld element %lld: %g, want %g", r, rep,
+                  (long long)numel, (long long)i, x[i], want_v);
+            return;
+          }
+        }
+        if (rep == 5 && numel == 9000) res[r] = x;
+      }
+    }
+    const Call rs{Coll::ReduceScatter, DType::F32, RedOp::Sum, 30000, nullptr, nullptr};
+    CHECK(ring.choose(rs) == shm::Algo::Ring, "reduce_scatter ignores the steps");
+    CHECK(ring.cma_probe().empty(), "threads of one process read each other: %s", ring.cma_probe().c_str());
+  });
+  g_tweak = nullptr;
+  g_algo = shm::Algo::Ring;
+  for (int r = 1; r < n; ++r) CHECK(res[r] == res[0], "rank %d differs", r);
+}
+
 // Deterministic mode: auto picks one-shot (up to 4 KiB here) or two-shot, whatever Options::algo
 // says; calls alternate between them around the FIFO; exact results, the same on every rank.
 static void alternating_deterministic() {
@@ -445,6 +490,7 @@ int main() {
   copy_stream_exact();
   stream_sweeps();
   alternating_algorithms();
+  alternating_steps();
   alternating_deterministic();
   algorithm_mismatch(false);
   algorithm_mismatch(true);
