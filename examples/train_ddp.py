@@ -33,6 +33,7 @@ Lines other programs parse (one write each): "epoch E/N  train loss L  test accu
 """
 import argparse
 import contextlib
+import gc
 import hashlib
 import importlib.util
 import inspect
@@ -404,6 +405,12 @@ def main(argv=None):
     emit(f"rank {rank} host {os.environ.get('RINGREDUCE_HOST_ID', '-')} parameters sha1 {digest}")
     if rank == 0 and not first_step:
         emit(f"saved checkpoint to {args.checkpoint}")
+    # Let DDP (and the process group it holds) go now, while the interpreter is whole: its
+    # reference cycles would otherwise be collected at exit, where a Gloo group's worker threads
+    # can end the process in std::terminate ("terminate called without an active exception"; CI
+    # saw it once, in a relaunch that trained nothing; see tests/frameworks_train.py).
+    model = optimizer = None
+    gc.collect()
     rr.destroy()
     dist.destroy_process_group()
 
