@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "cuda/kernels.h"
-#include "cuda/p2p/ring.h"
+#include "cuda/p2p/endpoint.h"
 #include "emu.h"
 #include "runtime/shm_map.h"
 
@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
   p2p::Algo algo = p2p::Algo::Auto;
   for (p2p::Algo a : {p2p::Algo::Ring, p2p::Algo::OneShot, p2p::Algo::TwoShot, p2p::Algo::Copy})
     if (algo_s == p2p::algo_name(a)) algo = a;
-  // registered: all_reduce of tensors in registered buffers (Ring::reg_alloc; Auto picks it).
+  // registered: all_reduce of tensors in registered buffers (Endpoint::reg_alloc; Auto picks it).
   const bool registered = algo_s == "registered";
   if (registered && coll != rr::Coll::AllReduce) {
     std::fprintf(stderr, "gpu_cost_emu: registered buffers are for all_reduce only\n");
@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   }
   emu_set_device_count(n);
   try {
-    std::vector<std::unique_ptr<p2p::Ring>> rings;
+    std::vector<std::unique_ptr<p2p::Endpoint>> rings;
     std::vector<cudaStream_t> streams(n);
     std::vector<std::string> handles;
     for (int r = 0; r < n; ++r) {
@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
       if (const char* v = std::getenv("RINGREDUCE_CUDA_CHUNK_BYTES")) o.chunk_bytes = std::atoll(v);
       // and the workspace's most blocks
       if (const char* v = std::getenv("RINGREDUCE_CUDA_SYM_BLOCKS")) o.sym_blocks = std::atoi(v);
-      rings.push_back(std::make_unique<p2p::Ring>(o));
+      rings.push_back(std::make_unique<p2p::Endpoint>(o));
       handles.push_back(rings.back()->handle());
       RR_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
     }

@@ -50,7 +50,7 @@ EXITS="test_processes_exit_cleanly_under_torchrun"
 if [ "$PART" = all ]; then
   log "smoke and the copy algorithm (no MPS)"
   # test_stream_semantics and the callers' streams test: synchronous p2p calls on the caller's stream
-  # and the C fast path (csrc/binding/cuda_module.cpp). The exit statuses, the close race and the wire's tests
+  # and the C fast path (csrc/binding/fast_path.cpp). The exit statuses, the close race and the wire's tests
   # (passed on the H200 in session 24) run after the roofline.
   timeout -k 10 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "test_smoke or \
       test_transport_choice_logged or test_world_one_moves_nothing or test_shared_buffers or \

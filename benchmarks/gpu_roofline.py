@@ -288,7 +288,7 @@ def main(argv=None):
         import torch
         if not torch.cuda.is_available():
             raise SystemExit("gpu_roofline.py needs a CUDA device")
-        from ringreduce._cuda import tuned
+        from ringreduce._cuda.policy import tuned
         name = torch.cuda.get_device_name()
         # The workspace's blocks the plain runs get (the table's entry; None: the default), for
         # gpu_tune.py --from to compare the "@blocks" runs with.

@@ -10,14 +10,14 @@ target_compile_definitions(cuda_emu PUBLIC RINGREDUCE_EMU=1)
 target_compile_options(cuda_emu PUBLIC -Wno-unknown-pragmas -ffp-contract=off PRIVATE -Wall -Wextra)
 target_link_libraries(cuda_emu PUBLIC Threads::Threads)
 
-# libnccl.so.2 of the stand-in: cuda/nccl/ring.cpp dlopens it by path, as it would torch's NCCL.
+# libnccl.so.2 of the stand-in: cuda/nccl/endpoint.cpp dlopens it by path, as it would torch's NCCL.
 add_library(nccl_standin SHARED tests/native/emu/nccl_standin.cpp)
 set_target_properties(nccl_standin PROPERTIES OUTPUT_NAME nccl VERSION 2 SOVERSION 2)
 target_link_libraries(nccl_standin PRIVATE cuda_emu)
 target_compile_options(nccl_standin PRIVATE -Wall -Wextra)
 
 add_library(ringreduce_cuda_emu STATIC tests/native/emu/kernels/reduce.cpp
-            tests/native/emu/kernels/p2p_kernel.cpp tests/native/emu/kernels/sym_kernel.cpp tests/native/emu/kernels/sym_wire.cpp csrc/cuda/p2p/ring.cpp csrc/cuda/p2p/diagnose.cpp csrc/cuda/p2p/copy.cpp csrc/cuda/p2p/plan.cpp csrc/cuda/nccl/ring.cpp csrc/cuda/call_log.cpp)
+            tests/native/emu/kernels/p2p_kernel.cpp tests/native/emu/kernels/sym_kernel.cpp tests/native/emu/kernels/sym_wire.cpp csrc/cuda/p2p/endpoint.cpp csrc/cuda/p2p/diagnose.cpp csrc/cuda/p2p/copy.cpp csrc/cuda/p2p/plan.cpp csrc/cuda/nccl/endpoint.cpp csrc/cuda/call_log.cpp)
 target_link_libraries(ringreduce_cuda_emu PUBLIC ringreduce_core cuda_emu ${CMAKE_DL_LIBS})
 target_compile_options(ringreduce_cuda_emu PRIVATE -Wall -Wextra -O2)
 

@@ -97,7 +97,7 @@ class RingBackend:
                     index = device.index if device.index is not None else torch.cuda.current_device()
                     dev = torch.device("cuda", index)
                     requested = os.environ.get("RINGREDUCE_TRANSPORT", "auto").strip().lower() or "auto"
-                    transport = _cuda.choose_transport(member, requested, dev, self.timeout)
+                    transport = _cuda.policy.choose_transport(member, requested, dev, self.timeout)
                     comm = _cuda.Communicator(member, dev, transport, self.timeout)
                 else:
                     comm = cpu_communicator(member, timeout=self.timeout)
@@ -378,7 +378,7 @@ def _warn_if_gpus_unserved():
         return
     _warned_no_cuda = True
     if torch.cuda.device_count() > 0:  # NVML: starts no CUDA context, so forks stay safe
-        from ._cuda import no_cuda_message
+        from ._cuda.policy import no_cuda_message
         warnings.warn(no_cuda_message() + " (until then the ringreduce backend moves CPU tensors "
                       "only)", RuntimeWarning, stacklevel=3)
 

@@ -17,14 +17,14 @@ ReduceOp = dist.ReduceOp
 
 # Codes understood by the native core (csrc/ring/types.h, RedOp), by ReduceOp.
 _OP_CODES = tuple((getattr(ReduceOp, name), code) for name, code in _C.OP_CODES.items())
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-                    torch.uint8, torch.int32, torch.int64)
+# The dtypes the core reduces, and those a wire takes (csrc/ring/types.h), as torch dtypes.
+SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in _C.DTYPES)
 TRANSPORTS = ("auto", "shm", "p2p", "nccl")
 # wire_dtype= codes (csrc/ring/types.h, Wire), by torch dtype.
 _WIRE_CODES = tuple((getattr(torch, name), code) for name, code in _C.WIRE_CODES.items())
 WIRE_DTYPES = tuple(d for d, _ in _WIRE_CODES)
 WIRE_BLOCK = _C.WIRE_BLOCK  # elements per fp8 scale
-WIRE_TENSOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+WIRE_TENSOR_DTYPES = tuple(getattr(torch, name) for name in _C.WIRE_TENSOR_DTYPES)
 
 
 def set_deterministic(on=True):

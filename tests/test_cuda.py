@@ -61,7 +61,7 @@ def setup_rank(rank):
     torch.cuda.set_device(dev)
     if torch.cuda.device_count() == 1:
         os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
-        if _C.nccl_version(_cuda._nccl_lib()) < 23000:
+        if _C.nccl_version(_cuda.policy._nccl_lib()) < 23000:
             os.environ["NCCL_HOSTID"] = f"ringreduce-test-rank-{rank}"
     return dev
 
@@ -523,7 +523,7 @@ def failure_worker(rank, world, silent):
 def nccl_over_sockets():
     """True where the nccl tests' ranks pose as hosts on one GPU (NCCL < 2.30, see setup_rank)."""
     from ringreduce import _C, _cuda
-    return torch.cuda.device_count() == 1 and _C.nccl_version(_cuda._nccl_lib()) < 23000
+    return torch.cuda.device_count() == 1 and _C.nccl_version(_cuda.policy._nccl_lib()) < 23000
 
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["stream", "blocking_wait"])

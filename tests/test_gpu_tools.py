@@ -127,7 +127,7 @@ def test_no_entry_from_a_roofline_without_forced_runs(capsys):
 
 
 def test_table_written_and_read_back(tmp_path):
-    from ringreduce._cuda import tuned
+    from ringreduce._cuda.policy import tuned
     table = tmp_path / "gpu_tuning.json"
     table.write_text('{"about": "", "entries": []}')
     assert tuned("NVIDIA H100 80GB HBM3", 2, 2, str(table))[:2] == (None, None)
@@ -198,14 +198,14 @@ def test_blocks_entry_from_a_roofline_json(tmp_path):
 
 def test_the_checked_in_table_parses():
     import json
-    from ringreduce._cuda import TUNING_PATH
+    from ringreduce._cuda.policy import TUNING_PATH
     doc = json.loads(pathlib.Path(TUNING_PATH).read_text())
     for e in doc["entries"]:
         assert {"device", "world", "ranks_per_device", "oneshot_max", "date", "command"} <= set(e), e
 
 
 def test_ranks_sharing_a_gpu_without_mps_are_warned():
-    from ringreduce._cuda import sharing_warning
+    from ringreduce._cuda.policy import sharing_warning
     assert sharing_warning(1, "cuda:0", mps=False) is None
     assert sharing_warning(2, "cuda:0", mps=True) is None
     msg = sharing_warning(2, "cuda:0", mps=False)
@@ -216,7 +216,7 @@ def test_ranks_sharing_a_gpu_without_mps_are_warned():
 def test_blocks_per_call_leave_room_for_every_rank_on_a_device():
     """A p2p call's blocks: the SMs over the ranks sharing a device, the least over the group
     (the kernels of all ranks spin on each other, so all their blocks must be resident at once)."""
-    from ringreduce._cuda import resident_blocks
+    from ringreduce._cuda.policy import resident_blocks
     h100 = 132
     assert resident_blocks([("a", "0:1", h100)]) == 132
     assert resident_blocks([("a", "0:1", h100), ("a", "0:2", h100)]) == 132  # one rank per GPU
@@ -230,7 +230,7 @@ def test_blocks_per_call_leave_room_for_every_rank_on_a_device():
 def test_blocks_leave_room_for_mps_shares_and_other_communicators(monkeypatch):
     """A communicator's SMs: the MPS share of the device (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE where
     the driver cannot say), split with the communicators already live on it."""
-    from ringreduce._cuda import mps_sm_share, usable_sms
+    from ringreduce._cuda.policy import mps_sm_share, usable_sms
     assert usable_sms(132, 100, 0) == 132
     assert usable_sms(132, 50, 0) == 66
     assert usable_sms(132, 100, 1) == 66  # a second communicator on the device
@@ -247,7 +247,7 @@ def test_blocks_leave_room_for_mps_shares_and_other_communicators(monkeypatch):
 def test_time_sliced_where_ranks_share_a_gpu_without_mps():
     """The copy algorithm (no kernel waits for another rank) where some GPU of the group is
     shared by ranks and MPS does not run; where[q] = (host, bus id, SMs, MPS active)."""
-    from ringreduce._cuda import resident_blocks, time_sliced
+    from ringreduce._cuda.policy import resident_blocks, time_sliced
     assert not time_sliced([("a", "0:1", 132, False), ("a", "0:2", 132, False)])  # a GPU each
     assert time_sliced([("a", "0:1", 132, False)] * 2)
     assert not time_sliced([("a", "0:1", 132, True)] * 2)  # MPS
@@ -258,7 +258,7 @@ def test_time_sliced_where_ranks_share_a_gpu_without_mps():
 
 
 def test_mps_as_the_environment_says(tmp_path, monkeypatch):
-    from ringreduce._cuda import mps_active
+    from ringreduce._cuda.policy import mps_active
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     monkeypatch.delenv("RINGREDUCE_CUDA_MPS", raising=False)
     assert not mps_active()
@@ -275,7 +275,7 @@ def test_mps_as_the_environment_says(tmp_path, monkeypatch):
 
 
 def test_copy_knob_checked(monkeypatch):
-    from ringreduce._cuda import p2p_knobs
+    from ringreduce._cuda.policy import p2p_knobs
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", "copy")
     monkeypatch.setenv("RINGREDUCE_CUDA_COPY_BYTES", "4096")
     k = p2p_knobs()
@@ -286,7 +286,7 @@ def test_copy_knob_checked(monkeypatch):
 
 
 def test_mps_pipe_found_where_cuda_looks(tmp_path, monkeypatch):
-    from ringreduce._cuda import mps_pipe_present
+    from ringreduce._cuda.policy import mps_pipe_present
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert not mps_pipe_present()
     (tmp_path / "control").touch()
@@ -297,7 +297,7 @@ def test_checked_in_table_follows_from_its_medians():
     """Every entry of ringreduce/gpu_tuning.json: its threshold is what gpu_tune.threshold
     makes of the medians it records (an entry edited by hand, or by an older rule, fails here)."""
     import json
-    from ringreduce._cuda import TUNING_PATH
+    from ringreduce._cuda.policy import TUNING_PATH
     with open(TUNING_PATH) as f:
         entries = json.load(f)["entries"]
     for e in entries:
@@ -316,18 +316,18 @@ def test_checked_in_table_follows_from_its_medians():
 
 def test_python_block_constants_match_the_kernels():
     import re
-    from ringreduce import _cuda
+    from ringreduce._cuda import policy
     header = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "p2p" / "layout.h").read_text()
     value = lambda name: int(re.search(rf"constexpr int {name} = (\d+);", header).group(1))  # noqa: E731
-    assert roof.MAX_BLOCKS == _cuda.MAX_SYM_BLOCKS
-    assert (_cuda.DEFAULT_SYM_BLOCKS, _cuda.MAX_SYM_BLOCKS) == (value("kDefaultSymBlocks"),
-                                                                value("kMaxSymBlocks"))
+    assert roof.MAX_BLOCKS == policy.MAX_SYM_BLOCKS
+    assert (policy.DEFAULT_SYM_BLOCKS, policy.MAX_SYM_BLOCKS) == (value("kDefaultSymBlocks"),
+                                                                  value("kMaxSymBlocks"))
 
 
 def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
     """The p2p knobs every rank must set alike: their defaults, the string ranks compare, and a
     clear error for a value the kernels cannot run (no GPU needed: read before CUDA is touched)."""
-    from ringreduce._cuda import p2p_knobs
+    from ringreduce._cuda.policy import p2p_knobs
     for name in ("RINGREDUCE_CUDA_CHANNELS", "RINGREDUCE_CUDA_SLICE_BYTES", "RINGREDUCE_CUDA_CHUNK_BYTES",
                  "RINGREDUCE_CUDA_ALGO", "RINGREDUCE_CUDA_MAX_BLOCKS", "RINGREDUCE_CUDA_COPY_BYTES",
                  "RINGREDUCE_CUDA_SYM_BLOCKS"):
@@ -477,8 +477,8 @@ def test_measured_blocks_applied_on_every_rank_unless_set(tmp_path, monkeypatch)
     tune.update_table(str(table), {"device": "NVIDIA H200", "world": 2, "ranks_per_device": 2,
                                    "oneshot_max": 262144, "sym_blocks": 64, "date": "x",
                                    "command": "a | b"})
-    real = _cuda.tuned  # its path argument's default binds at definition: pass the table in
-    monkeypatch.setattr(_cuda, "tuned", lambda d, w, p: real(d, w, p, str(table)))
+    real = _cuda.policy.tuned  # its path argument's default binds at definition: pass the table in
+    monkeypatch.setattr(_cuda.policy, "tuned", lambda d, w, p: real(d, w, p, str(table)))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
 
     class Native:
@@ -508,3 +508,18 @@ def test_measured_blocks_applied_on_every_rank_unless_set(tmp_path, monkeypatch)
         setup = _lifecycle.Bootstrap(member, "p2p-test", 5.0)
         assert tuned_on(setup, 0, algo, sym_blocks) == want
         assert tuned_on(setup, 1, algo, sym_blocks) == want  # rank 0's entry, read from the store
+
+
+def test_python_reads_the_vocabulary_and_defaults_from_the_native_code():
+    import torch
+    from ringreduce import _C, collectives
+    from ringreduce._cuda import policy
+    assert [str(d).replace("torch.", "") for d in collectives.SUPPORTED_DTYPES] == list(_C.DTYPES)
+    assert collectives.WIRE_TENSOR_DTYPES == (torch.float32, torch.float16, torch.bfloat16)
+    assert policy.DEFAULT_STAGING_BYTES == _C.CUDA_DEFAULTS["staging_bytes"] == 16 << 20
+    import re
+    pkg = pathlib.Path(__file__).resolve().parents[1] / "ringreduce"
+    for path in (pkg / "collectives.py", pkg / "_cuda" / "policy.py"):
+        text = path.read_text()
+        assert not re.search(r"=\s*\(?torch\.float32,", text), path.name  # no dtype list spelled out
+        assert not re.search(r"DEFAULT_\w+\s*=\s*\d", text), path.name    # no default spelled out

@@ -81,9 +81,9 @@ def test_no_record_stream_on_our_streams():
 
 
 def test_destructors_make_no_cuda_call_while_python_finalizes():
-    binding = (ROOT / "csrc" / "binding" / "cuda_comm.h").read_text()
-    for cls in ("~CudaWork()", "~CudaComm()"):
-        body = binding.split(cls, 1)[1].split("\n  }\n", 1)[0]
+    binding = (ROOT / "csrc" / "binding" / "cuda_comm.cpp").read_text()
+    for cls in ("CudaWork::~CudaWork()", "CudaComm::~CudaComm()"):
+        body = binding.split(cls, 1)[1].split("\n}\n", 1)[0]
         assert "finalizing()" in body, f"{cls} must check finalizing() first:\n{body}"
 
 

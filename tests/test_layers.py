@@ -178,7 +178,7 @@ TORCH_HEADERS = ("torch/", "ATen/", "c10/", "Python.h", "pybind11/", "nvtx3/")
 
 
 def csrc_folder(rel):
-    """The folder of a path relative to csrc ("cuda/p2p/ring.h" -> "cuda/p2p")."""
+    """The folder of a path relative to csrc ("cuda/p2p/endpoint.h" -> "cuda/p2p")."""
     parts = rel.split("/")[:-1]
     for k in range(len(parts), 0, -1):
         if "/".join(parts[:k]) in CSRC_LEVELS:
@@ -243,14 +243,91 @@ def test_csrc_folders_include_down_only():
 
 
 def test_csrc_checks_catch_what_they_are_for():
-    bad = {"cuda/p2p/ring.h": [(3, "ATen/ATen.h", False), (4, "binding/shm_comm.h", True),
-                               (5, "cuda/nccl/ring.h", True), (6, "cuda/kernels.h", True)],
+    bad = {"cuda/p2p/endpoint.h": [(3, "ATen/ATen.h", False), (4, "binding/shm_comm.h", True),
+                                   (5, "cuda/nccl/endpoint.h", True), (6, "cuda/kernels.h", True)],
            "ring/call.h": [(7, "cpu/reduce.h", True)],
-           "binding/module.cpp": [(1, "torch/extension.h", False), (2, "cuda/p2p/ring.h", True)]}
+           "binding/module.cpp": [(1, "torch/extension.h", False), (2, "cuda/p2p/endpoint.h", True)]}
     assert csrc_violations(bad) == [
-        "cuda/p2p/ring.h:3 includes <ATen/ATen.h>: only csrc/binding/ sees torch or Python",
-        "cuda/p2p/ring.h:4 (cuda/p2p) includes binding/shm_comm.h (binding): a higher level",
-        "cuda/p2p/ring.h:5 (cuda/p2p) includes cuda/nccl/ring.h (cuda/nccl): a folder beside it",
+        "cuda/p2p/endpoint.h:3 includes <ATen/ATen.h>: only csrc/binding/ sees torch or Python",
+        "cuda/p2p/endpoint.h:4 (cuda/p2p) includes binding/shm_comm.h (binding): a higher level",
+        "cuda/p2p/endpoint.h:5 (cuda/p2p) includes cuda/nccl/endpoint.h (cuda/nccl): a folder beside it",
         "ring/call.h:7 (ring) includes cpu/reduce.h (cpu): a higher level"]
     assert csrc_depth({"binding/a.cpp": [(1, "cuda/p2p/x.h", True)],
                        "cuda/p2p/x.h": [(1, "cuda/k.h", True)], "cuda/k.h": [(1, "ring/t.h", True)]}) == 4
+
+
+# -- one transport interface, each check written once (issue: one transport interface) ------------
+
+def strip_comment(line):
+    """A C++ line without its // comment: the first // outside a string literal."""
+    quoted = False
+    for k, ch in enumerate(line):
+        if ch == '"' and (k == 0 or line[k - 1] != "\\"):
+            quoted = not quoted
+        elif not quoted and line.startswith("//", k):
+            return line[:k]
+    return line
+
+
+def code_text(path):
+    """A C++ file without its // comments (string contents kept)."""
+    return "\n".join(strip_comment(line) for line in path.read_text().splitlines())
+
+
+def csrc_files_with(text, root=CSRC):
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_file() and text in code_text(p))
+
+
+TRANSPORTS = {"shm/endpoint.h": "shm", "cuda/p2p/endpoint.h": "p2p", "cuda/nccl/endpoint.h": "nccl"}
+
+
+def test_every_transport_implements_the_one_interface():
+    for rel, name in TRANSPORTS.items():
+        text = (CSRC / rel).read_text()
+        assert re.search(r"class Endpoint : public runtime::Transport\b", text), rel
+        assert f'const char* name() const override {{ return "{name}"; }}' in text, rel
+
+
+def test_the_binding_branches_on_capabilities_not_on_types():
+    """No transport type in the communicator's policy: no std::is_same on it, no template over it,
+    and the CUDA communicator's header a plain declaration."""
+    for path in sorted((CSRC / "binding").iterdir()):
+        text = code_text(path)
+        assert not re.search(r"is_same(_v)?\s*<", text), path.name
+        assert not re.search(r"template\s*<\s*(class|typename)\s+(Ring|Endpoint|Transport)\b", text), path.name
+    header = CSRC / "binding" / "cuda_comm.h"
+    assert len(header.read_text().splitlines()) <= 150
+    assert "p2p::" not in code_text(header) and "nccl::" not in code_text(header)
+    assert "p2p::" not in code_text(CSRC / "binding" / "cuda_comm.cpp")
+
+
+def test_each_check_and_mechanism_written_once():
+    once = {
+        "broken by an earlier failure": ["runtime/transport.h"],  # the broken check's message
+        "is not a multiple of": ["runtime/transport.h"],          # the multiple of the world
+        "METH_FASTCALL": ["binding/fast_path.cpp"],              # one fast path for CPU and CUDA
+        "PyCapsule_GetPointer": ["binding/fast_path.cpp"],
+        "translate_exception_to_python": ["binding/fast_path.cpp"],  # one exception map
+        "\\nflight recorder: ": ["runtime/recorder.cpp"],          # the record/dump wrapper
+        "bool wire_takes(": ["ring/types.h"],                     # what a wire takes
+        "constexpr size_t kDefaultStagingBytes": ["cuda/nccl/defaults.h"],
+        "constexpr int kDefaultSymBlocks": ["cuda/p2p/layout.h"],
+    }
+    for text, where in once.items():
+        assert csrc_files_with(text) == where, text
+    # ... and each is used where the copies were
+    assert "rethrow_failed(" in code_text(CSRC / "binding" / "shm_comm.cpp")
+    assert "rethrow_failed(" in code_text(CSRC / "binding" / "cuda_comm.cpp")
+    for rel in ("shm/protocol.cpp", "cuda/p2p/endpoint.cpp", "cuda/nccl/endpoint.cpp"):
+        assert "runtime::check_call(" in code_text(CSRC / rel), rel
+
+
+def test_host_ring_loop_written_once():
+    """The schedule's steps are walked by ring/loop.h for the host transports (shm, nccl) and by
+    the device kernel; the transports bring primitives, not loops."""
+    walkers = [f for f in csrc_files_with("rs_recv_chunk(") if f != "ring/schedule.h"]
+    assert walkers == ["cuda/p2p/ring_kernel.cu", "ring/loop.h"]
+    for rel in ("shm/protocol.cpp", "cuda/nccl/endpoint.cpp"):
+        assert "ring::run_ring(" in code_text(CSRC / rel), rel
+

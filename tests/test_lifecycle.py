@@ -106,21 +106,21 @@ def test_destroyed_groups_communicators_are_closed(tmp_path):
 
 def test_decide_transport():
     host = "node1/boot-a"
-    assert _cuda.decide_transport([host] * 4, ["ok"] * 4)[0] == "p2p"
-    assert _cuda.decide_transport([host], ["ok"])[0] == "p2p"
-    transport, why = _cuda.decide_transport([host, "node2/boot-b"], ["ok", "ok"])
+    assert _cuda.policy.decide_transport([host] * 4, ["ok"] * 4)[0] == "p2p"
+    assert _cuda.policy.decide_transport([host], ["ok"])[0] == "p2p"
+    transport, why = _cuda.policy.decide_transport([host, "node2/boot-b"], ["ok", "ok"])
     assert transport == "nccl" and "2 hosts" in why
     # one pair of neighbours without peer access (PCIe without P2P): nccl, naming the rank and why
-    transport, why = _cuda.decide_transport(
+    transport, why = _cuda.policy.decide_transport(
         [host] * 3, ["ok", "devices 1 and 2 (0000:41:00.0) have no peer access", "ok"])
     assert transport == "nccl" and "rank 1" in why and "no peer access" in why
 
 
 def test_connections_warning():
-    assert _cuda.connections_warning("32", 2) is None
-    assert _cuda.connections_warning(None, 1) is None  # one communicator: nothing to collide with
+    assert _cuda.policy.connections_warning("32", 2) is None
+    assert _cuda.policy.connections_warning(None, 1) is None  # one communicator: nothing to collide with
     for value in (None, "8", "1"):
-        msg = _cuda.connections_warning(value, 2)
+        msg = _cuda.policy.connections_warning(value, 2)
         assert msg and "CUDA_DEVICE_MAX_CONNECTIONS=32" in msg, msg
 
 

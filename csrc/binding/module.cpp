@@ -11,9 +11,12 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "binding/fast_path.h"
 #include "binding/shm_comm.h"
 #include "binding/torch_types.h"
 #include "cpu/wire.h"
+#include "cuda/nccl/defaults.h"
+#include "cuda/p2p/layout.h"
 #include "runtime/shm_map.h"
 
 namespace rr = ringreduce;
@@ -95,70 +98,6 @@ py::object start(ShmComm& c, rr::Prepared p, bool async_op, const char* op) {
   return py::cast(w);
 }
 
-// The fast path as a plain CPython function (METH_FASTCALL): fast(tensor, op) -> True when a
-// synchronous all-reduce ran, or fast(tensor, op, True) -> the queued call's Work; False when not
-// taken. pybind11's dispatch costs ~0.3 us a call and hashing a ReduceOp ~0.4 us, as much as an
-// all-reduce of 4 KiB between two ranks; this costs a C call. op must be one of the ReduceOp
-// objects given when the function was made (identity, in code order); anything else returns False
-// (the caller's full path).
-struct FastCall {
-  ShmPtr comm;
-  std::vector<py::object> ops;    // ops[code]
-  std::vector<py::object> wires;  // wires[code]: the wire_dtype objects (code 0: None)
-};
-
-constexpr const char* kFastCapsule = "ringreduce.FastCall";
-
-PyObject* fast_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  auto* f = static_cast<FastCall*>(PyCapsule_GetPointer(self, kFastCapsule));
-  if (f == nullptr) return nullptr;
-  if (nargs < 2 || nargs > 4) {
-    PyErr_Format(PyExc_TypeError, "fast all_reduce takes (tensor, op[, async_op[, wire_dtype]]), got "
-                 "%zd arguments", nargs);
-    return nullptr;
-  }
-  int code = -1, wire = 0;
-  for (size_t i = 0; i < f->ops.size(); ++i)
-    if (args[1] == f->ops[i].ptr()) code = static_cast<int>(i);
-  if (nargs == 4 && args[3] != Py_None) {
-    wire = -1;
-    for (size_t i = 1; i < f->wires.size(); ++i)
-      if (args[3] == f->wires[i].ptr()) wire = static_cast<int>(i);
-  }
-  try {
-    if (code < 0 || wire < 0) Py_RETURN_FALSE;
-    if (nargs >= 3 && args[2] == Py_True) {
-      if (wire) Py_RETURN_FALSE;  // an async wire call: the full path
-      rr::WorkPtr w = f->comm->try_all_reduce_async(args[0], code);
-      if (!w) Py_RETURN_FALSE;
-      return py::cast(w).release().ptr();
-    }
-    if (f->comm->try_all_reduce(args[0], code, wire)) Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (const rr::RingError& e) {
-    PyErr_SetString(rr::ring_error_type(), e.what());
-  } catch (const std::overflow_error& e) {  // a float16 wire's overflow, as pybind11 maps it
-    PyErr_SetString(PyExc_OverflowError, e.what());
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-  }
-  return nullptr;
-}
-
-PyMethodDef fast_def = {"fast_all_reduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
-                                               &fast_all_reduce)),
-                        METH_FASTCALL, "fast(tensor, op) -> bool: a synchronous all-reduce, or False"};
-
-py::object make_fast(ShmPtr comm, const std::vector<py::object>& ops, const std::vector<py::object>& wires) {
-  auto* f = new FastCall{std::move(comm), ops, wires};
-  py::capsule cap(f, kFastCapsule, [](void* p) { delete static_cast<FastCall*>(p); });
-  PyObject* fn = PyCFunction_New(&fast_def, cap.ptr());
-  if (fn == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(fn);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -190,9 +129,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }, py::arg("tensor"), py::arg("op"), py::arg("async_op") = false, py::arg("wire") = 0)
       .def("try_all_reduce", [](ShmComm& c, py::handle t, int op) { return c.try_all_reduce(t.ptr(), op); },
            py::arg("tensor"), py::arg("op"))
-      .def("fast_all_reduce", [](ShmPtr self, const std::vector<py::object>& ops,
+      .def("fast_all_reduce", [](py::object self, const std::vector<py::object>& ops,
                                  const std::vector<py::object>& wires) {
-        return make_fast(std::move(self), ops, wires);
+        ShmComm* c = self.cast<ShmComm*>();
+        return rr::binding::make_fast_path(std::move(self), c, ops, wires);
       }, py::arg("ops"), py::arg("wires") = std::vector<py::object>(),
          "A function fast(tensor, op[, async_op[, wire_dtype]]) -> bool running try_all_reduce; "
          "wires[code] is each wire_dtype object (code 0: None); ops[code] is "
@@ -363,6 +303,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("OP_CODES") = ops;      // {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4}
   m.attr("WIRE_CODES") = wires;  // {"bfloat16": 1, "float16": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}
   m.attr("WIRE_BLOCK") = rr::kWireBlock;  // elements per fp8 scale
+  // The dtypes the core reduces, by name in code order, and those a wire takes (torch's names).
+  py::list dtypes, wire_dtypes;
+  for (int k = 0; k < static_cast<int>(rr::DType::kCount); ++k) {
+    dtypes.append(rr::dtype_name(rr::DType(k)));
+    if (rr::wire_takes(rr::DType(k))) wire_dtypes.append(rr::dtype_name(rr::DType(k)));
+  }
+  m.attr("DTYPES") = py::tuple(dtypes);  // ("float32", "float64", ..., "int64")
+  m.attr("WIRE_TENSOR_DTYPES") = py::tuple(wire_dtypes);  // ("float32", "float16", "bfloat16")
+  // The CUDA transports' defaults (cuda/p2p/layout.h, cuda/nccl/defaults.h; CUDA-free, so in
+  // every build): the policy's knobs (ringreduce/_cuda/policy.py) start from these.
+  namespace rc = rr::cuda;
+  py::dict d;
+  d["channels"] = rc::p2p::kDefaultChannels;
+  d["slice_bytes"] = rc::p2p::kDefaultSliceBytes;
+  d["chunk_bytes"] = rc::p2p::kDefaultChunkBytes;
+  d["copy_bytes"] = rc::p2p::kDefaultCopySlotBytes;
+  d["sym_blocks"] = rc::p2p::kDefaultSymBlocks;
+  d["max_sym_blocks"] = rc::p2p::kMaxSymBlocks;
+  d["max_peers"] = rc::p2p::kMaxPeers;
+  d["staging_bytes"] = rc::nccl::kDefaultStagingBytes;
+  m.attr("CUDA_DEFAULTS") = d;
 #ifdef RINGREDUCE_WITH_CUDA
   m.attr("cuda_compiled") = true;
   register_cuda(m);

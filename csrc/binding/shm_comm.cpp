@@ -223,10 +223,10 @@ ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, siz
   TORCH_CHECK_VALUE(slice_bytes >= 64, "ringreduce: slice_bytes must be >= 64, got ", slice_bytes);
   TORCH_CHECK_VALUE(trace_buffer >= 0, "ringreduce: RINGREDUCE_TRACE_BUFFER must be >= 0, got ",
                     trace_buffer);
-  comm_ = std::make_unique<shm::Segment>(name, create, opt, slice_bytes);
+  comm_ = std::make_unique<shm::Endpoint>(name, create, opt, slice_bytes);
   exec_ = std::make_shared<Executor>();
   rec_ = std::make_shared<runtime::Recorder>(static_cast<size_t>(trace_buffer));
-  rec_->set_probe([this] { return comm_->closed() ? std::string() : comm_->ring().waiting(); });
+  rec_->set_probe([this] { return comm_->closed() ? std::string() : comm_->protocol().waiting(); });
   runtime::Recorder::add(rec_);
 }
 
@@ -328,7 +328,7 @@ Prepared ShmComm::all_gather(const at::Tensor& out, const at::Tensor& in) {
 void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, runtime::Source source,
                        int64_t t_queued) {
   if (comm_->closed()) throw RingError("ringreduce: communicator is closed");
-  shm::Ring& ring = comm_->ring();
+  shm::Protocol& ring = comm_->protocol();
   // A tensor in a pool buffer of this communicator: the buffer stays mapped for the call.
   const uint64_t nbytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
   std::shared_ptr<shm::PoolBuffer> buf;
@@ -347,17 +347,8 @@ void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, 
   }
   try {
     ring.run(c, interrupted, pp);
-  } catch (const RingError& e) {
-    if (!seq) throw;
-    rec_->failed(seq, e.what());
-    const std::string path = rec_->dump_on_failure();
-    if (path.empty()) throw;
-    throw RingError(std::string(e.what()) + "\nflight recorder: " + path +
-                    " (every rank's: python -m ringreduce.trace " + path.substr(0, path.rfind('/')) +
-                    ")");
-  } catch (const std::exception& e) {
-    rec_->failed(seq, e.what());
-    throw;
+  } catch (...) {
+    rec_->rethrow_failed(seq);
   }
   rec_->finished(seq);
 }
@@ -441,10 +432,7 @@ WorkPtr ShmComm::try_all_reduce_async(PyObject* obj, int op) {
 bool ShmComm::try_all_reduce(PyObject* obj, int op, int wire) {
   DType dt;
   if (!fast_tensor(obj, dt)) return false;
-  if (wire != 0 && (wire < 0 || wire >= static_cast<int>(Wire::kCount) ||
-                    (dt != DType::F32 && dt != DType::F16 && dt != DType::BF16) ||
-                    (to_op(op) != RedOp::Sum && to_op(op) != RedOp::Avg)))
-    return false;  // the full path raises the API's error
+  if (!wire_fits(wire, dt, op)) return false;  // the full path raises the API's error
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (comm_->closed() || !exec_->try_claim()) return false;
   struct Release {
@@ -462,26 +450,26 @@ bool ShmComm::try_all_reduce(PyObject* obj, int op, int wire) {
 }
 
 void ShmComm::abort(const std::string& why) {
-  if (!comm_->closed()) comm_->ring().abort(why);
+  if (!comm_->closed()) comm_->protocol().abort(why);
 }
-bool ShmComm::broken() { return !comm_->closed() && comm_->ring().broken(); }
-std::string ShmComm::reason() { return comm_->closed() ? "" : comm_->ring().abort_reason(); }
-int64_t ShmComm::slice_bytes() { return static_cast<int64_t>(comm_->ring().slice_bytes()); }
-int64_t ShmComm::op_seq() { return static_cast<int64_t>(comm_->ring().op_seq()); }
+bool ShmComm::broken() { return !comm_->closed() && comm_->protocol().broken(); }
+std::string ShmComm::reason() { return comm_->closed() ? "" : comm_->protocol().abort_reason(); }
+int64_t ShmComm::slice_bytes() { return static_cast<int64_t>(comm_->protocol().slice_bytes()); }
+int64_t ShmComm::op_seq() { return static_cast<int64_t>(comm_->protocol().op_seq()); }
 
 void ShmComm::set_auto_steps(const std::vector<AutoStep>& steps) {
   TORCH_CHECK(!comm_->closed(), "ringreduce: the communicator is closed");
-  comm_->ring().set_steps(parse_steps(steps));
+  comm_->protocol().set_steps(parse_steps(steps));
 }
 
 std::string ShmComm::cma_probe() {
   TORCH_CHECK(!comm_->closed(), "ringreduce: the communicator is closed");
-  return comm_->ring().cma_probe();
+  return comm_->protocol().cma_probe();
 }
 
 std::string ShmComm::algo(int64_t numel, const at::Tensor& like) {
   const Call c{Coll::AllReduce, to_dtype(like, "like"), RedOp::Sum, numel, nullptr, nullptr};
-  return shm::algo_name(comm_->ring().choose(c));
+  return shm::algo_name(comm_->protocol().choose(c));
 }
 
 void ShmComm::synchronize(bool gil) {
@@ -506,7 +494,7 @@ std::vector<int> ShmComm::pids() {
   std::lock_guard<std::mutex> lk(close_mu_);
   std::vector<int> out(nranks_, 0);
   if (!comm_->closed())
-    for (int r = 0; r < nranks_; ++r) out[r] = comm_->ring().pid_of(r);
+    for (int r = 0; r < nranks_; ++r) out[r] = comm_->protocol().pid_of(r);
   return out;
 }
 

@@ -15,9 +15,10 @@
 #include <utility>
 #include <vector>
 
+#include "binding/fast_path.h"
 #include "runtime/executor.h"
 #include "runtime/recorder.h"
-#include "shm/segment.h"
+#include "shm/endpoint.h"
 
 namespace ringreduce {
 
@@ -97,13 +98,13 @@ struct Prepared {
 
 using AutoStep = std::pair<int64_t, std::string>;
 
-class ShmComm {
+class ShmComm : public binding::FastTarget {
  public:
   ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
           double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
           int64_t oneshot_max_bytes, int64_t trace_buffer, const std::string& stream = "auto",
           const std::vector<AutoStep>& auto_steps = {});
-  ~ShmComm();
+  ~ShmComm() override;
   // Auto's algorithm above the one-shot threshold (shm::Step): (from bytes, "ring" | "twoshot" |
   // "cma"); before the first call, the same on every rank.
   void set_auto_steps(const std::vector<AutoStep>& steps);
@@ -130,6 +131,12 @@ class ShmComm {
   // Its async form: the queued call's Work, or null (nothing touched) under the same conditions
   // but for idleness.
   WorkPtr try_all_reduce_async(PyObject* obj, int op);
+  // The fast path's calls (binding/fast_path.h): the two above.
+  bool fast_all_reduce(PyObject* obj, int op, int wire) override { return try_all_reduce(obj, op, wire); }
+  py::object fast_all_reduce_async(PyObject* obj, int op) override {
+    WorkPtr w = try_all_reduce_async(obj, op);
+    return w ? py::cast(w) : py::object();
+  }
 
   void abort(const std::string& why);
   bool broken();
@@ -137,7 +144,7 @@ class ShmComm {
   int64_t slice_bytes();
   int64_t op_seq();
   std::string algo(int64_t numel, const at::Tensor& like);
-  uint64_t stream_switches() { return comm_->ring().stream_switches(); }
+  uint64_t stream_switches() { return comm_->protocol().stream_switches(); }
   int inflight() { return exec_->inflight(); }
   void synchronize(bool gil);
   // Stops the executor (queued calls run or fail first), then unmaps. Call without the GIL.
@@ -161,7 +168,7 @@ class ShmComm {
   void run_ring(const Call& c, const Executor::Interrupted* interrupted, runtime::Source source,
                 int64_t t_queued);
 
-  std::unique_ptr<shm::Segment> comm_;
+  std::unique_ptr<shm::Endpoint> comm_;
   std::shared_ptr<Executor> exec_;
   std::shared_ptr<runtime::Recorder> rec_;
   std::mutex close_mu_;

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <string>
 #include <torch/csrc/utils/pybind.h>
 
 #include "ring/types.h"
@@ -23,10 +25,18 @@ inline bool try_dtype(at::ScalarType st, DType& dt) {
   }
 }
 
+// "float32, float64, ..., int64": every dtype the core reduces (ring/types.h), for messages.
+inline std::string dtype_names() {
+  std::string s;
+  for (int k = 0; k < static_cast<int>(DType::kCount); ++k)
+    s += (k ? ", " : "") + std::string(dtype_name(DType(k)));
+  return s;
+}
+
 inline DType to_dtype(const at::Tensor& t, const char* arg) {
   DType dt;
   TORCH_CHECK_TYPE(try_dtype(t.scalar_type(), dt), "ringreduce: ", arg, " has dtype ", t.scalar_type(),
-                   "; expected one of float32, float64, float16, bfloat16, int8, uint8, int32, int64");
+                   "; expected one of ", dtype_names());
   return dt;
 }
 
@@ -36,19 +46,26 @@ inline RedOp to_op(int op) {
   return static_cast<RedOp>(op);
 }
 
-// A wire code from Python, checked against the tensor and the op (the Python API says the same
-// first, naming its own arguments).
+// A wire code from Python, checked against the tensor and the op (ring/types.h: wire_takes; the
+// Python API says the same first, naming its own arguments). The one place a wire is checked.
 inline Wire to_wire(int wire, const at::Tensor& t, int op, const char* arg) {
   TORCH_CHECK_VALUE(wire >= 0 && wire < static_cast<int>(Wire::kCount), "ringreduce: wire code ",
                     wire, " out of range");
   if (wire == 0) return Wire::None;
-  const auto st = t.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "ringreduce: ", arg,
-                   " is ", st, "; wire_dtype takes float32, float16 and bfloat16 tensors");
-  TORCH_CHECK_VALUE(op == static_cast<int>(RedOp::Sum) || op == static_cast<int>(RedOp::Avg),
-                    "ringreduce: wire_dtype takes SUM and AVG, got ", op_name(RedOp(op)));
+  DType dt;
+  TORCH_CHECK_TYPE(try_dtype(t.scalar_type(), dt) && wire_takes(dt), "ringreduce: ", arg, " is ",
+                   t.scalar_type(), "; wire_dtype takes float32, float16 and bfloat16 tensors");
+  TORCH_CHECK_VALUE(wire_takes(to_op(op)), "ringreduce: wire_dtype takes SUM and AVG, got ",
+                    op_name(RedOp(op)));
   return Wire(wire);
 }
 
+// Whether to_wire would accept these, without raising (the fast paths leave the rest to the full
+// path, which raises the API's error).
+inline bool wire_fits(int wire, DType dt, int op) {
+  if (wire == 0) return true;
+  return wire > 0 && wire < static_cast<int>(Wire::kCount) && wire_takes(dt) && op >= 0 &&
+         op < static_cast<int>(RedOp::kCount) && wire_takes(RedOp(op));
+}
 
 }  // namespace ringreduce

@@ -38,6 +38,10 @@ inline const char* wire_name(Wire w) {
   static const char* const names[] = {"none", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"};
   return w < Wire::kCount ? names[static_cast<int>(w)] : "unknown";
 }
+// What a wire takes: tensors of float32, float16 and bfloat16, reduced by SUM or AVG. The one
+// check of the API (binding/torch_types.h: to_wire; Python reads it as _C.WIRE_TENSOR_DTYPES).
+constexpr bool wire_takes(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+constexpr bool wire_takes(RedOp op) { return op == RedOp::Sum || op == RedOp::Avg; }
 constexpr size_t wire_elem_bytes(Wire w) { return w == Wire::BF16 || w == Wire::F16 ? 2 : 1; }
 constexpr bool wire_scaled(Wire w) { return w == Wire::E4M3 || w == Wire::E5M2; }
 constexpr int64_t wire_blocks(int64_t n) { return (n + kWireBlock - 1) / kWireBlock; }

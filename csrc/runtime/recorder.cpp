@@ -1,5 +1,7 @@
 #include "runtime/recorder.h"
 
+#include "ring/call.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -357,6 +359,22 @@ std::string Recorder::dump(const std::string& path_in, std::string* error) {
     return "";
   }
   return path;
+}
+
+void Recorder::rethrow_failed(uint64_t seq) {
+  try {
+    throw;
+  } catch (const RingError& e) {
+    if (!seq) throw;
+    failed(seq, e.what());
+    const std::string path = dump_on_failure();
+    if (path.empty()) throw;
+    throw RingError(std::string(e.what()) + "\nflight recorder: " + path +
+                    " (every rank's: python -m ringreduce.trace " + path.substr(0, path.rfind('/')) + ")");
+  } catch (const std::exception& e) {
+    if (seq) failed(seq, e.what());
+    throw;
+  }
 }
 
 std::string Recorder::dump_on_failure() {

@@ -86,6 +86,9 @@ class Recorder {
   std::string dump(const std::string& path = "", std::string* error = nullptr);
   // dump() once per recorder, for the first failure; later calls return the first path.
   std::string dump_on_failure();
+  // Called in a catch block of call seq (0: not recorded): marks it failed and rethrows it; a
+  // RingError then also names the dump that its failure wrote. Every transport's calls end here.
+  [[noreturn]] void rethrow_failed(uint64_t seq);
 
   // Every recorder of this process (for the signal dump).
   static std::vector<std::shared_ptr<Recorder>> all();

@@ -14,8 +14,10 @@
 #include <cstring>
 #include <new>
 
-#include "runtime/peers.h"
+#include "ring/loop.h"
 #include "ring/schedule.h"
+#include "runtime/peers.h"
+#include "runtime/transport.h"
 
 namespace ringreduce {
 
@@ -88,7 +90,7 @@ void init_segment(void* base, int nranks, size_t slice_bytes) {
   hdr->magic = kMagic;
 }
 
-Ring::Ring(void* base, size_t bytes, const Options& opt) : opt_(opt) {
+Protocol::Protocol(void* base, size_t bytes, const Options& opt) : opt_(opt) {
   hdr_ = static_cast<GroupHeader*>(base);
   if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
     throw std::invalid_argument("ringreduce: rank " + std::to_string(opt.rank) + " out of range for " +
@@ -110,7 +112,7 @@ Ring::Ring(void* base, size_t bytes, const Options& opt) : opt_(opt) {
   if (uses_cma(opt)) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
 }
 
-std::string Ring::cma_probe() const {
+std::string Protocol::cma_probe() const {
   for (int q = 0; q < opt_.nranks; ++q) {
     if (q == opt_.rank) continue;
     uint64_t word = 0;
@@ -128,7 +130,7 @@ std::string Ring::cma_probe() const {
 // usual for seconds at a time (the peers harness saw it on the AMD machine); non-temporal stores do not slow down
 // then, but cost 2-3x the fast state's time (the reader fetches the data from memory). So copy
 // with ordinary stores, time each copy, and stream for a while after a run of slow ones.
-void Ring::put(void* dst, const void* src, size_t bytes) {
+void Protocol::put(void* dst, const void* src, size_t bytes) {
   using Opt = Options::Stream;
   if (bytes < kStreamMinBytes || opt_.stream == Opt::Never) return (void)std::memcpy(dst, src, bytes);
   if (opt_.stream == Opt::Always) return cpu::copy_stream(dst, src, bytes);
@@ -148,13 +150,13 @@ void Ring::put(void* dst, const void* src, size_t bytes) {
   }
 }
 
-char* Ring::slot(int r, uint32_t m) const {
+char* Protocol::slot(int r, uint32_t m) const {
   return slots_ + (static_cast<size_t>(r) * kSlots + m % kSlots) * slot_stride_;
 }
 
-bool Ring::broken() const { return broken_ || hdr_->abort.load() != 0; }
+bool Protocol::broken() const { return broken_ || hdr_->abort.load() != 0; }
 
-std::string Ring::abort_reason() const {
+std::string Protocol::abort_reason() const {
   if (hdr_->abort.load() == 0) return "";
   // The aborting rank writes the reason right after claiming the flag; give it a moment.
   auto until = Clock::now() + std::chrono::milliseconds(200);
@@ -163,7 +165,7 @@ std::string Ring::abort_reason() const {
   return std::string(hdr_->reason, strnlen(hdr_->reason, sizeof(hdr_->reason)));
 }
 
-void Ring::abort(const std::string& why) {
+void Protocol::abort(const std::string& why) {
   uint32_t expected = 0;
   if (hdr_->abort.compare_exchange_strong(expected, 1 + opt_.rank)) {
     std::snprintf(hdr_->reason, sizeof(hdr_->reason), "%s", why.c_str());
@@ -175,14 +177,16 @@ void Ring::abort(const std::string& why) {
   }
 }
 
-void Ring::fail(const std::string& msg) {
+void Protocol::fail(const std::string& msg) {
   broken_ = true;
+  if (!failed_seq_) failed_seq_ = op_seq_;
   abort(msg);
   throw RingError(msg);
 }
 
-void Ring::raise_aborted(const Ctx& ctx) {
+void Protocol::raise_aborted(const Ctx& ctx) {
   broken_ = true;
+  if (!failed_seq_) failed_seq_ = op_seq_;
   const uint32_t who = hdr_->abort.load();
   throw RingError("ringreduce: rank " + std::to_string(opt_.rank) + ": " + coll_name(ctx.call.coll) +
                   " #" + std::to_string(op_seq_) + " stopped in " + ctx.phase + " step " +
@@ -190,7 +194,7 @@ void Ring::raise_aborted(const Ctx& ctx) {
                   " aborted the group: " + abort_reason());
 }
 
-std::string Ring::waiting() const {
+std::string Protocol::waiting() const {
   const int peer = wait_peer_.load(std::memory_order_acquire);
   if (peer < 0) return "";
   const long long us = std::chrono::duration_cast<std::chrono::microseconds>(
@@ -208,9 +212,9 @@ std::string Ring::waiting() const {
   return buf;
 }
 
-bool Ring::peer_dead(int peer) const { return runtime::process_dead(areas_[peer].pid.load()); }
+bool Protocol::peer_dead(int peer) const { return runtime::process_dead(areas_[peer].pid.load()); }
 
-void Ring::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const char* what) {
+void Protocol::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const char* what) {
   if (reached(c.value.load(std::memory_order_acquire), target)) return;
   const auto t0 = Clock::now();
   const auto spin_until = t0 + std::chrono::nanoseconds(opt_.spin_ns);
@@ -274,7 +278,7 @@ void Ring::wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const 
   }
 }
 
-char* Ring::acquire_send(const Ctx& ctx) {
+char* Protocol::acquire_send(const Ctx& ctx) {
   // The message this slot held was read by the downstream rank only, or by every rank (one-shot).
   if (static_cast<int32_t>(wide_until_ - (sent_ - kSlots)) > 0)
     wait_all_consumed(sent_ + 1 - kSlots, ctx);
@@ -283,12 +287,12 @@ char* Ring::acquire_send(const Ctx& ctx) {
   return slot(opt_.rank, sent_) + sizeof(MsgHeader);
 }
 
-void Ring::wait_all_consumed(uint32_t target, const Ctx& ctx) {
+void Protocol::wait_all_consumed(uint32_t target, const Ctx& ctx) {
   for (int k = 0; k < opt_.nranks; ++k)
     if (k != opt_.rank) wait_ge(areas_[k].consumed, target, k, ctx, "a free slot, consumed by");
 }
 
-void Ring::post_send(const Ctx& ctx, uint64_t nbytes) {
+void Protocol::post_send(const Ctx& ctx, uint64_t nbytes) {
   auto* h = reinterpret_cast<MsgHeader*>(slot(opt_.rank, sent_));
   h->op_seq = op_seq_;
   h->numel = ctx.call.numel;
@@ -303,14 +307,14 @@ void Ring::post_send(const Ctx& ctx, uint64_t nbytes) {
   post(areas_[opt_.rank].posted, ++sent_);
 }
 
-const char* Ring::recv(const Ctx& ctx, uint64_t expect_bytes) {
+const char* Protocol::recv(const Ctx& ctx, uint64_t expect_bytes) {
   wait_ge(areas_[up_].posted, received_ + 1, up_, ctx, "a message from");
   const char* s = slot(up_, received_);
   check_header(ctx, up_, reinterpret_cast<const MsgHeader*>(s), expect_bytes);
   return s + sizeof(MsgHeader);
 }
 
-void Ring::check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t expect_bytes) {
+void Protocol::check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t expect_bytes) {
   const Call& c = ctx.call;
   const auto coll = static_cast<uint8_t>(c.coll), dt = static_cast<uint8_t>(c.dtype),
              op = static_cast<uint8_t>(c.op), wire = static_cast<uint8_t>(c.wire);
@@ -334,7 +338,7 @@ void Ring::check_header(const Ctx& ctx, int from, const MsgHeader* h, uint64_t e
          " were expected (inconsistent schedules)");
 }
 
-Algo Ring::choose(const Call& c, const Pool* pool) const {
+Algo Protocol::choose(const Call& c, const Pool* pool) const {
   if (c.wire != Wire::None && c.coll != Coll::AllGather) return Algo::Wire;
   if (opt_.nranks == 1 || c.coll == Coll::AllGather) return Algo::Ring;  // nothing to reduce
   const bool ar = c.coll == Coll::AllReduce;
@@ -361,14 +365,14 @@ Algo Ring::choose(const Call& c, const Pool* pool) const {
   }
 }
 
-const char* Ring::recv_wide(const Ctx& ctx, int from, uint32_t m, uint64_t expect_bytes) {
+const char* Protocol::recv_wide(const Ctx& ctx, int from, uint32_t m, uint64_t expect_bytes) {
   wait_ge(areas_[from].posted, m + 1, from, ctx, "a message from");
   const char* s = slot(from, m);
   check_header(ctx, from, reinterpret_cast<const MsgHeader*>(s), expect_bytes);
   return s + sizeof(MsgHeader);
 }
 
-void Ring::release_wide(uint32_t m) {
+void Protocol::release_wide(uint32_t m) {
   received_ = m + 1;
   post(areas_[opt_.rank].consumed, received_);
 }
@@ -376,7 +380,7 @@ void Ring::release_wide(uint32_t m) {
 // Per slice: publish this rank's part in its own next slot; read every rank's slot of the same index
 // and reduce them in rank order (so every rank computes the same bits); then mark the index consumed.
 // A slot is rewritten only once every rank has consumed it (wide_until_).
-void Ring::run_oneshot(const Call& c, Ctx& ctx) {
+void Protocol::run_oneshot(const Call& c, Ctx& ctx) {
   const int n = opt_.nranks, r = opt_.rank;
   const CallView v(c, n, r);
   const int64_t S = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / v.es));
@@ -408,7 +412,7 @@ void Ring::run_oneshot(const Call& c, Ctx& ctx) {
 // every rank copies out. Both messages are wide: a slot is rewritten once every rank consumed it.
 // Slice j+1 is published before slice j's results are copied out, so ranks overlap instead of
 // meeting at every message. Reads and writes per rank: the ring's, plus the copy of the input.
-void Ring::run_twoshot(const Call& c, Ctx& ctx) {
+void Protocol::run_twoshot(const Call& c, Ctx& ctx) {
   const int n = opt_.nranks, r = opt_.rank;
   const CallView v(c, n, r);
   const int64_t P = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / v.es / (n - 1)));
@@ -476,7 +480,7 @@ void Ring::run_twoshot(const Call& c, Ctx& ctx) {
   }
 }
 
-void Ring::read_peer(int q, void* local, uint64_t addr, size_t bytes, const Ctx& ctx) {
+void Protocol::read_peer(int q, void* local, uint64_t addr, size_t bytes, const Ctx& ctx) {
   const pid_t pid = areas_[q].pid.load();
   char* dst = static_cast<char*>(local);
   while (bytes > 0) {
@@ -513,7 +517,7 @@ void Ring::read_peer(int q, void* local, uint64_t addr, size_t bytes, const Ctx&
 // inputs. 3 (all_reduce): it reads each peer's final chunk from the peer's output into its own,
 // then says so; a rank returns only once every peer has read its buffers. In place is safe: a
 // rank overwrites chunk q of its buffer only after rank q, the only reader of it, said final.
-void Ring::run_cma(const Call& c, Ctx& ctx) {
+void Protocol::run_cma(const Call& c, Ctx& ctx) {
   const int n = opt_.nranks, r = opt_.rank;
   const CallView v(c, n, r);
   auto say = [&](const void* payload, uint64_t bytes) { return say_wide(ctx, payload, bytes); };
@@ -579,7 +583,7 @@ void Ring::run_cma(const Call& c, Ctx& ctx) {
 }
 
 // A wide message (read by every rank) with a small payload; returns its index.
-uint32_t Ring::say_wide(const Ctx& ctx, const void* payload, uint64_t bytes) {
+uint32_t Protocol::say_wide(const Ctx& ctx, const void* payload, uint64_t bytes) {
   const uint32_t mi = sent_;
   wait_all_consumed(mi + 1 - kSlots, ctx);
   if (bytes) std::memcpy(slot(opt_.rank, mi) + sizeof(MsgHeader), payload, bytes);
@@ -595,7 +599,7 @@ uint32_t Ring::say_wide(const Ctx& ctx, const void* payload, uint64_t bytes) {
 // tensor any more. Each rank reads and writes 1/N of every tensor: the bytes of the
 // memory-bandwidth floor. Safe in place: chunk r of any tensor is read and written only by rank r,
 // each block's sources read before its results are written.
-void Ring::run_pool(const Call& c, Ctx& ctx, const Pool& pool) {
+void Protocol::run_pool(const Call& c, Ctx& ctx, const Pool& pool) {
   const int n = opt_.nranks, r = opt_.rank;
   const size_t es = dtype_size(c.dtype);
   const uint64_t bytes = static_cast<uint64_t>(c.numel) * es;
@@ -644,18 +648,55 @@ void Ring::run_pool(const Call& c, Ctx& ctx, const Pool& pool) {
   release_wide(m1);
 }
 
-void Ring::release_recv() { post(areas_[opt_.rank].consumed, ++received_); }
+void Protocol::release_recv() { post(areas_[opt_.rank].consumed, ++received_); }
 
-void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Pool* pool) {
+// The ring's primitives (ring/loop.h) on the slots: a send is posted when it is made.
+struct Protocol::Prims {
+  Protocol& p;
+  const Call& c;
+  Ctx& ctx;
+  const size_t es;
+
+  void at(const char* phase, int step, int64_t slice) {
+    ctx.phase = phase;
+    ctx.step = step;
+    ctx.slice = slice;
+  }
+  void send(const char* src, int64_t n) {
+    char* d = p.acquire_send(ctx);
+    p.put(d, src, n * es);
+    p.post_send(ctx, n * es);
+  }
+  void recv_reduce_send(const char* own, int64_t n) {
+    const char* src = p.recv(ctx, n * es);
+    char* d = p.acquire_send(ctx);
+    cpu::reduce(c.dtype, c.op, d, src, own, n);
+    p.post_send(ctx, n * es);
+    p.release_recv();
+  }
+  void recv_reduce_copy(const char* own, char* dst, int64_t n, int divisor, bool and_send) {
+    const char* src = p.recv(ctx, n * es);
+    cpu::reduce(c.dtype, c.op, dst, src, own, n, divisor);
+    if (and_send) send(dst, n);
+    p.release_recv();
+  }
+  void recv_copy(char* dst, int64_t n, bool and_send) {
+    const char* src = p.recv(ctx, n * es);
+    std::memcpy(dst, src, n * es);
+    if (and_send) send(src, n);
+    p.release_recv();
+  }
+  void copy(char* dst, const char* src, int64_t n) { std::memmove(dst, src, n * es); }
+};
+
+void Protocol::run(const Call& c, const std::function<bool()>* interrupted, const Pool* pool) {
   interrupted_ = interrupted;
   if (broken()) {
     broken_ = true;
-    throw RingError("ringreduce: communicator is broken by an earlier failure: " + abort_reason());
+    if (!failed_seq_) failed_seq_ = op_seq_ + 1;  // broken between calls: this one fails first
   }
   const int n = opt_.nranks, r = opt_.rank;
-  if (c.coll != Coll::AllReduce && c.numel % n != 0)
-    throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
-                                std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
+  runtime::check_call(c, n, broken() ? abort_reason() : std::string());
   ++op_seq_;
   msg_in_call_ = 0;
   algo_ = choose(c, pool);
@@ -679,69 +720,8 @@ void Ring::run(const Call& c, const std::function<bool()>* interrupted, const Po
   if (algo_ == Algo::TwoShot) return run_twoshot(c, ctx);
   if (algo_ == Algo::Cma) return run_cma(c, ctx);
   if (algo_ == Algo::Pool) return run_pool(c, ctx, *pool);
-  const bool rs = c.coll != Coll::AllGather, ag = c.coll != Coll::ReduceScatter;
-  const int64_t S = std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / v.es));
-  const int64_t ns = ring::num_slices(v.largest_chunk(), S);
-  // Reduce-scatter's output holds only chunk r; all-gather's input holds only chunk r.
-  const int64_t in_shift = c.coll == Coll::AllGather ? r * v.m : 0;
-
-  for (int64_t j = 0; j < ns; ++j) {
-    ctx.slice = j;
-    if (rs) {
-      ctx.phase = "reduce-scatter";
-      ctx.step = 0;
-      const ring::Span sp = ring::slice(v.chunk(ring::rs_send_chunk(r, 0, n)), j, S);
-      char* d = acquire_send(ctx);
-      put(d, v.in + sp.begin * v.es, sp.count * v.es);
-      post_send(ctx, sp.count * v.es);
-      for (int s = 0; s < n - 1; ++s) {
-        ctx.step = s;
-        const ring::Span rp = ring::slice(v.chunk(ring::rs_recv_chunk(r, s, n)), j, S);
-        const uint64_t bytes = rp.count * v.es;
-        const char* src = recv(ctx, bytes);
-        const char* own = v.in + rp.begin * v.es;
-        if (s < n - 2) {  // recv, reduce, send
-          char* sd = acquire_send(ctx);
-          cpu::reduce(c.dtype, c.op, sd, src, own, rp.count);
-          post_send(ctx, bytes);
-        } else {  // recv, reduce, copy (the chunk is final here), and send it on for all-gather
-          char* dst = v.out + (rp.begin - v.out_shift) * v.es;
-          cpu::reduce(c.dtype, c.op, dst, src, own, rp.count, v.divisor);
-          if (ag) {
-            char* sd = acquire_send(ctx);
-            put(sd, dst, bytes);
-            post_send(ctx, bytes);
-          }
-        }
-        release_recv();
-      }
-    }
-    if (ag) {
-      ctx.phase = "all-gather";
-      ctx.step = 0;
-      if (!rs) {  // all-gather alone: this rank's chunk comes from the input
-        const ring::Span sp = ring::slice(v.chunk(r), j, S);
-        const char* src = v.in + (sp.begin - in_shift) * v.es;
-        if (src != v.out + sp.begin * v.es) std::memmove(v.out + sp.begin * v.es, src, sp.count * v.es);
-        char* d = acquire_send(ctx);
-        put(d, src, sp.count * v.es);
-        post_send(ctx, sp.count * v.es);
-      }
-      for (int t = 0; t < n - 1; ++t) {
-        ctx.step = t;
-        const ring::Span rp = ring::slice(v.chunk(ring::ag_recv_chunk(r, t, n)), j, S);
-        const uint64_t bytes = rp.count * v.es;
-        const char* src = recv(ctx, bytes);
-        std::memcpy(v.out + rp.begin * v.es, src, bytes);
-        if (t < n - 2) {  // recv, copy, send
-          char* sd = acquire_send(ctx);
-          put(sd, src, bytes);
-          post_send(ctx, bytes);
-        }
-        release_recv();
-      }
-    }
-  }
+  Prims prims{*this, c, ctx, v.es};
+  ring::run_ring(c, n, r, std::max<int64_t>(1, static_cast<int64_t>(slice_bytes_ / v.es)), prims);
 }
 
 }  // namespace shm

@@ -123,7 +123,7 @@ struct Options {
   std::vector<Step> steps;       // and these above it
   // RINGREDUCE_STREAM: how data other ranks read is written (slots, pool tensors), from
   // kStreamMinBytes up: Auto copies with ordinary stores and switches to non-temporal ones for a
-  // while when copies run slower than kSlowBytesPerNs (a VM's slow state: Ring::put);
+  // while when copies run slower than kSlowBytesPerNs (a VM's slow state: Protocol::put);
   // Never/Always force one way.
   enum class Stream : uint8_t { Auto = 0, Never = 1, Always = 2 } stream = Stream::Auto;
 };
@@ -134,9 +134,9 @@ constexpr size_t kSlowBytesPerNs = 4;  // below 4 GB/s: the slow state (2-3.5 GB
 constexpr int kSlowCopiesToStream = 8;         // that many slow copies in a row:
 constexpr int64_t kStreamHoldNs = 20'000'000;  // non-temporal stores for 20 ms, then re-check
 
-class Ring {
+class Protocol {
  public:
-  Ring(void* base, size_t bytes, const Options& opt);
+  Protocol(void* base, size_t bytes, const Options& opt);
   // Runs one collective. Throws RingError on timeout, dead peer, mismatch or abort; after that the
   // ring is broken and every later call throws at once. interrupted (optional) is polled while
   // waiting, every 50 ms: true aborts the group (the binding uses it for Ctrl-C).
@@ -148,12 +148,15 @@ class Ring {
   bool broken() const;
   std::string abort_reason() const;
   uint64_t op_seq() const { return op_seq_; }
+  // The first call that failed (it and every later one did), or 0.
+  uint64_t failed_seq() const { return failed_seq_; }
+  int nranks() const { return opt_.nranks; }
   // The algorithm run() uses for c (Auto resolved; rank order when ringreduce::deterministic()).
   Algo choose(const Call& c, const Pool* pool = nullptr) const;
   // Replaces Options::steps; before the first call, the same on every rank.
   void set_steps(std::vector<Step> steps) { opt_.steps = std::move(steps); }
   // Whether this rank can read every peer's memory by cross-memory attach: "" if so, else why not
-  // (a ptrace policy, a seccomp filter). Every rank must have constructed its Ring first.
+  // (a ptrace policy, a seccomp filter). Every rank must have constructed its Protocol first.
   std::string cma_probe() const;
   size_t slice_bytes() const { return slice_bytes_; }
   // What this rank waits for now, as a JSON object (the flight recorder's "waiting"), or "" when
@@ -170,6 +173,7 @@ class Ring {
     int step;
     int64_t slice;
   };
+  struct Prims;  // the ring's primitives (ring/loop.h) on the slots
   char* slot(int r, uint32_t m) const;
   void wait_ge(Counter& c, uint32_t target, int peer, const Ctx& ctx, const char* what);
   char* acquire_send(const Ctx& ctx);
@@ -204,6 +208,7 @@ class Ring {
   int up_, down_;
   uint32_t sent_ = 0, received_ = 0;  // messages over the communicator's lifetime
   uint64_t op_seq_ = 0;
+  uint64_t failed_seq_ = 0;
   uint32_t msg_in_call_ = 0;
   uint32_t wide_until_ = 0;  // messages before this index may be read by every rank (one-shot)
   Algo algo_ = Algo::Ring;   // of the current call

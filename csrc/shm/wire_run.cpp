@@ -17,7 +17,7 @@ namespace shm {
 // two-shot has two, N x the fold's reads. Measured with python -m ringreduce.bench --wire.
 constexpr size_t kWireOneShotMaxBytes = 32 << 10;
 
-int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
+int64_t Protocol::run_wire(const Call& c, Ctx& ctx) {
   const int n = opt_.nranks, r = opt_.rank;
   const CallView v(c, n, r);
   const Wire w = c.wire;
@@ -107,7 +107,7 @@ int64_t Ring::run_wire(const Call& c, Ctx& ctx) {
         continue;
       }
       // Encoded here (L2), then put(): the slot gets the same stores as every other message
-      // (non-temporal in the machine's slow state: Ring::put).
+      // (non-temporal in the machine's slow state: Protocol::put).
       over += cpu::wire_encode(w, c.dtype, v.in + sp.begin * v.es, sp.count, wire_tmp_.data());
       put(parts + at(r, k), wire_tmp_.data(), wire_span_bytes(w, sp.count));
     }

@@ -40,15 +40,12 @@ import torch
 from .. import _C, _lifecycle
 from .._lifecycle import host_id  # RINGREDUCE_HOST_ID, else host name and boot id
 from .._lifecycle import REGISTRY, Bootstrap, Work, env_int
-# The policy's names, as they were before the policy had a file of its own (tests and tools use
-# them as ringreduce._cuda.<name>).
-from .policy import (  # noqa: F401
-    ALGOS, CLOSE_BARRIER_S, DEFAULT_CHANNELS, DEFAULT_CHUNK_BYTES, DEFAULT_COPY_BYTES,
-    DEFAULT_SLICE_BYTES, DEFAULT_STAGING_BYTES, DEFAULT_SYM_BLOCKS, MAX_DIRECT_RANKS,
-    MAX_SYM_BLOCKS, P2P_KNOBS, REBUILD, TUNING_PATH, WANTED_CONNECTIONS, _WIRE_F16, _nccl_lib,
-    _require_cuda, _warned_connections, _warned_sharing, choose_transport, connections_warning,
-    decide_transport, log, mps_active, mps_pipe_present, mps_sm_share, no_cuda_message,
-    p2p_knobs, resident_blocks, sharing_warning, time_sliced, tuned, usable_sms)
+from . import policy
+from .policy import (CLOSE_BARRIER_S, DEFAULT_STAGING_BYTES, DEFAULT_SYM_BLOCKS, MAX_DIRECT_RANKS,
+                     MAX_SYM_BLOCKS, P2P_KNOBS, _WIRE_F16, _nccl_lib, _require_cuda,
+                     _warned_connections, _warned_sharing, choose_transport, connections_warning, log,
+                     mps_active, mps_sm_share, p2p_knobs, resident_blocks, sharing_warning,
+                     time_sliced, usable_sms)
 
 RingReduceError = _C.RingReduceError
 
@@ -177,7 +174,7 @@ class Communicator(_lifecycle.Communicator):
         RINGREDUCE_CUDA_SYM_BLOCKS set them (sym_blocks; the ranks agreed on it)."""
         if self.rank == 0:
             per_device = sum(1 for b in self._bus_ids if b == self._bus_ids[0])
-            one, blocks, source = tuned(torch.cuda.get_device_name(self.device), self.world_size,
+            one, blocks, source = policy.tuned(torch.cuda.get_device_name(self.device), self.world_size,
                                         per_device)
             self._setup.set("tuning", f"{one if one is not None else -1}|{blocks or 0}|{source}")
         one, blocks, source = self._setup.get("tuning", "rank 0's measured table entry").decode().split("|", 2)

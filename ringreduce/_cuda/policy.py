@@ -16,24 +16,27 @@ from .._lifecycle import Bootstrap, default_timeout, env_int
 log = logging.getLogger("ringreduce")
 _WIRE_F16 = _C.WIRE_CODES["float16"]  # the only wire that can overflow
 
-# p2p knobs (see csrc/cuda/p2p/ring.h for where the defaults come from). RINGREDUCE_CUDA_SLICE_BYTES is
-# also the test-only knob: a tiny value (e.g. 256) forces many pipeline steps per chunk.
-DEFAULT_CHANNELS = 16
-DEFAULT_SLICE_BYTES = 512 << 10  # the largest slice; each call's plan cuts smaller ones by size
+# The transports' defaults come from the native code (csrc/cuda/p2p/layout.h, where each number's
+# reason is; csrc/cuda/nccl/defaults.h), never spelled here.
+_DEFAULTS = _C.CUDA_DEFAULTS
+# p2p knobs. RINGREDUCE_CUDA_SLICE_BYTES is also the test-only knob: a tiny value (e.g. 256)
+# forces many pipeline steps per chunk.
+DEFAULT_CHANNELS = _DEFAULTS["channels"]
+DEFAULT_SLICE_BYTES = _DEFAULTS["slice_bytes"]  # the largest slice; each call's plan cuts smaller ones
 # The symmetric workspace's largest piece, bytes per rank (RINGREDUCE_CUDA_CHUNK_BYTES; the
-# workspace is two of them; csrc/cuda/p2p/ring.h): one barrier (two-shot: two) per piece. A tiny value
-# forces many pieces per call, as RINGREDUCE_CUDA_SLICE_BYTES does slices for the ring.
-DEFAULT_CHUNK_BYTES = 16 << 20
+# workspace is two of them): one barrier (two-shot: two) per piece. A tiny value forces many
+# pieces per call, as RINGREDUCE_CUDA_SLICE_BYTES does slices for the ring.
+DEFAULT_CHUNK_BYTES = _DEFAULTS["chunk_bytes"]
 # copy: no kernel waits for another rank (for ranks sharing a GPU without MPS; opt-in, unmeasured;
 # csrc/cuda/p2p/copy.cpp).
 ALGOS = ("auto", "ring", "oneshot", "twoshot", "copy")
-# The copy algorithm's largest piece (RINGREDUCE_CUDA_COPY_BYTES; csrc/cuda/p2p/ring.h): each piece is a
-# handshake, i.e. time slices, between ranks sharing a GPU without MPS.
-DEFAULT_COPY_BYTES = 8 << 20
-# The direct algorithms write into every rank's memory: up to this many ranks (csrc/cuda/p2p/ring.h).
-MAX_DIRECT_RANKS = 16
-# nccl staging buffer (bytes, two of them); see csrc/cuda/nccl/ring.h.
-DEFAULT_STAGING_BYTES = 16 << 20
+# The copy algorithm's largest piece (RINGREDUCE_CUDA_COPY_BYTES): each piece is a handshake, i.e.
+# time slices, between ranks sharing a GPU without MPS.
+DEFAULT_COPY_BYTES = _DEFAULTS["copy_bytes"]
+# The direct algorithms write into every rank's memory: up to this many ranks.
+MAX_DIRECT_RANKS = _DEFAULTS["max_peers"]
+# nccl staging buffer (bytes, two of them).
+DEFAULT_STAGING_BYTES = _DEFAULTS["staging_bytes"]
 # How long close() waits for the other ranks to stop using this rank's memory.
 CLOSE_BARRIER_S = 30.0
 # CUDA_DEVICE_MAX_CONNECTIONS that ringreduce sets when it is imported before CUDA starts (CUDA's
@@ -227,8 +230,8 @@ def resident_blocks(where):
 
 # The knobs' names in p2p_knobs()["config"] and in the error when ranks disagree.
 P2P_KNOBS = ("channels", "slice_bytes", "chunk_bytes", "algo", "blocks_cap", "copy_bytes", "sym_blocks")
-# A workspace call's most blocks (csrc/cuda/p2p/ring.h: kDefaultSymBlocks, kMaxSymBlocks).
-DEFAULT_SYM_BLOCKS, MAX_SYM_BLOCKS = 24, 64
+# A workspace call's most blocks, by default and at most (csrc/cuda/p2p/layout.h).
+DEFAULT_SYM_BLOCKS, MAX_SYM_BLOCKS = _DEFAULTS["sym_blocks"], _DEFAULTS["max_sym_blocks"]
 
 
 def p2p_knobs():

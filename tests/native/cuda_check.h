@@ -135,7 +135,7 @@ inline void set_on(cudaStream_t s, char* dst, int byte, size_t bytes) {
   RR_CUDA_CHECK(cudaMemsetAsync(dst, byte, bytes, s));
 }
 
-// One rank of a ring as the tests drive it (p2p::Ring or nccl::Ring behind the functions).
+// One rank of a ring as the tests drive it (p2p::Endpoint or nccl::Endpoint behind the functions).
 struct Rank {
   int device = 0;
   cudaStream_t stream = nullptr;

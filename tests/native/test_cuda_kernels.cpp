@@ -23,8 +23,8 @@
 #include <fstream>
 #include <thread>
 
-#include "cuda/nccl/ring.h"
-#include "cuda/p2p/ring.h"
+#include "cuda/nccl/endpoint.h"
+#include "cuda/p2p/endpoint.h"
 #include "cuda_check.h"
 #include "deterministic_check.h"
 #include "wire_check.h"
@@ -118,7 +118,7 @@ static void test_avg_wide_divisor() {
 
 // (2) a p2p ring of n ranks, rank r on device r % count, with its own stream.
 struct Group {
-  std::vector<std::unique_ptr<rc::p2p::Ring>> rings;
+  std::vector<std::unique_ptr<rc::p2p::Endpoint>> rings;
   std::vector<Rank> ranks;
   // neighbours_only: each rank maps only its ring neighbours (as when not every pair of devices
   // can map each other's memory): the direct algorithms are off (emulator only).
@@ -143,17 +143,17 @@ struct Group {
       o.chunk_bytes = chunk_bytes;
       o.copy_slot_bytes = copy_slot_bytes;
       if (tweak) tweak(r, o);
-      rings.push_back(std::make_unique<rc::p2p::Ring>(o));
+      rings.push_back(std::make_unique<rc::p2p::Endpoint>(o));
       Rank k;
       k.device = device_of(r);
       RR_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
-      rc::p2p::Ring* ring = rings.back().get();
+      rc::p2p::Endpoint* ring = rings.back().get();
       k.run = [ring](const rr::Call& c, cudaStream_t s) { ring->run(c, s); };
       k.failure = [ring] { return ring->failure(); };
       ranks.push_back(k);
     }
     std::vector<std::string> handles;
-    std::vector<const rc::p2p::Ring*> all;
+    std::vector<const rc::p2p::Endpoint*> all;
     for (auto& ring : rings) {
       handles.push_back(ring->handle());
       all.push_back(ring.get());
@@ -520,7 +520,7 @@ static std::vector<char*> register_all(Group& g, size_t bytes) {
   const int n = static_cast<int>(g.rings.size());
   for (auto& ring : g.rings) ring->set_threshold(0);
   std::vector<std::string> handles(n);
-  std::vector<const rc::p2p::Ring*> all;
+  std::vector<const rc::p2p::Endpoint*> all;
   int id = -1;
   for (int r = 0; r < n; ++r) {
     RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
@@ -630,10 +630,10 @@ static void test_registered_release() {
   const std::string f = g.rings[1]->failure();
   EXPECT(contains(f, "shared_empty buffer on one rank only"), "rank 1: '%s'", f.c_str());
   // A broken ring keeps what it releases (a peer's stopped call may still write into it).
-  const size_t kept = rc::p2p::Ring::kept_bytes();
+  const size_t kept = rc::p2p::Endpoint::kept_bytes();
   g.rings[1]->reg_release(0);
-  EXPECT(rc::p2p::Ring::kept_bytes() == kept + (1 << 16), "a broken ring's released buffer: kept %zu bytes more",
-         rc::p2p::Ring::kept_bytes() - kept);
+  EXPECT(rc::p2p::Endpoint::kept_bytes() == kept + (1 << 16), "a broken ring's released buffer: kept %zu bytes more",
+         rc::p2p::Endpoint::kept_bytes() - kept);
 }
 
 #ifdef RINGREDUCE_EMU
@@ -661,7 +661,7 @@ static void test_readme_table() {
     o.nranks = 2;
     o.direct = direct_on;
     RR_CUDA_CHECK(cudaSetDevice(0));
-    return rc::p2p::Ring(o).area_bytes();
+    return rc::p2p::Endpoint(o).area_bytes();
   };
   const std::vector<std::string> want_direct = {
       "one-shot up to " + size_text(rc::p2p::oneshot_max_bytes(2)) + " at world 2 (" +
@@ -725,17 +725,17 @@ static void test_pinned_release_counted_once() {
   Group g(2, 2, 4096, 5.0);
   register_all(g, 1 << 16);
   void* pin = g.rings[0]->graph_pin();
-  const size_t kept = rc::p2p::Ring::kept_bytes();
+  const size_t kept = rc::p2p::Endpoint::kept_bytes();
   g.rings[0]->reg_release(0);
-  EXPECT(rc::p2p::Ring::kept_bytes() == kept + (1 << 16), "a pinned release kept %zu bytes",
-         rc::p2p::Ring::kept_bytes() - kept);
+  EXPECT(rc::p2p::Endpoint::kept_bytes() == kept + (1 << 16), "a pinned release kept %zu bytes",
+         rc::p2p::Endpoint::kept_bytes() - kept);
   const size_t area = g.rings[0]->area_bytes();
   RR_CUDA_CHECK(cudaSetDevice(device_of(0)));
   g.rings[0]->close(/*peers_done=*/true);
-  EXPECT(rc::p2p::Ring::kept_bytes() == kept + (1 << 16) + area,
+  EXPECT(rc::p2p::Endpoint::kept_bytes() == kept + (1 << 16) + area,
          "close() under the pin kept %zu bytes more, want the area's %zu",
-         rc::p2p::Ring::kept_bytes() - kept - (1 << 16), area);
-  rc::p2p::Ring::release_graph_pin(pin);
+         rc::p2p::Endpoint::kept_bytes() - kept - (1 << 16), area);
+  rc::p2p::Endpoint::release_graph_pin(pin);
 }
 
 // A rank's registered all_reduce ends only when every peer has written its chunk into this rank's
@@ -988,7 +988,7 @@ static void test_call_log() {
   DevBuf buf(256 * 4);
   Group g(3, 2, 4096, 2.0);
   runtime::Recorder rec(8);
-  rc::p2p::Ring& ring = *g.rings[0];
+  rc::p2p::Endpoint& ring = *g.rings[0];
   ring.calls().enable(true);  // as attaching an enabled recorder does
   rec.set_device_probe([&ring](uint64_t dev_seq, int64_t* done, std::string* error) {
     const uint64_t failed = ring.failed_seq();
@@ -1122,9 +1122,9 @@ static void test_replayed_launches_stay_in_step() {
 static void test_close_keeps_memory_neighbours_read() {
   DevBuf buf(4096 * 4);
   Group g(3, 2, 4096, 10.0);
-  const size_t kept = rc::p2p::Ring::kept_bytes();
+  const size_t kept = rc::p2p::Endpoint::kept_bytes();
   g.rings[0]->close(/*peers_done=*/false);
-  EXPECT(rc::p2p::Ring::kept_bytes() > kept, "close(peers_done=false) freed the area");
+  EXPECT(rc::p2p::Endpoint::kept_bytes() > kept, "close(peers_done=false) freed the area");
   g.rings[1]->run(g.call(4096, buf), g.ranks[1].stream);
   cudaStreamSynchronize(g.ranks[1].stream);
   const std::string f = g.rings[1]->failure();
@@ -1326,7 +1326,7 @@ static void test_options_checked() {
     o.chunk_bytes = chunk;
     std::string what;
     try {
-      rc::p2p::Ring ring(o);
+      rc::p2p::Endpoint ring(o);
     } catch (const std::invalid_argument& e) {
       what = e.what();
     }
@@ -1335,7 +1335,7 @@ static void test_options_checked() {
   }
 }
 
-// Auto's one-shot threshold from a measured table (Options.tuned, set by Ring::set_threshold from
+// Auto's one-shot threshold from a measured table (Options.tuned, set by Endpoint::set_threshold from
 // ringreduce/gpu_tuning.json): used as given, 0 meaning never; the model's without it. Above it
 // two-shot, at every size: auto never picks the ring where every rank maps every other.
 static void test_tuned_thresholds() {
@@ -1383,18 +1383,18 @@ static void test_sym_blocks_knob() {
     b.sym_blocks = bad;
     std::string what;
     try {
-      rc::p2p::Ring r(b);
+      rc::p2p::Endpoint r(b);
     } catch (const std::invalid_argument& e) {
       what = e.what();
     }
     EXPECT(contains(what, "sym_blocks must be 1.." + std::to_string(rc::p2p::kMaxSymBlocks)), "sym_blocks=%d: '%s'",
            bad, what.c_str());
   }
-  // The measured table's value (Ring::set_sym_blocks, from the binding), checked alike; a call
+  // The measured table's value (Endpoint::set_sym_blocks, from the binding), checked alike; a call
   // of 64 MiB at world 2 then runs kMaxSymBlocks blocks where the device has the SMs.
   rc::p2p::Options one;
   one.nranks = 1;
-  rc::p2p::Ring ring(one);
+  rc::p2p::Endpoint ring(one);
   std::string what;
   try {
     ring.set_sym_blocks(rc::p2p::kMaxSymBlocks + 1);
@@ -1408,7 +1408,7 @@ static void test_sym_blocks_knob() {
   EXPECT(blocks_of(big, rr::Wire::None) == 64, "64 MiB at world 2 with 66 resident: %d", blocks_of(big, rr::Wire::None));
 }
 
-// A CUDA graph that captured launches of a ring pins it (Ring::graph_pin): close() keeps what the
+// A CUDA graph that captured launches of a ring pins it (Endpoint::graph_pin): close() keeps what the
 // kernels touch, and a replay after close stops at its start and writes nothing into the peers (they
 // may have freed their memory; the emulator faults on freed memory). Rank 0 alone replays.
 static void test_replay_after_close_of_a_pinned_ring() {
@@ -1428,15 +1428,15 @@ static void test_replay_after_close_of_a_pinned_ring() {
   for (int r = 0; r < n; ++r) {
     const rr::Call c = g.call(numel, *bufs[r]);
     args.push_back(g.rings[r]->sym_args(c, g.rings[r]->plan_of(c)));
-    args.back().graph = 1;  // as Ring::run launches into a capture
+    args.back().graph = 1;  // as Endpoint::run launches into a capture
     pins.push_back(g.rings[r]->graph_pin());
   }
-  const size_t kept = rc::p2p::Ring::kept_bytes();
+  const size_t kept = rc::p2p::Endpoint::kept_bytes();
   for (int r = 0; r < n; ++r) {
     RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
     g.rings[r]->close(/*peers_done=*/true);
   }
-  EXPECT(rc::p2p::Ring::kept_bytes() > kept, "close() freed a pinned ring's memory");
+  EXPECT(rc::p2p::Endpoint::kept_bytes() > kept, "close() freed a pinned ring's memory");
   // The peers' areas (kept here: they are pinned too), byte for byte: no header, flag or abort word.
   auto area_of = [&](int q) {
     std::vector<char> b(sizeof(rc::p2p::Area));
@@ -1457,7 +1457,7 @@ static void test_replay_after_close_of_a_pinned_ring() {
   const rc::p2p::ErrorRecord* e = args[0].ctl->err;
   EXPECT(e[0].word != 0 && e[0].phase == -1, "the replay did not stop at its start (record word %#x, phase %d)",
          e[0].word, e[0].phase);
-  for (void* pin : pins) rc::p2p::Ring::release_graph_pin(pin);
+  for (void* pin : pins) rc::p2p::Endpoint::release_graph_pin(pin);
   EXPECT(g.rings[0]->graph_pins() == 0, "pins left: %d", g.rings[0]->graph_pins());
 }
 
@@ -1584,7 +1584,7 @@ static void test_wire() {
 }
 
 // fp16 on the wire: a finite value that rounds beyond 65504 (an input on one rank, or a sum) is
-// learned by every rank (Ring::wire_overflowed), whichever rank rounded it; a call without one,
+// learned by every rank (Endpoint::wire_overflowed), whichever rank rounded it; a call without one,
 // and AVG whose mean fits, report none. World 1 too.
 static void test_wire_overflow() {
   using rc::p2p::Algo;

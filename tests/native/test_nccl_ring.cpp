@@ -1,5 +1,5 @@
-// Native test of the nccl transport (csrc/cuda/nccl/ring.cpp) on the emulated device, against the
-// in-process NCCL stand-in (tests/native/emu/nccl_standin.cpp), which cuda/nccl/ring.cpp loads by path as
+// Native test of the nccl transport (csrc/cuda/nccl/endpoint.cpp) on the emulated device, against the
+// in-process NCCL stand-in (tests/native/emu/nccl_standin.cpp), which cuda/nccl/endpoint.cpp loads by path as
 // it loads torch's libnccl.so.2. Ranks are threads; rank r on emulated device r.
 // (1) the schedules (ring, one-shot, two-shot, and the choice by size): 2-4 ranks, every
 //     collective, in place and not, zero-size and numel < N, tiny staging buffers (a chunk in many
@@ -20,7 +20,7 @@
 
 #include <thread>
 
-#include "cuda/nccl/ring.h"
+#include "cuda/nccl/endpoint.h"
 #include "cuda_check.h"
 #include "deterministic_check.h"
 #include "emu.h"
@@ -30,7 +30,7 @@ using Clock = std::chrono::steady_clock;
 
 static const char* kLib = RR_TEST_NCCL_LIB;
 
-// The stand-in's test hooks, from the library cuda/nccl/ring.cpp loads.
+// The stand-in's test hooks, from the library cuda/nccl/endpoint.cpp loads.
 struct Hooks {
   void (*fail_next)(const char*, ncclResult_t) = nullptr;
   int (*group_depth)() = nullptr;
@@ -45,7 +45,7 @@ struct Hooks {
 };
 
 struct Group {
-  std::vector<std::unique_ptr<rc::nccl::Ring>> rings;
+  std::vector<std::unique_ptr<rc::nccl::Endpoint>> rings;
   std::vector<Rank> ranks;
   // Creation is collective (each constructor waits for the others), so each rank is built on a
   // thread of its own, on its device. devices: rank -> device (default rank r on device r).
@@ -68,7 +68,7 @@ struct Group {
           o.staging_bytes = staging;
           o.lib = kLib;
           o.algo = algos.empty() ? algo : algos[r];
-          rings[r] = std::make_unique<rc::nccl::Ring>(o, id);
+          rings[r] = std::make_unique<rc::nccl::Endpoint>(o, id);
         } catch (const std::exception& e) {
           errors[r] = e.what();
         }
@@ -81,7 +81,7 @@ struct Group {
       k.device = devices[r];
       RR_CUDA_CHECK(cudaSetDevice(k.device));
       RR_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
-      rc::nccl::Ring* ring = rings[r].get();
+      rc::nccl::Endpoint* ring = rings[r].get();
       k.run = [ring](const rr::Call& c, cudaStream_t s) { ring->run(c, s); };
       k.failure = [ring] { return ring->failure(); };
       ranks.push_back(k);

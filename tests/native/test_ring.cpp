@@ -17,15 +17,15 @@
 #include "shm/protocol.h"
 
 using namespace ringreduce;
-using shm::Ring;
+using shm::Protocol;
 
 // The algorithm the next with_ring() rings use (Options::algo), and a per-rank override.
 static shm::Algo g_algo = shm::Algo::Ring;
 static std::function<void(int, shm::Options&)> g_tweak;
 
-// One zeroed, initialised segment; each thread builds its own Ring on it, as each process would.
+// One zeroed, initialised segment; each thread builds its own Protocol on it, as each process would.
 static void with_ring(int n, size_t slice_bytes, double timeout_s,
-                      const std::function<void(int, Ring&)>& body) {
+                      const std::function<void(int, Protocol&)>& body) {
   const size_t bytes = shm::segment_bytes(n, slice_bytes);
   void* mem = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
   std::memset(mem, 0, bytes);
@@ -42,7 +42,7 @@ static void with_ring(int n, size_t slice_bytes, double timeout_s,
       opt.algo = g_algo;
       opt.oneshot_max_bytes = 4096;
       if (g_tweak) g_tweak(r, opt);
-      Ring ring(mem, bytes, opt);
+      Protocol ring(mem, bytes, opt);
       body(r, ring);
     });
   }
@@ -124,7 +124,7 @@ static void sweep(Coll coll, int n, size_t slice_bytes) {
       if (coll == Coll::AllGather && opi > 0) break;
       for (int64_t sz : sizes) {
         const int64_t numel = coll == Coll::AllReduce ? sz : sz * n;
-        with_ring(n, slice_bytes, 30.0, [&](int r, Ring& ring) {
+        with_ring(n, slice_bytes, 30.0, [&](int r, Protocol& ring) {
           std::vector<char> in(std::max<int64_t>(1, numel) * es);
           const int64_t in_n = coll == Coll::AllGather ? sz : numel;
           for (int64_t i = 0; i < in_n; ++i)
@@ -162,7 +162,7 @@ static void bitwise_floats() {
   const int n = 4;
   const int64_t numel = 300001;
   std::vector<std::vector<float>> res(n);
-  with_ring(n, 4096, 30.0, [&](int r, Ring& ring) {
+  with_ring(n, 4096, 30.0, [&](int r, Protocol& ring) {
     std::mt19937 rng(r);
     std::uniform_real_distribution<float> u(-1, 1);
     std::vector<float> x(numel);
@@ -176,7 +176,7 @@ static void bitwise_floats() {
 static void mismatch() {
   const int n = 3;
   std::atomic<int> raised{0}, mentioned{0};
-  with_ring(n, 1024, 10.0, [&](int r, Ring& ring) {
+  with_ring(n, 1024, 10.0, [&](int r, Protocol& ring) {
     std::vector<float> x(100, 1.0f);
     const int64_t numel = r == 2 ? 90 : 100;
     try {
@@ -203,7 +203,7 @@ static void alternating_algorithms() {
   const int n = 4;
   std::vector<std::vector<float>> res(n);
   g_algo = shm::Algo::Auto;
-  with_ring(n, 256, 30.0, [&](int r, Ring& ring) {
+  with_ring(n, 256, 30.0, [&](int r, Protocol& ring) {
     const int64_t sizes[] = {1, 1000, 3, 50, 1024, 1025, 7, 4000, 2, 999};
     for (int rep = 0; rep < 20; ++rep) {
       for (int64_t numel : sizes) {
@@ -241,7 +241,7 @@ static void alternating_steps() {
   g_tweak = [](int, shm::Options& o) {
     o.steps = {{8 << 10, shm::Algo::TwoShot}, {32 << 10, shm::Algo::Cma}, {128 << 10, shm::Algo::Ring}};
   };
-  with_ring(n, 512, 30.0, [&](int r, Ring& ring) {
+  with_ring(n, 512, 30.0, [&](int r, Protocol& ring) {
     const int64_t sizes[] = {1, 1500, 3000, 9000, 40000, 7, 1025, 2048, 8191, 8192, 32768, 33000};
     for (int rep = 0; rep < 6; ++rep) {
       for (int64_t numel : sizes) {
@@ -282,7 +282,7 @@ static void alternating_deterministic() {
   const int n = 3;
   std::vector<std::vector<float>> res(n);
   set_deterministic(true);
-  with_ring(n, 512, 30.0, [&](int r, Ring& ring) {
+  with_ring(n, 512, 30.0, [&](int r, Protocol& ring) {
     const int64_t sizes[] = {5000, 1, 1024, 1025, 3, 70001, 2};
     for (int rep = 0; rep < 10; ++rep) {
       for (int64_t numel : sizes) {
@@ -320,7 +320,7 @@ static void algorithm_mismatch(bool by_env) {
   g_algo = shm::Algo::Auto;
   if (by_env) g_tweak = [](int r, shm::Options& o) { o.algo = r == 1 ? shm::Algo::Ring : shm::Algo::OneShot; };
   const auto t0 = std::chrono::steady_clock::now();
-  with_ring(n, 1024, 10.0, [&](int r, Ring& ring) {
+  with_ring(n, 1024, 10.0, [&](int r, Protocol& ring) {
     std::vector<float> x(12, 1.0f), y(4);
     try {
       if (!by_env && r == 2)  // reduce_scatter runs on the ring, the others' small all_reduce one-shot
@@ -358,7 +358,7 @@ static void pool_sweep(int n) {
     for (int opi = 0; opi < static_cast<int>(RedOp::kCount); ++opi) {
       const RedOp op = RedOp(opi);
       for (int64_t numel : sizes) {
-        with_ring(n, 1024, 30.0, [&](int r, Ring& ring) {
+        with_ring(n, 1024, 30.0, [&](int r, Protocol& ring) {
           const uint64_t off = static_cast<uint64_t>(r) * 3 * es;  // ranks at different offsets
           char* x = bases[r] + off;
           for (int64_t i = 0; i < numel; ++i) put(t, x, i, value(r, i));
@@ -389,7 +389,7 @@ static void pool_sweep(int n) {
   std::vector<std::vector<float>> bufs(n, std::vector<float>(64, 1.0f));
   std::vector<char*> bases(n);
   for (int r = 0; r < n; ++r) bases[r] = reinterpret_cast<char*>(bufs[r].data());
-  with_ring(n, 1024, 10.0, [&](int r, Ring& ring) {
+  with_ring(n, 1024, 10.0, [&](int r, Protocol& ring) {
     std::vector<float> own(64, 1.0f);
     float* x = r == n - 1 ? own.data() : bufs[r].data();
     const shm::Pool pool{&bases, 64 * sizeof(float), 0};
@@ -445,7 +445,7 @@ static void timeout() {
   const int n = 3;
   std::atomic<int> raised{0};
   const auto t0 = std::chrono::steady_clock::now();
-  with_ring(n, 1024, 0.5, [&](int r, Ring& ring) {
+  with_ring(n, 1024, 0.5, [&](int r, Protocol& ring) {
     if (r == 1) return;  // never calls
     std::vector<float> x(1000, 1.0f);
     try {

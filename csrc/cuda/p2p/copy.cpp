@@ -18,7 +18,7 @@
 #include <string>
 
 #include "cuda/kernels.h"
-#include "cuda/p2p/ring.h"
+#include "cuda/p2p/endpoint.h"
 #include "runtime/shm_map.h"
 
 namespace ringreduce::cuda::p2p {
@@ -76,7 +76,7 @@ unsigned long long addr(const void* p) { return reinterpret_cast<unsigned long l
 
 }  // namespace
 
-void Ring::copy_check(cudaStream_t stream) {
+void Endpoint::copy_check(cudaStream_t stream) {
   if (!copies())
     throw RingError("ringreduce: the copy algorithm needs its inbox (RINGREDUCE_CUDA_ALGO=copy or "
                     "ranks sharing a GPU without MPS, at most " + std::to_string(kMaxPeers) + " ranks)");
@@ -102,7 +102,7 @@ void Ring::copy_check(cudaStream_t stream) {
                     "(nvidia-cuda-mps-control -d) or use one GPU per rank to capture collectives");
 }
 
-void Ring::copy_attach(const std::string& name, bool create) {
+void Endpoint::copy_attach(const std::string& name, bool create) {
   if (!copies()) throw RingError("ringreduce: copy_attach: this ring has no copy algorithm");
   if (cctl_) throw RingError("ringreduce: copy_attach: the counters are attached already");
   uint64_t bytes = sizeof(CopyCtl);
@@ -124,7 +124,7 @@ void Ring::copy_attach(const std::string& name, bool create) {
   cctl_dev_ = static_cast<CopyCtl*>(dev);
 }
 
-void Ring::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
+void Endpoint::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
   const MemOps& m = mem_ops();
   const int n = opt_.nranks, r = opt_.rank;
   const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
@@ -181,7 +181,7 @@ void Ring::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
   pieces_ += static_cast<uint64_t>(p.steps);
 }
 
-void Ring::release_copy_waits_locked(uint32_t word) {
+void Endpoint::release_copy_waits_locked(uint32_t word) {
   if (!cctl_) return;
   uint32_t none = 0;
   if (word) __atomic_compare_exchange_n(&cctl_->abort, &none, word, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
@@ -189,7 +189,7 @@ void Ring::release_copy_waits_locked(uint32_t word) {
     for (int s = 0; s < opt_.nranks; ++s) __atomic_store_n(&cctl_->arrived[q][s].value, kReleased, __ATOMIC_SEQ_CST);
 }
 
-void Ring::copy_tick() {
+void Endpoint::copy_tick() {
   const auto now = std::chrono::steady_clock::now();
   bool broken = !failure().empty();
   std::lock_guard<std::mutex> lk(mu_);

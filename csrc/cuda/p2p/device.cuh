@@ -107,7 +107,7 @@ __device__ uint32_t check_header(const MsgHeader& got, const MsgHeader& mine) {
 
 // A group broken before this kernel started stops it here, and records that this call failed too
 // (the host tells a call's success by the first failed op_seq). Every thread returns the verdict.
-// The device word: every host abort is mirrored into it (Ring::abort_locked), on a stream, so a
+// The device word: every host abort is mirrored into it (Endpoint::abort_locked), on a stream, so a
 // kernel may start before it lands. Outside a graph that
 // only delays the stop (the peers' memory lives until every rank has synchronized); a graph's
 // replay may come after close(), when a peer may have freed its memory, so a captured launch

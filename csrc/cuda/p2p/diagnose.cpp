@@ -4,7 +4,7 @@
 #include <cstring>
 #include <string>
 
-#include "cuda/p2p/ring.h"
+#include "cuda/p2p/endpoint.h"
 
 namespace ringreduce::cuda::p2p {
 namespace {
@@ -31,7 +31,7 @@ std::string call_text(const MsgHeader& h) {
   return buf;
 }
 
-std::string Ring::describe(const ErrorRecord& e, int channel) const {
+std::string Endpoint::describe(const ErrorRecord& e, int channel) const {
   const uint32_t cause = abort_cause(e.word);
   const int who = abort_rank(e.word);
   char where[200];
@@ -106,7 +106,7 @@ std::string Ring::describe(const ErrorRecord& e, int channel) const {
   }
 }
 
-std::string Ring::failure() {
+std::string Endpoint::failure() {
   std::lock_guard<std::mutex> lk(mu_);
   if (!failure_.empty() || !ctl_) return failure_;
   // Prefer a record of a block that saw the cause itself over one that learned of it.
@@ -124,12 +124,12 @@ std::string Ring::failure() {
   return failure_;
 }
 
-uint64_t Ring::failed_seq() {
+uint64_t Endpoint::failed_seq() {
   std::lock_guard<std::mutex> lk(mu_);
   return failed_seq_locked();
 }
 
-uint64_t Ring::failed_seq_locked() const {
+uint64_t Endpoint::failed_seq_locked() const {
   uint64_t first = abort_seq_;
   if (closed_failed_seq_ && (first == 0 || closed_failed_seq_ < first)) first = closed_failed_seq_;
   if (!ctl_) return first;

@@ -1,6 +1,6 @@
 // The p2p transport's device layout: what every rank's area holds (flags, headers, the FIFO, the
 // workspace, the copy inbox), the host-mapped control block, the abort words and the kernels'
-// arguments. Shared by the host ring (ring.h) and the kernels (device.cuh); no CUDA API, no host
+// arguments. Shared by the host endpoint (endpoint.h) and the kernels (device.cuh); no CUDA API, no host
 // class, torch-free.
 #pragma once
 #include <cstddef>
@@ -13,7 +13,7 @@ namespace ringreduce::cuda::p2p {
 
 // Same FIFO depth, and the same reason for it, as the shared-memory ring.
 constexpr int kSlots = ring::kSlots;
-// Ring channels (one thread block each, over disjoint parts of every chunk): at most this many, and
+// Endpoint channels (one thread block each, over disjoint parts of every chunk): at most this many, and
 // by default at most 16 (NCCL's ring channel counts on NVLink machines are 16-32 on A100/H100; not
 // measured for ours). The count used per call comes from plan().
 constexpr int kDefaultChannels = 16;
@@ -52,9 +52,9 @@ constexpr size_t kVecBytes = 16;
 // Flags sit on their own 128-byte line (the L2 line size of NVIDIA GPUs).
 constexpr size_t kLine = 128;
 
-// The algorithms this transport runs (Algo, ring/call.h): Ring, OneShot, TwoShot (the
+// The algorithms this transport runs (Algo, ring/call.h): Endpoint, OneShot, TwoShot (the
 // symmetric workspace), and
-// Registered: an all_reduce of a tensor in a registered buffer (Ring::reg_alloc), read and written
+// Registered: an all_reduce of a tensor in a registered buffer (Endpoint::reg_alloc), read and written
 // in every rank's copy directly; chosen by plan_of(), never forced.
 // Copy: no kernel waits for another rank (ranks sharing a GPU without MPS take turns in time
 // slices, so spinning kernels wait a slice per handshake): each piece of the data goes by
@@ -83,10 +83,10 @@ struct SymFlags {
   alignas(kLine) uint64_t arrived[kMaxPeers];  // [q]: written by rank q's block, the barrier it reached
 };
 // The copy algorithm's counters (Algo::Copy) and the group's abort word for it: one block in host
-// memory every rank maps (POSIX shared memory registered with CUDA; Ring::copy_attach). The ranks'
+// memory every rank maps (POSIX shared memory registered with CUDA; Endpoint::copy_attach). The ranks'
 // streams write the counters (cuStreamWriteValue64) and wait on them (cuStreamWaitValue64). Such a
 // wait never times out, and a release written by a stream could queue behind the very wait it is
-// to end (streams share the GPU's hardware queues), so the host's watchdog (Ring::copy_tick) and an
+// to end (streams share the GPU's hardware queues), so the host's watchdog (Endpoint::copy_tick) and an
 // abort release every wait with CPU stores of kReleased, after the abort word that says why; a
 // stopping kernel does the same from the device. The driver compares cyclically
 // ((int64_t)(*addr - value) >= 0 for GEQ), so kReleased is 2^62, which passes any count in use
@@ -163,7 +163,7 @@ struct HostCtl {
   uint64_t copy_done;
   // The narrow wire with fp16: [op_seq % kWireOverflowSlots] = op_seq of a call of which some rank
   // rounded a finite value beyond fp16's range (written by this rank's kernel, which learns every
-  // rank's flags from the workspace: sym_wire.cu). Read by Ring::wire_overflowed, for as many calls
+  // rank's flags from the workspace: sym_wire.cu). Read by Endpoint::wire_overflowed, for as many calls
   // back as there are slots (async fp16 calls in flight beyond that could miss theirs).
   uint64_t wire_overflow[kWireOverflowSlots];
   alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index

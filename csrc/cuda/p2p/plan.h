@@ -11,7 +11,7 @@ namespace ringreduce::cuda::p2p {
 struct Options {
   int rank = 0;
   int nranks = 1;
-  // Whether every rank will map every other (Ring::connect gets every handle) and the group has at
+  // Whether every rank will map every other (Endpoint::connect gets every handle) and the group has at
   // most kMaxPeers ranks: the symmetric workspace algorithms, and the workspace; else the ring
   // only. The same on every rank.
   bool direct = true;
@@ -23,7 +23,7 @@ struct Options {
   // The most blocks one call's kernel may use: every block of every rank's kernel spins until its
   // peers' blocks run, so all must be resident at once. One block of these kernels fills an SM
   // (512 threads of up to 128 registers), so: the SM count over the ranks sharing a device, the
-  // least over the group (the same on every rank: plans must agree). 0: unknown; Ring takes this
+  // least over the group (the same on every rank: plans must agree). 0: unknown; Endpoint takes this
   // device's SM count (one rank per device).
   int max_blocks = 0;
   // The most blocks a workspace call uses below that cap (RINGREDUCE_CUDA_SYM_BLOCKS), 1 to

@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(Args a) {
 
 // ---- copy ------------------------------------------------------------------------------------------
 
-// One piece of a copy-algorithm call (Ring::run_copy): every peer's part is in this rank's inbox
+// One piece of a copy-algorithm call (Endpoint::run_copy): every peer's part is in this rank's inbox
 // (the stream waited for it), so no block waits for anything. Thread 0 of each block checks the
 // abort words and every source's header first; a block that finds the group stopped or the calls
 // mismatched records it and does nothing else (every block decides for itself and records, so a
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(Args a) {
   const bool rs = a.coll == static_cast<uint8_t>(Coll::ReduceScatter);
   const ring::Span P = ring::channel_part(ring::Span{0, a.piece_count}, gridDim.x, blockIdx.x);
   const int64_t at = a.piece_begin + P.begin;  // in the span the pieces cut
-  // Each source's slot is aligned as its destination (Ring::run_copy): all_gather's chunks may
+  // Each source's slot is aligned as its destination (Endpoint::run_copy): all_gather's chunks may
   // start anywhere mod 16 in the output.
   auto inbox = [&](int q) {
     const int64_t at_out = ag ? q * m + a.piece_begin : a.piece_begin;

@@ -16,7 +16,7 @@ __device__ __forceinline__ uint64_t barrier_value(uint64_t epoch, int b) { retur
 
 // Thread t: waits until *flag (this rank's memory) >= target. Returns 0 or the abort word that
 // ended the wait (*local: this thread saw the cause itself). The abort word a host writes is
-// mirrored into this rank's area (Ring::abort), so the poll reads device memory; the host flag
+// mirrored into this rank's area (Endpoint::abort), so the poll reads device memory; the host flag
 // (HostCtl::abort, across PCIe) only every 16th check, for a host abort whose mirror is stuck
 // behind a spinning kernel on a shared hardware queue. The polls are acquire loads: the one that
 // sees the flag orders the peer's data (released before it) before this thread's later loads, with

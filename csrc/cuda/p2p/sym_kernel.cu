@@ -1,7 +1,7 @@
 // The symmetric workspace kernel of the p2p transport: every rank maps every other rank's
 // workspace, so a call copies its input into its own workspace, meets its peers once, and then
 // pulls what it needs from theirs with 16-byte loads, folding in rank order (every rank gets the
-// same bits, whatever the sizes). Barriers per piece of a call (Ring::sym_args cuts the pieces):
+// same bits, whatever the sizes). Barriers per piece of a call (Endpoint::sym_args cuts the pieces):
 //   one-shot all_reduce:  copy in, start barrier, fold all n inputs into the output.        1
 //   two-shot all_reduce:  copy in, start barrier, fold chunk r into the output and the workspace,
 //                         (the next piece's copy in and start barrier, which is this one's

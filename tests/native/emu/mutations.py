@@ -89,7 +89,7 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_ranks_share_a_device", "test_two_communicators_share_a_device"]),
         "ranks sharing a device launch more blocks than it holds: some wait for blocks that never end"),
     "close_frees_a_pinned_ring": (
-        "csrc/cuda/p2p/ring.cpp",
+        "csrc/cuda/p2p/endpoint.cpp",
         "  const bool replayable = area_ && pins_->load() > 0;",
         "  const bool replayable = false;",
         ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
@@ -137,7 +137,7 @@ MUTATIONS = {
         WEAK_DIRECT, "no acquire after a workspace barrier's poll: the peers' inputs read with nothing ordering "
         "them after their stores (the happens-before check)"),
     "nccl_reduce_on_default_stream": (
-        "csrc/cuda/nccl/ring.cpp",
+        "csrc/cuda/nccl/endpoint.cpp",
         "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"
         "                      stream);",
         "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"
@@ -152,14 +152,14 @@ MUTATIONS = {
           "    slot(i).posted = true;\n    cl.cv.notify_all();")],
         None, NCCL_TEST, "every rank waits for its receive before posting its send: the ring deadlocks"),
     "nccl_descriptors_not_compared": (
-        "csrc/cuda/nccl/ring.cpp",
+        "csrc/cuda/nccl/endpoint.cpp",
         "        mismatch = p.descs ? check_descs(p) : std::string();",
         "        mismatch = std::string();",
         ("test_nccl_ring_emu", ["test_size_mismatch"]),
         "a mismatched call fails only the ranks NCCL tells (the receiver of a truncated message): the "
         "sender's call succeeds"),
     "nccl_descriptors_to_neighbours_only": (
-        "csrc/cuda/nccl/ring.cpp",
+        "csrc/cuda/nccl/endpoint.cpp",
         "    for (int k = 1; k < opt_.nranks; ++k) {\n      const int to = (opt_.rank + k) % opt_.nranks, from",
         "    for (int k = 1; k < opt_.nranks; k += std::max(1, opt_.nranks - 2)) {\n"
         "      const int to = (opt_.rank + k) % opt_.nranks, from",
@@ -167,7 +167,7 @@ MUTATIONS = {
         "descriptors go to the ring's neighbours only: a rank two steps from the mismatched one sees "
         "none and learns of it by its timeout"),
     "nccl_descriptors_in_the_data_group": (
-        "csrc/cuda/nccl/ring.cpp",
+        "csrc/cuda/nccl/endpoint.cpp",
         '    post(gops_, stream, "ncclGroupEnd (call descriptors with the peers)");',
         '    gops_.insert(gops_.end(), ops.begin(), ops.end());\n'
         '    post(gops_, stream, "ncclGroupEnd (call descriptors with the peers)");\n'
@@ -180,26 +180,26 @@ MUTATIONS = {
         "the descriptors ride in the first data group (the design before): a group that mismatched "
         "calls block holds them back, and the ranks fail by their timeout"),
     "release_frees_a_mapped_copy": (
-        "csrc/cuda/p2p/ring.cpp",
+        "csrc/cuda/p2p/endpoint.cpp",
         "        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);\n    g.at.clear();\n  }",
         "        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);\n    g.at.clear();\n    g.own.reset();\n  }",
         ("test_cuda_kernels_emu", ["test_registered_release", "test_close_frees_nothing_mapped"]),
         "a released shared buffer's own copy is freed at once, while the peers still map it"),
     "unmap_peers_does_nothing": (
-        "csrc/cuda/p2p/ring.cpp",
+        "csrc/cuda/p2p/endpoint.cpp",
         "  if (pins_->load() > 0) return false;\n  unmapped_ = true;",
         "  if (pins_->load() > 0) return false;\n  return true;\n  unmapped_ = true;",
         ("test_cuda_kernels_emu", ["test_close_frees_nothing_mapped"]),
         "the close's first phase unmaps nothing: every rank frees its workspace while the others map it"),
     "launch_failure_does_not_abort": (
-        "csrc/cuda/p2p/ring.cpp",
+        "csrc/cuda/p2p/endpoint.cpp",
         '    abort(std::string("could not enqueue call #") + std::to_string(op_seq_) + ": " + e.what());\n',
         "",
         ("test_cuda_kernels_emu", ["test_launch_failure_aborts_the_group"]),
         "a refused kernel launch throws on its rank only: the peers wait in the call's kernel until "
         "their timeout"),
     "nccl_wrong_staging_buffer": (
-        "csrc/cuda/nccl/ring.cpp",
+        "csrc/cuda/nccl/endpoint.cpp",
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];",
         "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[s & 1];",
         NCCL_TEST, "step s forwards the buffer being received into, not what step s-1 reduced"),
@@ -213,7 +213,7 @@ MUTATIONS = {
         "the test's own race (issue 35): inputs and outputs filled on the legacy stream, which the "
         "ranks' non-blocking streams do not wait for"),
     "registered_plan_past_the_end": (
-        "csrc/cuda/p2p/ring.cpp",
+        "csrc/cuda/p2p/endpoint.cpp",
         "      if (!g.mapped || p < base || p + bytes > base + g.bytes) continue;",
         "      if (!g.mapped || p < base || p >= base + g.bytes) continue;",
         ("test_cuda_kernels_emu", ["test_registered"]),
@@ -292,11 +292,11 @@ MUTATIONS = {
         "only the thread that failed stops; the others go on to the next barrier"),
 
     "nccl_watchdog_queries_in_global_mode": (
-        "csrc/cuda/nccl/ring.cpp", "  RelaxedCapture relaxed;  // this thread's queries, for its whole life\n", "",
+        "csrc/cuda/nccl/endpoint.cpp", "  RelaxedCapture relaxed;  // this thread's queries, for its whole life\n", "",
         ("test_nccl_ring_emu", ["test_watchdog_spares_a_capture"]),
         "the watchdog's event queries invalidate a CUDA graph another thread captures (issue 51, finding 2)"),
     "close_forgets_failed_calls": (
-        "csrc/cuda/p2p/ring.cpp", "  closed_failed_seq_ = failed_seq_locked();\n", "",
+        "csrc/cuda/p2p/endpoint.cpp", "  closed_failed_seq_ = failed_seq_locked();\n", "",
         ("test_cuda_kernels_emu", ["test_failed_call_survives_close"]),
         "a Work waited on after close reports success for a call that failed on the device (issue 51, finding 4)"),
     # The narrow wire on the workspace (csrc/cuda/p2p/sym_wire.cu, issue 52).

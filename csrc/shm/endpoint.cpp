@@ -1,4 +1,4 @@
-#include "shm/segment.h"
+#include "shm/endpoint.h"
 
 #include <atomic>
 #include <map>
@@ -8,27 +8,44 @@
 
 namespace ringreduce::shm {
 
-Segment::Segment(const std::string& name, bool create, const Options& opt, size_t slice_bytes) {
+Endpoint::Endpoint(const std::string& name, bool create, const Options& opt, size_t slice_bytes)
+    : nranks_(opt.nranks) {
   uint64_t bytes = create ? segment_bytes(opt.nranks, slice_bytes) : 0;
   base_ = create ? runtime::shm_create(name, bytes) : runtime::shm_map(name, &bytes);
   bytes_ = bytes;
   try {
     if (create) init_segment(base_, opt.nranks, slice_bytes);
-    ring_ = std::make_unique<Ring>(base_, bytes_, opt);
+    ring_ = std::make_unique<Protocol>(base_, bytes_, opt);
   } catch (...) {
     close();
     throw;
   }
 }
 
-Segment::~Segment() { close(); }
+Endpoint::~Endpoint() { close(); }
 
-Ring& Segment::ring() {
+Protocol& Endpoint::protocol() {
   if (!ring_) throw RingError("ringreduce: communicator is closed");
   return *ring_;
 }
 
-void Segment::close() {
+runtime::Caps Endpoint::caps() const {
+  runtime::Caps k;
+  k.wire = true;
+  return k;
+}
+
+std::string Endpoint::failure() {
+  if (!ring_ || !ring_->broken()) return "";
+  const std::string why = ring_->abort_reason();
+  return why.empty() ? "ringreduce: communicator is broken" : why;
+}
+
+void Endpoint::abort(const std::string& why) {
+  if (ring_) ring_->abort(why);
+}
+
+void Endpoint::close() {
   ring_.reset();
   runtime::shm_unmap(static_cast<char*>(base_), bytes_);
   base_ = nullptr;

@@ -1,6 +1,6 @@
 // Host side of the p2p transport: the area and flags of one rank, IPC mappings of its neighbours,
 // registered buffers, launches, abort and close. What a failure says: diagnose.cpp.
-#include "cuda/p2p/ring.h"
+#include "cuda/p2p/endpoint.h"
 
 #include <atomic>
 #include <chrono>
@@ -44,15 +44,15 @@ bool can_map(const std::string& bus_id, std::string* why) {
   return can != 0;
 }
 
-bool Ring::ring_fifo() const {
+bool Endpoint::ring_fifo() const {
   return opt_.nranks > 1 && (!opt_.direct || opt_.nranks > kMaxPeers || opt_.algo == Algo::Ring);
 }
 
-size_t Ring::fifo_bytes() const {
+size_t Endpoint::fifo_bytes() const {
   return ring_fifo() ? static_cast<size_t>(opt_.channels) * kSlots * slot_stride(opt_.slice_bytes) : 0;
 }
 
-size_t Ring::ws_half_bytes() const {
+size_t Endpoint::ws_half_bytes() const {
   // A piece of chunk_bytes laid out as the tensor mod 16; reduce_scatter's n regions each start
   // on 16 bytes (sym_kernel.cu's Layout): 32 bytes of slack per region.
   return opt_.nranks > 1 && opt_.direct && opt_.nranks <= kMaxPeers
@@ -60,17 +60,17 @@ size_t Ring::ws_half_bytes() const {
              : 0;
 }
 
-size_t Ring::copy_bytes() const {
+size_t Endpoint::copy_bytes() const {
   return opt_.algo == Algo::Copy && opt_.nranks > 1 && opt_.nranks <= kMaxPeers
              ? static_cast<size_t>(kCopyDepth) * opt_.nranks * slot_stride(opt_.copy_slot_bytes)
              : 0;
 }
 
-size_t Ring::area_bytes() const {
+size_t Endpoint::area_bytes() const {
   return opt_.nranks > 1 ? copy_offset() + copy_bytes() : 0;
 }
 
-Ring::Ring(const Options& opt) : opt_(opt) {
+Endpoint::Endpoint(const Options& opt) : opt_(opt) {
   if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
     throw std::invalid_argument("ringreduce: rank " + std::to_string(opt.rank) + " out of range for " +
                                 std::to_string(opt.nranks) + " ranks");
@@ -124,14 +124,14 @@ Ring::Ring(const Options& opt) : opt_(opt) {
   }
 }
 
-Ring::~Ring() {
+Endpoint::~Endpoint() {
   try {
     close();
   } catch (...) {
   }
 }
 
-std::string Ring::handle() const {
+std::string Endpoint::handle() const {
   if (closed_) throw RingError("ringreduce: p2p ring is closed");
   if (!area_) return "";  // world 1
   cudaIpcMemHandle_t h;
@@ -139,7 +139,7 @@ std::string Ring::handle() const {
   return std::string(reinterpret_cast<const char*>(&h), sizeof h);
 }
 
-void Ring::connect(const std::vector<std::string>& handles) {
+void Endpoint::connect(const std::vector<std::string>& handles) {
   const int n = opt_.nranks;
   if (n == 1) return;
   if (static_cast<int>(handles.size()) != n)
@@ -176,20 +176,20 @@ void Ring::connect(const std::vector<std::string>& handles) {
   direct_ = all;
 }
 
-void Ring::set_sym_blocks(int blocks) {
+void Endpoint::set_sym_blocks(int blocks) {
   if (blocks < 1 || blocks > kMaxSymBlocks)
     throw std::invalid_argument("ringreduce: p2p sym_blocks must be 1.." + std::to_string(kMaxSymBlocks) +
                                 ", got " + std::to_string(blocks));
   opt_.sym_blocks = blocks;
 }
 
-void Ring::connect_local(const std::vector<const Ring*>& rings) {
+void Endpoint::connect_local(const std::vector<const Endpoint*>& rings) {
   for (int q = 0; q < opt_.nranks; ++q)
     if (q != opt_.rank) peers_[q] = rings[q]->area_;
   direct_ = opt_.direct && opt_.nranks <= kMaxPeers;
 }
 
-Plan Ring::plan_of(const Call& c) const {
+Plan Endpoint::plan_of(const Call& c) const {
   const size_t es = dtype_size(c.dtype);
   const size_t bytes = static_cast<size_t>(c.numel) * es;
   // Up to auto's one-shot threshold one-shot stays: one barrier against the registered kernel's
@@ -204,7 +204,7 @@ Plan Ring::plan_of(const Call& c) const {
       const char* base = g.own.get();
       if (!g.mapped || p < base || p + bytes > base + g.bytes) continue;
       // Blocks as the workspace's two-shot: a block reads its part of chunk r from all n copies.
-      Plan r = plan({c.coll, c.dtype, c.op, c.numel, nullptr, nullptr}, opt_, direct_);
+      Plan r = p2p::plan({c.coll, c.dtype, c.op, c.numel, nullptr, nullptr}, opt_, direct_);
       r.algo = Algo::Registered;
       r.slice_elems = c.numel;
       r.steps = 1;
@@ -213,10 +213,10 @@ Plan Ring::plan_of(const Call& c) const {
       return r;
     }
   }
-  return plan(c, opt_, direct_);
+  return p2p::plan(c, opt_, direct_);
 }
 
-int Ring::reg_alloc(size_t bytes, std::string* handle) {
+int Endpoint::reg_alloc(size_t bytes, std::string* handle) {
   if (closed_) throw RingError("ringreduce: p2p communicator is closed");
   if (opt_.nranks > 1 && !direct_)
     throw RingError("ringreduce: shared buffers need every rank of the group to map every other "
@@ -244,7 +244,7 @@ int Ring::reg_alloc(size_t bytes, std::string* handle) {
   return static_cast<int>(regs_.size()) - 1;
 }
 
-void Ring::reg_connect(int id, const std::vector<std::string>& handles) {
+void Endpoint::reg_connect(int id, const std::vector<std::string>& handles) {
   std::lock_guard<std::mutex> lk(reg_mu_);
   if (id < 0 || id >= static_cast<int>(regs_.size()))
     throw std::invalid_argument("ringreduce: no shared buffer " + std::to_string(id));
@@ -273,7 +273,7 @@ void Ring::reg_connect(int id, const std::vector<std::string>& handles) {
   g.mapped = true;
 }
 
-void Ring::reg_connect_local(int id, const std::vector<const Ring*>& rings) {
+void Endpoint::reg_connect_local(int id, const std::vector<const Endpoint*>& rings) {
   std::lock_guard<std::mutex> lk(reg_mu_);
   Reg& g = regs_.at(id);
   for (int q = 0; q < opt_.nranks; ++q)
@@ -281,7 +281,7 @@ void Ring::reg_connect_local(int id, const std::vector<const Ring*>& rings) {
   g.mapped = true;
 }
 
-void Ring::reg_release(int id) {
+void Endpoint::reg_release(int id) {
   const bool replayable = pins_->load() > 0;
   const bool broke = broken();  // before reg_mu_: close() takes mu_, then reg_mu_
   std::lock_guard<std::mutex> lk(reg_mu_);
@@ -306,20 +306,45 @@ void Ring::reg_release(int id) {
   }
 }
 
-std::shared_ptr<char> Ring::reg_memory(int id) const {
+std::shared_ptr<char> Endpoint::reg_memory(int id) const {
   std::lock_guard<std::mutex> lk(reg_mu_);
   return regs_.at(id).own;
 }
 
-void Ring::run(const Call& c, cudaStream_t stream, const Plan* plan) {
+runtime::Caps Endpoint::caps() const {
+  runtime::Caps k;
+  k.device = true;
+  k.on_caller_stream = true;
+  k.capture_safe = true;
+  k.wire = true;
+  k.two_phase_close = true;
+  return k;
+}
+
+// The same call as plan()'s: every field (a Call is plain values).
+static bool same_call(const Call& a, const Call& b) {
+  return a.coll == b.coll && a.dtype == b.dtype && a.op == b.op && a.numel == b.numel && a.in == b.in &&
+         a.out == b.out && a.wire == b.wire;
+}
+
+Algo Endpoint::plan(const Call& c) {
+  if (opt_.nranks < 2) return Algo::Auto;
+  planned_ = plan_of(c);
+  planned_call_ = c;
+  has_planned_ = true;
+  return planned_.algo;
+}
+
+void Endpoint::run(const Call& c, void* stream) {
+  const bool reuse = has_planned_ && same_call(c, planned_call_);
+  has_planned_ = false;
+  run(c, static_cast<cudaStream_t>(stream), reuse ? &planned_ : nullptr);
+}
+
+void Endpoint::run(const Call& c, cudaStream_t stream, const Plan* plan) {
   if (closed_ || unmapped_) throw RingError("ringreduce: p2p communicator is closed");
-  const std::string failed = failure();
-  if (!failed.empty())
-    throw RingError("ringreduce: communicator is broken by an earlier failure: " + failed);
   const int n = opt_.nranks;
-  if (c.coll != Coll::AllReduce && c.numel % n != 0)
-    throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
-                                std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
+  runtime::check_call(c, n, failure());
   // Before the call is counted: a deterministic call the group cannot run throws here, on every
   // rank alike, and the ranks stay in step; so does a copy-algorithm call that cannot run.
   const Plan p = n < 2 ? Plan{} : plan ? *plan : plan_of(c);
@@ -362,7 +387,7 @@ void Ring::run(const Call& c, cudaStream_t stream, const Plan* plan) {
   }
 }
 
-void Ring::launch_again(const Call& c, cudaStream_t stream) const {
+void Endpoint::launch_again(const Call& c, cudaStream_t stream) const {
   const Plan p = plan_of(c);
   if (p.algo == Algo::Ring) {
     Args a = args(c, p);
@@ -396,7 +421,7 @@ static void fill_base(KernelBase& a, const Call& c, const Plan& p, const std::ve
   a.wire = static_cast<uint8_t>(c.wire);
 }
 
-Args Ring::args(const Call& c, const Plan& p) const {
+Args Endpoint::args(const Call& c, const Plan& p) const {
   Args a{};
   fill_base(a, c, p, peers_, up_, down_);
   a.self = reinterpret_cast<Area*>(area_);
@@ -417,7 +442,7 @@ Args Ring::args(const Call& c, const Plan& p) const {
   return a;
 }
 
-SymArgs Ring::sym_args(const Call& c, const Plan& p) const {
+SymArgs Endpoint::sym_args(const Call& c, const Plan& p) const {
   SymArgs a{};
   fill_base(a, c, p, peers_, up_, down_);
   a.self = reinterpret_cast<Area*>(area_);
@@ -443,12 +468,12 @@ SymArgs Ring::sym_args(const Call& c, const Plan& p) const {
   return a;
 }
 
-void Ring::abort(const std::string& why) {
+void Endpoint::abort(const std::string& why) {
   std::lock_guard<std::mutex> lk(mu_);
   abort_locked(why);
 }
 
-void Ring::abort_locked(const std::string& why, uint32_t cause) {
+void Endpoint::abort_locked(const std::string& why, uint32_t cause) {
   if (!ctl_) return;
   if (reason_.empty()) reason_ = why;
   if (abort_seq_ == 0) abort_seq_ = op_seq_ + 1;
@@ -472,7 +497,7 @@ void Ring::abort_locked(const std::string& why, uint32_t cause) {
   if (failure_.empty()) failure_ = "ringreduce: rank " + std::to_string(opt_.rank) + ": aborted: " + why;
 }
 
-void Ring::watch_peers(std::vector<runtime::Peer> peers) {
+void Endpoint::watch_peers(std::vector<runtime::Peer> peers) {
   // 50 ms: as the shared-memory ring's peer check; a /proc read per peer each time.
   watcher_ = std::make_unique<runtime::Ticker>(std::chrono::milliseconds(50), [this, peers] {
     const std::string dead = runtime::dead_peer(peers);
@@ -482,25 +507,25 @@ void Ring::watch_peers(std::vector<runtime::Peer> peers) {
   });
 }
 
-size_t Ring::kept_bytes() {
+size_t Endpoint::kept_bytes() {
   std::lock_guard<std::mutex> lk(g_kept_mu);
   return g_kept_bytes;
 }
 
 using Pins = std::shared_ptr<std::atomic<int>>;
 
-void* Ring::graph_pin() {
+void* Endpoint::graph_pin() {
   pins_->fetch_add(1);
   return new Pins(pins_);
 }
 
-void Ring::release_graph_pin(void* pin) {
+void Endpoint::release_graph_pin(void* pin) {
   Pins* p = static_cast<Pins*>(pin);
   (*p)->fetch_sub(1);
   delete p;
 }
 
-bool Ring::unmap_peers() {
+bool Endpoint::unmap_peers() {
   if (watcher_) watcher_->stop();  // they take mu_, and write into the peers' areas
   if (copy_watch_) copy_watch_->stop();
   std::lock_guard<std::mutex> lk(mu_);
@@ -526,7 +551,7 @@ bool Ring::unmap_peers() {
   return true;
 }
 
-void Ring::close(bool peers_done) {
+void Endpoint::close(bool peers_done) {
   if (watcher_) watcher_->stop();  // it takes mu_
   if (copy_watch_) copy_watch_->stop();  // and so does this one
   calls_.close();

@@ -1,4 +1,4 @@
-#include "cuda/nccl/ring.h"
+#include "cuda/nccl/endpoint.h"
 
 #include <dlfcn.h>
 #include <nccl.h>
@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "cuda/kernels.h"
+#include "ring/loop.h"
 #include "ring/schedule.h"
 
 namespace ringreduce::cuda::nccl {
@@ -156,7 +157,7 @@ std::string unique_id(const std::string& lib) {
   return std::string(id.internal, sizeof id.internal);
 }
 
-Ring::Ring(const Options& opt, const std::string& id) : opt_(opt) {
+Endpoint::Endpoint(const Options& opt, const std::string& id) : opt_(opt) {
   if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
     throw std::invalid_argument("ringreduce: rank out of range");
   if (id.size() != sizeof(ncclUniqueId)) throw RingError("ringreduce: bad NCCL unique id");
@@ -197,14 +198,14 @@ Ring::Ring(const Options& opt, const std::string& id) : opt_(opt) {
   watchdog_ = std::thread([this] { watch(); });
 }
 
-Ring::~Ring() {
+Endpoint::~Endpoint() {
   try {
     close();
   } catch (...) {
   }
 }
 
-uint64_t Ring::first_unfinished() {
+uint64_t Endpoint::first_unfinished() {
   RelaxedCapture relaxed;
   std::lock_guard<std::mutex> qlk(qmu_);
   uint64_t seq = 0;
@@ -218,13 +219,13 @@ uint64_t Ring::first_unfinished() {
   return op_seq_ + (in_call_ ? 0 : 1);  // the call being enqueued, else the next one
 }
 
-uint64_t Ring::first_unretired() {
+uint64_t Endpoint::first_unretired() {
   std::lock_guard<std::mutex> qlk(qmu_);
   if (!inflight_.empty()) return inflight_.front().seq;
   return op_seq_ + (in_call_ ? 0 : 1);
 }
 
-std::string Ring::retire_locked() {
+std::string Endpoint::retire_locked() {
   RelaxedCapture relaxed;
   uint64_t upto = 0;
   {
@@ -273,7 +274,7 @@ std::string Ring::retire_locked() {
   return "";
 }
 
-std::string Ring::check_descs(Pending& p) {
+std::string Endpoint::check_descs(Pending& p) {
   const Desc* d = desc_slots_[p.slot].host;
   const Desc& mine = d[opt_.rank];
   auto text = [](const Desc& x) {
@@ -301,7 +302,7 @@ std::string Ring::check_descs(Pending& p) {
   return "";
 }
 
-int Ring::take_desc_slot() {
+int Endpoint::take_desc_slot() {
   if (desc_free_.empty()) {
     const size_t per = static_cast<size_t>(opt_.nranks) * sizeof(Desc);
     const size_t bytes = kDescSlotsPerChunk * per;
@@ -323,7 +324,7 @@ int Ring::take_desc_slot() {
   return slot;
 }
 
-void Ring::release_pending(Pending& p) {
+void Endpoint::release_pending(Pending& p) {
   if (p.done) cudaEventDestroy(p.done);
   if (p.descs) cudaEventDestroy(p.descs);
   if (p.slot >= 0) desc_free_.push_back(p.slot);
@@ -331,7 +332,7 @@ void Ring::release_pending(Pending& p) {
   p.slot = -1;
 }
 
-void Ring::set_failure(const std::string& why, uint64_t seq) {
+void Endpoint::set_failure(const std::string& why, uint64_t seq) {
   if (seq == 0) seq = first_unfinished();
   std::lock_guard<std::mutex> lk(fmu_);
   if (!failure_.empty()) return;
@@ -339,19 +340,19 @@ void Ring::set_failure(const std::string& why, uint64_t seq) {
   failed_seq_ = seq;
 }
 
-std::string Ring::failure() {
+std::string Endpoint::failure() {
   std::lock_guard<std::mutex> lk(fmu_);
   return failure_;
 }
 
-void Ring::fail_locked(const std::string& why) {
+void Endpoint::fail_locked(const std::string& why) {
   set_failure(why);
   if (comm_) api(opt_.lib).abort(comm_);  // makes NCCL's kernels return; the comm is gone after
   comm_ = nullptr;
   abort_requested_ = false;
 }
 
-std::string Ring::descs_if_seen(Pending& p) {
+std::string Endpoint::descs_if_seen(Pending& p) {
   if (!p.descs || p.slot < 0) return "";
   RelaxedCapture relaxed;
   const cudaError_t q = cudaEventQuery(p.descs);
@@ -359,7 +360,7 @@ std::string Ring::descs_if_seen(Pending& p) {
   return q == cudaSuccess ? check_descs(p) : std::string();
 }
 
-std::string Ring::known_mismatch() {
+std::string Endpoint::known_mismatch() {
   {
     std::lock_guard<std::mutex> qlk(qmu_);
     for (Pending& p : inflight_) {
@@ -370,7 +371,7 @@ std::string Ring::known_mismatch() {
   return descs_if_seen(next_);
 }
 
-void Ring::nccl_check(int res, const char* what) {
+void Endpoint::nccl_check(int res, const char* what) {
   if (res == ncclSuccess) return;
   const Api& nc = api(opt_.lib);
   std::string msg = std::string("ringreduce: rank ") + std::to_string(opt_.rank) + ": " + what +
@@ -389,7 +390,7 @@ void Ring::nccl_check(int res, const char* what) {
   throw RingError(msg);
 }
 
-void Ring::settle(const char* what) {
+void Endpoint::settle(const char* what) {
   const Api& nc = api(opt_.lib);
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
@@ -424,7 +425,7 @@ void Ring::settle(const char* what) {
   }
 }
 
-void Ring::post(const std::vector<P2p>& ops, cudaStream_t stream, const char* what) {
+void Endpoint::post(const std::vector<P2p>& ops, cudaStream_t stream, const char* what) {
   const Api& nc = api(opt_.lib);
   nccl_check(nc.group_start(), "ncclGroupStart");
   const char* failed = nullptr;
@@ -443,7 +444,7 @@ void Ring::post(const std::vector<P2p>& ops, cudaStream_t stream, const char* wh
   settle(what);
 }
 
-void Ring::group(const std::vector<P2p>& ops, cudaStream_t stream) {
+void Endpoint::group(const std::vector<P2p>& ops, cudaStream_t stream) {
   // The call's first group is preceded by a group of its own that exchanges the call's descriptor
   // with every peer, whatever the algorithm: every rank posts the same sends and receives of the
   // same size there, so it completes even when the calls differ, and its copy to the host (checked
@@ -468,16 +469,23 @@ void Ring::group(const std::vector<P2p>& ops, cudaStream_t stream) {
   post(ops, stream, "ncclGroupEnd (send/recv with the peers)");
 }
 
-void Ring::group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream) {
+void Endpoint::group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream) {
   ops_.assign({{true, sbuf, sbytes, down_}, {false, rbuf, rbytes, up_}});
   group(ops_, stream);
 }
 
-void Ring::run(const Call& c, cudaStream_t stream) {
+runtime::Caps Endpoint::caps() const {
+  runtime::Caps k;
+  k.device = true;
+  k.polls = true;
+  k.run_waits = true;
+  return k;
+}
+
+void Endpoint::run(const Call& c, cudaStream_t stream) {
   if (closed_) throw RingError("ringreduce: nccl communicator is closed");
-  const std::string f = failure();
-  if (!f.empty()) throw RingError("ringreduce: communicator is broken by an earlier failure: " + f);
   const int n = opt_.nranks;
+  runtime::check_call(c, n, failure());
   // A CUDA graph would replay NCCL's calls but not this function's host side (the staging
   // schedule's settle() polls, the watchdog's per-call events): refuse rather than record a graph
   // whose replays the watchdog cannot follow.
@@ -486,12 +494,9 @@ void Ring::run(const Call& c, cudaStream_t stream) {
   if (capture != cudaStreamCaptureStatusNone)
     throw RingError("ringreduce: the nccl transport cannot run inside a CUDA graph capture; use "
                     "RINGREDUCE_TRANSPORT=p2p (capture-safe) or call the collective outside the capture");
-  if (c.coll != Coll::AllReduce && c.numel % n != 0)
-    throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
-                                std::to_string(c.numel) + " is not a multiple of " + std::to_string(n));
   // Before the call is counted: a call deterministic mode cannot run throws on every rank alike
   // (the plan depends only on the call and the options), and the ranks stay in step.
-  const Algo algo = plan(c, opt_);
+  const Algo algo = nccl::plan(c, opt_);
   std::lock_guard<std::mutex> lk(mu_);
   // Earlier calls first: an NCCL error they left is theirs, and raises here before this call.
   const std::string earlier = retire_locked();
@@ -520,7 +525,7 @@ void Ring::run(const Call& c, cudaStream_t stream) {
   next_ = Pending{};
   next_.seq = op_seq_;
   struct Release {
-    Ring& ring;
+    Endpoint& ring;
     ~Release() {
       if (ring.next_.slot >= 0) ring.release_pending(ring.next_);
     }
@@ -556,7 +561,7 @@ static ring::Span coll_chunk(const Call& c, int n, int k) {
   return {k * (c.numel / n), c.numel / n};
 }
 
-void Ring::direct_reduce(const Call& c, bool one_shot, cudaStream_t stream) {
+void Endpoint::direct_reduce(const Call& c, bool one_shot, cudaStream_t stream) {
   const int n = opt_.nranks, r = opt_.rank;
   const size_t es = dtype_size(c.dtype);
   const char* in = static_cast<const char*>(c.in);
@@ -592,7 +597,7 @@ void Ring::direct_reduce(const Call& c, bool one_shot, cudaStream_t stream) {
   }
 }
 
-void Ring::direct_gather(const Call& c, cudaStream_t stream) {
+void Endpoint::direct_gather(const Call& c, cudaStream_t stream) {
   const int n = opt_.nranks, r = opt_.rank;
   const size_t es = dtype_size(c.dtype);
   char* out = static_cast<char*>(c.out);
@@ -612,53 +617,55 @@ void Ring::direct_gather(const Call& c, cudaStream_t stream) {
   group(ops_, stream);
 }
 
-void Ring::run_ring(const Call& c, cudaStream_t stream) {
-  const int n = opt_.nranks, r = opt_.rank;
-  const size_t es = dtype_size(c.dtype);
-  const char* in = static_cast<const char*>(c.in);
-  char* out = static_cast<char*>(c.out);
-  const bool ar = c.coll == Coll::AllReduce;
-  const bool rs = c.coll != Coll::AllGather, ag = c.coll != Coll::ReduceScatter;
-  const int64_t m = c.numel / n;
-  auto chunk_of = [&](int k) { return ar ? ring::chunk(c.numel, n, k) : ring::Span{k * m, m}; };
-  const int64_t S = static_cast<int64_t>(opt_.staging_bytes / es);
-  const int64_t ns = ring::num_slices(ar ? (c.numel + n - 1) / n : m, S);
-  const int64_t out_shift = c.coll == Coll::ReduceScatter ? r * m : 0;
-  const int64_t in_shift = c.coll == Coll::AllGather ? r * m : 0;
-  const int divisor = c.op == RedOp::Avg ? n : 1;
-  for (int64_t j = 0; j < ns; ++j) {
-    if (rs) {
-      for (int s = 0; s < n - 1; ++s) {
-        const ring::Span sp = ring::slice(chunk_of(ring::rs_send_chunk(r, s, n)), j, S);
-        const ring::Span rp = ring::slice(chunk_of(ring::rs_recv_chunk(r, s, n)), j, S);
-        // Step s sends what step s-1 reduced (the same chunk), alternating the two buffers.
-        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];
-        char* rbuf = staging_[s & 1];
-        group(sbuf, sp.count * es, rbuf, rp.count * es, stream);
-        const bool last = s == n - 2;
-        void* dst = last ? out + (rp.begin - out_shift) * es : rbuf;
-        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,
-                      stream);
-      }
-    }
-    if (ag) {
-      if (!rs) {  // all-gather alone: this rank's chunk comes from the input
-        const ring::Span sp = ring::slice(chunk_of(r), j, S);
-        const char* src = in + (sp.begin - in_shift) * es;
-        if (src != out + sp.begin * es && sp.count > 0)
-          RR_CUDA_CHECK(cudaMemcpyAsync(out + sp.begin * es, src, sp.count * es,
-                                        cudaMemcpyDeviceToDevice, stream));
-      }
-      for (int t = 0; t < n - 1; ++t) {
-        const ring::Span sp = ring::slice(chunk_of(ring::ag_send_chunk(r, t, n)), j, S);
-        const ring::Span rp = ring::slice(chunk_of(ring::ag_recv_chunk(r, t, n)), j, S);
-        group(out + sp.begin * es, sp.count * es, out + rp.begin * es, rp.count * es, stream);
-      }
-    }
+// The ring's primitives (ring/loop.h) over NCCL: a send waits for the next receive, and the two
+// go as one group (NCCL's point-to-point pair); receives to be reduced land in the two staging
+// buffers in turn, so a group never receives into the buffer it sends from.
+struct Endpoint::Prims {
+  Endpoint& e;
+  const Call& c;
+  cudaStream_t stream;
+  size_t es;
+  const void* sbuf = nullptr;  // the send that waits for the next receive
+  size_t sbytes = 0;
+  unsigned turn = 0;  // the staging buffer of the next receive to reduce
+
+  void at(const char*, int, int64_t) {}
+  void send(const char* src, int64_t n) {
+    sbuf = src;
+    sbytes = n * es;
   }
+  char* recv(void* dst, int64_t n) {
+    e.group(sbuf, sbytes, dst, n * es, stream);
+    sbuf = nullptr;
+    sbytes = 0;
+    return static_cast<char*>(dst);
+  }
+  void recv_reduce_send(const char* own, int64_t n) {
+    char* got = recv(e.staging_[turn++ & 1], n);
+    launch_reduce(c.dtype, c.op, got, got, own, n, 1, stream);
+    send(got, n);
+  }
+  void recv_reduce_copy(const char* own, char* dst, int64_t n, int divisor, bool and_send) {
+    char* got = recv(e.staging_[turn++ & 1], n);
+    launch_reduce(c.dtype, c.op, dst, got, own, n, divisor, stream);
+    if (and_send) send(dst, n);
+  }
+  void recv_copy(char* dst, int64_t n, bool and_send) {
+    recv(dst, n);
+    if (and_send) send(dst, n);
+  }
+  void copy(char* dst, const char* src, int64_t n) {
+    if (n > 0) RR_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * es, cudaMemcpyDeviceToDevice, stream));
+  }
+};
+
+void Endpoint::run_ring(const Call& c, cudaStream_t stream) {
+  const size_t es = dtype_size(c.dtype);
+  Prims prims{*this, c, stream, es};
+  ring::run_ring(c, opt_.nranks, opt_.rank, static_cast<int64_t>(opt_.staging_bytes / es), prims);
 }
 
-void Ring::watch() {
+void Endpoint::watch() {
   RelaxedCapture relaxed;  // this thread's queries, for its whole life
   cudaSetDevice(device_);
   const auto timeout = std::chrono::duration_cast<Clock::duration>(
@@ -727,7 +734,7 @@ void Ring::watch() {
   }
 }
 
-std::string Ring::async_error_locked() {
+std::string Endpoint::async_error_locked() {
   if (!comm_) return "";
   ncclResult_t state = ncclSuccess;
   api(opt_.lib).async_error(comm_, &state);
@@ -739,7 +746,7 @@ std::string Ring::async_error_locked() {
   return why;
 }
 
-void Ring::poll() {
+void Endpoint::poll() {
   if (!failure().empty()) return;
   std::string why;
   {
@@ -752,12 +759,12 @@ void Ring::poll() {
   }
 }
 
-void Ring::watch_peers(std::vector<runtime::Peer> peers) {
+void Endpoint::watch_peers(std::vector<runtime::Peer> peers) {
   std::lock_guard<std::mutex> lk(fmu_);
   peers_ = std::move(peers);
 }
 
-void Ring::abort(const std::string& why) {
+void Endpoint::abort(const std::string& why) {
   const std::string msg = "ringreduce: rank " + std::to_string(opt_.rank) + ": aborted: " + why;
   set_failure(msg);
   std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
@@ -767,7 +774,7 @@ void Ring::abort(const std::string& why) {
     abort_requested_ = true;
 }
 
-void Ring::stop_threads() {
+void Endpoint::stop_threads() {
   {
     std::lock_guard<std::mutex> qlk(qmu_);
     stop_ = true;
@@ -776,7 +783,7 @@ void Ring::stop_threads() {
   if (watchdog_.joinable()) watchdog_.join();
 }
 
-void Ring::close() {
+void Endpoint::close() {
   if (closed_) return;
   closed_ = true;
   calls_.close();

@@ -1,4 +1,4 @@
-// The host side of the p2p transport, one rank's Ring: the ring protocol of shm/protocol.h on GPU memory shared by CUDA IPC: each rank owns, per
+// The host side of the p2p transport, one rank's Endpoint (a runtime::Transport): the ring protocol of shm/protocol.h on GPU memory shared by CUDA IPC: each rank owns, per
 // channel, a FIFO of kSlots message slots and two counters (posted, consumed) in its own cudaMalloc'ed
 // area; its downstream neighbour reads the slots and the posted counter through an IPC mapping, its
 // upstream neighbour reads the consumed counter. Every message carries the call's header, checked
@@ -21,6 +21,7 @@
 #include "cuda/p2p/launch.h"
 #include "cuda/p2p/plan.h"
 #include "runtime/peers.h"
+#include "runtime/transport.h"
 
 namespace ringreduce::cuda::p2p {
 
@@ -34,12 +35,12 @@ std::string device_bus_id();
 bool can_map(const std::string& bus_id, std::string* why);
 
 // One rank's side of the group, on the device current at construction.
-class Ring {
+class Endpoint : public runtime::Transport {
  public:
-  explicit Ring(const Options& opt);
-  ~Ring();
-  Ring(const Ring&) = delete;
-  Ring& operator=(const Ring&) = delete;
+  explicit Endpoint(const Options& opt);
+  ~Endpoint() override;
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
 
   // This rank's area as cudaIpcMemHandle_t bytes, for the other ranks ("" at world 1: no area).
   std::string handle() const;
@@ -48,7 +49,7 @@ class Ring {
   // mappable, an error then).
   void connect(const std::vector<std::string>& handles);
   // Native tests only: ranks as streams of one process, the others' areas used directly.
-  void connect_local(const std::vector<const Ring*>& rings);
+  void connect_local(const std::vector<const Endpoint*>& rings);
   // Enqueues one collective on stream (ordered after what is already there). Throws RingError when
   // the ring is broken, or when deterministic mode needs the symmetric workspace and the group
   // cannot run it (see plan()); a failure inside the kernel is seen later by failure().
@@ -56,8 +57,22 @@ class Ring {
   // epoch counter stands from device memory, so a replayed launch continues where the group is.
   // plan: plan_of(c) if the caller has it already (the binding's flight recorder), else computed.
   void run(const Call& c, cudaStream_t stream, const Plan* plan = nullptr);
+
+  // runtime::Transport. plan() keeps the plan it made for the run() of the same call that follows
+  // (the binding plans each call once: for its recorder and its hold, then runs it).
+  const char* name() const override { return "p2p"; }
+  runtime::Caps caps() const override;
+  int nranks() const override { return opt_.nranks; }
+  Algo plan(const Call& c) override;
+  void run(const Call& c, void* stream) override;
+  bool open() const override { return !closed_ && !unmapped_; }
+  int call_state(uint64_t seq, int64_t* done_ns) override {
+    return static_cast<int>(calls_.state(seq, done_ns));
+  }
+  void log_calls(bool on) override { calls_.enable(on); }
+  Pin capture_pin() override { return {graph_pin(), &Endpoint::release_graph_pin}; }
   // Native tests: launches call c's kernel again with the arguments run() gave it (after run()
-  // counted the call), as a CUDA graph replays a captured launch. Ring and symmetric workspace.
+  // counted the call), as a CUDA graph replays a captured launch. Endpoint and symmetric workspace.
   void launch_again(const Call& c, cudaStream_t stream) const;
   // The kernel arguments of call c under plan p as run() launches them (after run() counted the
   // call): ring and copy; the symmetric workspace.
@@ -75,7 +90,7 @@ class Ring {
   int reg_alloc(size_t bytes, std::string* handle);
   void reg_connect(int id, const std::vector<std::string>& handles);
   // Native tests only: ranks as streams of one process, the others' buffers used directly.
-  void reg_connect_local(int id, const std::vector<const Ring*>& rings);
+  void reg_connect_local(int id, const std::vector<const Endpoint*>& rings);
   std::shared_ptr<char> reg_memory(int id) const;
   // This rank's tensor of buffer id is gone (no call of this rank uses it any more: a call holds
   // its tensor until it ends): unmaps the peers' copies and lets go of this one, which goes with
@@ -96,20 +111,20 @@ class Ring {
   void set_sym_blocks(int blocks);
   bool direct() const { return direct_; }
   // The first failure the device recorded, formatted, or "" while there is none.
-  std::string failure();
+  std::string failure() override;
   bool broken() { return !failure().empty(); }
   // The op_seq of the first call that failed, or 0: that call and every later one failed, every
   // earlier one completed. Final for a call once its kernel has finished.
-  uint64_t failed_seq();
+  uint64_t failed_seq() override;
   uint64_t failed_seq_locked() const;  // under mu_
   // Stops this rank's running and future kernels and tells every mapped peer.
-  void abort(const std::string& why);
+  void abort(const std::string& why) override;
   // Watches the processes of these peers (every 50 ms): a dead one aborts the ring with
   // "peer rank R (pid P) died", so no rank waits out its timeout for a killed one.
-  void watch_peers(std::vector<runtime::Peer> peers);
+  void watch_peers(std::vector<runtime::Peer> peers) override;
   // Stops the peer watcher thread, nothing else (no CUDA call): for a ring left to the process's
   // exit while the interpreter finalizes.
-  void stop_threads() {
+  void stop_threads() override {
     if (watcher_) watcher_->stop();
     if (copy_watch_) copy_watch_->stop();
   }
@@ -124,13 +139,13 @@ class Ring {
   // peers_done=false: a peer may still read or write this rank's area (the close barrier failed,
   // or the ring broke): the area is marked aborted, so their waits stop, and kept until the
   // process exits, since freeing it could hand memory they still use to another allocation.
-  void close(bool peers_done = true);
+  void close(bool peers_done = true) override;
   // The first half of a two-phase close: stops the watchers and unmaps the peers' areas and
   // shared buffers (no call may run after it). Freeing memory another process still maps is
   // undefined in CUDA, so every rank does this, then a barrier, then close(true) frees. False when
   // the mappings stay (a CUDA graph pins the ring, or pinned it at close: its launches were
   // captured with the peers' addresses): then no rank of the group may free its memory.
-  bool unmap_peers();
+  bool unmap_peers() override;
   // Areas kept by close(false) in this process (bytes), for tests and logs.
   static size_t kept_bytes();
   // A CUDA graph that captured a launch of this ring replays it with this ring's addresses. While
@@ -143,9 +158,9 @@ class Ring {
   void* graph_pin();
   static void release_graph_pin(void* pin);
   int graph_pins() const { return pins_->load(); }
-  bool closed() const { return closed_; }
+  bool closed() const override { return closed_; }
   bool unmapped() const { return unmapped_; }  // the first half of a close ran
-  uint64_t op_seq() const { return op_seq_; }
+  uint64_t op_seq() const override { return op_seq_; }
   // Whether call `seq` (a narrow wire with fp16) rounded a finite value beyond fp16's range on
   // some rank: every rank learns it. Final once the call's kernel has finished; for the last
   // kWireOverflowSlots calls.
@@ -185,6 +200,9 @@ class Ring {
   Options opt_;
   int device_ = 0;
   int up_ = 0, down_ = 0;
+  Call planned_call_{};   // plan()'s call and its plan, for the run() that follows
+  Plan planned_{};
+  bool has_planned_ = false;
   char* area_ = nullptr;  // own area (cudaMalloc)
   std::vector<char*> peers_;  // every rank's area by rank (own included; null: not mapped)
   bool ipc_ = false;  // peers_ are IPC mappings (closed on close())

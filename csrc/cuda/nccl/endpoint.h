@@ -33,16 +33,14 @@
 
 #include "runtime/peers.h"
 #include "cuda/call_log.h"
+#include "cuda/nccl/defaults.h"
 #include "ring/call.h"
+#include "runtime/transport.h"
 
 struct ncclComm;
 
 namespace ringreduce::cuda::nccl {
 
-// Staging per buffer (two alternate): chunks larger than this go through the ring in pieces.
-// 16 MiB keeps NCCL's transfers far above its per-call latency (a few us, i.e. ~1 MB at
-// NVLink speed) while costing 32 MiB per communicator.
-constexpr size_t kDefaultStagingBytes = 16 << 20;
 // The direct algorithms (one-shot, two-shot) receive N-1 pieces into both staging buffers as one
 // region of 2 x staging_bytes, each piece at a multiple of this (the kernels' widest load).
 constexpr size_t kSlotAlign = 16;
@@ -90,36 +88,48 @@ size_t oneshot_max_bytes(int nranks);
 // 8 x (N-1) bytes) it throws RingError saying so, where the default mode falls back to the ring.
 Algo plan(const Call& c, const Options& o);
 
-class Ring {
+class Endpoint : public runtime::Transport {
  public:
   // Collective over the group (every rank with the same id); on the current device.
-  Ring(const Options& opt, const std::string& id);
-  ~Ring();
-  Ring(const Ring&) = delete;
-  Ring& operator=(const Ring&) = delete;
+  Endpoint(const Options& opt, const std::string& id);
+  ~Endpoint() override;
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
 
   // Enqueues one collective on stream. Throws RingError when the ring is broken or NCCL fails, and
   // when stream is capturing a CUDA graph (not capture-safe: see run()).
   void run(const Call& c, cudaStream_t stream);
+
+  // runtime::Transport
+  const char* name() const override { return "nccl"; }
+  runtime::Caps caps() const override;
+  int nranks() const override { return opt_.nranks; }
+  Algo plan(const Call& c) override { return nccl::plan(c, opt_); }
+  void run(const Call& c, void* stream) override { run(c, static_cast<cudaStream_t>(stream)); }
+  int call_state(uint64_t seq, int64_t* done_ns) override {
+    return static_cast<int>(calls_.state(seq, done_ns));
+  }
+  void log_calls(bool on) override { calls_.enable(on); }
+  void close(bool /*peers_done*/) override { close(); }
   // The first failure (the watchdog's timeout, NCCL's async error, a CUDA error, a dead peer), or "".
-  std::string failure();
+  std::string failure() override;
   bool broken() { return !failure().empty(); }
-  // The op_seq of the first call that failed, or 0 (see p2p::Ring::failed_seq).
-  uint64_t failed_seq() const { return failed_seq_; }
+  // The op_seq of the first call that failed, or 0 (see p2p::Endpoint::failed_seq).
+  uint64_t failed_seq() override { return failed_seq_; }
   // Looks at NCCL's asynchronous error now (the watchdog does every period): a call whose event
   // has completed may still have failed inside NCCL (e.g. a truncated message).
-  void poll();
-  void abort(const std::string& why);
+  void poll() override;
+  void abort(const std::string& why) override;
   // The watchdog also checks these peers' processes; a dead one fails and aborts the communicator.
-  void watch_peers(std::vector<runtime::Peer> peers);
+  void watch_peers(std::vector<runtime::Peer> peers) override;
   // Stops the watchdog thread, nothing else (no NCCL or CUDA call): for a ring left to the
   // process's exit while the interpreter finalizes.
-  void stop_threads();
+  void stop_threads() override;
   // Finalizes (or aborts, when broken) the NCCL communicator; frees the staging. Idempotent. The
   // caller's stream must be idle.
   void close();
-  bool closed() const { return closed_; }
-  uint64_t op_seq() const { return op_seq_; }
+  bool closed() const override { return closed_; }
+  uint64_t op_seq() const override { return op_seq_; }
   // Which calls have finished on the device (the flight recorder reads it without blocking).
   CallLog& calls() { return calls_; }
 
@@ -161,6 +171,7 @@ class Ring {
   void post(const std::vector<P2p>& ops, cudaStream_t stream, const char* what);  // one group
   // The ring's step: send to the next rank, receive from the previous one.
   void group(const void* sbuf, size_t sbytes, void* rbuf, size_t rbytes, cudaStream_t stream);
+  struct Prims;  // the ring's primitives (ring/loop.h) over NCCL groups
   void run_ring(const Call& c, cudaStream_t stream);
   // Direct halves (one group each): reduce-scatter (one_shot: every rank's whole input, else chunk
   // r of it) reduced in rank order into the output; all-gather of the reduced chunks.

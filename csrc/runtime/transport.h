@@ -1,0 +1,97 @@
+// One transport interface under the binding: what the shared-memory (shm::Endpoint), CUDA IPC
+// (cuda::p2p::Endpoint) and NCCL (cuda::nccl::Endpoint) transports each are to the communicator
+// that drives them. The binding's communicators are written against it, with no branch on which
+// transport it is: what differs is said by capabilities, not by type. Torch-free, CUDA-free.
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ring/call.h"
+#include "runtime/peers.h"
+
+namespace ringreduce::runtime {
+
+// What a transport can do; the communicator's policy follows these, never the transport's type.
+struct Caps {
+  // A device transport: run() enqueues on a CUDA stream and returns; a host one runs the call
+  // on the calling thread and returns when it is done.
+  bool device = false;
+  // A synchronous call may run straight on the caller's stream (no event pair, no stream of ours).
+  bool on_caller_stream = false;
+  // run() may be captured into a CUDA graph (its replays continue where the group stands).
+  bool capture_safe = false;
+  // Runs calls with a narrow wire (Call::wire).
+  bool wire = false;
+  // Honours deterministic mode (ringreduce::deterministic(): rank-order bits at every size).
+  bool deterministic = true;
+  // Closes in two phases (unmap_peers, a barrier, close(true)): peers map this rank's memory.
+  bool two_phase_close = false;
+  // poll() looks for failures that arrive apart from the calls (NCCL's asynchronous errors).
+  bool polls = false;
+  // run() may wait on the host until its work is enqueued (NCCL's non-blocking group settling):
+  // the caller lets other threads run meanwhile (the binding releases the GIL).
+  bool run_waits = false;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;  // "shm", "p2p", "nccl": for messages
+  virtual Caps caps() const = 0;
+  virtual int nranks() const = 0;
+  // The algorithm run() will use for c (the same on every rank for the same call).
+  virtual Algo plan(const Call& c) = 0;
+  // Runs call c: enqueued on `stream` (a cudaStream_t) by a device transport, run on this thread by
+  // a host one (stream ignored). Throws RingError when the transport is broken or closed, or the
+  // call cannot run; a failure a device meets later is seen by failure().
+  virtual void run(const Call& c, void* stream) = 0;
+  // The first failure, or "" while there is none.
+  virtual std::string failure() = 0;
+  // The op_seq of the first call that failed, or 0: it and every later call failed.
+  virtual uint64_t failed_seq() = 0;
+  virtual void poll() {}
+  // Stops this rank's running and future calls and tells the peers (every rank then raises).
+  virtual void abort(const std::string& why) = 0;
+  // Watches these peers' processes: a dead one fails the group within a fraction of a second.
+  virtual void watch_peers(std::vector<Peer> peers) = 0;
+  // Stops the transport's own threads, nothing else: for one left to the process's exit.
+  virtual void stop_threads() {}
+  // The first half of a two-phase close (Caps::two_phase_close); false: the peers' mappings stay.
+  virtual bool unmap_peers() { return true; }
+  // Frees what the transport holds; idempotent; no call may be running. peers_done: every rank
+  // has stopped using this rank's memory (else what they may still touch is kept until exit).
+  virtual void close(bool peers_done) = 0;
+  virtual bool closed() const = 0;
+  // Whether a new call may start (a two-phase close's first half refuses them).
+  virtual bool open() const { return !closed(); }
+  virtual uint64_t op_seq() const = 0;
+  // A device transport's view of where call seq stands (the flight recorder's device probe): 0
+  // unknown, 1 pending, 2 done (*done_ns: when, steady clock). log_calls(on) starts recording.
+  virtual int call_state(uint64_t /*seq*/, int64_t* /*done_ns*/) { return 0; }
+  virtual void log_calls(bool /*on*/) {}
+  // A capture-safe transport's hold on the memory that a CUDA graph's captured launches use,
+  // taken at capture and released by release(arg) (no CUDA call) when CUDA destroys the graph.
+  struct Pin {
+    void* arg = nullptr;
+    void (*release)(void*) = nullptr;
+  };
+  virtual Pin capture_pin() { return {}; }
+};
+
+// The checks every transport makes before a call, written once: a broken transport refuses
+// (failure: its failure(), "" when none), and so does a reduce_scatter or all_gather whose numel
+// is not a multiple of the world.
+inline std::string broken_message(const std::string& failure) {
+  return "ringreduce: communicator is broken by an earlier failure: " + failure;
+}
+inline void check_call(const Call& c, int nranks, const std::string& failure) {
+  if (!failure.empty()) throw RingError(broken_message(failure));
+  if (c.coll != Coll::AllReduce && nranks > 0 && c.numel % nranks != 0)
+    throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
+                                std::to_string(c.numel) + " is not a multiple of " +
+                                std::to_string(nranks));
+}
+
+}  // namespace ringreduce::runtime
