@@ -10,7 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/kernels.h"
+#include "cuda/host.h"
+#include "cuda/shape.h"
 #include "cuda/p2p/endpoint.h"
 #include "emu.h"
 #include "runtime/shm_map.h"

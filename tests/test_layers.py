@@ -244,7 +244,7 @@ def test_csrc_folders_include_down_only():
 
 def test_csrc_checks_catch_what_they_are_for():
     bad = {"cuda/p2p/endpoint.h": [(3, "ATen/ATen.h", False), (4, "binding/shm_comm.h", True),
-                                   (5, "cuda/nccl/endpoint.h", True), (6, "cuda/kernels.h", True)],
+                                   (5, "cuda/nccl/endpoint.h", True), (6, "cuda/host.h", True)],
            "ring/call.h": [(7, "cpu/reduce.h", True)],
            "binding/module.cpp": [(1, "torch/extension.h", False), (2, "cuda/p2p/endpoint.h", True)]}
     assert csrc_violations(bad) == [

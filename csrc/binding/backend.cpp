@@ -27,8 +27,8 @@ namespace {
 
 namespace rr = ringreduce;
 using c10d::Work;
-using rr::RingWork;
-using rr::WorkPtr;
+using rr::binding::RingWork;
+using rr::binding::WorkPtr;
 
 bool finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -42,11 +42,11 @@ bool finalizing() {
 // created it (set_cpu), and counts of the calls it ran, by operation.
 class Slot {
  public:
-  std::shared_ptr<rr::ShmComm> cpu() {
+  std::shared_ptr<rr::binding::ShmComm> cpu() {
     std::lock_guard<std::mutex> lk(mu_);
     return cpu_;
   }
-  void set_cpu(std::shared_ptr<rr::ShmComm> c) {
+  void set_cpu(std::shared_ptr<rr::binding::ShmComm> c) {
     std::lock_guard<std::mutex> lk(mu_);
     cpu_ = std::move(c);
   }
@@ -61,7 +61,7 @@ class Slot {
 
  private:
   std::mutex mu_;
-  std::shared_ptr<rr::ShmComm> cpu_;
+  std::shared_ptr<rr::binding::ShmComm> cpu_;
   std::map<std::string, int64_t> counts_;
 };
 
@@ -80,7 +80,7 @@ int op_code(const c10d::ReduceOp& op) {
 
 bool ring_dtype(at::ScalarType t) {
   ringreduce::DType unused;
-  return ringreduce::try_dtype(t, unused);  // the dtypes the core reduces (torch_types.h)
+  return ringreduce::binding::try_dtype(t, unused);  // the dtypes the core reduces (torch_types.h)
 }
 
 // Dense CPU tensors of one ring dtype.
@@ -157,7 +157,7 @@ class ForwardingBackend : public c10d::Backend {
         std::vector<at::Tensor> outs = out[0];
         const at::Tensor inp = in[0];
         at::Tensor flat = at::empty({size_ * inp.numel()}, inp.options());
-        rr::Prepared p = c->all_gather(flat, inp.reshape(-1));
+        rr::binding::Prepared p = c->all_gather(flat, inp.reshape(-1));
         p.after = [outs, flat, n = inp.numel()]() mutable {
           for (size_t r = 0; r < outs.size(); ++r)
             outs[r].copy_(flat.narrow(0, static_cast<int64_t>(r) * n, n).view(outs[r].sizes()));
@@ -187,10 +187,10 @@ class ForwardingBackend : public c10d::Backend {
     if (!out.empty() && out.size() == in.size() && ring_can(out) && ring_can(in) &&
         out[0].scalar_type() == in[0].scalar_type())
       if (auto c = open_cpu()) {
-        rr::Prepared all;
+        rr::binding::Prepared all;
         for (size_t i = 0; i < out.size(); ++i) {
           check_sizes("all_gather_into_tensor", "output_tensor", out[i], "input_tensor", in[i]);
-          rr::Prepared p = c->all_gather(out[i], in[i]);
+          rr::binding::Prepared p = c->all_gather(out[i], in[i]);
           if (i == 0) all = std::move(p); else all.append(std::move(p));
         }
         slot_->count("ring allgather_into_tensor_coalesced");
@@ -214,7 +214,7 @@ class ForwardingBackend : public c10d::Backend {
       if (auto c = open_cpu()) {
         std::vector<at::Tensor> parts;
         for (const at::Tensor& t : in[0]) parts.push_back(t.reshape(-1));
-        rr::Prepared p = c->reduce_scatter(out[0], at::cat(parts), code);
+        rr::binding::Prepared p = c->reduce_scatter(out[0], at::cat(parts), code);
         slot_->count("ring reduce_scatter");
         return run(*c, std::move(p), async_of(o, 0), c10d::OpType::REDUCE_SCATTER);
       }
@@ -238,10 +238,10 @@ class ForwardingBackend : public c10d::Backend {
     if (code >= 0 && !out.empty() && out.size() == in.size() && ring_can(out) && ring_can(in) &&
         out[0].scalar_type() == in[0].scalar_type())
       if (auto c = open_cpu()) {
-        rr::Prepared all;
+        rr::binding::Prepared all;
         for (size_t i = 0; i < out.size(); ++i) {
           check_sizes("reduce_scatter_tensor", "input", in[i], "output", out[i]);
-          rr::Prepared p = c->reduce_scatter(out[i], in[i], code);
+          rr::binding::Prepared p = c->reduce_scatter(out[i], in[i], code);
           if (i == 0) all = std::move(p); else all.append(std::move(p));
         }
         slot_->count("ring reduce_scatter_tensor_coalesced");
@@ -266,7 +266,7 @@ class ForwardingBackend : public c10d::Backend {
 
  private:
   // The group's shared-memory communicator when Python has made it and it is still open.
-  std::shared_ptr<rr::ShmComm> open_cpu() {
+  std::shared_ptr<rr::binding::ShmComm> open_cpu() {
     auto c = slot_->cpu();
     if (c && c->closed()) c.reset();
     return c;
@@ -274,12 +274,12 @@ class ForwardingBackend : public c10d::Backend {
 
   // Runs p now (a completed Work; errors raised here, as the direct API's synchronous call) or
   // queued (the executor's Work).
-  WorkPtr run(rr::ShmComm& c, rr::Prepared p, bool async_op, c10d::OpType type) {
+  WorkPtr run(rr::binding::ShmComm& c, rr::binding::Prepared p, bool async_op, c10d::OpType type) {
     std::vector<at::Tensor> outputs = p.outputs;
     rr::runtime::SourceScope source(rr::runtime::Source::Backend);
     WorkPtr w = c.start(std::move(p), async_op, type, /*gil=*/false);
     if (w) return w;
-    return c10::make_intrusive<rr::DoneWork>(type, std::move(outputs));
+    return c10::make_intrusive<rr::binding::DoneWork>(type, std::move(outputs));
   }
 
   // One tensor per rank, each of like's shape and dtype, all ring tensors.
@@ -318,7 +318,7 @@ void register_backend(py::module_& m) {
   }, py::arg("rank"), py::arg("size"), py::arg("impl"), py::arg("slot"));
   // op: the name of the Backend method, for profilers and debug output.
   m.def("ring_work", [](const std::string& op, std::vector<at::Tensor> outputs) -> WorkPtr {
-    return c10::make_intrusive<RingWork>(rr::op_type(op), std::move(outputs));
+    return c10::make_intrusive<RingWork>(rr::binding::op_type(op), std::move(outputs));
   }, py::arg("op"), py::arg("outputs"));
   m.def("ring_work_complete", [](const WorkPtr& work, const std::string& error) {
     auto* w = dynamic_cast<RingWork*>(work.get());

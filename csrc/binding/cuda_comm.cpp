@@ -12,7 +12,7 @@
 #include <map>
 
 #include "binding/torch_types.h"
-#include "cuda/kernels.h"
+#include "cuda/host.h"
 
 namespace ringreduce::binding {
 

@@ -11,11 +11,9 @@
 
 #include "ring/call.h"
 
-namespace ringreduce {
-PyObject*& ring_error_type();  // ringreduce.RingReduceError (binding/shm_comm.cpp), set at import
-}
-
 namespace ringreduce::binding {
+
+PyObject*& ring_error_type();  // ringreduce.RingReduceError (binding/shm_comm.cpp), set at import
 namespace {
 
 struct Fast {

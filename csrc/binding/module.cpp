@@ -31,7 +31,7 @@ void register_cuda(py::module_& m);
 
 namespace {
 
-using rr::ShmComm;
+using rr::binding::ShmComm;
 using ShmPtr = std::shared_ptr<ShmComm>;
 
 // The flight recorder as the Python transports (hierarchical, CUDA) and dumps use it.
@@ -92,8 +92,8 @@ void register_recorder(py::module_& m) {
 }
 
 // A call from Python: None when synchronous, else the call's Work (a c10d Work).
-py::object start(ShmComm& c, rr::Prepared p, bool async_op, const char* op) {
-  rr::WorkPtr w = c.start(std::move(p), async_op, rr::op_type(op), /*gil=*/true);
+py::object start(ShmComm& c, rr::binding::Prepared p, bool async_op, const char* op) {
+  rr::binding::WorkPtr w = c.start(std::move(p), async_op, rr::binding::op_type(op), /*gil=*/true);
   if (!w) return py::none();
   return py::cast(w);
 }
@@ -102,20 +102,20 @@ py::object start(ShmComm& c, rr::Prepared p, bool async_op, const char* op) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ringreduce native core: ring collectives over shared memory";
-  rr::ring_error_type() =
+  rr::binding::ring_error_type() =
       py::register_exception<rr::RingError>(m, "RingReduceError", PyExc_RuntimeError).ptr();
-  rr::main_thread_ident() = PyThread_get_thread_ident();
+  rr::binding::main_thread_ident() = PyThread_get_thread_ident();
 
   // Every call takes async_op: False runs it now (None; errors raised here), True queues it and
   // returns its Work. Non-contiguous tensors are run through contiguous copies.
   py::class_<ShmComm, ShmPtr>(m, "ShmComm")
       .def(py::init<const std::string&, bool, int, int, size_t, double, int64_t, int64_t,
                     const std::string&, int64_t, int64_t, const std::string&,
-                    const std::vector<rr::AutoStep>&>(),
+                    const std::vector<rr::binding::AutoStep>&>(),
            py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("nranks"), py::arg("slice_bytes"),
            py::arg("timeout_s"), py::arg("spin_ns"), py::arg("yield_ns") = 0, py::arg("algo") = "auto",
            py::arg("oneshot_max_bytes") = 0, py::arg("trace_buffer") = 2000, py::arg("stream") = "auto",
-           py::arg("auto_steps") = std::vector<rr::AutoStep>{})
+           py::arg("auto_steps") = std::vector<rr::binding::AutoStep>{})
       .def("set_auto_steps", &ShmComm::set_auto_steps, py::arg("steps"))
       .def("cma_probe", &ShmComm::cma_probe,
            "'' when this rank can read every peer's memory by cross-memory attach, else why not")
@@ -162,12 +162,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_recorder(m);
 
   // Direct API's Work.wait(): runs the call here if it is still queued (see Executor).
-  m.def("ring_work_help", [](const rr::WorkPtr& work) {
-    if (auto* w = dynamic_cast<rr::RingWork*>(work.get())) w->help();
+  m.def("ring_work_help", [](const rr::binding::WorkPtr& work) {
+    if (auto* w = dynamic_cast<rr::binding::RingWork*>(work.get())) w->help();
   }, py::arg("work"));
   // Direct API's Work.wait() with no timeout: help(), then the call's error (RingReduceError), if
   // any. Cheaper than torch's Work.wait (no timedelta argument to convert).
-  m.def("ring_work_wait", [](const rr::WorkPtr& work) {
+  m.def("ring_work_wait", [](const rr::binding::WorkPtr& work) {
     work->wait(std::chrono::milliseconds(0));  // kNoTimeout; after help() it is complete
   }, py::arg("work"));
   m.def("set_deterministic", &rr::set_deterministic, py::arg("on"));
@@ -183,12 +183,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                       "ringreduce.reduce_rows: out must be a contiguous CPU tensor of ", rows.size(1),
                       " elements of ", rows.scalar_type(), ", got ", out.numel(), " of ",
                       out.scalar_type());
-    const rr::DType dt = rr::to_dtype(rows, "rows");
+    const rr::DType dt = rr::binding::to_dtype(rows, "rows");
     const int n = static_cast<int>(rows.size(0));
     std::vector<const void*> srcs(n);
     const auto* base = static_cast<const char*>(rows.data_ptr());
     for (int q = 0; q < n; ++q) srcs[q] = base + q * rows.stride(0) * rows.element_size();
-    const rr::RedOp o = rr::to_op(op);
+    const rr::RedOp o = rr::binding::to_op(op);
     py::gil_scoped_release nogil;
     rr::cpu::reduce_rows(dt, o, out.data_ptr(), srcs.data(), n, out.numel(),
                          o == rr::RedOp::Avg ? n : 1);
@@ -201,9 +201,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           out.is_contiguous() && out.numel() == rows.size(1) &&
                           out.scalar_type() == rows.scalar_type(),
                       "ringreduce.wire_fold: rows (ranks x n, contiguous, CPU) and out (n) of one dtype");
-    const rr::Wire w = rr::to_wire(wire, rows, op, "rows");
+    const rr::Wire w = rr::binding::to_wire(wire, rows, op, "rows");
     TORCH_CHECK_VALUE(w != rr::Wire::None, "ringreduce.wire_fold: no wire");
-    const rr::DType dt = rr::to_dtype(rows, "rows");
+    const rr::DType dt = rr::binding::to_dtype(rows, "rows");
     const int n = static_cast<int>(rows.size(0));
     const int64_t len = rows.size(1);
     std::vector<std::vector<char>> enc(n, std::vector<char>(rr::wire_span_bytes(w, len)));
@@ -226,9 +226,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK_VALUE(src.is_contiguous() && out.is_contiguous() && !src.is_cuda() && !out.is_cuda() &&
                           out.numel() == src.numel() && out.scalar_type() == src.scalar_type(),
                       "ringreduce.wire_round: out and src contiguous CPU tensors of one size and dtype");
-    const rr::Wire w = rr::to_wire(wire, src, 0, "src");
+    const rr::Wire w = rr::binding::to_wire(wire, src, 0, "src");
     TORCH_CHECK_VALUE(w != rr::Wire::None, "ringreduce.wire_round: no wire");
-    const rr::DType dt = rr::to_dtype(src, "src");
+    const rr::DType dt = rr::binding::to_dtype(src, "src");
     const int64_t n = src.numel();
     py::gil_scoped_release nogil;
     constexpr int64_t kPiece = 64 * rr::kWireBlock;  // blocks from element 0, as a call's
@@ -249,24 +249,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return static_cast<int64_t>(rr::wire_span_bytes(rr::Wire(wire), n));
   }, py::arg("wire"), py::arg("n"));
   m.def("wire_encode", [](at::Tensor& out, const at::Tensor& src, int wire) {
-    const rr::Wire w = rr::to_wire(wire, src, 0, "src");
+    const rr::Wire w = rr::binding::to_wire(wire, src, 0, "src");
     TORCH_CHECK_VALUE(w != rr::Wire::None && src.is_contiguous() && !src.is_cuda() &&
                           out.is_contiguous() && out.scalar_type() == at::kByte &&
                           static_cast<size_t>(out.numel()) == rr::wire_span_bytes(w, src.numel()),
                       "ringreduce.wire_encode: out must be ", rr::wire_span_bytes(w, src.numel()),
                       " contiguous uint8 for a contiguous CPU src of ", src.numel());
-    const rr::DType dt = rr::to_dtype(src, "src");
+    const rr::DType dt = rr::binding::to_dtype(src, "src");
     py::gil_scoped_release nogil;
     return rr::cpu::wire_encode(w, dt, src.data_ptr(), src.numel(), out.data_ptr());
   }, py::arg("out"), py::arg("src"), py::arg("wire"));
   m.def("wire_decode", [](at::Tensor& out, const at::Tensor& src, int wire) {
-    const rr::Wire w = rr::to_wire(wire, out, 0, "out");
+    const rr::Wire w = rr::binding::to_wire(wire, out, 0, "out");
     TORCH_CHECK_VALUE(w != rr::Wire::None && out.is_contiguous() && !out.is_cuda() &&
                           src.is_contiguous() && src.scalar_type() == at::kByte &&
                           static_cast<size_t>(src.numel()) == rr::wire_span_bytes(w, out.numel()),
                       "ringreduce.wire_decode: src must be ", rr::wire_span_bytes(w, out.numel()),
                       " contiguous uint8 for a contiguous CPU out of ", out.numel());
-    const rr::DType dt = rr::to_dtype(out, "out");
+    const rr::DType dt = rr::binding::to_dtype(out, "out");
     py::gil_scoped_release nogil;
     rr::cpu::wire_decode(w, src.data_ptr(), out.numel(), dt, out.data_ptr());
   }, py::arg("out"), py::arg("src"), py::arg("wire"));
@@ -275,7 +275,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // holds those values. Returns the fp16 overflows of that rounding.
   m.def("wire_reduce", [](at::Tensor& out, std::optional<at::Tensor> wire_out, const at::Tensor& rows,
                           int op, int wire) {
-    const rr::Wire w = rr::to_wire(wire, out, op, "out");
+    const rr::Wire w = rr::binding::to_wire(wire, out, op, "out");
     const size_t wb = rr::wire_span_bytes(w, out.numel());
     TORCH_CHECK_VALUE(w != rr::Wire::None && out.is_contiguous() && !out.is_cuda() &&
                           rows.dim() == 2 && (rows.size(0) < 2 || rows.stride(1) == 1) &&
@@ -284,7 +284,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                          static_cast<size_t>(wire_out->numel()) == wb)),
                       "ringreduce.wire_reduce: rows (ranks x ", wb, " uint8, rows contiguous) and wire_out (", wb,
                       " uint8) for out of ", out.numel());
-    const rr::DType dt = rr::to_dtype(out, "out");
+    const rr::DType dt = rr::binding::to_dtype(out, "out");
     const int n = static_cast<int>(rows.size(0));
     std::vector<const void*> srcs(n);
     for (int q = 0; q < n; ++q) srcs[q] = static_cast<const char*>(rows.data_ptr()) + q * rows.stride(0);

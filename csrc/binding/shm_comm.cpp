@@ -8,7 +8,7 @@
 #include "binding/torch_types.h"
 #include "runtime/shm_map.h"
 
-namespace ringreduce {
+namespace ringreduce::binding {
 
 unsigned long& main_thread_ident() {
   static unsigned long ident = 0;
@@ -530,4 +530,4 @@ at::Tensor ShmComm::pool_attach(const std::vector<std::string>& names) {
       at::TensorOptions().dtype(at::kByte));
 }
 
-}  // namespace ringreduce
+}  // namespace ringreduce::binding

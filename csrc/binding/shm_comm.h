@@ -20,7 +20,9 @@
 #include "runtime/recorder.h"
 #include "shm/endpoint.h"
 
-namespace ringreduce {
+namespace ringreduce::binding {
+
+using runtime::Executor;
 
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
@@ -98,7 +100,7 @@ struct Prepared {
 
 using AutoStep = std::pair<int64_t, std::string>;
 
-class ShmComm : public binding::FastTarget {
+class ShmComm : public FastTarget {
  public:
   ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
           double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
@@ -188,4 +190,4 @@ class ShmComm : public binding::FastTarget {
 void with_interrupts(const std::function<bool(const Executor::Interrupted*)>& fn,
                      const std::function<void()>& abort_fn);
 
-}  // namespace ringreduce
+}  // namespace ringreduce::binding

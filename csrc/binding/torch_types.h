@@ -8,7 +8,7 @@
 
 #include "ring/types.h"
 
-namespace ringreduce {
+namespace ringreduce::binding {
 
 // False for a dtype the core does not reduce (the fast paths then leave the call to the full one).
 inline bool try_dtype(at::ScalarType st, DType& dt) {
@@ -68,4 +68,4 @@ inline bool wire_fits(int wire, DType dt, int op) {
          op < static_cast<int>(RedOp::kCount) && wire_takes(RedOp(op));
 }
 
-}  // namespace ringreduce
+}  // namespace ringreduce::binding

@@ -9,7 +9,7 @@
 #include <type_traits>
 
 #include "ring/types.h"
-#include "cuda/kernels.h"
+#include "cuda/shape.h"
 #include "cuda/platform.cuh"
 
 namespace ringreduce::cuda {
@@ -108,7 +108,7 @@ __device__ __forceinline__ uint4 combine16(uint4 a, uint4 b, int div) {
   return r;
 }
 
-// kUnroll (kernels.h): 16-byte loads per input in flight per thread in the vector loops; four hide
+// kUnroll (shape.h): 16-byte loads per input in flight per thread in the vector loops; four hide
 // the latency of peer memory (NVLink/PCIe) better than one, as in NCCL's unrolled reduce/copy loops.
 
 // Cooperative over threads [tid, nthreads) of one block:

@@ -21,7 +21,7 @@
 
 #include "ring/call.h"  // RingError
 
-namespace ringreduce {
+namespace ringreduce::runtime {
 
 // Owned by a shared_ptr (as communicators own theirs), the worker holds a reference while it runs a
 // call: a done() callback may drop the last owner (Python code in a future's callback can free the
@@ -284,4 +284,4 @@ class Executor : public std::enable_shared_from_this<Executor> {
   std::thread worker_;
 };
 
-}  // namespace ringreduce
+}  // namespace ringreduce::runtime

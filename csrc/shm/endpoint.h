@@ -58,7 +58,7 @@ struct PoolBuffer {
   ~PoolBuffer();
 };
 
-// The copies are named segments (host/shm_map.h): made by runtime::shm_create, mapped by shm_map.
+// The copies are named segments (runtime/shm_map.h): made by runtime::shm_create, mapped by shm_map.
 // Buffers in use, by their owner's copy. pool_find: the buffer made for owner whose copy holds
 // [p, p + bytes), or null (cheap when no buffer exists).
 void pool_register(const std::shared_ptr<PoolBuffer>& b);

@@ -20,7 +20,8 @@
 #include <vector>
 
 #include "cpu/reduce.h"
-#include "cuda/kernels.h"
+#include "cuda/host.h"
+#include "cuda/nccl/reduce.h"
 #include "ring/call.h"
 
 namespace rr = ringreduce;

@@ -1670,9 +1670,9 @@ static void test_wire_plan() {
         // A half's bytes for pieces of cap wire blocks: reduce_scatter 4 chunks' inputs; two-shot
         // the inputs and a quarter of them for the reduced chunk.
         auto used = [&](int64_t cap) {
-          const uint64_t span = rc::p2p::wire_span_bytes(sc, rr::wire_elem_bytes(w), cap);
+          const uint64_t span = rc::p2p::workspace_wire_bytes(sc, rr::wire_elem_bytes(w), cap);
           return rs ? 4 * span : p.algo == Algo::OneShot ? span
-                 : span + rc::p2p::wire_span_bytes(sc, rr::wire_elem_bytes(w), (cap + 3) / 4);
+                 : span + rc::p2p::workspace_wire_bytes(sc, rr::wire_elem_bytes(w), (cap + 3) / 4);
         };
         const int64_t span = rs ? numel / 4 : numel, cap = p.slice_elems / rr::kWireBlock;
         EXPECT(used(cap) <= o.chunk_bytes, "wire plan %s %s: spans of %llu bytes exceed the half",

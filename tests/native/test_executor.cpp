@@ -11,7 +11,7 @@
 #include "check.h"
 #include "runtime/executor.h"
 
-using ringreduce::Executor;
+using ringreduce::runtime::Executor;
 using namespace std::chrono_literals;
 
 namespace {

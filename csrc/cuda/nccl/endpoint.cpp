@@ -9,7 +9,8 @@
 #include <stdexcept>
 #include <type_traits>
 
-#include "cuda/kernels.h"
+#include "cuda/host.h"
+#include "cuda/nccl/reduce.h"
 #include "ring/loop.h"
 #include "ring/schedule.h"
 

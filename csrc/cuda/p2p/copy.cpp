@@ -17,7 +17,7 @@
 #include <cstring>
 #include <string>
 
-#include "cuda/kernels.h"
+#include "cuda/host.h"
 #include "cuda/p2p/endpoint.h"
 #include "runtime/shm_map.h"
 

@@ -2,7 +2,8 @@
 // csrc/cuda/p2p/sym_kernel.cu: the symmetric workspace): call headers, stop records, the abort words.
 // Included by those .cu files only.
 #pragma once
-#include "cuda/kernels.h"
+#include "cuda/host.h"
+#include "cuda/shape.h"
 #include "cuda/p2p/launch.h"
 #include "cuda/platform.cuh"
 

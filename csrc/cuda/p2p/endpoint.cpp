@@ -9,7 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "cuda/kernels.h"
+#include "cuda/host.h"
 #include "runtime/shm_map.h"
 
 namespace ringreduce::cuda::p2p {
@@ -455,7 +455,7 @@ SymArgs Endpoint::sym_args(const Call& c, const Plan& p) const {
   a.chunk_elems = p.slice_elems;
   a.pieces = p.steps;
   if (c.wire != Wire::None)
-    a.wire_span = wire_span_bytes(wire_scaled(c.wire), wire_elem_bytes(c.wire), p.slice_elems / kWireBlock);
+    a.wire_span = workspace_wire_bytes(wire_scaled(c.wire), wire_elem_bytes(c.wire), p.slice_elems / kWireBlock);
   const int n = opt_.nranks;
   if (p.algo == Algo::Registered) {
     std::lock_guard<std::mutex> lk(reg_mu_);

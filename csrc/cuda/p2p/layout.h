@@ -217,18 +217,19 @@ struct SymArgs : KernelBase {
   // Registered: (buffer index + 1) << 40 | the tensor's byte offset in it, carried in the headers'
   // nbytes, so that ranks whose tensors sit in other buffers or at other offsets stop with kBadSize.
   uint64_t reg_tag;
-  uint64_t wire_span;     // the narrow wire: bytes of one wire span (wire_span_bytes(wire, chunk_elems / kWireBlock))
+  uint64_t wire_span;     // the narrow wire: bytes of one wire span (workspace_wire_bytes(scaled, bytes, chunk_elems / kWireBlock))
 };
 constexpr int kRegTagShift = 40;
 // The narrow wire in a workspace half (sym_wire.cu): all_reduce keeps two spans per piece (every
 // rank's input on the wire, and the chunk it reduced, rounded again), reduce_scatter one per chunk.
-// A span of `cap` wire blocks: per kernel block a 4-byte count of fp16 overflows, then (fp8) a
-// float scale per wire block, then the elements, each part on 16 bytes.
+// A span of `cap` wire blocks in the workspace: per kernel block a 4-byte count of fp16 overflows,
+// then (fp8) a float scale per wire block, then the elements, each part on 16 bytes. (Not
+// ring/types.h's wire_span_bytes, the bytes of n elements on the wire, which a slot holds.)
 constexpr uint64_t kWireCountBytes = 4 * kMaxSymBlocks;
 RR_HOST_DEVICE inline uint64_t wire_data_at(bool scaled, int64_t cap) {
   return kWireCountBytes + (scaled ? (4 * static_cast<uint64_t>(cap) + 15) / 16 * 16 : 0);
 }
-RR_HOST_DEVICE inline uint64_t wire_span_bytes(bool scaled, uint64_t elem_bytes, int64_t cap) {
+RR_HOST_DEVICE inline uint64_t workspace_wire_bytes(bool scaled, uint64_t elem_bytes, int64_t cap) {
   return (wire_data_at(scaled, cap) + static_cast<uint64_t>(cap) * kWireBlock * elem_bytes + 15) / 16 * 16;
 }
 

@@ -68,9 +68,9 @@ Plan wire_plan(const Call& c, const Options& o, bool direct) {
   const bool scaled = wire_scaled(c.wire);
   const uint64_t eb = wire_elem_bytes(c.wire);
   auto need = [&](int64_t cap) -> uint64_t {
-    const uint64_t span = wire_span_bytes(scaled, eb, cap);
+    const uint64_t span = workspace_wire_bytes(scaled, eb, cap);
     if (c.coll == Coll::ReduceScatter) return n * span;
-    return algo == Algo::OneShot ? span : span + wire_span_bytes(scaled, eb, (cap + n - 1) / n);
+    return algo == Algo::OneShot ? span : span + workspace_wire_bytes(scaled, eb, (cap + n - 1) / n);
   };
   const double per_block = (c.coll == Coll::ReduceScatter ? n : algo == Algo::OneShot ? 1.0 : 1.0 + 1.0 / n) *
                            static_cast<double>(kWireBlock * eb + 4);

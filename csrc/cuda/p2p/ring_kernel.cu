@@ -5,7 +5,10 @@
 //   ring: one block per channel runs the schedule of csrc/ring/schedule.h on its part of every
 //         chunk; each message goes from the sender's input or FIFO straight into the receiver's
 //         FIFO. The receiver's FIFO is the one copy left (user tensors are not mapped by the
-//         peers): all-gather copies each arriving slice from it into the output.
+//         peers): all-gather copies each arriving slice from it into the output. It walks the
+//         schedule itself rather than through ring/loop.h (the host transports' loop): its
+//         primitives are a block's threads polling device flags, which a host loop cannot call,
+//         and one launch runs every step of a call.
 //   copy: see copy_kernel.
 // Every message carries the call's header, checked against this rank's call from local memory.
 #include "cuda/p2p/device.cuh"

@@ -31,7 +31,7 @@ struct TileMem {
   float scale[kMaxPeers][kTileBlocks];   // the sources' scales of the tile's wire blocks
 };
 
-// A wire span in some rank's workspace (layout.h: wire_span_bytes): room for `cap` wire blocks of
+// A wire span in some rank's workspace (layout.h: workspace_wire_bytes): room for `cap` wire blocks of
 // the piece from its block `first` (a piece's inputs: all of it; a reduced chunk: its own).
 template <Wire W>
 struct WSpan {

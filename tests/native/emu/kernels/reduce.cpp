@@ -1,2 +1,2 @@
-// csrc/cuda/reduce.cu compiled by the host compiler for the emulated device (tests only).
-#include "cuda/reduce.cu"
+// csrc/cuda/nccl/reduce.cu compiled by the host compiler for the emulated device (tests only).
+#include "cuda/nccl/reduce.cu"

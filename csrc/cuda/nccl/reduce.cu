@@ -1,34 +1,16 @@
-// The standalone reduce kernels of the NCCL transport: a ring step's "reduce what arrived", and the
-// direct algorithms' rank-order fold of every rank's piece. Also run by the native tests.
+// The nccl transport's reduce kernels (reduce.h): a ring step's "reduce what arrived", and the
+// direct algorithms' rank-order fold of every rank's piece, over the device reductions every
+// transport shares (cuda/reduce.cuh). Also run by the native tests.
 #include <stdexcept>
 #include <string>
 
-#include "cuda/kernels.h"
+#include "cuda/host.h"
+#include "cuda/nccl/reduce.h"
+#include "cuda/shape.h"
 #include "cuda/platform.cuh"
 #include "cuda/reduce.cuh"
 
 namespace ringreduce::cuda {
-
-void check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  cudaGetLastError();  // clear a non-sticky error so the next call does not see it again
-  throw RingError(std::string("ringreduce: CUDA error in ") + what + ": " + cudaGetErrorName(e) +
-                  " (" + cudaGetErrorString(e) + ")");
-}
-
-int sm_count() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  int dev = 0;
-  RR_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= kMaxDevices) dev = 0;
-  if (cached[dev] == 0) {
-    int n = 0;
-    RR_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    cached[dev] = n > 0 ? n : 1;
-  }
-  return cached[dev];
-}
 
 namespace {
 
