@@ -138,10 +138,8 @@ MUTATIONS = {
         "them after their stores (the happens-before check)"),
     "nccl_reduce_on_default_stream": (
         "csrc/cuda/nccl/endpoint.cpp",
-        "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"
-        "                      stream);",
-        "        launch_reduce(c.dtype, c.op, dst, rbuf, in + rp.begin * es, rp.count, last ? divisor : 1,\n"
-        "                      nullptr);",
+        "    launch_reduce(c.dtype, c.op, got, got, own, n, 1, stream);",
+        "    launch_reduce(c.dtype, c.op, got, got, own, n, 1, nullptr);",
         NCCL_TEST, "the ring's reduce of a staged slice on the legacy stream, which the rank's non-blocking "
         "stream does not wait for: the next step sends the staging before it is reduced"),
     "nccl_recv_before_send": (
@@ -198,10 +196,15 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_launch_failure_aborts_the_group"]),
         "a refused kernel launch throws on its rank only: the peers wait in the call's kernel until "
         "their timeout"),
+    "ring_loop_all_gather_sends_nothing_on": (
+        "csrc/ring/loop.h", "p.recv_copy(out + rp.begin * es, rp.count, t < n - 2);",
+        "p.recv_copy(out + rp.begin * es, rp.count, false);", NCCL_TEST,
+        "the host ring loop (shm and nccl) stops forwarding in the all-gather: from 3 ranks on, a "
+        "rank never gets the chunks two hops away"),
     "nccl_wrong_staging_buffer": (
         "csrc/cuda/nccl/endpoint.cpp",
-        "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[(s - 1) & 1];",
-        "        const void* sbuf = s == 0 ? in + sp.begin * es : staging_[s & 1];",
+        "    char* got = recv(e.staging_[turn++ & 1], n);\n    launch_reduce(c.dtype, c.op, got, got,",
+        "    char* got = recv(e.staging_[turn & 1], n);\n    launch_reduce(c.dtype, c.op, got, got,",
         NCCL_TEST, "step s forwards the buffer being received into, not what step s-1 reduced"),
     "harness_fills_on_legacy_stream": (
         "tests/native/cuda_check.h",
