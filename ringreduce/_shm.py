@@ -130,10 +130,24 @@ class Communicator(_lifecycle.Communicator):
         self.auto_steps = steps if self.algo == "auto" else []
         self._native = self._bootstrap()
         self._setup_trace(self._trace_prefix, self._native.recorder())
+        plan = self._plan_text()
         log.debug("rank %d/%d: shm ring ready (slice %d B, timeout %g s, spin %d ns, yield %d ns, "
-                  "algo %s, one-shot up to %d B, then %s: %s)", self.rank, self.world_size,
-                  self.slice_bytes, self.timeout, self.spin_ns, self.yield_ns, self.algo,
-                  self.oneshot_max_bytes, self.auto_steps or "the ring", self.tuning)
+                  "%s: %s)", self.rank, self.world_size, self.slice_bytes, self.timeout,
+                  self.spin_ns, self.yield_ns, plan, self.tuning)
+
+    def _plan_text(self):
+        """What auto runs, as the debug log says it; in deterministic mode what csrc/shm/protocol.cpp's
+        choose() runs then (rank-order algorithms only)."""
+        if not _C.deterministic():
+            return (f"algo {self.algo}, one-shot up to {self.oneshot_max_bytes} B, then "
+                    f"{self.auto_steps or 'the ring'}")
+        if self.algo in ("cma", "twoshot"):
+            return f"deterministic mode: {self.algo}"
+        if self.algo == "oneshot":
+            return "deterministic mode: all_reduce one-shot, reduce_scatter two-shot"
+        cma = " (cma from where the steps pick it)" if any(a == "cma" for _, a in self.auto_steps) else ""
+        return (f"deterministic mode: all_reduce one-shot up to {self.oneshot_max_bytes} B, then "
+                f"two-shot{cma}; reduce_scatter two-shot")
 
     # -- setup -------------------------------------------------------------------------------
     def _bootstrap(self):

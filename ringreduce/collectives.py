@@ -41,13 +41,17 @@ def is_deterministic():
     return _C.deterministic()
 
 
+_FLAG_OFF, _FLAG_ON = ("", "0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
 def _deterministic_from_env():
     raw = os.environ.get("RINGREDUCE_DETERMINISTIC", "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
+    if raw in _FLAG_OFF:
         return False
-    if raw in ("1", "true", "yes", "on"):
+    if raw in _FLAG_ON:
         return True
-    raise ValueError(f"RINGREDUCE_DETERMINISTIC must be 0 or 1, got {raw!r}")
+    raise ValueError(f"RINGREDUCE_DETERMINISTIC must be one of {', '.join(_FLAG_ON)} (on) or "
+                     f"{', '.join(v for v in _FLAG_OFF if v)} (off), got {raw!r}")
 
 
 set_deterministic(_deterministic_from_env())

@@ -317,7 +317,8 @@ def test_bad_environment_value():
     p = subprocess.run([sys.executable, "-c", "import ringreduce"], capture_output=True, text=True,
                        env=dict(os.environ, RINGREDUCE_DETERMINISTIC="maybe"), timeout=120)
     assert p.returncode != 0
-    assert "RINGREDUCE_DETERMINISTIC must be 0 or 1, got 'maybe'" in p.stderr
+    assert ("RINGREDUCE_DETERMINISTIC must be one of 1, true, yes, on (on) or 0, false, no, off (off), "
+            "got 'maybe'") in p.stderr
 
 
 def test_reduce_rows_kernel():
@@ -334,3 +335,27 @@ def test_reduce_rows_kernel():
             assert torch.equal(bits(rows[2]), bits(fold(xs, op))), (dtype, op)
     with pytest.raises(ValueError, match="out must be a contiguous CPU tensor of 3 elements"):
         _C.reduce_rows(torch.empty(4), torch.ones(2, 3), 0)
+
+
+def test_debug_log_describes_the_plan_that_will_run():
+    """RINGREDUCE_DEBUG's line about the shared-memory plan follows deterministic mode (issue 73):
+    it names the rank-order algorithms choose() runs then, not auto's normal steps."""
+    import types
+    from ringreduce import _C, _shm
+    comm = types.SimpleNamespace(algo="auto", oneshot_max_bytes=16384, auto_steps=[(4 << 20, "cma")])
+    was = _C.deterministic()
+    try:
+        _C.set_deterministic(False)
+        assert _shm.Communicator._plan_text(comm) == ("algo auto, one-shot up to 16384 B, then "
+                                                      "[(4194304, 'cma')]")
+        _C.set_deterministic(True)
+        assert _shm.Communicator._plan_text(comm) == (
+            "deterministic mode: all_reduce one-shot up to 16384 B, then two-shot (cma from where "
+            "the steps pick it); reduce_scatter two-shot")
+        comm.algo, comm.auto_steps = "ring", []
+        assert "then two-shot; reduce_scatter two-shot" in _shm.Communicator._plan_text(comm)
+        comm.algo = "oneshot"
+        assert _shm.Communicator._plan_text(comm) == ("deterministic mode: all_reduce one-shot, "
+                                                      "reduce_scatter two-shot")
+    finally:
+        _C.set_deterministic(was)
