@@ -66,7 +66,7 @@ static void test_reduce() {
           RR_CUDA_CHECK(cudaMemcpy(a.p, ha.data(), bytes, cudaMemcpyHostToDevice));
           RR_CUDA_CHECK(cudaMemcpy(b.p, hb.data(), bytes, cudaMemcpyHostToDevice));
           RR_CUDA_CHECK(cudaMemset(d.p, 0x5a, bytes));
-          rc::launch_reduce(t, op, d.p + off[2] * es, a.p + off[0] * es, b.p + off[1] * es, n, div,
+          rc::nccl::launch_reduce(t, op, d.p + off[2] * es, a.p + off[0] * es, b.p + off[1] * es, n, div,
                             nullptr);
           RR_CUDA_CHECK(cudaDeviceSynchronize());
           RR_CUDA_CHECK(cudaMemcpy(hd.data(), d.p, bytes, cudaMemcpyDeviceToHost));
@@ -105,7 +105,7 @@ static void test_avg_wide_divisor() {
     DevBuf a(n * es), b(n * es), d(n * es);
     RR_CUDA_CHECK(cudaMemcpy(a.p, ha.data(), n * es, cudaMemcpyHostToDevice));
     RR_CUDA_CHECK(cudaMemcpy(b.p, hb.data(), n * es, cudaMemcpyHostToDevice));
-    rc::launch_reduce(c.t, rr::RedOp::Avg, d.p, a.p, b.p, n, c.div, nullptr);
+    rc::nccl::launch_reduce(c.t, rr::RedOp::Avg, d.p, a.p, b.p, n, c.div, nullptr);
     RR_CUDA_CHECK(cudaDeviceSynchronize());
     RR_CUDA_CHECK(cudaMemcpy(hd.data(), d.p, n * es, cudaMemcpyDeviceToHost));
     for (int64_t i = 0; i < n; ++i) {
@@ -1238,7 +1238,7 @@ static void test_reduce_ranks() {
               RR_CUDA_CHECK(cudaMemcpy(slots_d.p, slots_h.data(), slots_h.size(), cudaMemcpyHostToDevice));
               RR_CUDA_CHECK(cudaMemset(out_d.p, 0x5a, (n + 8) * es));
               char* dst = inplace ? own_d.p + off * es : out_d.p + (off + 1) * es;
-              rc::launch_reduce_ranks(t, op, dst, own_d.p + off * es, own, slots_d.p, slot, nr, n, nr,
+              rc::nccl::launch_reduce_ranks(t, op, dst, own_d.p + off * es, own, slots_d.p, slot, nr, n, nr,
                                       nullptr);
               RR_CUDA_CHECK(cudaDeviceSynchronize());
               std::vector<char> got(n * es + 1);

@@ -10,7 +10,7 @@
 #include "cuda/platform.cuh"
 #include "cuda/reduce.cuh"
 
-namespace ringreduce::cuda {
+namespace ringreduce::cuda::nccl {
 
 namespace {
 
@@ -109,4 +109,4 @@ void launch_reduce(DType t, RedOp op, void* dst, const void* a, const void* b, i
   RR_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace ringreduce::cuda
+}  // namespace ringreduce::cuda::nccl

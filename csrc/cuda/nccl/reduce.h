@@ -8,7 +8,7 @@
 
 #include "ring/call.h"
 
-namespace ringreduce::cuda {
+namespace ringreduce::cuda::nccl {
 
 // dst[i] = a[i] op b[i] (AVG: SUM, then divided by divisor when divisor > 1), i < n. fp16/bf16 are
 // computed in fp32 and rounded once; integer SUM/PROD wrap; integer AVG truncates toward zero.
@@ -26,4 +26,4 @@ void launch_reduce_ranks(DType t, RedOp op, void* dst, const void* own, int own_
                          const void* slots, size_t slot_bytes, int nranks, int64_t n, int divisor,
                          cudaStream_t stream);
 
-}  // namespace ringreduce::cuda
+}  // namespace ringreduce::cuda::nccl
