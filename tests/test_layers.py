@@ -259,14 +259,27 @@ def test_csrc_checks_catch_what_they_are_for():
 # -- one transport interface, each check written once (issue: one transport interface) ------------
 
 def strip_comment(line):
-    """A C++ line without its // comment: the first // outside a string literal."""
-    quoted = False
-    for k, ch in enumerate(line):
-        if ch == '"' and (k == 0 or line[k - 1] != "\\"):
-            quoted = not quoted
-        elif not quoted and line.startswith("//", k):
+    """A C++ line without its // comment: the first // outside a string or character literal."""
+    quote, k = None, 0
+    while k < len(line):
+        ch = line[k]
+        if quote:
+            if ch == "\\":
+                k += 1  # an escaped character
+            elif ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif line.startswith("//", k):
             return line[:k]
+        k += 1
     return line
+
+
+def test_strip_comment_reads_literals():
+    assert strip_comment('f("a // b"); // c') == 'f("a // b"); '
+    assert strip_comment("x = '\"'; // \"y\" // z") == "x = '\"'; "
+    assert strip_comment('s = "\\"// q"; // r') == 's = "\\"// q"; '
 
 
 def code_text(path):
