@@ -355,6 +355,11 @@ py::object CudaComm::run(const Call& c, const std::vector<at::Tensor>& tensors, 
     if (!rec_) throw;
     rec_->rethrow_failed(seq);
   }
+  if (algo == Algo::Imported) {
+    const std::string note = t.take_note();
+    if (!note.empty())
+      TORCH_WARN("ringreduce: ", note, " (said once per communicator)");
+  }
   if (seq) {
     if (captured)
       rec_->finished(seq);  // captured into a graph, not run: the device has nothing to say
@@ -370,11 +375,12 @@ py::object CudaComm::run(const Call& c, const std::vector<at::Tensor>& tensors, 
   }
   if (on_caller) {
     // The tensors are the caller's stream's, as for any op on it: nothing to hold, except a
-    // registered buffer's, whose release unmaps the peers' copies the kernel still reads. after_
+    // registered buffer's or an imported tensor's, whose release unmaps the peers' mappings the
+    // kernel still reads (held until it ends: the allocator cannot free them before). after_
     // marks the call's end for the next call on another stream, and for join().
     C10_CUDA_CHECK(cudaEventRecord(after_, cur));
     tail_ = cur;
-    if (algo == Algo::Registered) {
+    if (algo == Algo::Registered || algo == Algo::Imported) {
       try {
         hold(tensors, cur, &finished);
       } catch (...) {  // not held: the buffer must outlive the kernel before its release

@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "binding/cuda_comm.h"
+#include "binding/cuda_imports.h"
 #include "cuda/nccl/endpoint.h"
 #include "cuda/p2p/endpoint.h"
 
@@ -83,6 +84,18 @@ void register_cuda(py::module_& m) {
         c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device()));
         p2p_of(c).copy_attach(name, create);
       }, py::arg("name"), py::arg("create"))
+      // Imported memory (p2p::Endpoint::board_attach): ordinary tensors of torch's caching
+      // allocator, whose segment frees reach the endpoint before the memory goes.
+      .def("board_attach", [](CudaComm& c, const std::string& name, bool create) {
+        rc::p2p::Endpoint& ep = p2p_of(c);
+        ep.set_finder(&caching_allocator_segment);
+        ep.board_attach(name, create);
+        report_frees(c.shared(), c.device());
+      }, py::arg("name"), py::arg("create"))
+      .def("imported", [](CudaComm& c) {  // (calls seen, of them in place, peers' allocations mapped)
+        rc::p2p::Endpoint& ep = p2p_of(c);
+        return py::make_tuple(ep.imported_seen(), ep.imported_in_place(), ep.imports());
+      })
       // Shared buffers (ringreduce.shared_empty on CUDA; p2p::Endpoint::reg_alloc).
       .def("reg_alloc", [](CudaComm& c, size_t nbytes) {
         c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device()));

@@ -26,15 +26,15 @@ inline const char* coll_name(Coll c) {
 }
 
 // Which algorithm a call runs; each transport runs a subset (shm: ring, oneshot, twoshot, cma,
-// pool, wire; p2p: ring, oneshot, twoshot, registered, copy; nccl: ring, oneshot, twoshot). Values
-// are part of the message headers.
+// pool, wire; p2p: ring, oneshot, twoshot, registered, copy, imported; nccl: ring, oneshot,
+// twoshot). Values are part of the message headers.
 enum class Algo : uint8_t {
-  Auto = 0, Ring, OneShot, TwoShot, Cma, Pool, Wire, Registered, Copy, kCount
+  Auto = 0, Ring, OneShot, TwoShot, Cma, Pool, Wire, Registered, Copy, Imported, kCount
 };
 
 inline const char* algo_name(Algo a) {
   static const char* const names[] = {"auto", "ring", "oneshot", "twoshot", "cma",
-                                      "pool", "wire", "registered", "copy"};
+                                      "pool", "wire", "registered", "copy", "imported"};
   return a < Algo::kCount ? names[static_cast<int>(a)] : "unknown";
 }
 

@@ -71,6 +71,8 @@ class Transport {
   // unknown, 1 pending, 2 done (*done_ns: when, steady clock). log_calls(on) starts recording.
   virtual int call_state(uint64_t /*seq*/, int64_t* /*done_ns*/) { return 0; }
   virtual void log_calls(bool /*on*/) {}
+  // Something the caller should be told once (p2p: why a tensor could not be imported), or "".
+  virtual std::string take_note() { return {}; }
   // A capture-safe transport's hold on the memory that a CUDA graph's captured launches use,
   // taken at capture and released by release(arg) (no CUDA call) when CUDA destroys the graph.
   struct Pin {

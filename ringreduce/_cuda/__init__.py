@@ -113,6 +113,7 @@ class Communicator(_lifecycle.Communicator):
                         f"but rank {peer} has {theirs.decode()}; set RINGREDUCE_CUDA_CHANNELS, "
                         f"RINGREDUCE_CUDA_SLICE_BYTES, RINGREDUCE_CUDA_CHUNK_BYTES, "
                         f"RINGREDUCE_CUDA_ALGO, RINGREDUCE_CUDA_MAX_BLOCKS, RINGREDUCE_CUDA_SYM_BLOCKS, "
+                        f"RINGREDUCE_CUDA_IMPORT, "
                         f"and RINGREDUCE_CUDA_COPY_BYTES alike on "
                         f"every rank")
             # Every rank's handle when every rank can map every other, else the neighbours' only:
@@ -124,6 +125,9 @@ class Communicator(_lifecycle.Communicator):
                             setup.get(f"handle/{q}", f"rank {q}'s IPC handle") for q in range(n)])
             if native.copies() and native.direct():  # one host: the counters are shared memory
                 self._attach_copy_counters(native)
+            if k["imports"] and native.direct():  # ordinary tensors reduced where they lie
+                self._attach_shared_segment(native, "board", native.board_attach,
+                                            "the board of imported memory")
         except BaseException:
             native.close(False)  # the others may have mapped our memory already
             raise
@@ -140,23 +144,27 @@ class Communicator(_lifecycle.Communicator):
     def _attach_copy_counters(self, native):
         """The copy algorithm's counters and abort word live in host memory every rank maps (POSIX
         shared memory, registered with CUDA), so that the watchdog and an abort release a stream
-        wait with CPU stores: no release can queue behind the wait it releases. Rank 0 makes the
-        segment; its name goes once every rank mapped it (or on any failure)."""
+        wait with CPU stores: no release can queue behind the wait it releases."""
+        self._attach_shared_segment(native, "copy", native.copy_attach,
+                                    "the copy algorithm's counters")
+
+    def _attach_shared_segment(self, native, kind, attach, what):
+        """A segment of host memory every rank of the group maps (one host): rank 0 makes it, the
+        others map it by name; the name goes once every rank mapped it (or on any failure)."""
         setup, r = self._setup, self.rank
         name = None
         try:
             if r == 0:
-                name = "/ringreduce-copy-%d-%s" % (os.getpid(), uuid.uuid4().hex[:12])
-                native.copy_attach(name, True)
-                setup.set("copy-counters", name)
+                name = "/ringreduce-%s-%d-%s" % (kind, os.getpid(), uuid.uuid4().hex[:12])
+                attach(name, True)
+                setup.set(f"{kind}-segment", name)
             else:
-                name = setup.get("copy-counters", "rank 0's copy-algorithm counters").decode()
-                native.copy_attach(name, False)
-            if not setup.count("copy-mapped", self.world_size, self.timeout):
+                name = setup.get(f"{kind}-segment", f"rank 0's {what}").decode()
+                attach(name, False)
+            if not setup.count(f"{kind}-mapped", self.world_size, self.timeout):
                 raise RingReduceError(
                     f"ringreduce: rank {r}: communicator setup timed out after {self.timeout:g} s "
-                    f"waiting for every rank to map the copy algorithm's counters "
-                    f"({_lifecycle.SETUP_HINT})")
+                    f"waiting for every rank to map {what} ({_lifecycle.SETUP_HINT})")
         finally:
             if r == 0 and name is not None:
                 _C.shm_unlink(name)

@@ -229,7 +229,8 @@ def resident_blocks(where):
 
 
 # The knobs' names in p2p_knobs()["config"] and in the error when ranks disagree.
-P2P_KNOBS = ("channels", "slice_bytes", "chunk_bytes", "algo", "blocks_cap", "copy_bytes", "sym_blocks")
+P2P_KNOBS = ("channels", "slice_bytes", "chunk_bytes", "algo", "blocks_cap", "copy_bytes", "sym_blocks",
+             "imports")
 # A workspace call's most blocks, by default and at most (csrc/cuda/p2p/layout.h).
 DEFAULT_SYM_BLOCKS, MAX_SYM_BLOCKS = _DEFAULTS["sym_blocks"], _DEFAULTS["max_sym_blocks"]
 
@@ -248,6 +249,14 @@ def p2p_knobs():
              # The workspace's blocks below that cap; unset: the device's entry in gpu_tuning.json
              # where a measurement found more blocks faster, else SymmetricMemory's ~24.
              sym_blocks=env_int("RINGREDUCE_CUDA_SYM_BLOCKS", 0))
+    # Ordinary tensors reduced where they lie (csrc/cuda/p2p/imports.cpp); 0: always through the
+    # workspace (a copy in and out), to measure what importing buys.
+    raw = os.environ.get("RINGREDUCE_CUDA_IMPORT", "1").strip().lower()
+    if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_IMPORT must be 1/true/yes/on (reduce ordinary "
+                         f"tensors where they lie) or 0/false/no/off (copy them through the "
+                         f"workspace); got {raw!r}")
+    k["imports"] = int(raw in ("1", "true", "yes", "on"))
     if k["copy_bytes"] < 16 or k["copy_bytes"] % 16:
         raise ValueError(f"ringreduce: RINGREDUCE_CUDA_COPY_BYTES must be a positive multiple of "
                          f"16 (the copy algorithm's largest piece); got {k['copy_bytes']}")

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "cuda/nccl/endpoint.h"
@@ -636,6 +637,121 @@ static void test_registered_release() {
          rc::p2p::Endpoint::kept_bytes() - kept);
 }
 
+// The group's board for imported memory (Endpoint::board_attach): rank 0 makes it, the others
+// map it, then the name goes.
+static void attach_boards(Group& g) {
+  static int made = 0;
+  const std::string name = "/rr-test-board-" + std::to_string(getpid()) + "-" + std::to_string(made++);
+  for (size_t r = 0; r < g.rings.size(); ++r) g.rings[r]->board_attach(name, r == 0);
+  rr::runtime::shm_unlink(name);
+}
+
+// Ordinary memory, imported (Algo::Imported): the first call on a tensor goes through the workspace
+// (no prediction yet), the next on the same memory runs in place, and both are exact: every dtype
+// and op, tensors at other offsets on each rank inside a larger allocation, a rank whose tensor
+// moves to another allocation (the others' predictions wrong: through the workspace, then in place
+// again), and a freed allocation: its owner withdraws it, the peers close their mappings before it
+// is freed (the emulator counts any free of mapped memory), and a new allocation is imported anew.
+static void test_imported() {
+  using rc::p2p::Algo;
+  int cases = 0;
+  const auto t0 = Clock::now();
+  for (int n = 2; n <= 3; ++n) {
+    std::vector<std::unique_ptr<DevBuf>> mem, other;
+    for (int r = 0; r < n; ++r) {
+      RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+      mem.push_back(std::make_unique<DevBuf>(1 << 20));
+      other.push_back(std::make_unique<DevBuf>(1 << 20));
+    }
+    Group g(n, 2, 4096, 20.0);
+    for (auto& ring : g.rings) ring->set_threshold(0);
+    attach_boards(g);
+    std::vector<char*> at(n), moved(n);
+    for (int r = 0; r < n; ++r) at[r] = mem[r]->p + 4096 * (r + 1);
+    const rr::Call probe{rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 100, at[0], at[0]};
+    EXPECT(g.rings[0]->plan_of(probe).algo == Algo::Imported, "n=%d: an ordinary tensor planned %s", n,
+           rc::p2p::algo_name(g.rings[0]->plan_of(probe).algo));
+    char what[64];
+    std::snprintf(what, sizeof what, "imported n=%d", n);
+    int calls = 0;
+    for (rr::DType t : kDtypes)
+      for (rr::RedOp op : kOps)
+        for (int64_t numel : {int64_t{1}, int64_t{n + 1}, int64_t{1000 * n + 7}})
+          for (int twice = 0; twice < 2; ++twice, ++calls)
+            check_collective(g.ranks, rr::Coll::AllReduce, t, op, numel, true, what, 1, &at);
+    if (g_failures) return;
+    // Learned by the next call's plan: every call seen, all in place but the first at each offset.
+    check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 5000, true, what, 1, &at);
+    const uint64_t seen = g.rings[0]->imported_seen(), in_place = g.rings[0]->imported_in_place();
+    std::set<size_t> offsets;  // the tensors start one element in: a tag per element size
+    for (rr::DType t : kDtypes) offsets.insert(rr::dtype_size(t));
+    cases += calls;
+    EXPECT(seen == static_cast<uint64_t>(calls) && in_place == seen - offsets.size(),
+           "n=%d: %llu calls seen, %llu in place", n, (unsigned long long)seen, (unsigned long long)in_place);
+    // Rank n-1's tensor moves: the others predict its old memory, so the call goes through the
+    // workspace; the next runs in place again.
+    moved = at;
+    moved[n - 1] = other[n - 1]->p + 64;
+    for (int k = 0; k < 3; ++k)
+      check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 5000, true, "imported moved", 0, &moved);
+    const uint64_t before = g.rings[0]->imported_in_place();
+    check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 5000, true, "imported moved", 0, &moved);
+    EXPECT(g.rings[0]->imported_seen() == seen + 4 && before == in_place + 2,
+           "n=%d: after a rank's tensor moved, %llu of 3 calls in place", n,
+           (unsigned long long)(before - in_place));
+#ifdef RINGREDUCE_EMU
+    // Inside a CUDA graph capture (global mode) nothing new is mapped, which would invalidate it:
+    // fresh memory goes through the workspace, and the capture stays valid.
+    {
+      std::vector<std::unique_ptr<DevBuf>> fresh;
+      const int64_t numel = 3000;
+      const size_t imported = g.rings[1]->imports();
+      for (int r = 0; r < n; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+        fresh.push_back(std::make_unique<DevBuf>(numel * 4));
+        const std::vector<float> v(numel, static_cast<float>(r + 1));
+        RR_CUDA_CHECK(cudaMemcpyAsync(fresh[r]->p, v.data(), numel * 4, cudaMemcpyHostToDevice, g.ranks[r].stream));
+        RR_CUDA_CHECK(cudaStreamSynchronize(g.ranks[r].stream));
+      }
+      for (int r = 0; r < n; ++r) emu_set_capturing(g.ranks[r].stream, 1);
+      for (int r = 0; r < n; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+        g.rings[r]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, fresh[r]->p, fresh[r]->p},
+                        g.ranks[r].stream);
+      }
+      for (int r = 0; r < n; ++r) {
+        EXPECT(!emu_capture_invalidated(g.ranks[r].stream), "n=%d rank %d: the capture was invalidated", n, r);
+        emu_set_capturing(g.ranks[r].stream, 0);
+      }
+      sync_all(g);
+      for (int r = 0; r < n; ++r) {
+        std::vector<float> got(numel);
+        RR_CUDA_CHECK(cudaMemcpy(got.data(), fresh[r]->p, numel * 4, cudaMemcpyDeviceToHost));
+        EXPECT(got[0] == n * (n + 1) / 2 && got[numel - 1] == n * (n + 1) / 2, "n=%d rank %d: captured call gave %g",
+               n, r, got[0]);
+      }
+      EXPECT(g.rings[1]->imports() == imported, "n=%d: a capture mapped memory", n);
+      for (int r = 0; r < n; ++r) g.rings[r]->forget(reinterpret_cast<uintptr_t>(fresh[r]->p), numel * 4);
+    }
+#endif
+    // Rank 0 frees its allocation: withdrawn, the peers' mappings closed first, no free of mapped
+    // memory; its next allocation is shared anew.
+    const size_t mapped = g.rings[1]->imports();
+    g.rings[0]->forget(reinterpret_cast<uintptr_t>(mem[0]->p), 1 << 20);
+    EXPECT(g.rings[1]->imports() == mapped - 1, "n=%d: rank 1 maps %zu allocations after rank 0's free (before: %zu)",
+           n, g.rings[1]->imports(), mapped);
+    EXPECT(g.rings[0]->import_note().empty(), "rank 0: %s", g.rings[0]->import_note().c_str());
+    mem[0].reset();
+    RR_CUDA_CHECK(cudaSetDevice(device_of(0)));
+    mem[0] = std::make_unique<DevBuf>(1 << 20);
+    moved[0] = mem[0]->p;
+    for (int k = 0; k < 3; ++k)
+      check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::BF16, rr::RedOp::Sum, 3 * 65536 + 5, true,
+                       "imported after a free", 0, &moved);
+  }
+  std::printf("imported memory: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
 #ifdef RINGREDUCE_EMU
 // The README's table of what runs where states the CUDA plan's numbers: checked against the code
 // (issue 50, item 5), so that a change of a default fails here until the README says it too.
@@ -1179,6 +1295,37 @@ static void weak_sweep(rc::p2p::Algo algo, bool registered = false) {
   }
   std::printf("weak %s: %d cases (%.1f s)\n", registered ? "registered" : rc::p2p::algo_name(algo), cases,
               seconds_since(t0));
+}
+
+// Imported memory under the weak memory mode and the happens-before check: each case twice, the
+// first through the workspace (no prediction), the second in place (the tags and the peers'
+// tensors read after the start barrier's acquire).
+static void weak_imported() {
+  const auto t0 = Clock::now();
+  int cases = 0;
+  for (uint64_t seed : {1, 2, 3}) {
+    WeakScope weak(seed);
+    for (int n = 2; n <= 3; ++n) {
+      std::vector<std::unique_ptr<DevBuf>> mem;
+      std::vector<char*> at(n);
+      for (int r = 0; r < n; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+        mem.push_back(std::make_unique<DevBuf>(1 << 16));
+        at[r] = mem[r]->p + 256 * r;
+      }
+      Group g(n, 2, 64, 20.0, rc::p2p::Algo::Auto, true, 64);
+      for (auto& ring : g.rings) ring->set_threshold(0);
+      attach_boards(g);
+      char what[96];
+      std::snprintf(what, sizeof what, "weak seed=%llu p2p n=%d imported", (unsigned long long)seed, n);
+      for (rr::DType t : {rr::DType::F32, rr::DType::BF16, rr::DType::I64})
+        for (int64_t numel : {int64_t{n + 1}, int64_t{200 * n}})
+          for (int twice = 0; twice < 2; ++twice, ++cases)
+            check_collective(g.ranks, rr::Coll::AllReduce, t, rr::RedOp::Sum, numel, true, what, 0, &at);
+      EXPECT(g.rings[0]->imported_in_place() > 0, "%s: no call ran in place", what);
+    }
+  }
+  std::printf("weak imported: %d cases (%.1f s)\n", cases, seconds_since(t0));
 }
 #endif
 
@@ -1763,6 +1910,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_registered_mismatch", [&] { test_registered_mismatch(); });
     run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_registered_result_in_stream_order(); });
     run_test(argc, argv, "test_registered_release", [&] { test_registered_release(); });
+    run_test(argc, argv, "test_imported", [&] { test_imported(); });
     run_test(argc, argv, "test_pinned_release_counted_once", [&] { test_pinned_release_counted_once(); });
 #ifdef RINGREDUCE_EMU
     run_test(argc, argv, "test_close_frees_nothing_mapped", [&] { test_close_frees_nothing_mapped(); });
@@ -1804,6 +1952,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "weak_twoshot", [&] { weak_sweep(rc::p2p::Algo::TwoShot); });
     run_test(argc, argv, "weak_registered", [&] { weak_sweep(rc::p2p::Algo::Auto, true); });
     run_test(argc, argv, "weak_copy", [&] { weak_sweep(rc::p2p::Algo::Copy); });
+    run_test(argc, argv, "weak_imported", [&] { weak_imported(); });
     run_test(argc, argv, "weak_wire", [&] { weak_wire(); });
 #endif
   } catch (const std::exception& e) {

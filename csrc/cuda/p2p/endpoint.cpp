@@ -213,7 +213,13 @@ Plan Endpoint::plan_of(const Call& c) const {
       return r;
     }
   }
-  return p2p::plan(c, opt_, direct_);
+  Plan r = p2p::plan(c, opt_, direct_);
+  // An ordinary tensor: Imported where the group has its board (the same on every rank), with the
+  // two-shot plan for the calls that go through the workspace.
+  if (opt_.algo == Algo::Auto && board_ && direct_ && c.coll == Coll::AllReduce && c.wire == Wire::None &&
+      c.in == c.out && c.numel > 0 && opt_.nranks > 1 && bytes > oneshot_max && r.algo == Algo::TwoShot)
+    r.algo = Algo::Imported;
+  return r;
 }
 
 int Endpoint::reg_alloc(size_t bytes, std::string* handle) {
@@ -349,6 +355,12 @@ void Endpoint::run(const Call& c, cudaStream_t stream, const Plan* plan) {
   // rank alike, and the ranks stay in step; so does a copy-algorithm call that cannot run.
   const Plan p = n < 2 ? Plan{} : plan ? *plan : plan_of(c);
   if (n > 1 && p.algo == Algo::Copy) copy_check(stream);
+  if (p.algo == Algo::Imported) {
+    // Inside a capture no new mapping (the IPC calls would invalidate it): memory seen before only.
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
+    prepare_import(c, st != cudaStreamCaptureStatusNone);
+  }
   ++op_seq_;
   LogOnReturn logged{calls_, op_seq_, stream};
   const size_t es = dtype_size(c.dtype);
@@ -465,6 +477,11 @@ SymArgs Endpoint::sym_args(const Call& c, const Plan& p) const {
   } else {
     for (int q = 0; q < n; ++q) a.data[q] = peers_[q] ? peers_[q] + ws_offset() : nullptr;
   }
+  if (p.algo == Algo::Imported) {
+    a.tag = imp_.tag;
+    a.tag_hash = imp_.hash;
+    for (int q = 0; q < n; ++q) a.imp[q] = imp_.imp[q];
+  }
   return a;
 }
 
@@ -528,6 +545,7 @@ void Endpoint::release_graph_pin(void* pin) {
 bool Endpoint::unmap_peers() {
   if (watcher_) watcher_->stop();  // they take mu_, and write into the peers' areas
   if (copy_watch_) copy_watch_->stop();
+  if (reaper_) reaper_->stop();  // it takes reg_mu_
   std::lock_guard<std::mutex> lk(mu_);
   if (maps_kept_) return false;
   if (closed_ || unmapped_ || !area_) return true;
@@ -547,6 +565,7 @@ bool Endpoint::unmap_peers() {
     g.at.clear();
     g.mapped = false;
   }
+  close_imports_locked();
   cudaGetLastError();
   return true;
 }
@@ -554,6 +573,7 @@ bool Endpoint::unmap_peers() {
 void Endpoint::close(bool peers_done) {
   if (watcher_) watcher_->stop();  // it takes mu_
   if (copy_watch_) copy_watch_->stop();  // and so does this one
+  if (reaper_) reaper_->stop();  // it takes reg_mu_
   calls_.close();
   std::lock_guard<std::mutex> lk(mu_);  // failure() and abort() read ctl_ and area_
   DeviceScope scope(device_);
@@ -588,6 +608,15 @@ void Endpoint::close(bool peers_done) {
         if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);
   }
   regs_.clear();
+  // Imported memory: the peers' mappings closed as the areas are (kept under a graph's pin); this
+  // rank's exports withdrawn (the allocations are the caller's: nothing to free).
+  if (!replayable) close_imports_locked();
+  if (board_) {
+    for (auto& [base, e] : exports_) board_->exp[opt_.rank][e.id % kBoardSlots].id = 0;
+    exports_.clear();
+    runtime::shm_unmap(reinterpret_cast<char*>(board_), sizeof(RegBoard));
+    board_ = nullptr;
+  }
   if (keep || replayable) {
     std::lock_guard<std::mutex> klk(g_kept_mu);
     g_kept_bytes += area_bytes();  // freed by the process's exit

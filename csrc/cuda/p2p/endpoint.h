@@ -12,9 +12,14 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cuda/call_log.h"
@@ -101,6 +106,30 @@ class Endpoint : public runtime::Transport {
     std::lock_guard<std::mutex> lk(reg_mu_);
     return static_cast<int>(regs_.size());
   }
+  // Imported memory (imports.cpp): an all_reduce in place of an ordinary tensor larger than auto's
+  // one-shot threshold plans Algo::Imported once the group's board is attached; see layout.h.
+  // board_attach: rank 0 creates the POSIX shared memory `name`, the others map it after; before
+  // the first call. Starts this rank's reaper (closes what a peer withdrew; every 2 ms).
+  void board_attach(const std::string& name, bool create);
+  bool board() const { return board_ != nullptr; }
+  // Where the allocation holding p begins and how long it is, or false and why not (it cannot be
+  // shared: not cudaMalloc's, or no free of it would reach forget()). Default: the driver's
+  // cuMemGetAddressRange (native tests, which call forget() themselves); the binding sets torch's
+  // caching allocator, whose frees it reports. Called outside every lock of this endpoint.
+  using Finder = std::function<bool(const void* p, uintptr_t* base, size_t* bytes, std::string* why)>;
+  void set_finder(Finder f) { finder_ = std::move(f); }
+  // The allocation [base, base + bytes) of this rank is about to be freed: withdraws what this rank
+  // exported of it and waits until every peer has closed its mapping (at most the timeout; not
+  // once the group broke), since freeing memory another process maps is undefined in CUDA.
+  void forget(uintptr_t base, size_t bytes);
+  // Why the last import this rank tried could not share its memory ("" if none failed).
+  std::string import_note() const;
+  // The first such note, once (runtime::Transport).
+  std::string take_note() override;
+  // Imported calls the device has reported so far, and of those, the ones that ran in place.
+  uint64_t imported_seen() const { return imported_seen_; }
+  uint64_t imported_in_place() const { return imported_in_place_; }
+  size_t imports() const;  // the peers' allocations mapped here
   // Auto's one-shot threshold (see Options); the same on every rank, before the first call.
   void set_threshold(size_t oneshot_max) {
     opt_.tuned = true;
@@ -186,6 +215,14 @@ class Endpoint : public runtime::Transport {
   size_t copy_bytes() const;  // the inbox: kCopyDepth x nranks slots; 0 without the copy algorithm
   size_t copy_offset() const { return ws_offset() + 2 * ws_half_bytes(); }
 
+  // Imported (imports.cpp): this call's tag, prediction hash and the peers' memory into imp_;
+  // learn: the tags the device saw of earlier calls; reap: closes what peers withdrew.
+  void prepare_import(const Call& c, bool capturing);
+  void learn_locked();
+  void reap();
+  char* import_locked(int q, uint64_t id, uint64_t end);
+  void close_imports_locked();
+
   // The copy algorithm (csrc/cuda/p2p/copy.cpp): enqueues call c's pieces on stream; and the
   // watchdog's look (every 50 ms) at where the stream stands: a piece waited on for longer than
   // the timeout fails the group (stream waits never time out), and a broken group's waits are
@@ -236,6 +273,32 @@ class Endpoint : public runtime::Transport {
   };
   std::vector<Reg> regs_;
   mutable std::mutex reg_mu_;  // regs_: a buffer may be registered while another thread calls
+  // Imported memory, under reg_mu_: this rank's exports by base, the peers' allocations mapped
+  // here by (rank, id), the tags each own tag met last (by own tag), calls whose tags are to learn.
+  struct Export {
+    uint64_t id;
+    size_t bytes;
+  };
+  struct Import {
+    char* p;
+    size_t bytes;
+  };
+  RegBoard* board_ = nullptr;
+  Finder finder_;
+  std::map<uintptr_t, Export> exports_;
+  std::map<std::pair<int, uint64_t>, Import> imports_;
+  std::unordered_map<uint64_t, std::vector<uint64_t>> predict_;
+  std::deque<uint64_t> to_learn_;
+  uint64_t next_export_ = 1;
+  uint64_t imported_seen_ = 0, imported_in_place_ = 0;
+  std::string import_note_;
+  bool note_taken_ = false;
+  uint64_t kills_seen_[kMaxPeers] = {};
+  struct Prepared {  // prepare_import's, for sym_args
+    uint64_t tag = 0, hash = 0;
+    char* imp[kMaxPeers] = {};
+  } imp_;
+  std::unique_ptr<runtime::Ticker> reaper_;
   uint64_t pieces_ = 0;  // copy algorithm: pieces enqueued (the same count on every rank)
   struct CopyCall {
     MsgHeader call;

@@ -62,6 +62,11 @@ constexpr size_t kLine = 128;
 // host memory the group shares (cuStreamWriteValue64 / cuStreamWaitValue64, waited by the GPU's
 // front end; CopyCtl),
 // then a kernel that never waits folds the pieces in rank order (cuda/p2p/copy.cpp).
+// Imported: an all_reduce in place of an ordinary tensor (the caller's allocation, shared with the
+// peers by its IPC handle once: csrc/cuda/p2p/imports.cpp). Each rank names its memory by a tag
+// (its export id and the offset) and passes the peers' memory it predicts from the call before;
+// the start barrier compares: every rank's prediction right, the registered kernel runs on that
+// memory, else (on every rank alike) two-shot through the workspace after it.
 
 using ringreduce::Algo;
 using ringreduce::algo_name;
@@ -125,6 +130,8 @@ struct alignas(kLine) Area {
   // [epoch parity][block][source]: the call of a piece, written by the source with its start barrier
   MsgHeader sym_hdr[2][kMaxSymBlocks][kMaxPeers];
   MsgHeader copy_hdr[kCopyDepth][kMaxPeers];  // [slot][source]: the piece each source copied there
+  // [epoch parity][block][source]: Imported's tag and prediction hash, written with the header
+  alignas(16) uint64_t sym_tag[2][kMaxSymBlocks][kMaxPeers][2];
 };
 
 // Why a wait ended without its message; packed with the rank that saw it first into abort words.
@@ -154,6 +161,7 @@ struct ErrorRecord {
 constexpr uint32_t kCtlAbort = 1;
 constexpr uint32_t kCtlClosed = 2;
 constexpr uint64_t kWireOverflowSlots = 1024;
+constexpr uint64_t kSeenSlots = 64;
 struct HostCtl {
   uint32_t abort;  // set by the host: stop every wait of this rank's kernels (kCtlAbort, kCtlClosed)
   // Copy algorithm: where this rank's stream is, written by it (cuStreamWriteValue64) for the
@@ -167,7 +175,28 @@ struct HostCtl {
   // back as there are slots (async fp16 calls in flight beyond that could miss theirs).
   uint64_t wire_overflow[kWireOverflowSlots];
   alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index
+  // Imported calls: [op_seq % kSeenSlots] what the start barrier saw, every rank's tag (written by
+  // block 0, `seq` last), from which the host predicts the peers' memory of the next call on the
+  // same memory (Endpoint::learn).
+  struct Seen {
+    uint64_t seq;
+    uint64_t in_place;  // 1: the call ran in place
+    uint64_t tags[kMaxPeers];
+  } seen[kSeenSlots];
 };
+// An Imported tag: the export id (1, 2, ... per rank) << kTagShift | the byte offset in the export.
+constexpr int kTagShift = 40;
+// Every rank's tags, in rank order, as one word: a rank's prediction (its own tag and the peers' it
+// predicts) and the tags the barrier saw agree when these do. Never 0 (0: no prediction).
+RR_HOST_DEVICE inline uint64_t tags_hash(const uint64_t* tags, int n) {
+  uint64_t h = 0x9e3779b97f4a7c15ull;
+  for (int q = 0; q < n; ++q) {
+    h ^= tags[q] + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 31;
+  }
+  return h ? h : 1;
+}
 
 // What every kernel of the transport reads: the group's areas and stop words, and the call.
 struct KernelBase {
@@ -218,6 +247,10 @@ struct SymArgs : KernelBase {
   // nbytes, so that ranks whose tensors sit in other buffers or at other offsets stop with kBadSize.
   uint64_t reg_tag;
   uint64_t wire_span;     // the narrow wire: bytes of one wire span (workspace_wire_bytes(scaled, bytes, chunk_elems / kWireBlock))
+  // Imported: this rank's tag, the hash of its prediction (0: none), and the predicted memory of
+  // every rank at the call's tensor (this rank's: a.in).
+  uint64_t tag, tag_hash;
+  char* imp[kMaxPeers];
 };
 constexpr int kRegTagShift = 40;
 // The narrow wire in a workspace half (sym_wire.cu): all_reduce keeps two spans per piece (every
@@ -232,6 +265,22 @@ RR_HOST_DEVICE inline uint64_t wire_data_at(bool scaled, int64_t cap) {
 RR_HOST_DEVICE inline uint64_t workspace_wire_bytes(bool scaled, uint64_t elem_bytes, int64_t cap) {
   return (wire_data_at(scaled, cap) + static_cast<uint64_t>(cap) * kWireBlock * elem_bytes + 15) / 16 * 16;
 }
+
+// Imported memory's handles, in host memory every rank of a direct group maps (POSIX shared
+// memory; Endpoint::board_attach): each rank's exports by id % kBoardSlots, and the release
+// handshake: an owner whose memory is going clears the entry, counts it in `kills`, and waits until
+// every peer's reaper has closed what it mapped of it and copied that count into `reaped`.
+constexpr int kBoardSlots = 256;
+struct BoardEntry {
+  uint64_t id;     // 0: free; written last (release), cleared first
+  uint64_t bytes;  // of the allocation
+  char handle[64];  // its cudaIpcMemHandle_t
+};
+struct RegBoard {
+  BoardEntry exp[kMaxPeers][kBoardSlots];  // [owner][id % kBoardSlots]
+  alignas(kLine) uint64_t kills[kMaxPeers];  // [owner]: exports withdrawn so far
+  alignas(kLine) uint64_t reaped[kMaxPeers][kMaxPeers];  // [importer][owner]: kills seen and closed
+};
 
 inline size_t slot_stride(size_t slice_bytes) { return round_up(slice_bytes + kVecBytes, kLine); }
 inline size_t data_offset() { return round_up(sizeof(Area), 256); }

@@ -50,8 +50,10 @@ __device__ uint32_t sym_wait(const SymArgs& a, const uint64_t* flag, uint64_t ta
 // before orders the block's accesses (its copy in, its reads of the peers) before the flags; the
 // one after, the peers' data before the block's reads. Every thread returns false to stop: some
 // wait failed, and one thread of the block recorded why (claim: the block's record is written once).
+// tagged: at a start barrier, also writes the Imported tag and prediction hash (a.tag, a.tag_hash)
+// beside the header.
 __device__ bool barrier(const SymArgs& a, uint64_t epoch, int b, int64_t piece, uint64_t nbytes,
-                        unsigned* claim) {
+                        unsigned* claim, bool tagged = false) {
   const int n = a.nranks, r = a.rank, k = blockIdx.x;
   // The piece and the block count: ranks that cut a piece between another number of blocks would
   // read parts their peers' blocks have not written (kBadSize: inconsistent schedules).
@@ -62,6 +64,12 @@ __device__ bool barrier(const SymArgs& a, uint64_t epoch, int b, int64_t piece, 
   for (int q = threadIdx.x; q < n; q += blockDim.x) {
     if (q == r) continue;
     if (b == kStart) put_header(&a.peer[q]->sym_hdr[epoch & 1][k][r], mine);
+    if (b == kStart && tagged) {
+      uint4 w;
+      __builtin_memcpy(&w, &a.tag, 8);
+      __builtin_memcpy(reinterpret_cast<char*>(&w) + 8, &a.tag_hash, 8);
+      __stcg(reinterpret_cast<uint4*>(a.peer[q]->sym_tag[epoch & 1][k][r]), w);
+    }
   }
   // Release (the block's earlier accesses, ordered before by the barrier, and the headers), then
   // the flags: by the threads that raise one.

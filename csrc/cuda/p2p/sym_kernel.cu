@@ -10,6 +10,9 @@
 //   all_gather:           copy in, start barrier, copy every peer's chunk into the output.   1
 //   registered (an all_reduce of a tensor in a buffer every rank maps: nothing copied): start
 //                         barrier, fold chunk r from the n copies into all n, end barrier.   2
+//   imported (an ordinary tensor whose peers' memory each rank predicted): start barrier with
+//                         the predictions; all right: as registered                          2
+//                         else two-shot through the workspace after it             1 + two-shot's
 // No end barrier where the workspace is ours: pieces alternate between its two halves (by epoch
 // parity), and a rank writes a region of a half again only after a barrier with every peer that
 // came after the peers' reads of that region (pipelined two-shot: see there). Within a call, block b touches only part b of each piece on every
@@ -84,11 +87,58 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
   if (tid == 0) s_claim = 0;
   // its barrier publishes s_claim and s_epoch too
   if (broken_at_start(a, &a.self->sym[blockIdx.x].epoch.value, &s_epoch)) return;
-  const uint64_t e0 = s_epoch;
+  uint64_t e0 = s_epoch;
   const T* in = static_cast<const T*>(a.in);
   T* out = static_cast<T*>(a.out);
   const int64_t m = a.numel / n;
   int64_t pieces = a.pieces;
+  Algo how = algo;
+  if (algo == Algo::Imported) {
+    // The start barrier carries every rank's tag and prediction hash; every block of every rank
+    // reads the same words, so all decide alike: in place where every prediction was right, else
+    // two-shot through the workspace, its pieces numbered after this barrier.
+    __shared__ int s_in_place;
+    how = Algo::Registered;
+    pieces = 1;
+    if (barrier(a, e0 + 1, kStart, 0, 0, &s_claim, true)) {
+      if (tid == 0) {
+        uint64_t tags[kMaxPeers];
+        bool right = a.tag_hash != 0;
+        for (int q = 0; q < n; ++q) {
+          if (q == r) {
+            tags[q] = a.tag;
+            continue;
+          }
+          const uint4 w = __ldcg(reinterpret_cast<const uint4*>(a.self->sym_tag[(e0 + 1) & 1][blockIdx.x][q]));
+          uint64_t tw[2];
+          __builtin_memcpy(tw, &w, sizeof tw);
+          tags[q] = tw[0];
+          right = right && tw[1] == a.tag_hash;
+        }
+        right = right && tags_hash(tags, n) == a.tag_hash;
+        s_in_place = right;
+        if (blockIdx.x == 0) {  // for the host's next prediction (Endpoint::learn)
+          volatile HostCtl::Seen* seen = &a.ctl->seen[a.op_seq % kSeenSlots];
+          for (int q = 0; q < n; ++q) seen->tags[q] = tags[q];
+          seen->in_place = right;
+          __threadfence_system();
+          seen->seq = a.op_seq;
+        }
+      }
+      __syncthreads();
+      if (s_in_place) {
+        const ring::Span P = ring::channel_part(ring::chunk(a.numel, n, r), nb, blockIdx.x);
+        const uint64_t off = static_cast<uint64_t>(P.begin) * es;
+        fold<T, Op>(Targets<T>{nullptr, a.imp, off, r}, n, Sources<T>{nullptr, -1, a.imp, off}, n, P.count,
+                    a.divisor);
+        barrier(a, e0 + 1, kEnd, 0, 0, &s_claim);
+      } else {
+        ++e0;
+        how = Algo::TwoShot;
+        pieces = a.pieces;
+      }
+    }
+  }
   if (algo == Algo::Registered) {
     pieces = 1;
     const ring::Span P = ring::channel_part(ring::chunk(a.numel, n, r), nb, blockIdx.x);
@@ -98,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
                   P.count, a.divisor);
       barrier(a, e0 + 1, kEnd, 0, a.reg_tag, &s_claim);
     }
-  } else {
+  } else if (how != Algo::Registered) {  // (Imported in place ran above, or stopped)
     const int64_t C = a.chunk_elems;
     const uint64_t nbytes = static_cast<uint64_t>(C) * es;
     const int64_t span = coll == Coll::AllReduce ? a.numel : m;
@@ -119,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
       const int64_t b = ring::min64(p.begin, count), f = ring::min64(p.begin + p.count, count);
       return ring::Span{begin + b, f - b};
     };
-    if (coll == Coll::AllReduce && algo == Algo::TwoShot) {
+    if (coll == Coll::AllReduce && how == Algo::TwoShot) {
       // Pipelined: one barrier per piece (and one to start). Piece j + 1's inputs are copied in
       // between piece j's fold and the barrier after it, which then says both "my chunk of piece j
       // is reduced" and "my inputs of piece j + 1 are in"; piece j's reduced chunks are copied out
@@ -207,9 +257,10 @@ void launch_sym(const SymArgs& a, cudaStream_t stream) {
   if (a.wire != static_cast<uint8_t>(Wire::None)) return launch_sym_wire(a, stream);
   const Algo algo = static_cast<Algo>(a.algo);
   if (a.nranks < 2 || a.nranks > kMaxPeers || a.blocks < 1 || a.blocks > kMaxSymBlocks ||
-      (algo != Algo::OneShot && algo != Algo::TwoShot && algo != Algo::Registered) ||
+      (algo != Algo::OneShot && algo != Algo::TwoShot && algo != Algo::Registered && algo != Algo::Imported) ||
       (algo == Algo::OneShot && a.coll != static_cast<uint8_t>(Coll::AllReduce)) ||
-      (algo == Algo::Registered && (a.coll != static_cast<uint8_t>(Coll::AllReduce) || a.in != a.out)) ||
+      ((algo == Algo::Registered || algo == Algo::Imported) &&
+       (a.coll != static_cast<uint8_t>(Coll::AllReduce) || a.in != a.out)) ||
       (algo != Algo::Registered && (a.chunk_elems < 1 || a.pieces < 1)))
     throw std::invalid_argument("ringreduce: p2p symmetric workspace launch: bad algorithm, block, "
                                 "rank or piece count");

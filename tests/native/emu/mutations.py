@@ -329,6 +329,27 @@ MUTATIONS = {
         "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin, count, P, at(j, r, c));",
         "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin + (c ? 1 : 0), count, P, at(j, r, c));",
         WIRE_TEST, "reduce_scatter rounds a chunk's elements shifted by one (blocks not from the chunk's start)"),
+    # Imported memory (issue 70): the prediction checked at the start barrier, and its release.
+    "imported_peers_hash_unchecked": (
+        SYM, "          right = right && tw[1] == a.tag_hash;", "",
+        ("test_cuda_kernels_emu", ["test_imported"]),
+        "a rank whose tensor moved is read at its old memory by peers that predicted it"),
+    "imported_tags_unchecked": (
+        SYM, "        right = right && tags_hash(tags, n) == a.tag_hash;", "",
+        ("test_cuda_kernels_emu", ["test_imported"]),
+        "every rank's stale prediction agrees with the others' and none with the tags: old memory read"),
+    "imported_reaper_closes_nothing": (
+        "csrc/cuda/p2p/imports.cpp", "      if (owner == q && load_acquire(&board_->exp[q][id % kBoardSlots].id) != id) {",
+        "      if (false) {", ("test_cuda_kernels_emu", ["test_imported"]),
+        "an allocation freed (and reused) while a peer still maps it: undefined in CUDA"),
+    "imported_export_kept_after_free": (
+        "csrc/cuda/p2p/imports.cpp", "      it = exports_.erase(it);\n      any = true;", "      ++it;\n      any = true;",
+        ("test_cuda_kernels_emu", ["test_imported"]),
+        "a new allocation at a freed one's address takes its id: peers read their mapping of the old"),
+    "imported_in_place_without_end_barrier": (
+        SYM, "        barrier(a, e0 + 1, kEnd, 0, 0, &s_claim);", "",
+        ("test_cuda_kernels_emu", ["test_imported", "weak_imported"]),
+        "a rank returns (and its caller writes the tensor) while peers still read and write it"),
     "sym_blocks_not_in_header": (
         SYM_BARRIER, "static_cast<uint32_t>(piece & 0xffffff) | (static_cast<uint32_t>(gridDim.x) << 24);",
         "static_cast<uint32_t>(piece & 0xffffff);",

@@ -1039,14 +1039,25 @@ int wait_value64(cudaStream_t s, unsigned long long at, unsigned long long value
 }
 }  // namespace
 
+// cuMemGetAddressRange: the allocation (of this process's device memory) holding p.
+static int address_range(uint64_t* base, size_t* bytes, uint64_t p) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  const Alloc* a = alloc_containing(reinterpret_cast<const void*>(p));
+  if (!a) return 1;  // CUDA_ERROR_INVALID_VALUE
+  *base = reinterpret_cast<uint64_t>(a->base);
+  *bytes = a->mapped;
+  return 0;
+}
+
 cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned,
                                              unsigned long long,
                                              cudaDriverEntryPointQueryResult* status) {
   if (!symbol || !fn) return fail(cudaErrorInvalidValue);
   const std::string name = symbol;
-  *fn = name == "cuStreamWriteValue64"  ? reinterpret_cast<void*>(&write_value64)
-        : name == "cuStreamWaitValue64" ? reinterpret_cast<void*>(&wait_value64)
-                                        : nullptr;
+  *fn = name == "cuStreamWriteValue64"   ? reinterpret_cast<void*>(&write_value64)
+        : name == "cuStreamWaitValue64"  ? reinterpret_cast<void*>(&wait_value64)
+        : name == "cuMemGetAddressRange" ? reinterpret_cast<void*>(&address_range)
+                                         : nullptr;
   if (status) *status = *fn ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
   return cudaSuccess;
 }
@@ -1136,6 +1147,8 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
 // Between the threads of one process only: the emulated IPC of ranks played by threads.
 cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned) {
   EMU_ENTER();
+  // Maps memory, as cudaMalloc does: not during a capture in global mode.
+  if (cudaError_t e = unsafe_call_during_capture()) return e;
   int32_t pid = 0;
   uint64_t id = 0;
   std::memcpy(&pid, handle.reserved + 8, 4);

@@ -1,0 +1,293 @@
+// Imported memory of the p2p transport (Algo::Imported, layout.h): an ordinary tensor's allocation
+// shared with the peers once, by its IPC handle on the group's board, mapped by each peer the
+// first time it predicts a call on it, and closed by the peers' reapers before the owner frees it.
+// Correctness never rests on a prediction: the start barrier compares every rank's tags, and a
+// wrong guess only sends the call through the workspace. Torch-free.
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "cuda/host.h"
+#include "cuda/p2p/endpoint.h"
+#include "runtime/shm_map.h"
+
+namespace ringreduce::cuda::p2p {
+namespace {
+
+uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+// The reaper's period: an owner's free waits about this long for its peers.
+constexpr auto kReapPeriod = std::chrono::milliseconds(2);
+// Done with every owner: set by a rank that closed (nothing of anyone's is mapped there any more).
+constexpr uint64_t kReapedAll = ~uint64_t{0};
+
+// The driver's cuMemGetAddressRange (CUdeviceptr is 64 bits here).
+using AddressRange = int (*)(uint64_t* base, size_t* bytes, uint64_t p);
+AddressRange address_range() {
+  static const AddressRange fn = [] {
+    void* p = nullptr;
+#if CUDART_VERSION >= 12000
+    cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault, &q);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuMemGetAddressRange", &p, cudaEnableDefault, &q);
+#endif
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) p = nullptr;
+#endif
+    cudaGetLastError();
+    return reinterpret_cast<AddressRange>(p);
+  }();
+  return fn;
+}
+
+bool driver_finder(const void* p, uintptr_t* base, size_t* bytes, std::string* why) {
+  const AddressRange fn = address_range();
+  uint64_t b = 0;
+  if (!fn || fn(&b, bytes, reinterpret_cast<uint64_t>(p)) != 0) {
+    *why = "the driver does not know the allocation (cuMemGetAddressRange)";
+    return false;
+  }
+  *base = static_cast<uintptr_t>(b);
+  return true;
+}
+
+}  // namespace
+
+void Endpoint::board_attach(const std::string& name, bool create) {
+  if (board_) throw RingError("ringreduce: board_attach: the board is attached already");
+  uint64_t bytes = sizeof(RegBoard);
+  char* p = create ? runtime::shm_create(name, bytes) : runtime::shm_map(name, &bytes);
+  if (create) std::memset(p, 0, sizeof(RegBoard));
+  {
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    board_ = reinterpret_cast<RegBoard*>(p);
+  }
+  reaper_ = std::make_unique<runtime::Ticker>(kReapPeriod, [this] { reap(); });
+}
+
+std::string Endpoint::import_note() const {
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  return import_note_;
+}
+
+std::string Endpoint::take_note() {
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  if (note_taken_ || import_note_.empty()) return {};
+  note_taken_ = true;
+  return import_note_;
+}
+
+size_t Endpoint::imports() const {
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  return imports_.size();
+}
+
+// The peer's allocation `id` mapped here (opened now if new), or null: withdrawn, or too short for
+// `end` bytes. Under reg_mu_, which the reaper takes too: an entry withdrawn while this opens it is
+// seen by the check after the open, or by the reaper's next scan.
+char* Endpoint::import_locked(int q, uint64_t id, uint64_t end) {
+  auto it = imports_.find({q, id});
+  if (it != imports_.end()) return end <= it->second.bytes ? it->second.p : nullptr;
+  BoardEntry* e = &board_->exp[q][id % kBoardSlots];
+  if (load_acquire(&e->id) != id) return nullptr;
+  const uint64_t bytes = e->bytes;
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, e->handle, sizeof h);
+  if (load_acquire(&e->id) != id || end > bytes) return nullptr;
+  DeviceScope scope(device_);
+  void* p = nullptr;
+  if (cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+    cudaGetLastError();
+    import_note_ = "rank " + std::to_string(opt_.rank) + ": rank " + std::to_string(q) +
+                   "'s memory could not be mapped here (cudaIpcOpenMemHandle); such calls go through the workspace";
+    return nullptr;
+  }
+  if (load_acquire(&e->id) != id) {  // withdrawn meanwhile: its owner may free it
+    cudaIpcCloseMemHandle(p);
+    return nullptr;
+  }
+  imports_[{q, id}] = Import{static_cast<char*>(p), bytes};
+  return static_cast<char*>(p);
+}
+
+void Endpoint::learn_locked() {
+  // What the device saw of earlier Imported calls; a slot overwritten since (more than kSeenSlots
+  // calls back) or never written (a call that stopped) is dropped.
+  for (auto it = to_learn_.begin(); it != to_learn_.end();) {
+    const uint64_t seq = *it;
+    volatile HostCtl::Seen* s = &ctl_->seen[seq % kSeenSlots];
+    if (op_seq_ - seq >= kSeenSlots) {
+      it = to_learn_.erase(it);
+      continue;
+    }
+    if (s->seq != seq) {
+      ++it;
+      continue;
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    std::vector<uint64_t> tags(opt_.nranks);
+    for (int q = 0; q < opt_.nranks; ++q) tags[q] = s->tags[q];
+    const bool in_place = s->in_place != 0;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (s->seq != seq) {  // overwritten while read
+      it = to_learn_.erase(it);
+      continue;
+    }
+    ++imported_seen_;
+    imported_in_place_ += in_place;
+    if (tags[opt_.rank]) predict_[tags[opt_.rank]] = std::move(tags);
+    it = to_learn_.erase(it);
+  }
+}
+
+void Endpoint::prepare_import(const Call& c, bool capturing) {
+  imp_ = Prepared{};
+  const int n = opt_.nranks, r = opt_.rank;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(c.in);
+  const uint64_t bytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
+  uint64_t tag = 0;
+  {
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    auto it = exports_.upper_bound(p);
+    if (it != exports_.begin() && p + bytes <= (--it)->first + it->second.bytes)
+      tag = it->second.id << kTagShift | (p - it->first);
+  }
+  if (!tag && !capturing) {  // first sight of this allocation: share it (the finder outside our locks)
+    uintptr_t base = 0;
+    size_t size = 0;
+    std::string why;
+    bool ok = finder_ ? finder_(c.in, &base, &size, &why) : driver_finder(c.in, &base, &size, &why);
+    cudaIpcMemHandle_t h;
+    if (ok && (p < base || p + bytes > base + size)) {
+      ok = false;
+      why = "the tensor does not lie inside the allocation found for it";
+    }
+    if (ok) {
+      DeviceScope scope(device_);
+      if (cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)) != cudaSuccess) {
+        cudaGetLastError();
+        ok = false;
+        why = "its allocation has no CUDA IPC handle (not from cudaMalloc: expandable segments or "
+              "another allocator)";
+      }
+    }
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    if (ok && (size >> kTagShift) != 0) {
+      ok = false;
+      why = "its allocation is larger than 1 TiB";
+    }
+    const uint64_t id = next_export_;
+    if (ok && load_acquire(&board_->exp[r][id % kBoardSlots].id) != 0) {
+      ok = false;
+      why = "more than " + std::to_string(kBoardSlots) + " of its allocations are shared already";
+    }
+    if (!ok) {
+      import_note_ = "rank " + std::to_string(r) + ": a tensor's memory cannot be shared with the peers, so "
+                     "its all_reduce copies it through the workspace: " + why;
+    } else {
+      ++next_export_;
+      BoardEntry* e = &board_->exp[r][id % kBoardSlots];
+      e->bytes = size;
+      std::memcpy(e->handle, &h, sizeof h);
+      store_release(&e->id, id);
+      exports_[base] = Export{id, size};
+      tag = id << kTagShift | (p - base);
+    }
+  }
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  learn_locked();
+  to_learn_.push_back(op_seq_ + 1);  // run() counts the call after this
+  imp_.tag = tag;
+  imp_.imp[r] = static_cast<char*>(const_cast<void*>(c.in));
+  if (!tag) return;  // no prediction: the call goes through the workspace on every rank
+  auto it = predict_.find(tag);
+  if (it == predict_.end()) return;
+  const std::vector<uint64_t>& tags = it->second;
+  const uint64_t mask = (uint64_t{1} << kTagShift) - 1;
+  for (int q = 0; q < n; ++q) {
+    if (q == r) continue;
+    const uint64_t id = tags[q] >> kTagShift, off = tags[q] & mask;
+    char* m = nullptr;
+    if (id && capturing) {  // mapped before only
+      auto at = imports_.find({q, id});
+      if (at != imports_.end() && off + bytes <= at->second.bytes) m = at->second.p;
+    } else if (id) {
+      m = import_locked(q, id, off + bytes);
+    }
+    if (!m) return;
+    imp_.imp[q] = m + off;
+  }
+  imp_.hash = tags_hash(tags.data(), n);
+}
+
+void Endpoint::reap() {
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  if (!board_) return;
+  const int r = opt_.rank;
+  DeviceScope scope(device_);
+  for (int q = 0; q < opt_.nranks; ++q) {
+    if (q == r) continue;
+    const uint64_t k = load_acquire(&board_->kills[q]);
+    if (k == kills_seen_[q]) continue;
+    for (auto it = imports_.begin(); it != imports_.end();) {
+      const auto [owner, id] = it->first;
+      if (owner == q && load_acquire(&board_->exp[q][id % kBoardSlots].id) != id) {
+        cudaIpcCloseMemHandle(it->second.p);
+        it = imports_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    cudaGetLastError();
+    kills_seen_[q] = k;
+    store_release(&board_->reaped[r][q], k);
+  }
+}
+
+void Endpoint::forget(uintptr_t base, size_t bytes) {
+  const int r = opt_.rank;
+  uint64_t kills = 0;
+  {
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    if (!board_) return;
+    bool any = false;
+    for (auto it = exports_.lower_bound(base); it != exports_.end() && it->first < base + bytes;) {
+      const uint64_t id = it->second.id;
+      store_release(&board_->exp[r][id % kBoardSlots].id, 0);
+      for (auto p = predict_.begin(); p != predict_.end();)
+        p = (p->first >> kTagShift) == id ? predict_.erase(p) : std::next(p);
+      it = exports_.erase(it);
+      any = true;
+    }
+    if (!any) return;
+    kills = __atomic_add_fetch(&board_->kills[r], 1, __ATOMIC_ACQ_REL);
+  }
+  // The peers' reapers close their mappings; a closed peer has marked itself done.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opt_.timeout_s);
+  for (int q = 0; q < opt_.nranks; ++q) {
+    if (q == r) continue;
+    while (load_acquire(&board_->reaped[q][r]) < kills) {
+      if (broken() || std::chrono::steady_clock::now() > deadline) {
+        std::lock_guard<std::mutex> lk(reg_mu_);
+        import_note_ = "rank " + std::to_string(r) + ": rank " + std::to_string(q) +
+                       " did not close its mapping of memory freed here within the timeout";
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+}
+
+// Under reg_mu_: every peer allocation mapped here closed, and this rank marked done with all.
+void Endpoint::close_imports_locked() {
+  DeviceScope scope(device_);
+  for (auto& [key, m] : imports_) cudaIpcCloseMemHandle(m.p);
+  imports_.clear();
+  cudaGetLastError();
+  if (board_)
+    for (int q = 0; q < opt_.nranks; ++q) store_release(&board_->reaped[opt_.rank][q], kReapedAll);
+}
+
+}  // namespace ringreduce::cuda::p2p
