@@ -2,7 +2,7 @@
 been lent to this project, so nothing here is a GPU timing).
 
     python benchmarks/gpu_cost.py --world 8 --sizes 4K,256K,4M,256M [--algo auto,ring,oneshot,twoshot,registered]
-        [--coll all_reduce] [--bin cbuild/gpu_cost_emu] [--json out.json] [--check]
+        [--recurring] [--coll all_reduce] [--bin cbuild/gpu_cost_emu] [--json out.json] [--check]
 
 For each algorithm and size it runs one counted call on WORLD emulated GPUs (cbuild/gpu_cost_emu,
 built by `cmake -S . -B cbuild && cmake --build cbuild --target gpu_cost_emu`) and prints, for the
@@ -20,7 +20,11 @@ output (no staging copy of the payload); 4 MiB ring: >= 4 slices per channel. Wi
 (all_reduce of tensors in registered buffers, ringreduce.shared_empty on CUDA), at 256 MiB: remote
 bytes <= 1.01 x the ideal, local bytes <= 2 x size / N (nothing staged), <= 4 round trips. At every
 world above 1, every algorithm but copy: no flag load from host memory outside a long wait
-(host_reads: a PCIe round trip on every call on a GPU).
+(host_reads: a PCIe round trip on every call on a GPU). --recurring adds rows asked "recurring": the
+second all_reduce on the same ordinary tensors (imported memory, as DDP's buckets are), which
+--check holds, wherever it ran imported, to the registered algorithm's bounds: nothing staged (local
+bytes <= 2 x size / N, plus 64 B per block and peer that the barriers carry), remote bytes <= 1.01 x
+the ideal from 1 MiB, <= 2 barriers.
 """
 import argparse
 import json
@@ -109,6 +113,8 @@ def main():
     p.add_argument("--bin", default=os.path.join(ROOT, "cbuild", "gpu_cost_emu"))
     p.add_argument("--json")
     p.add_argument("--check", action="store_true")
+    p.add_argument("--recurring", action="store_true",
+                   help="also the second all_reduce on the same ordinary tensors (imported memory)")
     p.add_argument("--wire", help="also the narrow wire: bf16,fp16,fp8,fp8e5m2 (rows asked ALGO/WIRE; "
                    "rem/ideal is against float32's bytes)")
     p.add_argument("--direct-loads-in-flight", type=int,
@@ -118,8 +124,11 @@ def main():
         sys.exit(f"{a.bin} not found: cmake -S . -B cbuild && cmake --build cbuild --target gpu_cost_emu")
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     rows = []
+    algos = a.algo.split(",") + (["recurring"] if a.recurring and "recurring" not in a.algo else [])
     for wire in [None] + (a.wire.split(",") if a.wire else []):
-        for algo in a.algo.split(","):
+        for algo in algos:
+            if algo == "recurring" and (wire or a.coll != "all_reduce"):
+                continue
             rows += [summarize(r, a.direct_loads_in_flight) | {"asked": algo + ("/" + wire if wire else "")}
                      for r in run(a.bin, a.world, a.coll, algo, sizes, wire)]
     print(f"{a.coll}, float32, world {a.world}, p2p transport on the emulated device (counts per "
@@ -143,7 +152,7 @@ def main():
         sys.exit(0 if check(rows, a.world) else 1)
 
 
-SYM = ("oneshot", "twoshot", "registered")  # the symmetric workspace's algorithms
+SYM = ("oneshot", "twoshot", "registered", "imported")  # the symmetric workspace's algorithms
 
 
 def check(rows, world):
@@ -220,6 +229,17 @@ def check(rows, world):
             expect(r["barriers"] <= 2, f"256 MiB registered: {r['barriers']} <= 2 barriers")
             expect(r["critical_rtt"] <= 4, f"256 MiB registered: {r['critical_rtt']:g} <= 4 round trips "
                    f"(two barriers)")
+        if r["asked"] == "recurring" and algo == "imported":
+            # the second call on the same ordinary tensors: in place, as a registered buffer
+            tag = f"{human(size)} recurring (imported)"
+            # what the barriers carry besides: a header and a tag of 16 B each per block and peer, read
+            limit = 2 * size / world + r["blocks"] * (world - 1) * 64
+            expect(r["local_write"] + r["local_read"] <= limit,
+                   f"{tag}: local bytes {r['local_write'] + r['local_read']} <= 2 x size / N + barriers' "
+                   f"{limit - 2 * size / world:.0f} (nothing staged)")
+            expect(r["remote_vs_ideal"] <= 1.01 or size < 1 << 20,
+                   f"{tag}: remote bytes {r['remote_vs_ideal']:.3f} x 2(N-1)/N x size <= 1.01")
+            expect(r["barriers"] <= 2, f"{tag}: {r['barriers']} <= 2 barriers")
         if size == 4 << 20 and algo == "ring":
             expect(r["steps"] >= 4, f"4 MiB ring: {r['steps']} >= 4 slices per channel")
     return ok

@@ -23,7 +23,7 @@ namespace p2p = ringreduce::cuda::p2p;
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::fprintf(stderr, "usage: %s WORLD all_reduce|reduce_scatter|all_gather auto|ring|oneshot|twoshot|copy|registered BYTES...\n", argv[0]);
+    std::fprintf(stderr, "usage: %s WORLD all_reduce|reduce_scatter|all_gather auto|ring|oneshot|twoshot|copy|registered|recurring BYTES...\n", argv[0]);
     return 2;
   }
   const int n = std::atoi(argv[1]);
@@ -34,9 +34,11 @@ int main(int argc, char** argv) {
   for (p2p::Algo a : {p2p::Algo::Ring, p2p::Algo::OneShot, p2p::Algo::TwoShot, p2p::Algo::Copy})
     if (algo_s == p2p::algo_name(a)) algo = a;
   // registered: all_reduce of tensors in registered buffers (Endpoint::reg_alloc; Auto picks it).
-  const bool registered = algo_s == "registered";
-  if (registered && coll != rr::Coll::AllReduce) {
-    std::fprintf(stderr, "gpu_cost_emu: registered buffers are for all_reduce only\n");
+  // recurring: of ordinary tensors, with the group's board of imported memory (as the torch binding
+  // attaches it): the counted call is the second on the same tensors (Auto picks Imported).
+  const bool registered = algo_s == "registered", recurring = algo_s == "recurring";
+  if ((registered || recurring) && coll != rr::Coll::AllReduce) {
+    std::fprintf(stderr, "gpu_cost_emu: %s is for all_reduce only\n", algo_s.c_str());
     return 2;
   }
   emu_set_device_count(n);
@@ -69,6 +71,11 @@ int main(int argc, char** argv) {
         RR_CUDA_CHECK(cudaSetDevice(r));
         rings[r]->copy_attach(name, r == 0);
       }
+      rr::runtime::shm_unlink(name);
+    }
+    if (recurring) {  // the board, shared as the torch binding does
+      const std::string name = "/rr-cost-board-" + std::to_string(getpid());
+      for (int r = 0; r < n; ++r) rings[r]->board_attach(name, r == 0);
       rr::runtime::shm_unlink(name);
     }
     for (int i = 4; i < argc; ++i) {
@@ -154,6 +161,9 @@ int main(int argc, char** argv) {
       std::printf("]}\n");
       std::fflush(stdout);
       for (int r = 0; r < n; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(r));
+        // An imported allocation is withdrawn (the peers unmap it) before it is freed.
+        if (recurring) rings[r]->forget(reinterpret_cast<uintptr_t>(in[r]), (numel ? numel : 1) * 4);
         if (!registered) cudaFree(in[r]);
         cudaFree(out[r]);
       }

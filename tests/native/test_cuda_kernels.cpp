@@ -699,6 +699,14 @@ static void test_imported() {
     EXPECT(g.rings[0]->imported_seen() == seen + 4 && before == in_place + 2,
            "n=%d: after a rank's tensor moved, %llu of 3 calls in place", n,
            (unsigned long long)(before - in_place));
+    // Rank 0's tensor moves and comes back: its own prediction (from before) is right again while
+    // the others' (from the call it moved) are wrong; every rank must see that and go through
+    // the workspace alike.
+    std::vector<char*> away = moved;
+    away[0] = other[0]->p + 128;
+    for (const std::vector<char*>* where : {&away, &moved, &moved})
+      check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 5000, true, "imported back", 0,
+                       where);
 #ifdef RINGREDUCE_EMU
     // Inside a CUDA graph capture (global mode) nothing new is mapped, which would invalidate it:
     // fresh memory goes through the workspace, and the capture stays valid.
@@ -744,10 +752,19 @@ static void test_imported() {
     mem[0].reset();
     RR_CUDA_CHECK(cudaSetDevice(device_of(0)));
     mem[0] = std::make_unique<DevBuf>(1 << 20);
+    const bool same_address = mem[0]->p == moved[0];
     moved[0] = mem[0]->p;
-    for (int k = 0; k < 3; ++k)
+    g.rings[0]->learn();
+    const uint64_t freed_in_place = g.rings[0]->imported_in_place();
+    for (int k = 0; k < 4; ++k)
       check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::BF16, rr::RedOp::Sum, 3 * 65536 + 5, true,
                        "imported after a free", 0, &moved);
+    // the first through the workspace (the new allocation is shared anew), the others in place
+    g.rings[0]->learn();
+    EXPECT(g.rings[0]->imported_in_place() == freed_in_place + 3,
+           "n=%d: after a free and a new allocation%s, %llu of 4 calls in place", n,
+           same_address ? " at the same address" : "",
+           (unsigned long long)(g.rings[0]->imported_in_place() - freed_in_place));
   }
   std::printf("imported memory: %d cases (%.1f s)\n", cases, seconds_since(t0));
 }
@@ -858,11 +875,26 @@ static void test_pinned_release_counted_once() {
 // copy: work after it on the rank's stream (here a device-to-device copy of the result, as torch's
 // next kernel would read it) sees the whole result. Large tensors and several ranks, so that the
 // peers are still writing when a rank that did not wait would go on.
-static void test_registered_result_in_stream_order() {
+// imported: ordinary memory (Algo::Imported; the first call through the workspace, the others in
+// place).
+static void attach_boards(Group& g);
+static void test_result_in_stream_order(bool imported) {
   for (int n = 2; n <= 4; ++n) {
-    Group g(n, rc::p2p::kDefaultChannels, rc::p2p::kDefaultSliceBytes, 20.0);
     const int64_t numel = 1 << 20;
-    const std::vector<char*> at = register_all(g, numel * 4);
+    std::vector<std::unique_ptr<DevBuf>> mem;
+    for (int r = 0; r < n && imported; ++r) {
+      RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+      mem.push_back(std::make_unique<DevBuf>(numel * 4));
+    }
+    Group g(n, rc::p2p::kDefaultChannels, rc::p2p::kDefaultSliceBytes, 20.0);
+    std::vector<char*> at(n);
+    if (imported) {
+      for (auto& ring : g.rings) ring->set_threshold(0);
+      attach_boards(g);
+      for (int r = 0; r < n; ++r) at[r] = mem[r]->p;
+    } else {
+      at = register_all(g, numel * 4);
+    }
     std::vector<std::unique_ptr<DevBuf>> after;
     std::vector<std::vector<char>> host(n);
     for (int r = 0; r < n; ++r) {
@@ -1908,7 +1940,8 @@ int main(int argc, char** argv) {
 #endif
     run_test(argc, argv, "test_registered", [&] { test_registered(); });
     run_test(argc, argv, "test_registered_mismatch", [&] { test_registered_mismatch(); });
-    run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_registered_result_in_stream_order(); });
+    run_test(argc, argv, "test_registered_result_in_stream_order", [&] { test_result_in_stream_order(false); });
+    run_test(argc, argv, "test_imported_result_in_stream_order", [&] { test_result_in_stream_order(true); });
     run_test(argc, argv, "test_registered_release", [&] { test_registered_release(); });
     run_test(argc, argv, "test_imported", [&] { test_imported(); });
     run_test(argc, argv, "test_pinned_release_counted_once", [&] { test_pinned_release_counted_once(); });

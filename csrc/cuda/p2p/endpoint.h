@@ -130,6 +130,10 @@ class Endpoint : public runtime::Transport {
   uint64_t imported_seen() const { return imported_seen_; }
   uint64_t imported_in_place() const { return imported_in_place_; }
   size_t imports() const;  // the peers' allocations mapped here
+  void learn() {  // what the device reported of finished calls, now (tests: the counts above)
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    if (ctl_) learn_locked();
+  }
   // Auto's one-shot threshold (see Options); the same on every rank, before the first call.
   void set_threshold(size_t oneshot_max) {
     opt_.tuned = true;

@@ -186,8 +186,8 @@ struct HostCtl {
 };
 // An Imported tag: the export id (1, 2, ... per rank) << kTagShift | the byte offset in the export.
 constexpr int kTagShift = 40;
-// Every rank's tags, in rank order, as one word: a rank's prediction (its own tag and the peers' it
-// predicts) and the tags the barrier saw agree when these do. Never 0 (0: no prediction).
+// Every rank's tags, in rank order, as one word: two ranks' predictions (each its own tag and the
+// peers' it predicts) agree when these do. Never 0 (0: no prediction).
 RR_HOST_DEVICE inline uint64_t tags_hash(const uint64_t* tags, int n) {
   uint64_t h = 0x9e3779b97f4a7c15ull;
   for (int q = 0; q < n; ++q) {

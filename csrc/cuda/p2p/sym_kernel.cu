@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
   Algo how = algo;
   if (algo == Algo::Imported) {
     // The start barrier carries every rank's tag and prediction hash; every block of every rank
-    // reads the same words, so all decide alike: in place where every prediction was right, else
+    // reads the same words, so all decide alike: in place where every rank predicted the same
+    // tags (each prediction holds its rank's own tag, so the same is the right one), else
     // two-shot through the workspace, its pieces numbered after this barrier.
     __shared__ int s_in_place;
     how = Algo::Registered;
@@ -115,7 +116,6 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
           tags[q] = tw[0];
           right = right && tw[1] == a.tag_hash;
         }
-        right = right && tags_hash(tags, n) == a.tag_hash;
         s_in_place = right;
         if (blockIdx.x == 0) {  // for the host's next prediction (Endpoint::learn)
           volatile HostCtl::Seen* seen = &a.ctl->seen[a.op_seq % kSeenSlots];
