@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
-# BUDGET_S seconds (default 570): the build, the GPU smoke tests, the roofline for world 2 (MPS on,
+# BUDGET_S seconds (default 570): the build, the GPU smoke tests, issue 70's DDP step and GEMM
+# overlap (benchmarks/ddp_step_gpu.py, gpu_overlap.py; DDP=0 skips), the roofline for world 2 (MPS on,
 # then off; benchmarks/gpu_roofline.py; torch's SymmetricMemory one-/two-shot in the same bench runs
 # as auto and registered, those runs first, then one-shot and two-shot forced, then two-shot and
 # registered on 64 blocks), profiles of 4 KiB
@@ -56,9 +57,24 @@ if [ "$PART" = all ]; then
       test_transport_choice_logged or test_world_one_moves_nothing or test_shared_buffers or \
       p2p_copy-2 or test_time_sliced_ranks_are_warned or (test_stream_semantics and p2p) or \
       test_sync_calls_run_on_the_callers_stream or test_cuda_graph or \
-      test_async_calls_beside_a_global_capture" tests/test_cuda.py \
+      test_async_calls_beside_a_global_capture or test_imported_memory" tests/test_cuda.py \
       --durations=10 -rfE > "$OUT/smoke.log" 2>&1
   log "smoke exit $?: $(tail -1 "$OUT/smoke.log")"
+
+  # Issue 70 first (DDP on GPUs): the training step with our hook beside the floors and the other
+  # variants, then a GEMM beside all_reduces by blocks; short runs (DDP=0 skips them).
+  if [ "${DDP-1}" = 1 ] && [ "$(left)" -ge 400 ]; then
+    nvidia-cuda-mps-control -d > /dev/null 2>&1; sleep 1
+    log "ddp step (benchmarks/ddp_step_gpu.py, MPS)"
+    timeout -k 10 120 "$PY" benchmarks/ddp_step_gpu.py --world 2 --iters 8 --warmup 2 \
+        > "$OUT/ddp_step.log" 2>&1
+    log "ddp step exit $?: $(grep -c ' ms\| not run' "$OUT/ddp_step.log") rows"
+    log "overlap (benchmarks/gpu_overlap.py, MPS)"
+    timeout -k 10 75 "$PY" benchmarks/gpu_overlap.py --world 2 --blocks 8,24,64 --repeats 3 \
+        --out "$OUT/overlap.json" > "$OUT/overlap.log" 2>&1
+    log "overlap exit $?"
+    mps_off
+  fi
 
   log "roofline"
   # Issue 50's targets first: auto and registered beside SymmetricMemory, then one-shot and two-shot
@@ -185,4 +201,5 @@ grep -hE "^(FAILED|ERROR) |passed|failed" "$OUT"/smoke.log "$OUT"/exits.log "$OU
     "$OUT"/rest.log 2>/dev/null | cut -c1-300 | tail -30
 cat "$OUT/handshake.log" 2>/dev/null | grep -v "^#"
 grep -h "^size" "$OUT"/profile_*.log 2>/dev/null
+cat "$OUT/ddp_step.log" "$OUT/overlap.log" 2>/dev/null | tail -30
 cat "$OUT/roofline.md" 2>/dev/null

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node=2 examples/train_ddp.py --wire fp8 [--error-feedback]  # narrow wire
     torchrun --nproc-per-node=2 examples/train_ddp.py --backend ringreduce   # no hook: DDP as is
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 --max-restarts=3 \
-        examples/train_ddp.py --checkpoint-every 20       # resumes where a failed attempt stopped
+        examples/train_ddp.py --checkpoint ck.pt --checkpoint-every 20   # resumes where it stopped
 
 The model is the one PyTorch's DDP tutorial trains (Flatten, Linear(784, 10), ReLU, Linear(10, 10),
 ReLU, Linear(10, 10)) with a BatchNorm1d after the first layer (--sync-bn makes it ringreduce's
@@ -15,8 +15,9 @@ With --backend ringreduce the process group is ringreduce's torch.distributed ba
 unmodified (no hook): its own bucket all-reduce goes through the ring. Every epoch prints the
 training loss and the test accuracy, both averaged over all ranks with ringreduce.all_reduce.
 
-Checkpoints: rank 0 writes --checkpoint atomically (temporary file, fsync, rename) at the end of
-every epoch and every --checkpoint-every steps: model, optimizer, LR schedule, AMP GradScaler, the
+Checkpoints (only with --checkpoint PATH; nothing is written otherwise): rank 0 writes PATH
+atomically (temporary file, fsync, rename) at the end of every epoch and every --checkpoint-every
+steps: model, optimizer, LR schedule, AMP GradScaler, the
 position in the data (epoch and samples done) and every rank's RNG states and partial epoch
 statistics. At start every rank resumes from it if it exists, skipping exactly the samples already
 done, so that a job restarted by torchrun (--max-restarts) ends with the same parameters, bit for
@@ -26,10 +27,10 @@ the cosine LR schedule, not bitwise. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 fo
 each attempt gets a fresh store: the shared one keeps the failed attempt's keys.
 
 Lines other programs parse (one write each): "epoch E/N  train loss L  test accuracy A  (...)",
-"rank R host H parameters sha1 D", and, with wall-clock times (time.time()) for measuring restarts,
-"rank R restart C dying at step S time T", "rank R restart C failed at step S time T: ERROR",
-"rank R restart C resumed at step S (epoch E, batch B) time T",
-"rank R restart C first step S done time T".
+and with --events (for tests and restart measurements) "rank R host H parameters sha1 D" and,
+with wall-clock times (time.time()), "rank R restart C dying at step S time T", "rank R restart C
+failed at step S time T: ERROR", "rank R restart C resumed at step S (epoch E, batch B) time T",
+"rank R restart C first step S done time T". Without --events a resumed job says so once (rank 0).
 """
 import argparse
 import contextlib
@@ -208,7 +209,10 @@ def main(argv=None):
                     help="autocast; fp16 adds a GradScaler")
     ap.add_argument("--sync-bn", action="store_true", help="ringreduce.nn.SyncBatchNorm")
     ap.add_argument("--dropout", type=float, default=0.0)
-    ap.add_argument("--checkpoint", default="train_ddp_checkpoint.pt",
+    ap.add_argument("--events", action="store_true",
+                    help="print the per-rank event lines (restarts, first step, parameter digest) "
+                         "that tests and restart measurements parse")
+    ap.add_argument("--checkpoint", default=None, metavar="PATH",
                     help="written by rank 0, resumed from by every rank if it exists")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                     help="also checkpoint every K steps (0: only at the end of each epoch)")
@@ -226,6 +230,8 @@ def main(argv=None):
         args.hook = f"{args.wire}-wire"
     if args.error_feedback and not (args.hook or "").endswith("-wire"):
         ap.error("--error-feedback needs --wire")
+    if args.checkpoint is None and (args.checkpoint_every or args.die_at_step):
+        ap.error("--checkpoint-every and --die-at-step need --checkpoint PATH (where to save)")
     if args.hook is None:
         args.hook = "none" if args.backend == "ringreduce" else "allreduce"
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -279,7 +285,7 @@ def main(argv=None):
     # only some hosts can see would split the job).
     # done: samples of this rank's share of the epoch already trained on
     epoch, done, step, accuracy, saved = 0, 0, 0, None, None
-    if os.path.exists(args.checkpoint):
+    if args.checkpoint and os.path.exists(args.checkpoint):
         saved = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         if not {"step", "samples_done", "scheduler", "ranks"} <= set(saved):  # an older format
             raise RuntimeError(f"{args.checkpoint} is not a checkpoint this script can resume "
@@ -312,8 +318,12 @@ def main(argv=None):
             stats[:2] = mine["stats"].to(device)
         elif rank == 0:  # another world size: the data split differs, keep the epoch's totals
             stats[:2] = sum(r["stats"] for r in saved["ranks"]).to(device)
-        emit(f"rank {rank} restart {restart} resumed at step {step} (epoch {epoch}, batch "
-             f"{done // args.batch_size}) time {time.time():.6f}")
+        if args.events:
+            emit(f"rank {rank} restart {restart} resumed at step {step} (epoch {epoch}, batch "
+                 f"{done // args.batch_size}) time {time.time():.6f}")
+        elif rank == 0:
+            emit(f"resumed from {args.checkpoint} at step {step} (epoch {epoch + 1}, batch "
+                 f"{done // args.batch_size})")
 
     device_ids = [device.index] if device.type == "cuda" else None
     # With SyncBatchNorm the running statistics are the group's, the same on every rank: nothing
@@ -333,6 +343,8 @@ def main(argv=None):
         model.register_comm_hook(wire_state, HOOKS[args.hook])
 
     def checkpoint():
+        if not args.checkpoint:
+            return
         # Every rank's RNG states and partial statistics, so that each resumes exactly.
         ranks = [None] * world
         dist.all_gather_object(ranks, {"rng": rng_state(device), "stats": stats[:2].cpu(),
@@ -372,10 +384,10 @@ def main(argv=None):
                 stats[0] += loss.detach().double() * len(y)
                 stats[1] += len(y)
                 step, done = step + 1, done + len(y)
-                if first_step:
+                if first_step and args.events:
                     emit(f"rank {rank} restart {restart} first step {step} done "
                          f"time {time.time():.6f}")
-                    first_step = False
+                first_step = False
                 if args.checkpoint_every and step % args.checkpoint_every == 0:
                     checkpoint()
             model.eval()
@@ -395,15 +407,17 @@ def main(argv=None):
     except Exception as e:
         # Survivors of a dead rank: say when we noticed (torchrun restarts the group).
         first_line = (str(e).strip().splitlines() or [""])[0]
-        emit(f"rank {rank} restart {restart} failed at step {step + 1} time {time.time():.6f}: "
-             f"{type(e).__name__}: {first_line}")
+        if args.events:
+            emit(f"rank {rank} restart {restart} failed at step {step + 1} time {time.time():.6f}: "
+                 f"{type(e).__name__}: {first_line}")
         raise
 
     # Every rank's parameters, as a digest: DDP keeps them identical, and a test compares them.
     digest = hashlib.sha1(b"".join(p.detach().cpu().double().numpy().tobytes()
                                    for p in model.module.parameters())).hexdigest()
-    emit(f"rank {rank} host {os.environ.get('RINGREDUCE_HOST_ID', '-')} parameters sha1 {digest}")
-    if rank == 0 and not first_step:
+    if args.events:
+        emit(f"rank {rank} host {os.environ.get('RINGREDUCE_HOST_ID', '-')} parameters sha1 {digest}")
+    if rank == 0 and not first_step and args.checkpoint:
         emit(f"saved checkpoint to {args.checkpoint}")
     # Let DDP (and the process group it holds) go now, while the interpreter is whole: its
     # reference cycles would otherwise be collected at exit, where a Gloo group's worker threads

@@ -642,3 +642,27 @@ def test_cpu_tune_table_from_bench_json(tmp_path):
     entry = json.loads(table.read_text())["entries"][0]
     assert entry["median_us"]["ring"]["4194304"] == 420.0
     assert _shm.tuned(entry["cpu_model"], entry["cores"], 2, str(table))[:2] == (0, [(4 * M, "cma")])
+
+
+def test_lab_hosts_start_quiet():
+    """Issue 73: each emulated host's torchrun gets OMP_NUM_THREADS (no banner in the middle of the
+    report) and TORCH_CPP_LOG_LEVEL=ERROR (no c10d host-name warnings from the namespaces), unless
+    the user set them; a forced transport is not passed on."""
+    from ringreduce.bench.launch import lab_env
+    env = lab_env({"RINGREDUCE_TRANSPORT": "shm", "PATH": "/bin"}, "2 hosts", 2)
+    assert int(env["OMP_NUM_THREADS"]) >= 1 and env["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    assert "RINGREDUCE_TRANSPORT" not in env and env["PATH"] == "/bin"
+    assert "2 hosts" in env.values()
+    mine = lab_env({"OMP_NUM_THREADS": "3", "TORCH_CPP_LOG_LEVEL": "INFO"}, "x", 2)
+    assert (mine["OMP_NUM_THREADS"], mine["TORCH_CPP_LOG_LEVEL"]) == ("3", "INFO")
+
+
+def test_busy_machine_flagged(monkeypatch):
+    """Issue 73: a run whose load average exceeded the cores says its rows are not to be trusted
+    (in the output and in summary.md); an idle one says nothing."""
+    monkeypatch.setattr(header, "cores", lambda: 2)
+    assert header.busy_note((0.5, 0.4, 0.3), (1.9, 1.0, 0.5)) is None
+    assert header.busy_note(None, None) is None
+    note = header.busy_note((11.75, 8.0, 4.0), (1.0, 1.0, 1.0))
+    assert "11.75 at start, 1.00 at end" in note and "2 cores" in note and "not to be trusted" in note
+    assert "0.50" not in (header.busy_note(None, (3.0, 1.0, 1.0)) or "") and "3.00" in header.busy_note(None, (3.0, 1, 1))

@@ -756,7 +756,7 @@ def test_time_sliced_ranks_are_warned():
     results = run_ranks(2, time_sliced_worker, timeout=180,
                         env={**P2P_ENV, "RINGREDUCE_CUDA_MPS": "0"})
     for rank, (algos, warned, bad, _) in enumerate(results):
-        assert set(algos.values()) <= {"oneshot", "twoshot"}, (rank, algos)
+        assert set(algos.values()) <= {"oneshot", "twoshot", "imported"}, (rank, algos)
         assert any("RINGREDUCE_CUDA_ALGO=copy" in w for w in warned), (rank, warned)
         assert not bad, f"rank {rank}: {bad} wrong elements"
     assert results[0][3] == results[1][3]
@@ -873,6 +873,63 @@ def test_shared_buffers(world):
     for rank, (failures, _) in enumerate(results):
         assert not failures, (rank, failures[:5])
     assert all(d == results[0][1] for _, d in results), "results differ between ranks"
+
+
+def imported_worker(rank, world):
+    """Ordinary tensors reduced where they lie (issue 70): calls on the same memory run in place
+    from the second on (the device reports it), every result exact; torch.cuda.empty_cache frees
+    the allocation (the caching allocator's trace tracker withdraws it first: the peers close their
+    mappings) and new memory is imported anew. Under expandable segments (no CUDA IPC handle) the
+    calls go through the workspace and a warning says why, once."""
+    import warnings
+    import ringreduce as rr
+    from ringreduce import _cuda
+    dev = setup_rank(rank)
+    failures = []
+    n = (4 << 20) + 3  # 16 MiB of float32: above auto's one-shot threshold
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm = _cuda.get_communicator(dist.group.WORLD, dev, "p2p")
+        for round_ in range(2):
+            t = torch.empty(n, device=dev)
+            for step in range(4):
+                ins = [make_input(r, n, torch.float32, dist.ReduceOp.SUM, seed=10 * round_ + step)
+                       for r in range(world)]
+                t.copy_(ins[rank].to(dev))
+                rr.all_reduce(t)
+                exp, tol = reference(ins, dist.ReduceOp.SUM)
+                if bad_count(t, exp, tol):
+                    failures.append(f"round {round_} step {step}: {bad_count(t, exp, tol)} wrong")
+            torch.cuda.synchronize()
+            rr.all_reduce(torch.ones(8, device=dev))  # learns the last calls' tags (a small call)
+            seen, in_place, mapped = comm._native.imported()
+            del t
+            torch.cuda.empty_cache()  # the segment goes: withdrawn first
+            dist.barrier()
+            after = comm._native.imported()[2]
+            failures.append(("counts", round_, seen, in_place, mapped, after))
+    finish()
+    return failures, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["caching", "expandable"])
+def test_imported_memory(expandable):
+    env = dict(P2P_ENV)
+    if expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    for rank, (out, warned) in enumerate(run_ranks(2, imported_worker, timeout=300, env=env)):
+        counts = [o for o in out if isinstance(o, tuple)]
+        assert [o for o in out if not isinstance(o, tuple)] == [], (rank, out)
+        for _, round_, seen, in_place, mapped, after in counts:
+            assert seen >= 4 * (round_ + 1) - 1, (rank, counts)
+            if expandable:
+                assert in_place == 0 and mapped == 0, (rank, counts)
+            else:
+                assert in_place >= 3 * (round_ + 1) - 1 and mapped >= 1 and after == 0, (rank, counts)
+        notes = [w for w in warned if "workspace" in w]
+        assert len(notes) == (1 if expandable else 0), (rank, warned)
+        if expandable:
+            assert "expandable segment" in notes[0], notes
 
 
 # -- CUDA graphs ---------------------------------------------------------------------------------

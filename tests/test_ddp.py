@@ -315,6 +315,24 @@ def test_overlap(world_results):
                 assert r["done_in_backward"] is True, (tag, r)
 
 
+def test_example_leaves_nothing_behind(tmp_path):
+    """Issue 73: without --checkpoint the example writes no file into the folder it runs in, and
+    prints the epoch lines, not the per-rank event lines tests parse (--events); asking for
+    periodic checkpoints without a path is refused, naming the option."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(REPO, "examples", "train_ddp.py"), "--epochs", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^epoch 1/1 +train loss", proc.stdout, re.M), proc.stdout
+    assert not re.search(r"sha1|first step|restart \d", proc.stdout), proc.stdout
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+    bad = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train_ddp.py"),
+                          "--checkpoint-every", "5"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and "--checkpoint PATH" in bad.stderr, bad.stderr
+
+
 @pytest.mark.parametrize("backend", ["default", "ringreduce"])
 def test_example_trains(tmp_path, backend):
     """Under torchrun: DDP with the ringreduce hook on Gloo, and unmodified DDP on the ringreduce

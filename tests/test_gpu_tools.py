@@ -523,3 +523,42 @@ def test_python_reads_the_vocabulary_and_defaults_from_the_native_code():
         text = path.read_text()
         assert not re.search(r"=\s*\(?torch\.float32,", text), path.name  # no dtype list spelled out
         assert not re.search(r"DEFAULT_\w+\s*=\s*\d", text), path.name    # no default spelled out
+
+
+def _load(name):
+    spec_ = importlib.util.spec_from_file_location(
+        name, pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    return mod
+
+
+def test_ddp_step_gpu_table_against_the_floor():
+    """Issue 70's GPU training-step benchmark (it needs a GPU to run): its table's ratios to the
+    noop_hook floor, paired per iteration, and the variants that could not run, with why."""
+    step = _load("ddp_step_gpu")
+    slowest = {"ringreduce": [0.011, 0.012, 0.013], "noop_hook": [0.010, 0.010, 0.010],
+               "gloo": [0.5, 0.6, 0.7]}
+    text = step.table(slowest, {"nccl": "RuntimeError: no NCCL"}, lambda n: n)
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[1:]}
+    assert rows["ringreduce"][1] == "12.00" and rows["ringreduce"][3] == "1.200x", text
+    assert rows["ringreduce"][4] == "1.200x" and rows["gloo"][3] == "60.000x", text
+    assert rows["nccl"][1:3] == ["not", "run:"] and "no NCCL" in text, text
+    with pytest.raises(SystemExit) as e:
+        step.main(["--help"])
+    assert e.value.code == 0
+
+
+def test_gpu_overlap_rows_take_the_slowest_rank():
+    ov = _load("gpu_overlap")
+    results = {("ours@24", 16 << 20): [
+        {"gemm_alone_ms": 1.0, "gemm_with_ms": 1.2, "ar_alone_us": 40.0, "ar_with_us": 55.0},
+        {"gemm_alone_ms": 1.1, "gemm_with_ms": 1.5, "ar_alone_us": 42.0, "ar_with_us": 50.0}]}
+    (row,) = ov.rows_of(results)
+    assert row["gemm_with_ms"] == 1.5 and row["ar_with_us"] == 55.0
+    assert row["slowdown"] == pytest.approx(1.5 / 1.1)
+    assert "ours@24" in ov.table([row]) and "1.364x" in ov.table([row])
+    for argv in (["--help"], ["--blocks", "8,65"]):
+        with pytest.raises(SystemExit) as e:
+            ov.main(argv)
+        assert e.value.code == (0 if argv == ["--help"] else 2)

@@ -88,7 +88,7 @@ def test_torchrun_two_simulated_nodes(tmp_path):
     for k in range(2):
         torchrun = (f'"$0" -m torch.distributed.run --nnodes=2 --node-rank={k} --nproc-per-node=2 '
                     f'--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:{port} --rdzv-id=rr-hosts '
-                    f'{repo}/examples/train_ddp.py --epochs 1 --checkpoint {tmp_path}/ck{k}.pt')
+                    f'{repo}/examples/train_ddp.py --epochs 1 --events --checkpoint {tmp_path}/ck{k}.pt')
         script = (f"mount -t tmpfs -o size=1g tmpfs /dev/shm && {torchrun} && "
                   f"echo leftover: $(ls /dev/shm)")
         env = dict(os.environ, OMP_NUM_THREADS="1", RINGREDUCE_HOST_ID=f"node{k}", RINGREDUCE_DEBUG="1",

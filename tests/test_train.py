@@ -60,7 +60,7 @@ def torchrun(workdir, args, restarts=0, monitor_interval=0.1, timeout=120):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
            f"--max-restarts={restarts}", f"--monitor-interval={monitor_interval}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-           EXAMPLE, "--checkpoint", str(workdir / "ck.pt")] + args
+           EXAMPLE, "--events", "--checkpoint", str(workdir / "ck.pt")] + args
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONFAULTHANDLER="1",
                RINGREDUCE_TRACE_DIR=str(workdir / "trace"),
                # a fresh store per attempt (see the example's docstring)
@@ -200,7 +200,7 @@ def nodes(workdir, args, nnodes="2", restarts=0, torchrun_args=(), stagger=0.0, 
         torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                     "--nproc-per-node=2", f"--max-restarts={restarts}", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=rr-train", *torchrun_args,
-                    EXAMPLE, "--checkpoint", str(workdir / "ck.pt")] + args
+                    EXAMPLE, "--events", "--checkpoint", str(workdir / "ck.pt")] + args
         script = ('mount -t tmpfs -o size=256m tmpfs /dev/shm && "$@"; rc=$?; '
                   'echo "leftover: $(ls /dev/shm)"; exit $rc')
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONFAULTHANDLER="1",

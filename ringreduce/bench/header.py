@@ -98,6 +98,21 @@ def load_line(when, load):
            f"on {cores()} cores"
 
 
+def busy_note(start, end):
+    """A note when the 1-minute load average at the start or the end of a run exceeded the cores
+    (other processes competed with the ranks for them), else None. The small sizes suffer most:
+    each call there is a few microseconds of a core, and one time slice lost to another process is
+    milliseconds."""
+    loads = [x[0] for x in (start, end) if x]
+    c = cores()
+    if not loads or max(loads) <= c:
+        return None
+    return (f"the load average ({' at start, '.join(f'{x:.2f}' for x in loads)}"
+            f"{' at end' if len(loads) == 2 else ''}) exceeded the {c} cores: other processes "
+            f"competed with the ranks, so these times (small sizes most) are not to be trusted; "
+            f"rerun on an idle machine")
+
+
 def oversubscribed(a, local_world=None):
     """A note when a run has more ranks on this host than cores, else None."""
     n = local_world if local_world is not None else max(a.nranks)

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 
@@ -279,7 +280,11 @@ def _finish(args, runs, load_start):
         report.print_vs_n(runs)
     load_end = header.load_average()
     print(header.load_line("end", load_end))
-    extra = {"load_average": {"start": load_start, "end": load_end},
+    busy = header.busy_note(load_start, load_end)
+    if busy:
+        print("\n".join(textwrap.wrap(busy, header.WIDTH, initial_indent="# note: ",
+                                       subsequent_indent="#   ", break_on_hyphens=False)))
+    extra = {"load_average": {"start": load_start, "end": load_end, "busy": busy is not None},
              "left_out": header.left_out(args),
              "legend": {b: header.legend(b) for b in args.backends}}
     if args.json:
@@ -375,12 +380,25 @@ def _child_argv(argv):
     return out
 
 
+def lab_env(environ, desc, per_host):
+    """The environment of each emulated host's torchrun: the lab's description for the report, no
+    forced transport, and quiet where nothing is wrong: torchrun's banner about OMP_NUM_THREADS
+    (set here to the cores per rank, as the bench's own ranks use them) and c10d's warnings that
+    a namespace's socket has no host name (reverse DNS inside the lab; TORCH_CPP_LOG_LEVEL=ERROR),
+    unless the caller set them."""
+    from .cli import LAB_ENV
+    env = dict(environ, **{LAB_ENV: desc})
+    env.pop("RINGREDUCE_TRANSPORT", None)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max(1, per_host))))
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return env
+
+
 def _lab_main(args, argv):
     """--link: builds the emulated hosts, measures what a socket gets across the link, and starts
     `torchrun --nnodes H --node-rank h` inside each host's namespace (its own /dev/shm) with the
     rendezvous at host 0's address; host 0's output is this run's. Everything is torn down at the
     end, on Ctrl-C and after a failure."""
-    from .cli import LAB_ENV
     from .netlab import Lab
     H, world = args.hosts, args.nranks[0]
     rate = None if args.link == "none" else args.link
@@ -388,8 +406,7 @@ def _lab_main(args, argv):
         gbps = lab.measure()
         desc = f"{lab.describe()}; one TCP stream between two hosts: {gbps:.2f} GB/s"
         print(f"# emulated hosts: {desc}", file=sys.stderr, flush=True)
-        env = dict(os.environ, **{LAB_ENV: desc})
-        env.pop("RINGREDUCE_TRANSPORT", None)
+        env = lab_env(os.environ, desc, world // H)
         logs, procs = [], []
         for h in range(H):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(H),

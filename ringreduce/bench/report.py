@@ -239,7 +239,9 @@ def markdown(doc):
             else "; no GPU") + ".",
            f"Load average (1 min): {_load1(load.get('start'))} at start, "
            f"{_load1(load.get('end'))} at end. Type {a['datatype']}, op {a['op']}, "
-           f"{a['iters']} timed iterations.", ""]
+           f"{a['iters']} timed iterations." +
+           (" **The machine was busy (load above its cores): these times are not to be trusted.**"
+            if load.get("busy") else ""), ""]
     if doc.get("legend"):
         out += ["Backends:", ""] + [f"- `{b}`: {text}" for b, text in doc["legend"].items()] + [""]
     if doc.get("left_out"):
