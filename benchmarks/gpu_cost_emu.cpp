@@ -23,7 +23,7 @@ namespace p2p = ringreduce::cuda::p2p;
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::fprintf(stderr, "usage: %s WORLD all_reduce|reduce_scatter|all_gather auto|ring|oneshot|twoshot|copy|registered|recurring BYTES...\n", argv[0]);
+    std::fprintf(stderr, "usage: %s WORLD all_reduce|reduce_scatter|all_gather auto|ring|oneshot|twoshot|copy|ll|registered|recurring BYTES...\n", argv[0]);
     return 2;
   }
   const int n = std::atoi(argv[1]);
@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   const rr::Coll coll = coll_s == "all_reduce" ? rr::Coll::AllReduce
                         : coll_s == "reduce_scatter" ? rr::Coll::ReduceScatter : rr::Coll::AllGather;
   p2p::Algo algo = p2p::Algo::Auto;
-  for (p2p::Algo a : {p2p::Algo::Ring, p2p::Algo::OneShot, p2p::Algo::TwoShot, p2p::Algo::Copy})
+  for (p2p::Algo a : {p2p::Algo::Ring, p2p::Algo::OneShot, p2p::Algo::TwoShot, p2p::Algo::Copy, p2p::Algo::LL})
     if (algo_s == p2p::algo_name(a)) algo = a;
   // registered: all_reduce of tensors in registered buffers (Endpoint::reg_alloc; Auto picks it).
   // recurring: of ordinary tensors, with the group's board of imported memory (as the torch binding

@@ -37,12 +37,12 @@ import time
 
 # registered: all_reduce of ringreduce.shared_empty tensors (ringreduce/p2p-shared; algorithm auto);
 # copy: copies and stream waits, what auto runs without MPS (RINGREDUCE_CUDA_ALGO=copy)
-ALGOS = ("auto", "ring", "oneshot", "twoshot", "registered", "copy")
+ALGOS = ("auto", "ring", "oneshot", "twoshot", "registered", "copy", "ll")
 # The peer's labels (ringreduce.bench backends) run in the same bench run as these algorithms.
 PEERS = {"auto": ("torch/symm-oneshot", "torch/symm-twoshot"),
          "registered": ("torch/symm-oneshot-sym", "torch/symm-twoshot-sym")}
 # Runs with the peer first: a lease cut short keeps the comparison the targets need.
-DEFAULT_ORDER = ("auto", "registered", "ring", "oneshot", "twoshot", "copy")
+DEFAULT_ORDER = ("auto", "registered", "ring", "oneshot", "twoshot", "copy", "ll")
 # An algorithm may name the workspace's most blocks: "twoshot@64" runs twoshot with
 # RINGREDUCE_CUDA_SYM_BLOCKS=64 (no peer beside it); gpu_tune.py --from compares it with "twoshot".
 

@@ -17,7 +17,7 @@ target_link_libraries(nccl_standin PRIVATE cuda_emu)
 target_compile_options(nccl_standin PRIVATE -Wall -Wextra)
 
 add_library(ringreduce_cuda_emu STATIC tests/native/emu/kernels/reduce.cpp
-            tests/native/emu/kernels/p2p_kernel.cpp tests/native/emu/kernels/sym_kernel.cpp tests/native/emu/kernels/sym_wire.cpp csrc/cuda/p2p/endpoint.cpp csrc/cuda/p2p/imports.cpp csrc/cuda/p2p/diagnose.cpp csrc/cuda/p2p/copy.cpp csrc/cuda/p2p/plan.cpp csrc/cuda/nccl/endpoint.cpp csrc/cuda/call_log.cpp csrc/cuda/host.cpp)
+            tests/native/emu/kernels/p2p_kernel.cpp tests/native/emu/kernels/sym_kernel.cpp tests/native/emu/kernels/sym_wire.cpp tests/native/emu/kernels/ll_kernel.cpp csrc/cuda/p2p/endpoint.cpp csrc/cuda/p2p/imports.cpp csrc/cuda/p2p/diagnose.cpp csrc/cuda/p2p/copy.cpp csrc/cuda/p2p/plan.cpp csrc/cuda/nccl/endpoint.cpp csrc/cuda/call_log.cpp csrc/cuda/host.cpp)
 target_link_libraries(ringreduce_cuda_emu PUBLIC ringreduce_core cuda_emu ${CMAKE_DL_LIBS})
 target_compile_options(ringreduce_cuda_emu PRIVATE -Wall -Wextra -O2)
 
@@ -33,7 +33,7 @@ endforeach()
 
 # The weak memory mode (tests/native/emu/weak.cpp) on each p2p algorithm, 3 seeds, worlds 2-3:
 # about 2 s on the 2-core CI machine.
-add_test(NAME test_cuda_kernels_emu_weak COMMAND test_cuda_kernels_emu weak_ring weak_oneshot weak_twoshot weak_registered weak_copy weak_imported weak_wire)
+add_test(NAME test_cuda_kernels_emu_weak COMMAND test_cuda_kernels_emu weak_ring weak_oneshot weak_twoshot weak_registered weak_copy weak_imported weak_ll weak_wire)
 set_tests_properties(test_cuda_kernels_emu_weak PROPERTIES TIMEOUT 300)
 
 # The cost report of the p2p algorithms on the emulated device (benchmarks/gpu_cost.py runs it).

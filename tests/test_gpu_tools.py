@@ -279,7 +279,13 @@ def test_copy_knob_checked(monkeypatch):
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", "copy")
     monkeypatch.setenv("RINGREDUCE_CUDA_COPY_BYTES", "4096")
     k = p2p_knobs()
-    assert k["algo"] == "copy" and k["copy_bytes"] == 4096 and k["config"].endswith("/4096/measured")
+    assert k["algo"] == "copy" and k["copy_bytes"] == 4096 and k["config"].endswith("/4096/measured/1")
+    monkeypatch.setenv("RINGREDUCE_CUDA_IMPORT", "off")
+    assert p2p_knobs()["imports"] == 0 and p2p_knobs()["config"].endswith("/0")
+    monkeypatch.setenv("RINGREDUCE_CUDA_IMPORT", "maybe")
+    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_IMPORT must be 1/true/yes/on"):
+        p2p_knobs()
+    monkeypatch.delenv("RINGREDUCE_CUDA_IMPORT")
     monkeypatch.setenv("RINGREDUCE_CUDA_COPY_BYTES", "100")
     with pytest.raises(ValueError, match="RINGREDUCE_CUDA_COPY_BYTES must be a positive multiple of 16"):
         p2p_knobs()
@@ -330,19 +336,19 @@ def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
     from ringreduce._cuda.policy import p2p_knobs
     for name in ("RINGREDUCE_CUDA_CHANNELS", "RINGREDUCE_CUDA_SLICE_BYTES", "RINGREDUCE_CUDA_CHUNK_BYTES",
                  "RINGREDUCE_CUDA_ALGO", "RINGREDUCE_CUDA_MAX_BLOCKS", "RINGREDUCE_CUDA_COPY_BYTES",
-                 "RINGREDUCE_CUDA_SYM_BLOCKS"):
+                 "RINGREDUCE_CUDA_SYM_BLOCKS", "RINGREDUCE_CUDA_IMPORT"):
         monkeypatch.delenv(name, raising=False)
     k = p2p_knobs()
     assert (k["chunk_bytes"], k["blocks_cap"], k["algo"]) == (16 << 20, 0, "auto")
     # Blocks unset: the measured table's for the device, else the default (the ranks compare that).
-    assert k["config"] == "16/524288/16777216/auto/0/8388608/measured" and k["sym_blocks_set"] is None
+    assert k["config"] == "16/524288/16777216/auto/0/8388608/measured/1" and k["sym_blocks_set"] is None
     monkeypatch.setenv("RINGREDUCE_CUDA_CHUNK_BYTES", "4096")
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", " OneShot ")
-    assert p2p_knobs()["config"] == "16/524288/4096/oneshot/0/8388608/measured"
+    assert p2p_knobs()["config"] == "16/524288/4096/oneshot/0/8388608/measured/1"
     monkeypatch.setenv("RINGREDUCE_CUDA_SYM_BLOCKS", "24")  # set: not the table's, even at the default
-    assert p2p_knobs()["config"].endswith("/24") and p2p_knobs()["sym_blocks_set"] == 24
+    assert p2p_knobs()["config"].endswith("/24/1") and p2p_knobs()["sym_blocks_set"] == 24
     monkeypatch.setenv("RINGREDUCE_CUDA_SYM_BLOCKS", "64")
-    assert p2p_knobs()["config"].endswith("/64")
+    assert p2p_knobs()["config"].endswith("/64/1")
     for value in ("0", "65", "-1"):
         monkeypatch.setenv("RINGREDUCE_CUDA_SYM_BLOCKS", value)
         with pytest.raises(ValueError, match=f"RINGREDUCE_CUDA_SYM_BLOCKS must be 1..64 .*got {value}"):

@@ -159,9 +159,10 @@ void register_cuda(py::module_& m) {
                     : algo == "oneshot" ? rr::Algo::OneShot
                     : algo == "twoshot" ? rr::Algo::TwoShot
                     : algo == "copy"    ? rr::Algo::Copy
+                    : algo == "ll"      ? rr::Algo::LL
                                         : rr::Algo(255);
            TORCH_CHECK_VALUE(o.algo != rr::Algo(255), "ringreduce: RINGREDUCE_CUDA_ALGO must be one "
-                             "of auto, ring, oneshot, twoshot, copy; got '", algo, "'");
+                             "of auto, ring, oneshot, twoshot, copy, ll; got '", algo, "'");
            return std::make_unique<CudaComm>(std::make_unique<rc::p2p::Endpoint>(o));
          },
          py::arg("device"), py::arg("rank"), py::arg("nranks"), py::arg("channels"),

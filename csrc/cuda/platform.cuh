@@ -73,6 +73,18 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
 }
 // A GPU thread spinning alone costs nothing to its neighbours' progress.
 __device__ __forceinline__ void spin_hint() {}
+// LL words (p2p/ll_kernel.cu): 8 bytes, a data word and its flag, stored and loaded whole (an
+// aligned 8-byte access is single-copy atomic), volatile: never from a stale L1 line.
+__device__ __forceinline__ void st_ll(uint64_t* p, uint64_t v) {
+  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_ll(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+// The emulator's cost model counts an LL word's bytes once, when its flag matched; nothing here.
+__device__ __forceinline__ void ll_arrived(const void*) {}
 
 #else
 
@@ -126,6 +138,19 @@ inline uint64_t globaltimer_ns() {
 }
 // Fibers of a block share an OS thread and blocks share 2 cores: a spinning thread lets them run.
 inline void spin_hint() { ::emu::spin_hint(); }
+// LL words: the store goes through the weak memory mode as data does (late, in any order with
+// other stores, but whole: weak.cpp lands an aligned 8-byte part of a granule in one store); the
+// load reads memory (volatile), never the weak mode's stale copy. The happens-before check does
+// not track them: a word whose flag matches is its own proof of arrival.
+inline void st_ll(uint64_t* p, uint64_t v) {
+  if (::emu::cost_enabled.load(std::memory_order_relaxed)) ::emu::cost_access(p, 8, true);
+  if (::emu::weak()) return ::emu::weak_store(p, &v, 8);
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+}
+inline uint64_t ld_ll(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void ll_arrived(const void* p) {
+  if (::emu::cost_enabled.load(std::memory_order_relaxed)) ::emu::cost_access(p, 8, false);
+}
 
 #endif
 

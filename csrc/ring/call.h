@@ -26,15 +26,15 @@ inline const char* coll_name(Coll c) {
 }
 
 // Which algorithm a call runs; each transport runs a subset (shm: ring, oneshot, twoshot, cma,
-// pool, wire; p2p: ring, oneshot, twoshot, registered, copy, imported; nccl: ring, oneshot,
+// pool, wire; p2p: ring, oneshot, twoshot, registered, copy, imported, ll; nccl: ring, oneshot,
 // twoshot). Values are part of the message headers.
 enum class Algo : uint8_t {
-  Auto = 0, Ring, OneShot, TwoShot, Cma, Pool, Wire, Registered, Copy, Imported, kCount
+  Auto = 0, Ring, OneShot, TwoShot, Cma, Pool, Wire, Registered, Copy, Imported, LL, kCount
 };
 
 inline const char* algo_name(Algo a) {
   static const char* const names[] = {"auto", "ring", "oneshot", "twoshot", "cma",
-                                      "pool", "wire", "registered", "copy", "imported"};
+                                      "pool", "wire", "registered", "copy", "imported", "ll"};
   return a < Algo::kCount ? names[static_cast<int>(a)] : "unknown";
 }
 

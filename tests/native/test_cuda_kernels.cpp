@@ -519,7 +519,7 @@ static void test_emulated_hardware_queues() {
 // Auto's one-shot threshold goes to 0 (tuned: never), so that every size runs the registered kernel.
 static std::vector<char*> register_all(Group& g, size_t bytes) {
   const int n = static_cast<int>(g.rings.size());
-  for (auto& ring : g.rings) ring->set_threshold(0);
+  for (auto& ring : g.rings) ring->set_threshold(0), ring->set_ll_max(0);
   std::vector<std::string> handles(n);
   std::vector<const rc::p2p::Endpoint*> all;
   int id = -1;
@@ -637,6 +637,92 @@ static void test_registered_release() {
          rc::p2p::Endpoint::kept_bytes() - kept);
 }
 
+// The LL one-shot (ll_kernel.cu): auto's choice up to its reach, every dtype and op, worlds 2-8
+// (ranks beyond the 4 emulated devices share them), odd sizes and unaligned tensors (one element
+// in: the byte-wise paths), exact; the last size past its reach runs one-shot.
+static void test_ll() {
+  using rc::p2p::Algo;
+  int cases = 0;
+  const auto t0 = Clock::now();
+  for (int n : {2, 3, 5, 8}) {
+    Group g(n, rc::p2p::kDefaultChannels, rc::p2p::kDefaultSliceBytes, 20.0);
+    const size_t limit = rc::p2p::ll_max_bytes(n);
+    for (rr::DType t : kDtypes) {
+      const int64_t es = static_cast<int64_t>(rr::dtype_size(t)), most = static_cast<int64_t>(limit) / es;
+      for (rr::RedOp op : kOps)
+        for (int64_t numel : {int64_t{1}, int64_t{n + 1}, int64_t{4099}, most}) {
+          char what[64];
+          std::snprintf(what, sizeof what, "ll n=%d", n);
+          check_collective(g.ranks, rr::Coll::AllReduce, t, op, numel, true, what, numel % 2);
+          ++cases;
+        }
+      const rr::Call at{rr::Coll::AllReduce, t, rr::RedOp::Sum, most, nullptr, nullptr};
+      const rr::Call past{rr::Coll::AllReduce, t, rr::RedOp::Sum, most + 1, nullptr, nullptr};
+      EXPECT(g.rings[0]->plan_of(at).algo == Algo::LL && g.rings[0]->plan_of(past).algo == Algo::OneShot,
+             "n=%d %s: %lld elements ran %s, one more %s", n, rr::dtype_name(t), (long long)most,
+             rc::p2p::algo_name(g.rings[0]->plan_of(at).algo), rc::p2p::algo_name(g.rings[0]->plan_of(past).algo));
+      if (g_failures) return;
+    }
+  }
+  std::printf("ll: %d cases (%.1f s)\n", cases, seconds_since(t0));
+}
+
+// A rank whose call is one element past the LL's reach runs one-shot while its peers run LL: the
+// one-shot rank finds their headers at its barrier (the LL kernel writes them there too) and the
+// LL ranks find its header in their barrier words: every rank stops over the mismatch (those the
+// abort reaches first say which rank saw it), and the calls are named.
+static void test_ll_mismatch_with_the_workspace() {
+  for (int n : {2, 3}) {
+    Group g(n, 2, 4096, 10.0);
+    const int64_t most = static_cast<int64_t>(rc::p2p::ll_max_bytes(n)) / 4;
+    DevBuf buf((most + 1) * 4);
+    for (int r = 0; r < n; ++r) g.rings[r]->run(g.call(r == 1 ? most + 1 : most, buf), g.ranks[r].stream);
+    sync_all(g);
+    int named = 0;
+    for (int r = 0; r < n; ++r) {
+      const std::string f = g.rings[r]->failure();
+      EXPECT(contains(f, "mismatched collective calls"), "n=%d rank %d: '%s'", n, r, f.c_str());
+      named += contains(f, "numel=" + std::to_string(most)) && contains(f, "numel=" + std::to_string(most + 1));
+    }
+    EXPECT(named >= 1, "n=%d: no rank named both calls; rank 0 says: %s", n, g.rings[0]->failure().c_str());
+    std::printf("ll beside one-shot (n=%d): rank 0 says: %s\n", n, g.rings[0]->failure().c_str());
+  }
+}
+
+// LL calls back to back, no synchronisation between them: a rank runs ahead into the next call
+// (the other parity) while its peers still read this one; x <- sum over ranks of x, 25 times.
+static void ll_back_to_back(int n, int64_t numel, int calls) {
+  Group g(n, 2, 4096, 20.0);
+  std::vector<std::unique_ptr<DevBuf>> x;
+  const std::vector<int64_t> ones(numel, 1);
+  for (int r = 0; r < n; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
+    x.push_back(std::make_unique<DevBuf>(numel * 8));
+    RR_CUDA_CHECK(cudaMemcpyAsync(x[r]->p, ones.data(), numel * 8, cudaMemcpyHostToDevice, g.ranks[r].stream));
+    RR_CUDA_CHECK(cudaStreamSynchronize(g.ranks[r].stream));
+  }
+  for (int k = 0; k < calls; ++k)
+    for (int r = 0; r < n; ++r) {
+      RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
+      g.rings[r]->run({rr::Coll::AllReduce, rr::DType::I64, rr::RedOp::Sum, numel, x[r]->p, x[r]->p}, g.ranks[r].stream);
+    }
+  sync_all(g);
+  int64_t want = 1;
+  for (int k = 0; k < calls; ++k) want *= n;
+  for (int r = 0; r < n; ++r) {
+    EXPECT(g.rings[r]->failure().empty(), "rank %d: %s", r, g.rings[r]->failure().c_str());
+    std::vector<int64_t> got(numel);
+    RR_CUDA_CHECK(cudaMemcpy(got.data(), x[r]->p, numel * 8, cudaMemcpyDeviceToHost));
+    int64_t bad = 0;
+    for (int64_t v : got) bad += v != want;
+    EXPECT(bad == 0, "n=%d rank %d: %lld of %lld elements are not %lld after %d calls (first %lld)", n, r,
+           (long long)bad, (long long)numel, (long long)want, calls, (long long)got[0]);
+  }
+}
+static void test_ll_back_to_back() {
+  for (int n : {2, 3, 4}) ll_back_to_back(n, 1000, 25);
+}
+
 // The group's board for imported memory (Endpoint::board_attach): rank 0 makes it, the others
 // map it, then the name goes.
 static void attach_boards(Group& g) {
@@ -664,7 +750,7 @@ static void test_imported() {
       other.push_back(std::make_unique<DevBuf>(1 << 20));
     }
     Group g(n, 2, 4096, 20.0);
-    for (auto& ring : g.rings) ring->set_threshold(0);
+    for (auto& ring : g.rings) ring->set_threshold(0), ring->set_ll_max(0);
     attach_boards(g);
     std::vector<char*> at(n), moved(n);
     for (int r = 0; r < n; ++r) at[r] = mem[r]->p + 4096 * (r + 1);
@@ -797,6 +883,9 @@ static void test_readme_table() {
     return rc::p2p::Endpoint(o).area_bytes();
   };
   const std::vector<std::string> want_direct = {
+      "the LL one-shot (flag-carrying words, no barrier) up to " + size_text(rc::p2p::ll_max_bytes(2)) +
+          " at world 2 (" + size_text(rc::p2p::ll_max_bytes(4)) + " at 4, " + size_text(rc::p2p::ll_max_bytes(8)) +
+          " at 8)",
       "one-shot up to " + size_text(rc::p2p::oneshot_max_bytes(2)) + " at world 2 (" +
           size_text(rc::p2p::oneshot_max_bytes(4)) + " at 4, " + size_text(rc::p2p::oneshot_max_bytes(8)) + " at 8)",
       "(" + size_text(area(true)) + " per rank",
@@ -889,7 +978,7 @@ static void test_result_in_stream_order(bool imported) {
     Group g(n, rc::p2p::kDefaultChannels, rc::p2p::kDefaultSliceBytes, 20.0);
     std::vector<char*> at(n);
     if (imported) {
-      for (auto& ring : g.rings) ring->set_threshold(0);
+      for (auto& ring : g.rings) ring->set_threshold(0), ring->set_ll_max(0);
       attach_boards(g);
       for (int r = 0; r < n; ++r) at[r] = mem[r]->p;
     } else {
@@ -933,7 +1022,8 @@ static void sync_all(Group& g) {
 }
 
 
-const rc::p2p::Algo kAlgos[] = {rc::p2p::Algo::Ring, rc::p2p::Algo::OneShot, rc::p2p::Algo::TwoShot};
+const rc::p2p::Algo kAlgos[] = {rc::p2p::Algo::Ring, rc::p2p::Algo::OneShot, rc::p2p::Algo::TwoShot,
+                                 rc::p2p::Algo::LL};
 
 // Rank n-1 never calls: the others stop within the timeout, saying why; the ring stays broken.
 // On each algorithm.
@@ -1346,7 +1436,7 @@ static void weak_imported() {
         at[r] = mem[r]->p + 256 * r;
       }
       Group g(n, 2, 64, 20.0, rc::p2p::Algo::Auto, true, 64);
-      for (auto& ring : g.rings) ring->set_threshold(0);
+      for (auto& ring : g.rings) ring->set_threshold(0), ring->set_ll_max(0);
       attach_boards(g);
       char what[96];
       std::snprintf(what, sizeof what, "weak seed=%llu p2p n=%d imported", (unsigned long long)seed, n);
@@ -1478,7 +1568,9 @@ static void test_deterministic() {
           const rc::p2p::Plan p = g.rings[0]->plan_of({rr::Coll::AllReduce, rr::DType::F32,
                                                        rr::RedOp::Sum, numel, nullptr, nullptr});
           const bool small = static_cast<size_t>(numel) * 4 <= rc::p2p::oneshot_max_bytes(n);
+          const bool ll = static_cast<size_t>(numel) * 4 <= rc::p2p::ll_max_bytes(n);
           const Algo want = algo == Algo::Copy ? Algo::Copy
+                            : (algo == Algo::Auto || algo == Algo::Ring) && ll ? Algo::LL
                             : algo == Algo::OneShot || (algo != Algo::TwoShot && small) ? Algo::OneShot
                                                                                         : Algo::TwoShot;
           EXPECT(p.algo == want, "%s: all_reduce of %lld floats planned %s", what, (long long)numel,
@@ -1525,6 +1617,11 @@ static void test_tuned_thresholds() {
     return rc::p2p::plan({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, bytes / 4, nullptr,
                           nullptr}, o, true).algo;
   };
+  // The LL one-shot first, up to its reach; then (LL off: Options::ll_max 0) one-shot's threshold.
+  const int64_t ll = static_cast<int64_t>(rc::p2p::ll_max_bytes(2));
+  EXPECT(algo_of(4096) == Algo::LL && algo_of(ll) == Algo::LL && algo_of(ll + 4) == Algo::OneShot,
+         "model, world 2: LL up to %lld B, then one-shot", (long long)ll);
+  o.ll_max = 0;
   EXPECT(algo_of(4096) == Algo::OneShot, "model, world 2: one-shot at 4 KiB");
   EXPECT(algo_of(int64_t{1} << 30) == Algo::TwoShot, "model, world 2: two-shot at 1 GiB");
   o.tuned = true;
@@ -1658,8 +1755,10 @@ static void test_deterministic_plan() {
       for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{4096}, big}) {
         const Algo ar = algo_of(Coll::AllReduce, numel, true), rs = algo_of(Coll::ReduceScatter, numel, true);
         const bool small = static_cast<size_t>(numel) * 4 <= rc::p2p::oneshot_max_bytes(8);
-        const Algo want = forced == Algo::OneShot || (forced != Algo::TwoShot && small) ? Algo::OneShot
-                                                                                        : Algo::TwoShot;
+        const bool ll = numel > 0 && static_cast<size_t>(numel) * 4 <= rc::p2p::ll_max_bytes(8);
+        const Algo want = (forced == Algo::Auto || forced == Algo::Ring) && ll ? Algo::LL
+                          : forced == Algo::OneShot || (forced != Algo::TwoShot && small) ? Algo::OneShot
+                                                                                          : Algo::TwoShot;
         EXPECT(ar == want, "deterministic all_reduce of %lld floats, %s forced: %s, want %s",
                (long long)numel, rc::p2p::algo_name(forced), rc::p2p::algo_name(ar), rc::p2p::algo_name(want));
         EXPECT(rs == Algo::TwoShot, "deterministic reduce_scatter, %s forced: %s", rc::p2p::algo_name(forced),
@@ -1944,6 +2043,9 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_imported_result_in_stream_order", [&] { test_result_in_stream_order(true); });
     run_test(argc, argv, "test_registered_release", [&] { test_registered_release(); });
     run_test(argc, argv, "test_imported", [&] { test_imported(); });
+    run_test(argc, argv, "test_ll", [&] { test_ll(); });
+    run_test(argc, argv, "test_ll_back_to_back", [&] { test_ll_back_to_back(); });
+    run_test(argc, argv, "test_ll_mismatch_with_the_workspace", [&] { test_ll_mismatch_with_the_workspace(); });
     run_test(argc, argv, "test_pinned_release_counted_once", [&] { test_pinned_release_counted_once(); });
 #ifdef RINGREDUCE_EMU
     run_test(argc, argv, "test_close_frees_nothing_mapped", [&] { test_close_frees_nothing_mapped(); });
@@ -1986,6 +2088,13 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "weak_registered", [&] { weak_sweep(rc::p2p::Algo::Auto, true); });
     run_test(argc, argv, "weak_copy", [&] { weak_sweep(rc::p2p::Algo::Copy); });
     run_test(argc, argv, "weak_imported", [&] { weak_imported(); });
+    run_test(argc, argv, "weak_ll", [&] {
+      weak_sweep(rc::p2p::Algo::LL);
+      for (uint64_t seed : {1, 2, 3}) {  // ahead into the other parity while peers read
+        WeakScope weak(seed);
+        ll_back_to_back(3, 300, 12);
+      }
+    });
     run_test(argc, argv, "weak_wire", [&] { weak_wire(); });
 #endif
   } catch (const std::exception& e) {

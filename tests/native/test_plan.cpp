@@ -36,7 +36,12 @@ void test_invariants() {
           const int cap = max_blocks > 0 ? max_blocks : kMaxBlocks;
           CHECK(p.blocks >= 1 && p.blocks <= cap && p.blocks <= o.sym_blocks, "n=%d numel=%lld blocks=%d",
                 n, (long long)numel, p.blocks);
-          CHECK(p.algo == rr::Algo::OneShot || p.algo == rr::Algo::TwoShot, "auto ran %s", rr::algo_name(p.algo));
+          CHECK(p.algo == rr::Algo::OneShot || p.algo == rr::Algo::TwoShot || p.algo == rr::Algo::LL,
+                "auto ran %s", rr::algo_name(p.algo));
+          // the LL one-shot: all_reduce up to its reach, one piece of the whole tensor
+          CHECK((p.algo == rr::Algo::LL) == (coll == rr::Coll::AllReduce && numel * 4 <= static_cast<int64_t>(ll_max_bytes(n))),
+                "n=%d %s numel=%lld ran %s (LL reach %zu B)", n, rr::coll_name(coll), (long long)numel,
+                rr::algo_name(p.algo), ll_max_bytes(n));
           const int64_t span = coll == rr::Coll::AllReduce ? numel : numel / n;
           CHECK(p.slice_elems * p.steps >= span && (p.steps - 1) * p.slice_elems < span,
                 "n=%d numel=%lld: %lld pieces of %lld do not cover %lld once", n, (long long)numel,
@@ -60,6 +65,11 @@ void test_auto_threshold_and_forced() {
   CHECK(oneshot_max_bytes(2) == size_t{1} << 20, "world 2 threshold %zu", oneshot_max_bytes(2));
   for (int n = 3; n <= 16; ++n)
     CHECK(oneshot_max_bytes(n) <= oneshot_max_bytes(n - 1), "threshold grows from %d to %d", n - 1, n);
+  CHECK(plan(call(rr::Coll::AllReduce, 1024), o, true).algo == rr::Algo::LL, "4 KiB not LL");
+  for (int n = 2; n <= 16; ++n)
+    CHECK(ll_max_bytes(n) >= 4096 && ll_max_bytes(n) % 16 == 0 && ll_max_bytes(n) <= ll_max_bytes(2),
+          "LL reach %zu at world %d", ll_max_bytes(n), n);
+  o.ll_max = 0;  // LL off: one-shot's threshold
   CHECK(plan(call(rr::Coll::AllReduce, 1024), o, true).algo == rr::Algo::OneShot, "4 KiB not one-shot");
   CHECK(plan(call(rr::Coll::AllReduce, 1024), o, true).blocks == 1, "4 KiB on more than one block");
   CHECK(plan(call(rr::Coll::AllReduce, 1 << 22), o, true).algo == rr::Algo::TwoShot, "16 MiB not two-shot");

@@ -14,6 +14,13 @@ namespace {
 // hundred spins; these checks read local and host-mapped memory).
 constexpr uint32_t kPollsPerCheck = 64;
 
+enum Barrier : int { kStart = 0, kMiddle = 1, kEnd = 2 };
+// The value a block's barrier b of piece `epoch` writes into its peers' arrived words: increasing
+// through a block's pieces and barriers, call after call, so a poll compares with >= and a peer
+// already one barrier further passes it too. (The LL one-shot writes its start value too, so that
+// a peer in a barrier of the same epoch finds its header: ll_kernel.cu.)
+__device__ __forceinline__ uint64_t barrier_value(uint64_t epoch, int b) { return epoch * 4 + b + 1; }
+
 // Where a block is in the schedule (for error records).
 struct Where {
   int phase, step;
@@ -35,13 +42,13 @@ __device__ MsgHeader my_header(const KernelBase& a, uint64_t nbytes, uint32_t in
 
 // Headers move as two 16-byte words through L2, like the data (the emulator counts them as data).
 static_assert(sizeof(MsgHeader) == 32, "MsgHeader is two 16-byte words");
-__device__ void put_header(MsgHeader* dst, const MsgHeader& h) {
+__device__ inline void put_header(MsgHeader* dst, const MsgHeader& h) {
   uint4 w[2];
   __builtin_memcpy(w, &h, sizeof h);
   __stcg(reinterpret_cast<uint4*>(dst), w[0]);
   __stcg(reinterpret_cast<uint4*>(dst) + 1, w[1]);
 }
-__device__ MsgHeader get_header(const MsgHeader* src) {
+__device__ inline MsgHeader get_header(const MsgHeader* src) {
   uint4 w[2];
   w[0] = __ldcg(reinterpret_cast<const uint4*>(src));
   w[1] = __ldcg(reinterpret_cast<const uint4*>(src) + 1);
@@ -131,6 +138,15 @@ __device__ bool broken_at_start(const KernelBase& a, const uint64_t* epoch = nul
   }
   __syncthreads();
   return s_broken != 0;
+}
+
+// At a kernel's end: this rank's epochs, every block's entry (the next call may run another
+// number of blocks), all equal, and every rank ends a call at the same epoch (a stopped call
+// leaves the group broken).
+__device__ inline void end_epochs(const SymArgs& a, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int k = blockIdx.x; k < kMaxSymBlocks; k += gridDim.x) a.self->sym[k].epoch.value = epoch;
 }
 
 }  // namespace

@@ -66,8 +66,18 @@ size_t Endpoint::copy_bytes() const {
              : 0;
 }
 
+size_t Endpoint::ll_slot_bytes() const {
+  // The LL slots (ll_kernel.cu): a header and ll_limit() bytes of data, 8 bytes a 4-byte word;
+  // sized at construction (set_ll_max may lower the reach later, not the slots).
+  if (ll_slot_fixed_ != kNoSlot) return ll_slot_fixed_;
+  const size_t limit = ll_limit(opt_);
+  return opt_.nranks > 1 && opt_.direct && opt_.nranks <= kMaxPeers && limit > 0
+             ? round_up((kLLHeaderWords + (limit + 3) / 4) * 8, 256)
+             : 0;
+}
+
 size_t Endpoint::area_bytes() const {
-  return opt_.nranks > 1 ? copy_offset() + copy_bytes() : 0;
+  return opt_.nranks > 1 ? ll_offset() + ll_bytes() : 0;
 }
 
 Endpoint::Endpoint(const Options& opt) : opt_(opt) {
@@ -113,8 +123,10 @@ Endpoint::Endpoint(const Options& opt) : opt_(opt) {
     RR_CUDA_CHECK(cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocPortable));
     abort_src_ = static_cast<uint32_t*>(p);
     *abort_src_ = 0;
-    // Counters, flags and abort word start at zero; data needs no initialisation.
+    // Counters, flags and abort word start at zero, and so do the LL words (their flags: no
+    // epoch is 0); data needs no initialisation.
     if (area_) RR_CUDA_CHECK(cudaMemsetAsync(area_, 0, data_offset(), side_));
+    if (area_ && ll_bytes()) RR_CUDA_CHECK(cudaMemsetAsync(area_ + ll_offset(), 0, ll_bytes(), side_));
     RR_CUDA_CHECK(cudaStreamSynchronize(side_));
     if (copies())
       copy_watch_ = std::make_unique<runtime::Ticker>(std::chrono::milliseconds(50), [this] { copy_tick(); });
@@ -174,6 +186,16 @@ void Endpoint::connect(const std::vector<std::string>& handles) {
     peers_[q] = static_cast<char*>(p);
   }
   direct_ = all;
+}
+
+void Endpoint::set_ll_max(size_t bytes) {
+  // The slots were sized for the reach at construction; a smaller one fits them.
+  const size_t cap = ll_slot_bytes() ? (ll_slot_bytes() / 8 - kLLHeaderWords) * 4 : 0;
+  if (bytes > cap)
+    throw std::invalid_argument("ringreduce: p2p LL reach " + std::to_string(bytes) + " B is more than its " +
+                                "buffers hold (" + std::to_string(cap) + " B)");
+  ll_slot_fixed_ = ll_slot_bytes();
+  opt_.ll_max = static_cast<int64_t>(bytes);
 }
 
 void Endpoint::set_sym_blocks(int blocks) {
@@ -468,6 +490,8 @@ SymArgs Endpoint::sym_args(const Call& c, const Plan& p) const {
   a.pieces = p.steps;
   if (c.wire != Wire::None)
     a.wire_span = workspace_wire_bytes(wire_scaled(c.wire), wire_elem_bytes(c.wire), p.slice_elems / kWireBlock);
+  a.ll_at = ll_offset();
+  a.ll_slot = ll_slot_bytes();
   const int n = opt_.nranks;
   if (p.algo == Algo::Registered) {
     std::lock_guard<std::mutex> lk(reg_mu_);

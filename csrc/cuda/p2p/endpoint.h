@@ -139,6 +139,9 @@ class Endpoint : public runtime::Transport {
     opt_.tuned = true;
     opt_.oneshot_max = oneshot_max;
   }
+  // The LL one-shot's reach (Options::ll_max): at most what its buffers hold (the reach made at
+  // construction); 0 turns it off. The same on every rank, before the first call.
+  void set_ll_max(size_t bytes);
   // A workspace call's most blocks (Options::sym_blocks), measured for this device (the binding
   // reads ringreduce/gpu_tuning.json); the same on every rank, before the first call.
   void set_sym_blocks(int blocks);
@@ -218,6 +221,9 @@ class Endpoint : public runtime::Transport {
   size_t ws_offset() const { return data_offset() + fifo_bytes(); }
   size_t copy_bytes() const;  // the inbox: kCopyDepth x nranks slots; 0 without the copy algorithm
   size_t copy_offset() const { return ws_offset() + 2 * ws_half_bytes(); }
+  size_t ll_slot_bytes() const;  // one LL slot; 0 without the LL one-shot
+  size_t ll_offset() const { return copy_offset() + copy_bytes(); }
+  size_t ll_bytes() const { return 2 * static_cast<size_t>(opt_.nranks) * ll_slot_bytes(); }
 
   // Imported (imports.cpp): this call's tag, prediction hash and the peers' memory into imp_;
   // learn: the tags the device saw of earlier calls; reap: closes what peers withdrew.
@@ -239,6 +245,8 @@ class Endpoint : public runtime::Transport {
   void release_copy_waits_locked(uint32_t word);
 
   Options opt_;
+  static constexpr size_t kNoSlot = ~size_t{0};
+  size_t ll_slot_fixed_ = kNoSlot;  // the LL slot size once set_ll_max changed the reach
   int device_ = 0;
   int up_ = 0, down_ = 0;
   Call planned_call_{};   // plan()'s call and its plan, for the run() that follows

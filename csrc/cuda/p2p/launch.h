@@ -8,9 +8,11 @@ namespace ringreduce::cuda::p2p {
 
 // Launches the ring kernel with a.blocks blocks; torch-free (csrc/cuda/p2p/ring_kernel.cu).
 void launch(const Args& a, cudaStream_t stream);
-// Launches the symmetric workspace kernel of a.algo (OneShot, TwoShot, Registered); torch-free
-// (csrc/cuda/p2p/sym_kernel.cu).
+// Launches the symmetric workspace kernel of a.algo (OneShot, TwoShot, Registered, Imported; LL:
+// launch_ll); torch-free (csrc/cuda/p2p/sym_kernel.cu).
 void launch_sym(const SymArgs& a, cudaStream_t stream);
+// The LL one-shot (a.algo LL; csrc/cuda/p2p/ll_kernel.cu): no barrier, flag-carrying words.
+void launch_ll(const SymArgs& a, cudaStream_t stream);
 // The narrow wire (a.wire set): the symmetric workspace kernel that rounds every rank's input
 // onto the wire and folds in fp32 (csrc/cuda/p2p/sym_wire.cu); launch_sym calls it. At world 1 no
 // workspace: launch_wire_local rounds the tensor as a group of one would (all_reduce twice,

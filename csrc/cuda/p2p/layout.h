@@ -39,6 +39,15 @@ constexpr int kMaxPeers = 16;
 constexpr int kMaxSymBlocks = 64;
 constexpr int kDefaultSymBlocks = 24;
 constexpr size_t kSymBytesPerBlock = 32 << 10;
+// The LL one-shot (ll_kernel.cu): a block per this many bytes of the tensor (16 per thread).
+constexpr size_t kLLBytesPerBlock = 8 << 10;
+// An LL slot: the call's header (a MsgHeader, 8 data words), then the data, each 4-byte data word
+// stored whole with the call's epoch beside it (one 8-byte word: single-copy atomic on the GPU),
+// so that the word itself says it arrived. Two slots per source, by epoch parity.
+constexpr int kLLHeaderWords = 8;
+RR_HOST_DEVICE inline uint64_t ll_word(uint32_t data, uint32_t flag) {
+  return static_cast<uint64_t>(data) | static_cast<uint64_t>(flag) << 32;
+}
 // The most blocks of any kernel (one error record each).
 constexpr int kMaxBlocks = kMaxChannels > kMaxSymBlocks ? kMaxChannels : kMaxSymBlocks;
 // The workspace: two halves of this many bytes per rank (plus alignment slack), pieces of a call
@@ -251,6 +260,9 @@ struct SymArgs : KernelBase {
   // every rank at the call's tensor (this rank's: a.in).
   uint64_t tag, tag_hash;
   char* imp[kMaxPeers];
+  // LL: the byte offset of the LL slots in every rank's area, and of one slot to the next
+  // (slot (parity, source) at ll_at + (parity * nranks + source) * ll_slot).
+  uint64_t ll_at, ll_slot;
 };
 constexpr int kRegTagShift = 40;
 // The narrow wire in a workspace half (sym_wire.cu): all_reduce keeps two spans per piece (every

@@ -29,6 +29,14 @@ size_t oneshot_max_bytes(int n) {
   return b;
 }
 
+size_t ll_max_bytes(int nranks) {
+  return std::max<size_t>(4 << 10, (64 << 10) / static_cast<size_t>(std::max(1, nranks)) / 16 * 16);
+}
+
+size_t ll_limit(const Options& o) {
+  return o.ll_max >= 0 ? static_cast<size_t>(o.ll_max) : ll_max_bytes(o.nranks);
+}
+
 int copy_blocks(int64_t piece_bytes) {
   // These blocks never wait for another rank's, so no residency cap.
   return static_cast<int>(std::max<int64_t>(
@@ -122,6 +130,17 @@ Plan plan(const Call& c, const Options& o, bool direct) {
         "deterministic mode off");
   Algo algo = o.algo;
   if (det && algo == Algo::Ring) algo = Algo::Auto;
+  // The LL one-shot: the smallest all_reduces, no barrier (Auto, or forced where it reaches).
+  if ((algo == Algo::Auto || algo == Algo::LL) && direct && n > 1 && n <= kMaxPeers &&
+      c.coll == Coll::AllReduce && c.numel > 0 && bytes <= ll_limit(o)) {
+    const int cap = std::min(kMaxSymBlocks, o.max_blocks > 0 ? o.max_blocks : kMaxBlocks);
+    const int blocks = o.exact ? std::min(o.channels, cap)
+                               : static_cast<int>(std::max<int64_t>(
+                                     1, std::min<int64_t>(std::min(cap, o.sym_blocks),
+                                                          static_cast<int64_t>(bytes / kLLBytesPerBlock))));
+    return Plan{Algo::LL, blocks, c.numel, 1};
+  }
+  if (algo == Algo::LL) algo = Algo::Auto;  // beyond its reach: as auto
   const size_t oneshot_max = o.tuned ? o.oneshot_max : oneshot_max_bytes(n);
   if (algo == Algo::Auto)
     algo = c.coll == Coll::AllReduce && bytes <= oneshot_max ? Algo::OneShot : Algo::TwoShot;

@@ -41,6 +41,9 @@ struct Options {
   size_t oneshot_max = 0;
   double timeout_s = 300.0;  // RINGREDUCE_TIMEOUT: per wait
   size_t copy_slot_bytes = kDefaultCopySlotBytes;  // RINGREDUCE_CUDA_COPY_BYTES: the largest piece
+  // The LL one-shot (ll_kernel.cu): all_reduce up to this many bytes under Auto (or forced), and
+  // the size of its buffers; -1: ll_max_bytes(nranks); 0: never. The same on every rank.
+  int64_t ll_max = -1;
 };
 
 // How one call runs: the algorithm, its blocks, and its slice/piece size in elements.
@@ -63,6 +66,13 @@ Plan plan(const Call& c, const Options& o, bool direct);
 // benchmarks/gpu_cost.py (not from GPU timings): one-shot while its extra remote bytes, (n-1) x
 // size against two-shot's 2(n-1)/n x size, cost less than the barrier it saves.
 size_t oneshot_max_bytes(int nranks);
+
+// The LL one-shot's default reach (bytes of the full tensor): 64 KiB / nranks, at least 4 KiB. A
+// guess, not a measurement (none has been made on a GPU): an LL call sends every byte twice (a
+// flag word beside each data word) to (n - 1) peers and waits for no barrier; one-shot sends once
+// and waits for one. Its buffers hold this much: ll_limit().
+size_t ll_max_bytes(int nranks);
+size_t ll_limit(const Options& o);
 
 // Blocks of the copy algorithm's kernel for a piece of this many bytes.
 int copy_blocks(int64_t piece_bytes);

@@ -8,11 +8,6 @@
 namespace ringreduce::cuda::p2p {
 namespace {
 
-enum Barrier : int { kStart = 0, kMiddle = 1, kEnd = 2 };
-// The value a block's barrier b of piece `epoch` writes into its peers' arrived words: increasing
-// through a block's pieces and barriers, call after call, so a poll compares with >= and a peer
-// already one barrier further passes it too.
-__device__ __forceinline__ uint64_t barrier_value(uint64_t epoch, int b) { return epoch * 4 + b + 1; }
 
 // Thread t: waits until *flag (this rank's memory) >= target. Returns 0 or the abort word that
 // ended the wait (*local: this thread saw the cause itself). The abort word a host writes is
@@ -98,15 +93,6 @@ __device__ bool barrier(const SymArgs& a, uint64_t epoch, int b, int64_t piece, 
       record_stop(a, stop, local, q, Where{2 + b, q, piece}, false, mine, got);
   }
   return __syncthreads_or(stop != 0) == 0;
-}
-
-// At a kernel's end: this rank's epochs, every block's entry (the next call may run another
-// number of blocks), all equal, and every rank ends a call at the same epoch (a stopped call
-// leaves the group broken).
-__device__ void end_epochs(const SymArgs& a, uint64_t epoch) {
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int k = blockIdx.x; k < kMaxSymBlocks; k += gridDim.x) a.self->sym[k].epoch.value = epoch;
 }
 
 }  // namespace

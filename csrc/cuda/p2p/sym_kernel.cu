@@ -256,6 +256,7 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
 void launch_sym(const SymArgs& a, cudaStream_t stream) {
   if (a.wire != static_cast<uint8_t>(Wire::None)) return launch_sym_wire(a, stream);
   const Algo algo = static_cast<Algo>(a.algo);
+  if (algo == Algo::LL) return launch_ll(a, stream);
   if (a.nranks < 2 || a.nranks > kMaxPeers || a.blocks < 1 || a.blocks > kMaxSymBlocks ||
       (algo != Algo::OneShot && algo != Algo::TwoShot && algo != Algo::Registered && algo != Algo::Imported) ||
       (algo == Algo::OneShot && a.coll != static_cast<uint8_t>(Coll::AllReduce)) ||

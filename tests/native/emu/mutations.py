@@ -347,6 +347,28 @@ MUTATIONS = {
         SYM, "        barrier(a, e0 + 1, kEnd, 0, 0, &s_claim);", "",
         ("test_cuda_kernels_emu", ["test_imported_result_in_stream_order"]),
         "a rank returns (and its caller reads the tensor) while peers still write their results into it"),
+    # The LL one-shot (issue 71): a word says it arrived only if data and flag land as one store.
+    "ll_flag_in_a_separate_store": (
+        "csrc/cuda/p2p/ll_kernel.cu",
+        "    for (int64_t i = w0 + tid; i < w1; i += blockDim.x) st_ll(slot + kLLHeaderWords + i, ll_word(data_word(in, i, nbytes), flag));",
+        "    for (int64_t i = w0 + tid; i < w1; i += blockDim.x) {\n"
+        "      uint32_t* w32 = reinterpret_cast<uint32_t*>(slot + kLLHeaderWords + i);\n"
+        "      __stcg(w32, data_word(in, i, nbytes));\n"
+        "      st_relaxed_sys(w32 + 1, flag);\n"
+        "    }",
+        ("test_cuda_kernels_emu", ["weak_ll"]),
+        "the flag lands before its data (two stores): a peer folds the slot's old bytes"),
+    "ll_parity_reused_one_call_early": (
+        "csrc/cuda/p2p/ll_kernel.cu", "((epoch & 1) * a.nranks + src) * a.ll_slot", "(0 * a.nranks + src) * a.ll_slot",
+        ("test_cuda_kernels_emu", ["test_ll_back_to_back"]),
+        "a rank ahead by a call overwrites the words its peers still wait for"),
+    "ll_line_read_before_its_flag": (
+        "csrc/cuda/p2p/ll_kernel.cu",
+        "            stop = ll_wait(a, slot + k, flag, &w, &local);\n            d[k] = static_cast<uint32_t>(w);",
+        "            const uint32_t early = static_cast<uint32_t>(ld_ll(slot + k));\n"
+        "            stop = ll_wait(a, slot + k, flag, &w, &local);\n            d[k] = early;",
+        ("test_cuda_kernels_emu", ["test_ll", "test_ll_back_to_back"]),
+        "the data read before its flag said it arrived: the previous call's bytes"),
     "sym_blocks_not_in_header": (
         SYM_BARRIER, "static_cast<uint32_t>(piece & 0xffffff) | (static_cast<uint32_t>(gridDim.x) << 24);",
         "static_cast<uint32_t>(piece & 0xffffff);",

@@ -347,6 +347,7 @@ void spin_hint() {
   }
   b->yielded = true;
   cost_spin();
+  if (weak()) weak_spin();
   switch_to(b->cur->ctx, b->sched);
 }
 

@@ -74,9 +74,19 @@ void forget(uintptr_t g) {  // a store of this block: no thread of it may read o
   }
 }
 void write_out(const Entry& e) {
+  // An aligned 8-byte part held whole lands in one store (an LL word: data and flag together, as
+  // the GPU's single-copy atomic 8-byte store); other bytes one by one.
   auto* m = reinterpret_cast<uint8_t*>(e.granule);
-  for (int i = 0; i < 16; ++i)
-    if (e.mask >> i & 1) m[i] = e.data[i];
+  for (int h = 0; h < 16; h += 8) {
+    if (((e.mask >> h) & 0xff) == 0xff) {
+      uint64_t v;
+      std::memcpy(&v, e.data + h, 8);
+      __atomic_store_n(reinterpret_cast<uint64_t*>(m + h), v, __ATOMIC_RELAXED);
+      continue;
+    }
+    for (int i = h; i < h + 8; ++i)
+      if (e.mask >> i & 1) m[i] = e.data[i];
+  }
 }
 Entry* find(std::vector<Entry>& v, uintptr_t g) {
   for (Entry& e : v)
@@ -176,6 +186,15 @@ void weak_release() {
   if (!t) return;
   while (!tl.shared.empty()) flush_shared_at(next(tl) % tl.shared.size());
   while (!t->buf.empty()) flush_thread_at(*t, next(tl) % t->buf.size());
+}
+
+// A thread polling a flag (spin_hint): its buffered stores still drain, one now and then, as a
+// GPU's do without any fence (forward progress; the LL protocol's words rely on nothing else).
+void weak_spin() {
+  Thread* t = me();
+  if (!t || next(tl) % 4) return;
+  if (!t->buf.empty()) flush_thread_at(*t, next(tl) % t->buf.size());
+  else if (!tl.shared.empty()) flush_shared_at(next(tl) % tl.shared.size());
 }
 
 void weak_acquire() {

@@ -201,6 +201,7 @@ void weak_store(void* p, const void* v, size_t n);
 void weak_load(const void* p, void* out, size_t n);
 void weak_release();
 void weak_acquire();
+void weak_spin();
 inline bool weak() { return weak_on.load(std::memory_order_relaxed); }
 // The happens-before check (hb.cpp; emu_set_hb in emu.h): data stores stamped, data loads checked
 // against what the block has acquired; flags carry clocks. No-ops outside kernels.
