@@ -666,3 +666,11 @@ def test_busy_machine_flagged(monkeypatch):
     note = header.busy_note((11.75, 8.0, 4.0), (1.0, 1.0, 1.0))
     assert "11.75 at start, 1.00 at end" in note and "2 cores" in note and "not to be trusted" in note
     assert "0.50" not in (header.busy_note(None, (3.0, 1.0, 1.0)) or "") and "3.00" in header.busy_note(None, (3.0, 1, 1))
+
+
+def test_nccl_over_sockets_is_labelled():
+    """Issue 73: NCCL's rows from ranks that share a GPU (posing as hosts: its socket transport)
+    carry -socket in their label, so no table or results.json shows them as NCCL's GPU speed."""
+    from ringreduce.bench.launch import socket_label
+    assert socket_label("torch/nccl") == "torch/nccl-socket" and socket_label("ps/nccl") == "ps/nccl-socket"
+    assert socket_label("ringreduce/p2p") == "ringreduce/p2p" and socket_label("torch/gloo") == "torch/gloo"

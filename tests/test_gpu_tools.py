@@ -367,7 +367,7 @@ def test_p2p_knobs_checked_and_agreed_on(monkeypatch):
         p2p_knobs()
     monkeypatch.setenv("RINGREDUCE_CUDA_MAX_BLOCKS", "16")
     monkeypatch.setenv("RINGREDUCE_CUDA_ALGO", "tree")
-    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_ALGO must be one of auto, ring, oneshot, twoshot, copy; got 'tree'"):
+    with pytest.raises(ValueError, match="RINGREDUCE_CUDA_ALGO must be one of auto, ring, oneshot, twoshot, copy, ll; got 'tree'"):
         p2p_knobs()
 
 

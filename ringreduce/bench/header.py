@@ -33,7 +33,9 @@ LEGEND = {
     "torch/bf16-compress": "what torch's bf16_compress_hook does with a float32 bucket: cast to "
                            "bfloat16, all_reduce on Gloo (rounds at every step), cast back",
     "torch/fp16-compress": "torch/bf16-compress with float16 (fp16_compress_hook)",
-    "torch/nccl": "torch.distributed on NCCL (the GPU baseline)",
+    "torch/nccl": "torch.distributed on NCCL (the GPU baseline; ranks sharing one GPU with NCCL < 2.30 "
+                  "pose as hosts and their rows say torch/nccl-socket: NCCL's socket transport, a "
+                  "correctness peer, not a speed one)",
     "torch/symm-oneshot": "torch's SymmetricMemory one-shot all-reduce, the tensor copied into its "
                           "symmetric buffer first (as vLLM uses it)",
     "torch/symm-twoshot": "torch's SymmetricMemory two-shot all-reduce, with the copies in and out",

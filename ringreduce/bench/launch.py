@@ -55,6 +55,12 @@ def _close_ringreduce():
     _lifecycle.REGISTRY.destroy_all()
 
 
+def socket_label(label):
+    """The row label of a backend on NCCL when the ranks share a GPU and pose as hosts (distinct
+    NCCL_HOSTID): NCCL's socket transport, named as such in the table and results.json."""
+    return label + "-socket" if label in ("torch/nccl", "ps/nccl") else label
+
+
 def _backend(device_kind):
     return "cpu:gloo,cuda:nccl" if device_kind == "cuda" else "gloo"
 
@@ -68,8 +74,11 @@ def run_rank(args, rank, world, device, local_world):
         report.print_machine(info, args, world)
     if device.type == "cuda" and local_world > torch.cuda.device_count():
         if torch.cuda.nccl.version() < (2, 30):
-            ctx.note("ranks share a GPU and NCCL < 2.30: torch/nccl and ps/nccl run over sockets "
-                     "(correct, but their times say nothing about NCCL)")
+            ctx.note("ranks share a GPU and NCCL < 2.30: torch/nccl and ps/nccl run over sockets, "
+                     "their rows labelled -socket (correct, but their times say nothing about "
+                     "NCCL's GPU transports)")
+            for b in ctx.backends:
+                b.label = socket_label(b.label)
     membw = [runner.peak_membw(ctx)]
     runner.probe_backends(ctx)
     rows = runner.sweep(ctx)

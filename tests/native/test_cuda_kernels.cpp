@@ -1723,6 +1723,9 @@ static void test_replay_after_close_of_a_pinned_ring() {
   for (int q = 0; q < n; ++q) before.push_back(area_of(q));
   RR_CUDA_CHECK(cudaSetDevice(device_of(0)));
   const auto t0 = Clock::now();
+  // The replay: the captured copy of the host's abort word (Endpoint::copy_host_abort), the kernel.
+  RR_CUDA_CHECK(cudaMemcpyAsync(&args[0].self->host_abort, &args[0].ctl->abort, sizeof(uint32_t),
+                                cudaMemcpyHostToDevice, g.ranks[0].stream));
   rc::p2p::launch_sym(args[0], g.ranks[0].stream);
   RR_CUDA_CHECK(cudaStreamSynchronize(g.ranks[0].stream));
   EXPECT(seconds_since(t0) < 5.0, "the replay after close waited %.1f s (timeout 10 s)", seconds_since(t0));

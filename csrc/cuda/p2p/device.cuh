@@ -119,9 +119,10 @@ __device__ uint32_t check_header(const MsgHeader& got, const MsgHeader& mine) {
 // kernel may start before it lands. Outside a graph that
 // only delays the stop (the peers' memory lives until every rank has synchronized); a graph's
 // replay may come after close(), when a peer may have freed its memory, so a captured launch
-// (KernelBase::graph) also reads the host's word, which close() sets first. Not every call: that
-// read crosses PCIe, a bus round trip per block (the emulator's cost report counts such reads:
-// gpu_cost.py's host_reads). A wait reads the host word too, once it has polled long.
+// (KernelBase::graph) also reads the host's word, which close() sets first: as the copy of it
+// that the graph makes into this rank's area just before the kernel (Area::host_abort), not across
+// PCIe in every block (the emulator's cost report counts such reads: gpu_cost.py's host_reads).
+// A wait reads the host word itself, once it has polled long.
 // epoch (the workspace kernels): also loads *epoch into *s_epoch, in flight with the abort word's
 // load (one memory round trip at the start, not two); the barrier below publishes it.
 __device__ bool broken_at_start(const KernelBase& a, const uint64_t* epoch = nullptr,
@@ -130,7 +131,7 @@ __device__ bool broken_at_start(const KernelBase& a, const uint64_t* epoch = nul
   if (threadIdx.x == 0) {
     uint32_t word = ld_relaxed_sys(&a.self->abort);
     if (epoch) *s_epoch = ld_relaxed_sys(epoch);
-    if (!word && a.graph && ld_relaxed_sys(&a.ctl->abort)) word = abort_word(kHostAbort, a.rank);
+    if (!word && a.graph && ld_relaxed_sys(&a.self->host_abort)) word = abort_word(kHostAbort, a.rank);
     s_broken = word;
     if (word)
       record_stop(a, word, abort_rank(word) == a.rank, -1, Where{-1, 0, 0}, false, my_header(a, 0, 0),

@@ -404,6 +404,7 @@ void Endpoint::run(const Call& c, cudaStream_t stream, const Plan* plan) {
       cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
       RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
       const bool graph = capture != cudaStreamCaptureStatusNone;
+      if (graph) copy_host_abort(stream);
       if (p.algo == Algo::Ring) {
         Args a = args(c, p);
         a.graph = graph;
@@ -421,8 +422,14 @@ void Endpoint::run(const Call& c, cudaStream_t stream, const Plan* plan) {
   }
 }
 
+void Endpoint::copy_host_abort(cudaStream_t stream) const {
+  RR_CUDA_CHECK(cudaMemcpyAsync(area_ + offsetof(Area, host_abort), &ctl_->abort, sizeof(uint32_t),
+                                cudaMemcpyHostToDevice, stream));
+}
+
 void Endpoint::launch_again(const Call& c, cudaStream_t stream) const {
   const Plan p = plan_of(c);
+  if (p.algo != Algo::Copy) copy_host_abort(stream);  // as a replay runs the captured copy first
   if (p.algo == Algo::Ring) {
     Args a = args(c, p);
     a.graph = 1;  // as a graph's replay

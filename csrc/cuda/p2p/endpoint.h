@@ -76,6 +76,9 @@ class Endpoint : public runtime::Transport {
   }
   void log_calls(bool on) override { calls_.enable(on); }
   Pin capture_pin() override { return {graph_pin(), &Endpoint::release_graph_pin}; }
+  // A captured launch's copy of the host's abort word into this rank's area (Area::host_abort),
+  // enqueued before the kernel: a graph replays it, then the kernel's blocks read device memory.
+  void copy_host_abort(cudaStream_t stream) const;
   // Native tests: launches call c's kernel again with the arguments run() gave it (after run()
   // counted the call), as a CUDA graph replays a captured launch. Endpoint and symmetric workspace.
   void launch_again(const Call& c, cudaStream_t stream) const;

@@ -133,6 +133,10 @@ struct MsgHeader {
 // data_offset().
 struct alignas(kLine) Area {
   uint32_t abort;  // 0, or abort_word(cause, rank): why and where the group stopped (sticky)
+  // A captured launch's copy of the host's HostCtl::abort, made by a copy captured just before the
+  // kernel (Endpoint::copy_host_abort): one transfer per replay, read by every block in device
+  // memory, where each block once read the host's word across PCIe.
+  uint32_t host_abort;
   alignas(kLine) RingFlags ring[kMaxChannels];
   SymFlags sym[kMaxSymBlocks];
   MsgHeader ring_hdr[kMaxChannels][kSlots];                  // written with each message

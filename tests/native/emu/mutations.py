@@ -127,7 +127,7 @@ MUTATIONS = {
         "if (!word && ld_relaxed_sys(&a.ctl->abort))",
         COST_CHECK, "every block of every call reads the host's abort word across PCIe at its start (host_reads)"),
     "replay_skips_host_word": (
-        "csrc/cuda/p2p/device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.ctl->abort))", "if (false)",
+        "csrc/cuda/p2p/device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.self->host_abort))", "if (false)",
         ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
         "a graph replayed after close() runs its call into the peers' areas (they may be freed)"),
     "sym_wait_without_acquire": (
