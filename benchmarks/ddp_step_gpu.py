@@ -71,8 +71,11 @@ def rank_main(rank, world, store_path, args, q):
     ngpu = torch.cuda.device_count()
     dev = torch.device("cuda", rank % ngpu)
     torch.cuda.set_device(dev)
-    if ngpu < world:  # ranks share a GPU: NCCL only as separate hosts (its socket transport)
-        os.environ["NCCL_HOSTID"] = f"ddp-step-rank-{rank}"
+    if ngpu < world:  # ranks share a GPU: NCCL < 2.30 only as separate hosts (its sockets)
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        if torch.cuda.nccl.version() < (2, 30):
+            os.environ["NCCL_HOSTID"] = f"ddp-step-rank-{rank}"
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
@@ -222,7 +225,8 @@ def main(argv=None):
           f"d_model {args.d_model} ({n_params / 1e6:.1f} M parameters), batch {args.batch} x seq "
           f"{args.seq} per rank, bf16 autocast, DDP buckets 25 MiB; {args.iters} iterations after "
           f"{args.warmup} warm-up; medians of the slowest rank's step")
-    print(table(slowest, skipped, lambda n: "nccl/socket" if n == "nccl" and sharing else n))
+    socket = sharing and torch.cuda.nccl.version() < (2, 30)  # ranks posing as hosts
+    print(table(slowest, skipped, lambda n: "nccl/socket" if n == "nccl" and socket else n))
     print("# max |parameter - " + first + "'s| after training: " +
           ", ".join(f"{n} {d:.1e}" for n, d in diffs.items() if n != first))
 
