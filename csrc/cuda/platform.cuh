@@ -12,12 +12,17 @@
 
 // RR_LAUNCH(kernel, grid, block, stream, args...): kernel is a plain name (take a template
 // instance's address into a variable first: template arguments would split the macro's arguments).
+// RR_LAUNCH_WARPS: the same, for a kernel whose warps exchange values (warp_max, warp_gather): the
+// emulator, which runs fewer threads than asked, runs whole warps of it.
 #ifndef RINGREDUCE_EMU
 #define RR_LAUNCH(kernel, grid, block, stream, ...) \
   kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#define RR_LAUNCH_WARPS RR_LAUNCH
 #else
 #define RR_LAUNCH(kernel, grid, block, stream, ...) \
   ::emu::launch((grid), (block), (stream), [=] { kernel(__VA_ARGS__); })
+#define RR_LAUNCH_WARPS(kernel, grid, block, stream, ...) \
+  ::emu::launch((grid), (block), (stream), [=] { kernel(__VA_ARGS__); }, true)
 #endif
 
 // RR_NOINLINE: a device function compiled once per kernel, not at every call site. The span loops
@@ -85,6 +90,26 @@ __device__ __forceinline__ uint64_t ld_ll(const uint64_t* p) {
 }
 // The emulator's cost model counts an LL word's bytes once, when its flag matched; nothing here.
 __device__ __forceinline__ void ll_arrived(const void*) {}
+// The narrow wire's fp8 scales (p2p/sym_wire.cu): v[u] = the largest v[u] over the calling warp,
+// in every thread of it. Every thread of the (full, converged) warp makes the call.
+template <int U>
+__device__ __forceinline__ void warp_max(uint32_t (&v)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#if __CUDA_ARCH__ >= 800
+    v[u] = __reduce_max_sync(0xffffffffu, v[u]);  // one redux.sync
+#else
+    for (int d = 16; d > 0; d >>= 1) v[u] = max(v[u], __shfl_xor_sync(0xffffffffu, v[u], d));
+#endif
+  }
+}
+// v[u] = the value `mine` of the calling warp's lane u, for u < U, in every thread of the warp
+// (the same rule).
+template <int U>
+__device__ __forceinline__ void warp_gather(uint32_t mine, uint32_t (&v)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) v[u] = __shfl_sync(0xffffffffu, mine, u);
+}
 
 #else
 
@@ -151,6 +176,9 @@ inline uint64_t ld_ll(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RE
 inline void ll_arrived(const void* p) {
   if (::emu::cost_enabled.load(std::memory_order_relaxed)) ::emu::cost_access(p, 8, false);
 }
+// The warp's exchange: a rendezvous of its 32 fibers (a divergent call aborts).
+template <int U> inline void warp_max(uint32_t (&v)[U]) { ::emu::warp_max(v, U); }
+template <int U> inline void warp_gather(uint32_t mine, uint32_t (&v)[U]) { ::emu::warp_gather(mine, v, U); }
 
 #endif
 

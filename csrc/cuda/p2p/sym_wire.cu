@@ -11,9 +11,11 @@
 //                         half are disjoint, which the overlap of a round in with the peers'
 //                         decoding of the piece two back needs).                             1 (+1)
 //   reduce_scatter:       round in (every chunk), start barrier, fold chunk r into the output.  1
-// A kernel block rounds 16 wire blocks at a time through shared memory (an fp8 scale needs its
-// block's largest magnitude before any element is rounded); a thread moves the wire 16 bytes at a
-// time (kGroup), as the float32 kernels move their data.
+// A warp rounds a wire block (128 elements) at a time, 4 elements a lane, in one pass: the loads,
+// the block's largest magnitude (one warp reduction: an fp8 scale needs it before any element is
+// rounded), the encode or decode in registers, the stores. No shared memory, no block barrier
+// inside a piece. A warp keeps kBatch wire blocks in flight (a fold: of two sources at a time, as
+// the float32 kernels' span_fold), so a thread has as many elements in flight as theirs.
 #include "cuda/p2p/device.cuh"
 #include "cuda/p2p/sym_barrier.cuh"
 #include "cuda/wire.cuh"
@@ -21,15 +23,14 @@
 namespace ringreduce::cuda::p2p {
 namespace {
 
-constexpr int kTileBlocks = 16;
-constexpr int kTile = kTileBlocks * static_cast<int>(kWireBlock);
+constexpr int kLanes = 32;
+constexpr int kPer = static_cast<int>(kWireBlock) / kLanes;  // a lane's elements of a wire block
+constexpr int kBatch = 4;                                    // wire blocks a warp has in flight
+static_assert(kPer == 4 && kThreads % kLanes == 0, "a warp moves a wire block, 4 elements a lane");
 
-struct TileMem {
-  float v[kTile];                        // the tile's values before rounding
-  uint32_t amax[kTileBlocks];            // each wire block's largest magnitude (bits)
-  float inv[kTileBlocks], out_scale[kTileBlocks];
-  float scale[kMaxPeers][kTileBlocks];   // the sources' scales of the tile's wire blocks
-};
+__device__ __forceinline__ int lane() { return static_cast<int>(threadIdx.x % kLanes); }
+// The lane's first element of wire block b (of a piece).
+__device__ __forceinline__ int64_t lane_at(int64_t b) { return b * kWireBlock + lane() * kPer; }
 
 // A wire span in some rank's workspace (layout.h: workspace_wire_bytes): room for `cap` wire blocks of
 // the piece from its block `first` (a piece's inputs: all of it; a reduced chunk: its own).
@@ -43,113 +44,153 @@ struct WSpan {
   __device__ float* scale(int64_t b) const {
     return reinterpret_cast<float*>(base + kWireCountBytes) + (b - first);
   }
-  // The first element of the piece's wire block b.
+  // The lane's first element of the piece's wire block b (wire blocks start on 16 bytes).
   __device__ E* elem(int64_t b) const {
-    return reinterpret_cast<E*>(base + wire_data_at(wire_scaled(W), cap)) + (b - first) * kWireBlock;
+    return reinterpret_cast<E*>(base + wire_data_at(wire_scaled(W), cap)) + (b - first) * kWireBlock +
+           lane() * kPer;
   }
 };
 
-// Wire elements a thread moves at once: one 16-byte load or store (16 fp8 or 8 bf16/fp16 values,
-// within one wire block: 128 is a multiple of both; wire blocks start on 16 bytes in a span).
-// A tile's last group may be short (the tensor's end): element by element there.
-template <Wire W>
-constexpr int kGroup = 16 / static_cast<int>(sizeof(typename WireElem<W>::E));
+// A lane's group (kPer elements of E) as one access: 16 bytes of float32, 8 of 16-bit, 4 of fp8.
+template <int Bytes> struct Group;
+template <> struct Group<16> { using U = uint4; };
+template <> struct Group<8> { using U = uint2; };
+template <> struct Group<4> { using U = uint32_t; };
+template <class E> using GroupOf = typename Group<kPer * static_cast<int>(sizeof(E))>::U;
 
-// Group g of a tile of ne elements: f(first element, elements, whole) for this thread's groups.
-template <Wire W, class F>
-__device__ void groups(int64_t ne, F f) {
-  constexpr int K = kGroup<W>;
-  for (int64_t i = threadIdx.x * static_cast<int64_t>(K); i < ne; i += blockDim.x * static_cast<int64_t>(K))
-    f(i, ring::min64(K, ne - i), i + K <= ne);
+template <class E>
+__device__ __forceinline__ bool aligned(const E* p) {
+  return reinterpret_cast<uintptr_t>(p) % sizeof(GroupOf<E>) == 0;
 }
-
-// K wire elements at p (16-byte aligned) and their values (fp8: times scale).
-template <Wire W>
-__device__ __forceinline__ void get_group(const typename WireElem<W>::E* p, float scale, float* v) {
-  constexpr int K = kGroup<W>;
-  const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
-  typename WireElem<W>::E e[K];
-  __builtin_memcpy(e, &u, 16);
+// The group at p, `left` of its elements present (>= kPer: all): one access when all are and p
+// is aligned (vec), else one per present element; absent ones are 0.
+template <class E>
+__device__ __forceinline__ void get_group(const E* p, int64_t left, bool vec, E (&e)[kPer]) {
+  if (vec && left >= kPer) {
+    const GroupOf<E> u = __ldcg(reinterpret_cast<const GroupOf<E>*>(p));
+    __builtin_memcpy(e, &u, sizeof u);
+    return;
+  }
 #pragma unroll
-  for (int k = 0; k < K; ++k) v[k] = wire_get<W>(e[k], scale);
+  for (int k = 0; k < kPer; ++k) e[k] = k < left ? load1(p + k) : E{};
+}
+template <class E>
+__device__ __forceinline__ void put_group(E* p, int64_t left, bool vec, const E (&e)[kPer]) {
+  if (vec && left >= kPer) {
+    GroupOf<E> u;
+    __builtin_memcpy(&u, e, sizeof u);
+    __stcg(reinterpret_cast<GroupOf<E>*>(p), u);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kPer; ++k)
+    if (k < left) store1(p + k, e[k]);
 }
 
-// s.amax of the tile's nblk wire blocks from s.v[0, ne): one shared atomic per group (its
-// elements lie in one wire block), not per element.
-template <Wire W>
-__device__ void measure(TileMem& s, int nblk, int64_t ne) {
-  if constexpr (!wire_scaled(W)) return;
-  __syncthreads();  // s.v written, the previous readers of s.amax done
-  for (int t = threadIdx.x; t < nblk; t += blockDim.x) s.amax[t] = 0;
-  __syncthreads();
-  groups<W>(ne, [&](int64_t i, int64_t m, bool) {
-    uint32_t a = 0;
-    for (int64_t k = 0; k < m; ++k) {
-      const uint32_t x = wire::bits(s.v[i + k]) & 0x7fffffffu;
-      a = x > a ? x : a;
-    }
-    atomicMax(&s.amax[i / kWireBlock], a);
-  });
+// This warp's batches of the wire blocks `blocks`: f(first block, how many of the batch's kBatch
+// blocks are in `blocks`). The same in every lane: warp_max and warp_gather need the whole warp.
+template <class F>
+__device__ void batches(ring::Span blocks, F f) {
+  const int64_t end = blocks.begin + blocks.count, step = static_cast<int64_t>(blockDim.x / kLanes) * kBatch;
+  for (int64_t b = blocks.begin + static_cast<int64_t>(threadIdx.x / kLanes) * kBatch; b < end; b += step)
+    f(b, static_cast<int>(ring::min64(kBatch, end - b)));
+}
+// The lane's elements present in batch block u (of nb in the part; the piece has count elements).
+__device__ __forceinline__ int64_t left_of(int64_t b0, int u, int nb, int64_t count) {
+  return u < nb ? count - lane_at(b0 + u) : 0;
 }
 
-// Rounds s.v[0, ne) onto the wire: into dst at its wire block b (dst.base null: nowhere), and
-// hands each rounded value to out(i, value). Returns whether this thread rounded a finite value
-// beyond fp16's range.
-template <Wire W, class Out>
-__device__ bool round_tile(TileMem& s, int nblk, int64_t ne, const WSpan<W>& dst, int64_t b, Out out) {
-  __syncthreads();  // s.v and s.amax complete
+// The scales of a batch's blocks in up to two sources (fp8): lane s * kBatch + u loads source s's
+// scale of block b0 + u, and the warp shares them: one load per scale, not one per lane.
+template <Wire W, class Src>
+__device__ __forceinline__ void get_scales(Src src, int qs, int64_t b0, int nb, float (&sc)[2][kBatch]) {
   if constexpr (wire_scaled(W)) {
-    for (int t = threadIdx.x; t < nblk; t += blockDim.x) {
-      float inv, sc;
-      wire::fp8_scale<Fp8Of<W>>(s.amax[t], &inv, &sc);
-      s.inv[t] = inv;
-      s.out_scale[t] = sc;
-      if (dst.base) store1(dst.scale(b + t), sc);
+    const int s = lane() / kBatch, u = lane() % kBatch;
+    const float mine = s < qs && u < nb ? load1(src(s).scale(b0 + u)) : 0.0f;
+    uint32_t all[2 * kBatch];
+    warp_gather(wire::bits(mine), all);
+#pragma unroll
+    for (int k = 0; k < 2 * kBatch; ++k) sc[k / kBatch][k % kBatch] = wire::from_bits(all[k]);
+  }
+}
+
+// Rounds v (the lane's values of a batch's blocks) onto the wire: an fp8 block's scale from its
+// largest magnitude over the warp's present elements; the wire elements into dst (unless its base
+// is null), the values they stand for back into v. Returns whether this lane rounded a finite
+// value beyond fp16's range.
+template <Wire W>
+__device__ bool round_batch(float (&v)[kBatch][kPer], int64_t b0, int nb, int64_t count, const WSpan<W>& dst) {
+  using E = typename WireElem<W>::E;
+  float inv[kBatch] = {}, sc[kBatch] = {};
+  if constexpr (wire_scaled(W)) {
+    uint32_t amax[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t left = left_of(b0, u, nb, count);
+      amax[u] = 0;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const uint32_t x = k < left ? wire::bits(v[u][k]) & 0x7fffffffu : 0u;
+        amax[u] = x > amax[u] ? x : amax[u];
+      }
     }
-    __syncthreads();
+    warp_max(amax);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) wire::fp8_scale<Fp8Of<W>>(amax[u], &inv[u], &sc[u]);
   }
   bool over = false;
-  constexpr int K = kGroup<W>;
-  groups<W>(ne, [&](int64_t i, int64_t m, bool whole) {
-    float inv = 0.0f, sc = 0.0f;
-    if constexpr (wire_scaled(W)) inv = s.inv[i / kWireBlock], sc = s.out_scale[i / kWireBlock];
-    typename WireElem<W>::E e[K];
-    for (int64_t k = 0; k < m; ++k) {
-      const float x = s.v[i + k];
-      if constexpr (W == Wire::F16) over |= wire::over_f16(x) != 0;
-      e[k] = wire_put<W>(x, inv);
-      out(i + k, wire_get<W>(e[k], sc));
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    const int64_t left = left_of(b0, u, nb, count);
+    if (left <= 0) continue;
+    E e[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      if constexpr (W == Wire::F16) over |= k < left && wire::over_f16(v[u][k]) != 0;
+      e[k] = wire_put<W>(v[u][k], inv[u]);
+      v[u][k] = wire_get<W>(e[k], sc[u]);
     }
-    if (!dst.base) return;
-    if (whole) {  // one 16-byte store
-      uint4 u;
-      __builtin_memcpy(&u, e, 16);
-      __stcg(reinterpret_cast<uint4*>(dst.elem(b) + i), u);
-    } else {
-      for (int64_t k = 0; k < m; ++k) store1(dst.elem(b) + i + k, e[k]);
-    }
-  });
+    if (!dst.base) continue;
+    put_group(dst.elem(b0 + u), left, true, e);
+    if (wire_scaled(W) && lane() == 0) store1(dst.scale(b0 + u), sc[u]);  // lane 0 has an element
+  }
   return over;
 }
 
-// The tiles of `blocks` (wire blocks of a piece of `count` elements): f(first wire block, blocks, elements).
-template <class F>
-__device__ void tiles(ring::Span blocks, int64_t count, F f) {
-  for (int64_t b = blocks.begin; b < blocks.begin + blocks.count; b += kTileBlocks) {
-    const int nblk = static_cast<int>(ring::min64(kTileBlocks, blocks.begin + blocks.count - b));
-    f(b, nblk, ring::min64(nblk * kWireBlock, count - b * kWireBlock));
+// The lane's values of a batch's blocks from x (the piece's first element); absent ones 0.
+template <class T>
+__device__ __forceinline__ void get_values(const T* x, bool vec, float (&v)[kBatch][kPer], int64_t b0, int nb,
+                                           int64_t count) {
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    T e[kPer];
+    get_group(x + lane_at(b0 + u), left_of(b0, u, nb, count), vec, e);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) v[u][k] = Num<T>::up(e[k]);
+  }
+}
+// v's present elements into out (the piece's first element).
+template <class T>
+__device__ __forceinline__ void put_values(T* out, bool vec, const float (&v)[kBatch][kPer], int64_t b0,
+                                           int nb, int64_t count) {
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    T e[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) e[k] = Num<T>::down(v[u][k]);
+    put_group(out + lane_at(b0 + u), left_of(b0, u, nb, count), vec, e);
   }
 }
 
 // x[0, count) (a piece of the tensor) onto the wire span dst, its wire blocks `blocks`.
 template <class T, Wire W>
-__device__ bool put_part(TileMem& s, const T* x, int64_t count, ring::Span blocks, const WSpan<W>& dst) {
+__device__ bool put_part(const T* x, int64_t count, ring::Span blocks, const WSpan<W>& dst) {
+  const bool vec = aligned(x);
   bool over = false;
-  tiles(blocks, count, [&](int64_t b, int nblk, int64_t ne) {
-    __syncthreads();  // the previous tile's readers of s.v done
-    for (int64_t i = threadIdx.x; i < ne; i += blockDim.x) s.v[i] = Num<T>::up(load1(x + b * kWireBlock + i));
-    measure<W>(s, nblk, ne);
-    over |= round_tile<W>(s, nblk, ne, dst, b, [](int64_t, float) {});
+  batches(blocks, [&](int64_t b0, int nb) {
+    float v[kBatch][kPer];
+    get_values(x, vec, v, b0, nb, count);
+    over |= round_batch<W>(v, b0, nb, count, dst);
   });
   return over;
 }
@@ -158,59 +199,64 @@ __device__ bool put_part(TileMem& s, const T* x, int64_t count, ring::Span block
 // AVG: divided by div). dst set: the sum rounded onto the wire again, into *dst unless its base is
 // null, and out gets the rounded values; null: out gets the fp32 sum.
 template <class T, Wire W, class Src>
-__device__ bool fold_part(TileMem& s, Src src, int n, int64_t count, ring::Span blocks, int div,
-                          const WSpan<W>* dst, T* out) {
+__device__ bool fold_part(Src src, int n, int64_t count, ring::Span blocks, int div, const WSpan<W>* dst,
+                          T* out) {
+  using E = typename WireElem<W>::E;
+  const bool vec = aligned(out);
   bool over = false;
-  tiles(blocks, count, [&](int64_t b, int nblk, int64_t ne) {
-    __syncthreads();  // the previous tile's readers of s.scale and s.v done
-    if constexpr (wire_scaled(W))
-      for (int x = threadIdx.x; x < n * nblk; x += blockDim.x)
-        s.scale[x / nblk][x % nblk] = load1(src(x / nblk).scale(b + x % nblk));
-    __syncthreads();
-    const int64_t at = b * kWireBlock;  // the tile's first element in the piece
-    constexpr int K = kGroup<W>;
-    groups<W>(ne, [&](int64_t i, int64_t m, bool whole) {
-      const int t = static_cast<int>(i / kWireBlock);
-      float acc[K], v[K];
-      // Every source's group in one 16-byte load (the tail element by element), folded in rank order.
-      for (int q = 0; q < n; ++q) {
-        if (whole) {
-          get_group<W>(src(q).elem(b) + i, s.scale[q][t], v);
-        } else {
-          for (int64_t k = 0; k < m; ++k) v[k] = wire_get<W>(load1(src(q).elem(b) + i + k), s.scale[q][t]);
-        }
-        for (int64_t k = 0; k < m; ++k) acc[k] = q == 0 ? v[k] : add_rn(acc[k], v[k]);
+  batches(blocks, [&](int64_t b0, int nb) {
+    float acc[kBatch][kPer];
+    for (int q = 0; q < n; q += 2) {
+      const int qs = n - q < 2 ? 1 : 2;
+      auto two = [&](int s) { return src(q + (s < qs ? s : 0)); };
+      // every load of both sources issued before any value is used
+      E e[2][kBatch][kPer];
+      float sc[2][kBatch] = {};
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) get_group(two(s).elem(b0 + u), s < qs ? left_of(b0, u, nb, count) : 0, true, e[s][u]);
+      get_scales<W>(two, qs, b0, nb, sc);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        if (s >= qs) break;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) {
+            const float x = wire_get<W>(e[s][u][k], sc[s][u]);
+            acc[u][k] = q + s == 0 ? x : add_rn(acc[u][k], x);
+          }
       }
-      for (int64_t k = 0; k < m; ++k) {
-        if (div > 1) acc[k] = div_rn(acc[k], static_cast<float>(div));
-        if (dst) s.v[i + k] = acc[k];
-        else store1(out + at + i + k, Num<T>::down(acc[k]));
-      }
-    });
-    if (!dst) return;
-    measure<W>(s, nblk, ne);
-    over |= round_tile<W>(s, nblk, ne, *dst, b, [&](int64_t i, float v) { store1(out + at + i, Num<T>::down(v)); });
+    }
+    if (div > 1)
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) acc[u][k] = div_rn(acc[u][k], static_cast<float>(div));
+    if (dst) over |= round_batch<W>(acc, b0, nb, count, *dst);
+    put_values(out, vec, acc, b0, nb, count);
   });
   return over;
 }
 
 // out[...] = the values of src's wire blocks `blocks` (another rank's reduced chunk).
 template <class T, Wire W>
-__device__ void get_part(TileMem& s, const WSpan<W>& src, int64_t count, ring::Span blocks, T* out) {
-  tiles(blocks, count, [&](int64_t b, int nblk, int64_t ne) {
-    __syncthreads();
-    if constexpr (wire_scaled(W))
-      for (int t = threadIdx.x; t < nblk; t += blockDim.x) s.scale[0][t] = load1(src.scale(b + t));
-    __syncthreads();
-    const int64_t at = b * kWireBlock;
-    constexpr int K = kGroup<W>;
-    groups<W>(ne, [&](int64_t i, int64_t m, bool whole) {
-      const float sc = s.scale[0][i / kWireBlock];
-      float v[K];
-      if (whole) get_group<W>(src.elem(b) + i, sc, v);
-      else for (int64_t k = 0; k < m; ++k) v[k] = wire_get<W>(load1(src.elem(b) + i + k), sc);
-      for (int64_t k = 0; k < m; ++k) store1(out + at + i + k, Num<T>::down(v[k]));
-    });
+__device__ void get_part(const WSpan<W>& src, int64_t count, ring::Span blocks, T* out) {
+  using E = typename WireElem<W>::E;
+  const bool vec = aligned(out);
+  batches(blocks, [&](int64_t b0, int nb) {
+    E e[kBatch][kPer];
+    float sc[2][kBatch] = {};
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) get_group(src.elem(b0 + u), left_of(b0, u, nb, count), true, e[u]);
+    get_scales<W>([&](int) { return src; }, 1, b0, nb, sc);
+    float v[kBatch][kPer];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) v[u][k] = wire_get<W>(e[u][k], sc[0][u]);
+    put_values(out, vec, v, b0, nb, count);
   });
 }
 
@@ -236,7 +282,6 @@ __global__ void __launch_bounds__(kThreads) sym_wire_kernel(const __grid_constan
   const bool all_reduce = static_cast<Coll>(a.coll) == Coll::AllReduce;
   __shared__ unsigned s_claim;
   __shared__ uint64_t s_epoch;
-  __shared__ TileMem s;
   if (threadIdx.x == 0) s_claim = 0;
   // its barrier publishes s_claim and s_epoch too
   if (broken_at_start(a, &a.self->sym[blockIdx.x].epoch.value, &s_epoch)) return;
@@ -271,7 +316,7 @@ __global__ void __launch_bounds__(kThreads) sym_wire_kernel(const __grid_constan
     auto put_in = [&](int64_t j) {
       bool o = false;
       for (int c = 0; c < (one ? 1 : n); ++c)
-        o |= put_part<T, W>(s, in + j * C, count_of(j), cpart(j, c), at(j, r, 0));
+        o |= put_part<T, W>(in + j * C, count_of(j), cpart(j, c), at(j, r, 0));
       tell_overflow<W>(at(j, r, 0), o);
     };
     put_in(0);
@@ -281,7 +326,7 @@ __global__ void __launch_bounds__(kThreads) sym_wire_kernel(const __grid_constan
       auto src = [&](int q) { return at(j, q, 0); };
       over |= heard_overflow<W>(src, n);
       const WSpan<W> reduced = one ? WSpan<W>{nullptr, cap} : reduced_at(j, r);
-      const bool o = fold_part<T, W>(s, src, n, count, cpart(j, one ? 0 : r), a.divisor, &reduced, out + begin);
+      const bool o = fold_part<T, W>(src, n, count, cpart(j, one ? 0 : r), a.divisor, &reduced, out + begin);
       over |= o;
       if (!one) tell_overflow<W>(reduced, o);
       if (j + 1 < a.pieces) {
@@ -294,19 +339,19 @@ __global__ void __launch_bounds__(kThreads) sym_wire_kernel(const __grid_constan
       auto red = [&](int q) { return reduced_at(j, q); };
       over |= heard_overflow<W>(red, n);
       for (int c = 0; c < n; ++c)
-        if (c != r) get_part<T, W>(s, reduced_at(j, c), count, cpart(j, c), out + begin);
+        if (c != r) get_part<T, W>(reduced_at(j, c), count, cpart(j, c), out + begin);
     }
   } else {  // reduce_scatter: span c of the half holds this piece of chunk c
     for (int64_t j = 0; j < a.pieces; ++j) {
       const int64_t begin = j * C, count = count_of(j);
       const ring::Span P = mine(j, 0, cap);
       bool o = false;
-      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin, count, P, at(j, r, c));
+      for (int c = 0; c < n; ++c) o |= put_part<T, W>(in + c * m + begin, count, P, at(j, r, c));
       for (int c = 0; c < n; ++c) tell_overflow<W>(at(j, r, c), o);
       if (!barrier(a, epoch(j), kStart, j, a.wire_span, &s_claim)) break;
       auto src = [&](int q) { return at(j, q, r); };
       over |= heard_overflow<W>(src, n);
-      fold_part<T, W>(s, src, n, count, P, a.divisor, static_cast<const WSpan<W>*>(nullptr), out + begin);
+      fold_part<T, W>(src, n, count, P, a.divisor, static_cast<const WSpan<W>*>(nullptr), out + begin);
     }
   }
   end_epochs(a, e0 + a.pieces);
@@ -319,21 +364,20 @@ template <class T, Wire W>
 __global__ void __launch_bounds__(kThreads) wire_local_kernel(const T* in, T* out, int64_t numel,
                                                              bool twice, uint64_t* overflow_seq,
                                                              uint64_t op_seq) {
-  __shared__ TileMem s;
   const int64_t nblk = (numel + kWireBlock - 1) / kWireBlock;
   const WSpan<W> nowhere{nullptr, 0};
+  const bool vin = aligned(in), vout = aligned(out);
   bool over = false;
-  for (int64_t b = blockIdx.x * static_cast<int64_t>(kTileBlocks); b < nblk; b += gridDim.x * static_cast<int64_t>(kTileBlocks)) {
-    const int nt = static_cast<int>(ring::min64(kTileBlocks, nblk - b));
-    const int64_t ne = ring::min64(nt * kWireBlock, numel - b * kWireBlock), at = b * kWireBlock;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < ne; i += blockDim.x) s.v[i] = Num<T>::up(load1(in + at + i));
-    measure<W>(s, nt, ne);
-    if (twice) {  // each thread rewrites its own elements of s.v
-      over |= round_tile<W>(s, nt, ne, nowhere, 0, [&](int64_t i, float v) { s.v[i] = v; });
-      measure<W>(s, nt, ne);
-    }
-    over |= round_tile<W>(s, nt, ne, nowhere, 0, [&](int64_t i, float v) { store1(out + at + i, Num<T>::down(v)); });
+  // the grid's warps over the tensor's wire blocks, a batch each at a time
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kLanes);
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kLanes) + threadIdx.x / kLanes;
+  for (int64_t b0 = w * kBatch; b0 < nblk; b0 += warps * kBatch) {
+    const int nb = static_cast<int>(ring::min64(kBatch, nblk - b0));
+    float v[kBatch][kPer];
+    get_values(in, vin, v, b0, nb, numel);
+    if (twice) over |= round_batch<W>(v, b0, nb, numel, nowhere);
+    over |= round_batch<W>(v, b0, nb, numel, nowhere);
+    put_values(out, vout, v, b0, nb, numel);
   }
   if (W == Wire::F16 && __syncthreads_or(over) && threadIdx.x == 0)
     *reinterpret_cast<volatile uint64_t*>(overflow_seq) = op_seq;
@@ -355,7 +399,7 @@ void launch_sym_wire(const SymArgs& a, cudaStream_t stream) {
     using T = decltype(tag);
     dispatch_wire(static_cast<Wire>(a.wire), [&](auto wtag) {
       constexpr auto kernel = &sym_wire_kernel<T, decltype(wtag)::value>;
-      RR_LAUNCH(kernel, a.blocks, kThreads, stream, a);
+      RR_LAUNCH_WARPS(kernel, a.blocks, kThreads, stream, a);
     });
   });
   RR_CUDA_CHECK(cudaGetLastError());
@@ -363,15 +407,15 @@ void launch_sym_wire(const SymArgs& a, cudaStream_t stream) {
 
 void launch_wire_local(const Call& c, uint64_t* overflow_seq, uint64_t op_seq, cudaStream_t stream) {
   if (c.numel <= 0) return;
-  const int64_t tiles = (c.numel + kTile - 1) / kTile;
+  const int64_t per_block = (kThreads / kLanes) * kBatch * kWireBlock;  // elements a block's warps take at once
   // No peer to spin with: as many blocks as the device holds at once.
-  const int blocks = static_cast<int>(ring::min64(tiles, 2 * std::max(1, sm_count())));
+  const int blocks = static_cast<int>(ring::min64((c.numel + per_block - 1) / per_block, 2 * std::max(1, sm_count())));
   const bool twice = c.coll == Coll::AllReduce;
   dispatch_wire_dtype(c.dtype, [&](auto tag) {
     using T = decltype(tag);
     dispatch_wire(c.wire, [&](auto wtag) {
       constexpr auto kernel = &wire_local_kernel<T, decltype(wtag)::value>;
-      RR_LAUNCH(kernel, blocks, kThreads, stream, static_cast<const T*>(c.in), static_cast<T*>(c.out),
+      RR_LAUNCH_WARPS(kernel, blocks, kThreads, stream, static_cast<const T*>(c.in), static_cast<T*>(c.out),
                 c.numel, twice, overflow_seq, op_seq);
     });
   });

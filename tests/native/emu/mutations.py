@@ -303,14 +303,19 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_failed_call_survives_close"]),
         "a Work waited on after close reports success for a call that failed on the device (issue 51, finding 4)"),
     # The narrow wire on the workspace (csrc/cuda/p2p/sym_wire.cu, issue 52).
-    "wire_scales_of_first_threads_only": (
-        WIRE, "    for (int t = threadIdx.x; t < nblk; t += blockDim.x) {\n      float inv, sc;",
-        "    for (int t = threadIdx.x; t < nblk && t < 8; t += blockDim.x) {\n      float inv, sc;",
-        WIRE_TEST, "a tile's wire blocks past the first 8 keep stale scales (the bug found while writing "
-        "the kernel: one scale per thread, with fewer threads than blocks)"),
+    "wire_scale_of_one_lane": (
+        WIRE, "    warp_max(amax);\n", "", WIRE_TEST,
+        "each lane scales its own 4 elements: an fp8 block's scale not from the whole block's largest magnitude"),
+    "wire_scale_gathered_from_wrong_lane": (
+        WIRE, "const int s = lane() / kBatch, u = lane() % kBatch;", "const int s = lane() / kBatch, u = 0;", WIRE_TEST,
+        "a fold decodes every block of a batch with the first block's scale"),
+    "wire_warp_max_divergent": (
+        WIRE, "    warp_max(amax);\n", "    if (left_of(b0, 0, nb, count) > 0) warp_max(amax);\n", WIRE_TEST,
+        "a warp reduction that only the lanes with an element call (undefined on a GPU; the emulator aborts)"),
     "wire_sum_not_rounded_again": (
-        WIRE, "[&](int64_t i, float v) { store1(out + at + i, Num<T>::down(v)); });\n  });\n  return over;",
-        "[&](int64_t i, float) { store1(out + at + i, Num<T>::down(s.v[i])); });\n  });\n  return over;", WIRE_TEST,
+        WIRE, "    if (dst) over |= round_batch<W>(acc, b0, nb, count, *dst);",
+        "    float kept[kBatch][kPer];\n    __builtin_memcpy(kept, acc, sizeof acc);\n"
+        "    if (dst) over |= round_batch<W>(kept, b0, nb, count, *dst);", WIRE_TEST,
         "the reducing rank keeps its unrounded sum while the others decode the rounded one"),
     "wire_twoshot_no_middle_barrier": (
         WIRE, "        ok = barrier(a, epoch(j), kMiddle, j, a.wire_span, &s_claim);", "", WIRE_TEST,
@@ -326,8 +331,8 @@ MUTATIONS = {
         "ranks on different wires read each other's spans as their own type"),
     "wire_rs_grid_from_tensor_start": (
         WIRE,
-        "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin, count, P, at(j, r, c));",
-        "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(s, in + c * m + begin + (c ? 1 : 0), count, P, at(j, r, c));",
+        "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(in + c * m + begin, count, P, at(j, r, c));",
+        "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(in + c * m + begin + (c ? 1 : 0), count, P, at(j, r, c));",
         WIRE_TEST, "reduce_scatter rounds a chunk's elements shifted by one (blocks not from the chunk's start)"),
     # Imported memory (issue 70): the prediction checked at the start barrier, and its release.
     "imported_peers_hash_unchecked": (

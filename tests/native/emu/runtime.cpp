@@ -159,7 +159,7 @@ struct Context {
 #endif
 
 struct Fiber {
-  enum State { kRun, kBarrier, kDone };
+  enum State { kRun, kBarrier, kWarp, kDone };
   Context ctx;
   dim3 tid;
   State state = kRun;
@@ -167,7 +167,13 @@ struct Fiber {
   const char* file = nullptr;  // the __syncthreads() it waits at (kBarrier)
   int line = 0;
   unsigned or_calls = 0;  // __syncthreads_or() calls made
+  unsigned warp_calls = 0;  // warp_max() calls made (kWarp: the one it waits in)
+  int warp_count = 0;       // how many values it passed to that call
 };
+
+// Warps: 32 consecutive threads (linear index), as on a GPU.
+constexpr size_t kWarpSize = 32;
+constexpr int kWarpVals = 8;  // values one warp_max() call reduces at most
 
 struct Block {
   Context sched;
@@ -178,7 +184,41 @@ struct Block {
   // __syncthreads_or's votes, by call number mod 3: a thread clears the word of the call after
   // next, which no thread can still be reading (all have passed this call's barrier) or writing.
   int or_votes[3] = {};
+  // warp_max's values, [fiber][kWarpVals], by call number mod 2: a thread writes call k + 2's
+  // values only after every thread of its warp has passed call k + 1, so after they read call k's.
+  std::vector<uint32_t> warp_vals[2];
 };
+
+// Releases the warps whose every thread waits in the same warp_max() call. A warp that cannot go
+// on (a thread in another call, at __syncthreads() or finished while the others wait in one) is
+// divergent: undefined on a GPU (a hang or wrong values); here an abort naming the warp.
+bool release_warps(Block& b, dim3 bidx, int device) {
+  bool any = false;
+  for (size_t w0 = 0; w0 < b.fibers.size(); w0 += kWarpSize) {
+    const size_t w1 = std::min(b.fibers.size(), w0 + kWarpSize);
+    size_t waiting = 0, stuck = 0;
+    for (size_t i = w0; i < w1; ++i) {
+      waiting += b.fibers[i].state == Fiber::kWarp;
+      stuck += b.fibers[i].state != Fiber::kRun;
+    }
+    if (waiting == 0) continue;
+    bool same = waiting == w1 - w0;
+    for (size_t i = w0 + 1; same && i < w1; ++i)
+      same = b.fibers[i].warp_calls == b.fibers[w0].warp_calls && b.fibers[i].warp_count == b.fibers[w0].warp_count;
+    if (!same && stuck < w1 - w0) continue;  // a thread still runs: it may come to the call
+    if (!same) {
+      std::fprintf(stderr, "emu: divergent warp_max() in warp %zu of block %u on device %d: not every "
+                   "thread of the warp is in the same call\n", w0 / kWarpSize, bidx.x, device);
+      std::fflush(stderr);
+      std::printf("FAIL emu: divergent warp_max() in warp %zu\n", w0 / kWarpSize);
+      std::fflush(stdout);
+      std::abort();
+    }
+    for (size_t i = w0; i < w1; ++i) b.fibers[i].state = Fiber::kRun;
+    any = true;
+  }
+  return any;
+}
 
 thread_local Block* tl_block = nullptr;
 const dim3 kHostThread{0, 0, 0};
@@ -276,6 +316,7 @@ void run_block(const std::function<void()>* body, dim3 bidx, dim3 bdim, dim3 gdi
       switch_to(b.sched, f.ctx);
       if (f.state == Fiber::kDone) ++done;
     }
+    if (release_warps(b, bidx, device)) continue;
     bool running = false, waiting = false;
     for (Fiber& f : b.fibers) {
       running |= f.state == Fiber::kRun;
@@ -337,6 +378,48 @@ int syncthreads_or(int pred, const char* file, int line) {
   const int any = b->or_votes[call % 3];
   b->or_votes[(call + 2) % 3] = 0;
   return any;
+}
+
+// A warp's rendezvous: the thread's count values into the warp's table; back when every thread
+// of the warp is in the same call. Returns the warp's rows ([lane][kWarpVals]), valid until this
+// thread's next call.
+const uint32_t* warp_rendezvous(const uint32_t* v, int count) {
+  Block* b = tl_block;
+  if (count < 1 || count > kWarpVals) {
+    std::fprintf(stderr, "emu: a warp exchange of %d values (at most %d)\n", count, kWarpVals);
+    std::abort();
+  }
+  Fiber* f = b->cur;
+  const size_t i = static_cast<size_t>(f - b->fibers.data()), n = b->fibers.size();
+  std::vector<uint32_t>& vals = b->warp_vals[f->warp_calls % 2];
+  if (vals.empty()) vals.resize(n * kWarpVals);
+  std::copy(v, v + count, vals.begin() + i * kWarpVals);
+  f->warp_count = count;
+  f->state = Fiber::kWarp;
+  switch_to(f->ctx, b->sched);  // back when every thread of the warp is in this call
+  ++f->warp_calls;
+  return vals.data() + i / kWarpSize * kWarpSize * kWarpVals;
+}
+
+size_t warp_lanes() {
+  const size_t i = static_cast<size_t>(tl_block->cur - tl_block->fibers.data()), n = tl_block->fibers.size();
+  return std::min(kWarpSize, n - i / kWarpSize * kWarpSize);
+}
+
+void warp_max(uint32_t* v, int count) {
+  if (!tl_block) return;  // the host: a warp of one
+  const uint32_t* rows = warp_rendezvous(v, count);
+  for (int u = 0; u < count; ++u)
+    for (size_t l = 0; l < warp_lanes(); ++l) v[u] = std::max(v[u], rows[l * kWarpVals + u]);
+}
+
+void warp_gather(uint32_t mine, uint32_t* out, int count) {
+  if (!tl_block) {
+    for (int u = 0; u < count; ++u) out[u] = u == 0 ? mine : 0;
+    return;
+  }
+  const uint32_t* rows = warp_rendezvous(&mine, 1);
+  for (int u = 0; u < count; ++u) out[u] = static_cast<size_t>(u) < warp_lanes() ? rows[u * kWarpVals] : 0;
 }
 
 void spin_hint() {
@@ -1221,7 +1304,7 @@ void emu_fail_launches(int n, cudaError_t e) {
 }  // extern "C"
 
 // ---- launches ---------------------------------------------------------------------------------------------------
-void emu::launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void()> body) {
+void emu::launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void()> body, bool warps) {
   if (cudaError_t s = sticky(tl_device)) {
     fail(s);
     return;
@@ -1243,6 +1326,9 @@ void emu::launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void(
     }
   dim3 run = block;
   if (block.y == 1 && block.z == 1) run.x = std::min<unsigned>(block.x, g_block_threads);
+  // A kernel of warps (RR_LAUNCH_WARPS) runs whole ones: EMU_BLOCK_THREADS rounded to them.
+  const unsigned warp = static_cast<unsigned>(kWarpSize);
+  if (warps && block.x % warp == 0) run.x = std::max(warp, run.x / warp * warp);
   const uint64_t seed = ++g_launches * 0x9e3779b97f4a7c15ull;
   CUstream_st* st = resolve(stream);
   enqueue(stream, [st, grid, run, blocks, seed, body = std::move(body)] {

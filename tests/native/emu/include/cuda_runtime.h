@@ -97,6 +97,9 @@ struct dim3 {
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
 struct cudaIpcMemHandle_t {
   char reserved[64];
 };
@@ -180,10 +183,16 @@ extern thread_local dim3 block_idx, block_dim, grid_dim;
 void syncthreads(const char* file = nullptr, int line = 0);
 // __syncthreads_or(pred): the same barrier, returning whether pred was non-zero on any thread.
 int syncthreads_or(int pred, const char* file, int line);
+// v[u] = the largest v[u] of the calling warp's threads (32 consecutive threads), for u < count
+// <= 8; every thread of the warp must make the same call (a divergent one aborts, naming the warp).
+void warp_max(uint32_t* v, int count);
+// out[u] = the value `mine` of the warp's thread u (lane u), for u < count <= 32; the same rule.
+void warp_gather(uint32_t mine, uint32_t* out, int count);
 // In spin loops: lets the block's other fibers and the other OS threads run (2 cores, many blocks).
 void spin_hint();
 // Enqueues body on stream to run grid x block times; a bad configuration sets the last error.
-void launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void()> body);
+// warps: the kernel exchanges values within warps (warp_max): whole warps of 32 threads run.
+void launch(dim3 grid, dim3 block, cudaStream_t stream, std::function<void()> body, bool warps = false);
 // The cost model (cost.cpp; emu_cost_* in emu.h): hooks of data accesses, flag stores and
 // completed waits, called by the device code below and by csrc/cuda/platform.cuh.
 extern std::atomic<bool> cost_enabled;

@@ -24,7 +24,8 @@ int emu_capture_invalidated(cudaStream_t stream);
 // Clears a device's sticky error (cudaDeviceReset without freeing anything), for the next test.
 void emu_clear_fault(int device);
 // Threads per block that a launch actually runs (EMU_BLOCK_THREADS, default 8; the kernels stride
-// by blockDim.x, so fewer threads than requested only lengthens their loops).
+// by blockDim.x, so fewer threads than requested only lengthens their loops). A kernel launched by
+// RR_LAUNCH_WARPS runs it rounded to whole warps of 32 (at least one).
 int emu_block_threads();
 // The weak memory mode (tests/native/emu/weak.cpp): seed != 0 turns it on for kernels launched
 // from now on, with that seed (each seed, another random order of stores landing); 0 turns it off.
