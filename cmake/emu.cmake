@@ -17,11 +17,11 @@ target_link_libraries(nccl_standin PRIVATE cuda_emu)
 target_compile_options(nccl_standin PRIVATE -Wall -Wextra)
 
 add_library(ringreduce_cuda_emu STATIC tests/native/emu/kernels/reduce.cpp
-            tests/native/emu/kernels/p2p_kernel.cpp tests/native/emu/kernels/sym_kernel.cpp tests/native/emu/kernels/sym_wire.cpp tests/native/emu/kernels/ll_kernel.cpp csrc/cuda/p2p/endpoint.cpp csrc/cuda/p2p/imports.cpp csrc/cuda/p2p/diagnose.cpp csrc/cuda/p2p/copy.cpp csrc/cuda/p2p/plan.cpp csrc/cuda/nccl/endpoint.cpp csrc/cuda/call_log.cpp csrc/cuda/host.cpp)
+            tests/native/emu/kernels/p2p_kernel.cpp tests/native/emu/kernels/sym_kernel.cpp tests/native/emu/kernels/sym_wire.cpp tests/native/emu/kernels/ll_kernel.cpp tests/native/emu/kernels/hier_divide.cpp tests/native/emu/kernels/hier_wire.cpp csrc/cuda/hier/endpoint.cpp csrc/cuda/p2p/endpoint.cpp csrc/cuda/p2p/imports.cpp csrc/cuda/p2p/diagnose.cpp csrc/cuda/p2p/copy.cpp csrc/cuda/p2p/plan.cpp csrc/cuda/nccl/endpoint.cpp csrc/cuda/call_log.cpp csrc/cuda/host.cpp)
 target_link_libraries(ringreduce_cuda_emu PUBLIC ringreduce_core cuda_emu ${CMAKE_DL_LIBS})
 target_compile_options(ringreduce_cuda_emu PRIVATE -Wall -Wextra -O2)
 
-foreach(t test_cuda_kernels test_nccl_ring)
+foreach(t test_cuda_kernels test_nccl_ring test_hier)
   add_executable(${t}_emu tests/native/${t}.cpp)
   target_link_libraries(${t}_emu PRIVATE ringreduce_cuda_emu)
   target_compile_definitions(${t}_emu PRIVATE RR_TEST_NCCL_LIB="$<TARGET_FILE:nccl_standin>"

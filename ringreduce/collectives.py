@@ -19,7 +19,7 @@ ReduceOp = dist.ReduceOp
 _OP_CODES = tuple((getattr(ReduceOp, name), code) for name, code in _C.OP_CODES.items())
 # The dtypes the core reduces, and those a wire takes (csrc/ring/types.h), as torch dtypes.
 SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in _C.DTYPES)
-TRANSPORTS = ("auto", "shm", "p2p", "nccl")
+TRANSPORTS = ("auto", "shm", "p2p", "hier", "nccl")
 # wire_dtype= codes (csrc/ring/types.h, Wire), by torch dtype.
 _WIRE_CODES = tuple((getattr(torch, name), code) for name, code in _C.WIRE_CODES.items())
 WIRE_DTYPES = tuple(d for d, _ in _WIRE_CODES)

@@ -115,6 +115,57 @@ def test_smoke(env):
     assert all(run_ranks(2, smoke_worker, timeout=120, env=env))
 
 
+# Issue 74: ranks on two hosts (RINGREDUCE_HOST_ID; NCCL between them as setup_rank lets ranks
+# share a GPU): the two-level plan, chosen by auto, in pieces of 64 KiB (many a call).
+def hier_worker(rank, world):
+    os.environ["RINGREDUCE_HOST_ID"] = f"emulated-host-{rank // 2}"
+    import ringreduce as rr
+    from ringreduce import _lifecycle
+    dev = setup_rank(rank)
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        for op in OPS:
+            for numel in (1, 3, 4096 * world + 3, 300_001):
+                ins = [make_input(r, numel, dtype, op, seed=numel) for r in range(world)]
+                t = ins[rank].to(dev)
+                rr.all_reduce(t, op=op)
+                exp, tol = reference(ins, op)
+                if bad_count(t, exp, tol):
+                    failures.append(f"all_reduce {dtype} {op} numel={numel}")
+                ins = [make_input(r, numel * world, dtype, op, seed=numel + 1) for r in range(world)]
+                out = torch.empty(numel, dtype=dtype, device=dev)
+                rr.reduce_scatter_tensor(out, ins[rank].to(dev), op=op)
+                exp, tol = reference(ins, op)
+                lo, hi = rank * numel, (rank + 1) * numel
+                if bad_count(out, exp[lo:hi], None if tol is None else tol[lo:hi]):
+                    failures.append(f"reduce_scatter {dtype} {op} numel={numel}")
+        g = torch.empty(1000 * world, dtype=dtype, device=dev)
+        rr.all_gather_into_tensor(g, torch.full((1000,), rank, dtype=dtype, device=dev))
+        if not torch.equal(g.cpu(), torch.arange(world).repeat_interleave(1000).to(dtype)):
+            failures.append(f"all_gather {dtype}")
+    # the narrow wire between hosts: the CPU's two-level wire bits (tests/reference.py)
+    from reference import wire_hosts_reference
+    from test_wire import bits, wide_input
+    hosts = [f"h{r // 2}" for r in range(world)]
+    for wire in (torch.bfloat16, torch.float8_e4m3fn):
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            for numel in (1, 1000, 300_001):
+                ins = [wide_input(r, numel, torch.float32, seed=numel) for r in range(world)]
+                t = ins[rank].to(dev)
+                rr.all_reduce(t, op=op, wire_dtype=wire)
+                if not torch.equal(bits(t.cpu()), bits(wire_hosts_reference(ins, hosts, wire, op))):
+                    failures.append(f"all_reduce wire={wire} {op} numel={numel}")
+    transports = [c.transport for c in _lifecycle.REGISTRY.live(("cuda", dev.index))]
+    finish()
+    return transports, failures
+
+
+def test_hier_two_hosts():
+    env = {"RINGREDUCE_HIER_PIECE_KB": "64"}
+    for transports, failures in run_ranks(4, hier_worker, timeout=600, env=env):
+        assert transports == ["hier"] and not failures, (transports, failures)
+
+
 # -- stage 2: the sweep -------------------------------------------------------------------------
 def sweep_worker(rank, world, sizes, dtypes):
     import ringreduce as rr

@@ -108,8 +108,18 @@ def test_decide_transport():
     host = "node1/boot-a"
     assert _cuda.policy.decide_transport([host] * 4, ["ok"] * 4)[0] == "p2p"
     assert _cuda.policy.decide_transport([host], ["ok"])[0] == "p2p"
+    # across hosts (issue 74): the two-level plan where each host's ranks map each other
     transport, why = _cuda.policy.decide_transport([host, "node2/boot-b"], ["ok", "ok"])
-    assert transport == "nccl" and "2 hosts" in why
+    assert transport == "hier" and "2 hosts" in why
+    two_by_two = [host, host, "node2/boot-b", "node2/boot-b"]
+    assert _cuda.policy.decide_transport(two_by_two, ["ok"] * 4)[0] == "hier"
+    # the flat ring: deterministic mode (rank order), unequal hosts, a host's pair without P2P
+    transport, why = _cuda.policy.decide_transport(two_by_two, ["ok"] * 4, deterministic=True)
+    assert transport == "nccl" and "deterministic" in why
+    transport, why = _cuda.policy.decide_transport([host] * 3 + ["node2/boot-b"], ["ok"] * 4)
+    assert transport == "nccl" and "unequal" in why and "[3, 1]" in why
+    transport, why = _cuda.policy.decide_transport(two_by_two, ["ok", "ok", "ok", "no peer access"])
+    assert transport == "nccl" and "rank 3" in why and "host's ranks" in why
     # one pair of neighbours without peer access (PCIe without P2P): nccl, naming the rank and why
     transport, why = _cuda.policy.decide_transport(
         [host] * 3, ["ok", "devices 1 and 2 (0000:41:00.0) have no peer access", "ok"])

@@ -7,6 +7,7 @@
 
 #include "binding/cuda_comm.h"
 #include "binding/cuda_imports.h"
+#include "cuda/hier/endpoint.h"
 #include "cuda/nccl/endpoint.h"
 #include "cuda/p2p/endpoint.h"
 
@@ -17,7 +18,9 @@ namespace rc = ringreduce::cuda;
 
 // The p2p endpoint behind c, for what only that transport has (IPC handles, shared buffers, the
 // copy algorithm, its tuning).
+// The two-level transport's is its host's ring (its ranks map each other).
 rc::p2p::Endpoint& p2p_of(CudaComm& c) {
+  if (auto* h = dynamic_cast<rc::hier::Endpoint*>(&c.transport())) return h->intra();
   auto* e = dynamic_cast<rc::p2p::Endpoint*>(&c.transport());
   TORCH_CHECK(e != nullptr, "ringreduce: this communicator runs ", c.transport().name(),
               "; only the p2p transport has this");
@@ -189,6 +192,45 @@ void register_cuda(py::module_& m) {
         },
         py::arg("device"), py::arg("rank"), py::arg("nranks"), py::arg("timeout_s"),
         py::arg("staging_bytes"), py::arg("lib"), py::arg("id"));
+
+  // The two-level transport (ranks on several hosts): this host's ring (p2p, connected afterwards
+  // by connect(), as P2pComm's) and the ring of this local rank over the hosts (nccl, collective
+  // over them: every one constructs with the same id).
+  m.def("HierComm", [](int device, int rank, const std::vector<std::vector<int>>& hosts, size_t piece_bytes,
+                       double timeout_s, double intra_timeout_s, size_t chunk_bytes, int max_blocks,
+                       int sym_blocks, size_t staging_bytes, const std::string& lib, const std::string& id) {
+          c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+          rc::hier::Options ho;
+          ho.rank = rank;
+          ho.hosts = hosts;
+          ho.piece_bytes = piece_bytes;
+          const rc::hier::Layout where(ho);  // checks the layout before anything is made
+          rc::p2p::Options po;
+          po.rank = where.local;
+          po.nranks = where.nlocal;
+          po.timeout_s = intra_timeout_s;
+          po.chunk_bytes = chunk_bytes;
+          po.max_blocks = max_blocks;
+          po.sym_blocks = sym_blocks;
+          auto intra = std::make_unique<rc::p2p::Endpoint>(po);
+          rc::nccl::Options no;
+          no.rank = where.host;
+          no.nranks = where.nhosts;
+          no.timeout_s = timeout_s;
+          no.staging_bytes = staging_bytes;
+          no.lib = lib;
+          std::unique_ptr<rc::nccl::Endpoint> cross;
+          {
+            py::gil_scoped_release nogil;  // waits for the other hosts (bounded by timeout_s)
+            cross = std::make_unique<rc::nccl::Endpoint>(no, id);
+          }
+          return std::make_unique<CudaComm>(
+              std::make_unique<rc::hier::Endpoint>(ho, std::move(intra), std::move(cross)));
+        },
+        py::arg("device"), py::arg("rank"), py::arg("hosts"), py::arg("piece_bytes"), py::arg("timeout_s"),
+        py::arg("intra_timeout_s"), py::arg("chunk_bytes"), py::arg("max_blocks"), py::arg("sym_blocks"),
+        py::arg("staging_bytes"), py::arg("lib"), py::arg("id"));
+  m.attr("HIER_PIECE_BYTES") = rc::hier::kDefaultPieceBytes;
 
   m.def("nccl_unique_id", [](const std::string& lib) { return py::bytes(rc::nccl::unique_id(lib)); },
         py::arg("lib"));

@@ -27,14 +27,14 @@ inline const char* coll_name(Coll c) {
 
 // Which algorithm a call runs; each transport runs a subset (shm: ring, oneshot, twoshot, cma,
 // pool, wire; p2p: ring, oneshot, twoshot, registered, copy, imported, ll; nccl: ring, oneshot,
-// twoshot). Values are part of the message headers.
+// twoshot; hier: two-level). Values are part of the message headers.
 enum class Algo : uint8_t {
-  Auto = 0, Ring, OneShot, TwoShot, Cma, Pool, Wire, Registered, Copy, Imported, LL, kCount
+  Auto = 0, Ring, OneShot, TwoShot, Cma, Pool, Wire, Registered, Copy, Imported, LL, TwoLevel, kCount
 };
 
 inline const char* algo_name(Algo a) {
-  static const char* const names[] = {"auto", "ring", "oneshot", "twoshot", "cma",
-                                      "pool", "wire", "registered", "copy", "imported", "ll"};
+  static const char* const names[] = {"auto", "ring", "oneshot", "twoshot", "cma", "pool",
+                                      "wire", "registered", "copy", "imported", "ll", "two-level"};
   return a < Algo::kCount ? names[static_cast<int>(a)] : "unknown";
 }
 

@@ -1,4 +1,5 @@
-"""CUDA transports: p2p (our ring kernel over CUDA IPC) and nccl (our ring over NCCL send/recv).
+"""CUDA transports: p2p (our kernels over CUDA IPC), nccl (our ring over NCCL send/recv) and hier
+(ranks on several hosts: p2p inside each host, nccl between hosts; csrc/cuda/hier/endpoint.h).
 
 Python owns policy and lifetime, as for the shared-memory ring, through the same lifecycle
 (_lifecycle.py): the transport choice (logged with its reason), the bootstrap through the group's
@@ -72,7 +73,12 @@ class Communicator(_lifecycle.Communicator):
         self._blocking = os.environ.get("RINGREDUCE_BLOCKING_WAIT") == "1"
         _check_connections(self.device)
         self._setup = Bootstrap(self.member, "cuda-" + transport, self.timeout)
-        native = self._bootstrap_p2p() if transport == "p2p" else self._bootstrap_nccl()
+        bootstrap = {"p2p": self._bootstrap_p2p, "nccl": self._bootstrap_nccl,
+                     "hier": self._bootstrap_hier}.get(transport)
+        if bootstrap is None:
+            raise ValueError(f"ringreduce: RINGREDUCE_TRANSPORT must be auto, p2p, hier or nccl for "
+                             f"CUDA tensors; got {transport!r}")
+        native = bootstrap()
         try:
             self._watch_peers(native)
         except BaseException:
@@ -229,6 +235,58 @@ class Communicator(_lifecycle.Communicator):
                   self.timeout)
         return native
 
+    def _bootstrap_hier(self):
+        """The two-level plan (ranks on several hosts): this host's ring over p2p, connected as
+        _bootstrap_p2p connects a group's, and local rank j's ring over the hosts over nccl."""
+        setup, n, r = self._setup, self.world_size, self.rank
+        self._direct_possible()  # every rank's host, device, SMs and MPS (self._where)
+        hosts = [h for h, _, _, _ in self._where]
+        order = list(dict.fromkeys(hosts))
+        by_host = [[q for q in range(n) if hosts[q] == h] for h in order]
+        host = order.index(hosts[r])
+        local = by_host[host].index(r)
+        if len({len(rs) for rs in by_host}) != 1:
+            raise ValueError(f"ringreduce: the hier transport needs the same number of ranks on every "
+                             f"host; ranks by host: {by_host} (RINGREDUCE_TRANSPORT=nccl runs any layout)")
+        k = p2p_knobs()
+        kb = os.environ.get("RINGREDUCE_HIER_PIECE_KB", "").strip()
+        piece = int(kb) << 10 if kb else _C.HIER_PIECE_BYTES
+        # Every rank's plan of a call must be the same: its knobs and the piece size.
+        config = f"{k['config']}/{piece}".encode()
+        setup.set(f"config/{r}", config)
+        for peer, theirs in enumerate(setup.all("config", n, "knobs")):
+            if theirs != config:
+                raise ValueError(f"ringreduce: rank {r} has p2p {'/'.join(P2P_KNOBS)}/piece "
+                                 f"{config.decode()} but rank {peer} has {theirs.decode()}; set the "
+                                 f"RINGREDUCE_CUDA_* knobs and RINGREDUCE_HIER_PIECE_KB alike on "
+                                 f"every rank")
+        lib = _nccl_lib()
+        if host == 0:  # the id of local rank j's ring over the hosts
+            setup.set(f"cross-id/{local}", _C.nccl_unique_id(lib))
+        uid = setup.get(f"cross-id/{local}", f"the NCCL id of local rank {local}'s ring")
+        max_blocks = resident_blocks(self._where)
+        if k["blocks_cap"]:
+            max_blocks = min(max_blocks, k["blocks_cap"])
+        # The host's waits outlast the waits between hosts (as the CPU's hierarchy): a rank waiting
+        # on its host for one that waits on a lost host reports the host, not the local rank.
+        grace = max(5.0, 0.05 * self.timeout)
+        native = _C.HierComm(self.device.index, r, by_host, piece, self.timeout, self.timeout + grace,
+                             k["chunk_bytes"], max_blocks, k["sym_blocks_set"] or DEFAULT_SYM_BLOCKS,
+                             env_int("RINGREDUCE_NCCL_STAGING_BYTES", DEFAULT_STAGING_BYTES), lib, uid)
+        try:
+            setup.set(f"handle/{r}", native.handle())
+            self._warn_if_sharing()
+            native.connect([b"" if q == r else setup.get(f"handle/{q}", f"rank {q}'s IPC handle")
+                            for q in by_host[host]])
+        except BaseException:
+            native.close(False)
+            raise
+        log.debug("rank %d/%d: hier ready on %s: host %d of %d (local rank %d of %d; ranks by host "
+                  "%s), pieces of %d B, at most %d blocks a call inside the host, timeout %g s",
+                  r, n, self.device, host, len(by_host), local, len(by_host[host]), by_host, piece,
+                  max_blocks, self.timeout)
+        return native
+
     def _watch_peers(self, native):
         """The native watcher checks the pids of the ranks on this host (others cannot be seen)."""
         me = host_id()
@@ -345,10 +403,16 @@ class Communicator(_lifecycle.Communicator):
     def _check_wire(self, wire, fn):
         if not wire:
             return
-        if self.transport != "p2p":
+        if self.transport == "hier" and (fn != "all_reduce" or wire == _WIRE_F16):
+            raise NotImplementedError(
+                f"ringreduce.{fn}: across hosts, wire_dtype on CUDA tensors runs in all_reduce with "
+                f"torch.bfloat16 or a float8 wire (the leg between hosts; float16's overflow check "
+                f"and a wire reduce_scatter are not built there)")
+        if self.transport not in ("p2p", "hier"):
             raise NotImplementedError(
                 f"ringreduce.{fn}: wire_dtype on CUDA tensors runs on the p2p transport (every "
-                f"GPU maps its peers' memory); this group runs {self.transport}")
+                f"GPU maps its peers' memory) and, across hosts, on hier; this group runs "
+                f"{self.transport}")
         if wire == _WIRE_F16 and torch.cuda.is_current_stream_capturing():
             raise NotImplementedError(
                 f"ringreduce.{fn}: wire_dtype=torch.float16 cannot be captured in a CUDA graph "

@@ -92,14 +92,30 @@ def tuned(device_name, world, ranks_per_device, path=TUNING_PATH):
                         f"{ranks_per_device} ranks per device in {os.path.basename(path)})")
 
 
-def decide_transport(hosts, verdicts):
+def decide_transport(hosts, verdicts, deterministic=False):
     """(transport, reason) from every rank's host and its peer-access verdict ("ok", or why its
-    device cannot map a neighbour's memory). The same inputs on every rank give the same answer."""
-    if len(set(hosts)) > 1:
-        return "nccl", f"the {len(hosts)} ranks are on {len(set(hosts))} hosts"
+    device cannot map the memory of the ranks it must: its neighbours on one host, every rank of
+    its host across hosts). The same inputs on every rank give the same answer.
+    Across hosts: "hier" (the two-level plan: p2p inside each host, nccl between hosts) when every
+    host has the same number of ranks, at most MAX_DIRECT_RANKS, all mapping each other, and not in
+    deterministic mode (each host's partial sum first is not the rank order); else the flat
+    "nccl" ring."""
+    nhosts = len(set(hosts))
     for rank, verdict in enumerate(verdicts):
         if verdict != "ok":
-            return "nccl", f"rank {rank} cannot map its neighbours' memory: {verdict}"
+            whose = "its host's ranks'" if nhosts > 1 else "its neighbours'"
+            return "nccl", f"rank {rank} cannot map {whose} memory: {verdict}"
+    if nhosts > 1:
+        sizes = [hosts.count(h) for h in dict.fromkeys(hosts)]
+        where = f"the {len(hosts)} ranks are on {nhosts} hosts"
+        if deterministic:
+            return "nccl", f"{where}; deterministic mode reduces in rank order: the flat ring"
+        if len(set(sizes)) > 1:
+            return "nccl", f"{where} with unequal rank counts {sizes}: the flat ring"
+        if sizes[0] > MAX_DIRECT_RANKS:
+            return "nccl", f"{where}, {sizes[0]} on each (the host's plan maps at most {MAX_DIRECT_RANKS})"
+        return "hier", (f"{where}, {sizes[0]} on each, mapping each other: p2p inside each host, "
+                        f"nccl between hosts")
     return "p2p", (f"all {len(hosts)} ranks are on host {hosts[0].split('/')[0]} and can map "
                    f"their neighbours' memory")
 
@@ -107,19 +123,23 @@ def decide_transport(hosts, verdicts):
 def choose_transport(member, requested, device, timeout=None):
     """p2p when every rank is on this host and every device can map its neighbours' memory (the
     same GPU, or peers in cudaDeviceCanAccessPeer's sense; every other rank's in deterministic
-    mode), else nccl. RINGREDUCE_TRANSPORT
-    overrides. Collective: every rank of the member's group calls it."""
+    mode); across hosts hier when each host's ranks map each other (decide_transport); else nccl.
+    RINGREDUCE_TRANSPORT overrides. Collective: every rank of the member's group calls it."""
     if requested == "shm":
-        raise ValueError("RINGREDUCE_TRANSPORT=shm cannot move CUDA tensors; use auto, p2p or nccl")
-    if requested in ("p2p", "nccl"):
+        raise ValueError("RINGREDUCE_TRANSPORT=shm cannot move CUDA tensors; use auto, p2p, hier or nccl")
+    if requested in ("p2p", "nccl", "hier"):
         log.debug("transport %s: set by RINGREDUCE_TRANSPORT", requested)
         return requested
     world, rank = member.size, member.rank
     setup = Bootstrap(member, "hosts", timeout or default_timeout())
     setup.set(f"where/{rank}", f"{host_id()}|{_C.cuda_bus_id(device.index)}")
     where = [v.decode().split("|") for v in setup.all("where", world, "host and device")]
+    mine = [q for q in range(world) if where[q][0] == where[rank][0]]
     verdict = "ok"
-    if len({h for h, _ in where}) == 1:
+    if len(mine) < world:
+        # Across hosts: the host's plan runs p2p's direct algorithms among the host's ranks.
+        peers = set(mine) - {rank}
+    else:
         # Deterministic mode runs p2p's direct algorithms only: every pair must map, not just
         # neighbours; else nccl (which reduces in rank order over any layout).
         peers = {(rank - 1) % world, (rank + 1) % world} - {rank}
@@ -128,13 +148,13 @@ def choose_transport(member, requested, device, timeout=None):
             if world > MAX_DIRECT_RANKS:
                 verdict = (f"deterministic mode needs p2p's direct algorithms, at most "
                            f"{MAX_DIRECT_RANKS} ranks")
-        for peer in sorted(peers):
-            ok, why = _C.cuda_can_map(device.index, where[peer][1])
-            if not ok:
-                verdict = why
+    for peer in sorted(peers):
+        ok, why = _C.cuda_can_map(device.index, where[peer][1])
+        if not ok:
+            verdict = why
     setup.set(f"p2p/{rank}", verdict)
     verdicts = [v.decode() for v in setup.all("p2p", world, "peer-access check")]
-    transport, reason = decide_transport([h for h, _ in where], verdicts)
+    transport, reason = decide_transport([h for h, _ in where], verdicts, _C.deterministic())
     log.debug("transport %s: %s", transport, reason)
     return transport
 

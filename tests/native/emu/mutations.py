@@ -20,7 +20,11 @@ KERNEL = "csrc/cuda/p2p/ring_kernel.cu"
 SYM = "csrc/cuda/p2p/sym_kernel.cu"
 SYM_BARRIER = "csrc/cuda/p2p/sym_barrier.cuh"
 WIRE = "csrc/cuda/p2p/sym_wire.cu"
+WIRE_WARP = "csrc/cuda/p2p/wire_warp.cuh"
 WIRE_TEST = ("test_cuda_kernels_emu", ["test_wire", "weak_wire"])
+HIER = "csrc/cuda/hier/endpoint.cpp"
+HIER_TEST = ("test_hier_emu", ["test_sweep"])
+HIER_WIRE_TEST = ("test_hier_emu", ["test_wire"])
 STANDIN = "tests/native/emu/nccl_standin.cpp"
 P2P_TEST = ("test_cuda_kernels_emu", ["test_ring", "test_timeout", "test_mismatch"])
 NCCL_TEST = ("test_nccl_ring_emu", ["test_sweep"])
@@ -304,16 +308,16 @@ MUTATIONS = {
         "a Work waited on after close reports success for a call that failed on the device (issue 51, finding 4)"),
     # The narrow wire on the workspace (csrc/cuda/p2p/sym_wire.cu, issue 52).
     "wire_scale_of_one_lane": (
-        WIRE, "    warp_max(amax);\n", "", WIRE_TEST,
+        WIRE_WARP, "    warp_max(amax);\n", "", WIRE_TEST,
         "each lane scales its own 4 elements: an fp8 block's scale not from the whole block's largest magnitude"),
     "wire_scale_gathered_from_wrong_lane": (
-        WIRE, "const int s = lane() / kBatch, u = lane() % kBatch;", "const int s = lane() / kBatch, u = 0;", WIRE_TEST,
+        WIRE_WARP, "const int s = lane() / kBatch, u = lane() % kBatch;", "const int s = lane() / kBatch, u = 0;", WIRE_TEST,
         "a fold decodes every block of a batch with the first block's scale"),
     "wire_warp_max_divergent": (
-        WIRE, "    warp_max(amax);\n", "    if (left_of(b0, 0, nb, count) > 0) warp_max(amax);\n", WIRE_TEST,
+        WIRE_WARP, "    warp_max(amax);\n", "    if (left_of(b0, 0, nb, count) > 0) warp_max(amax);\n", WIRE_TEST,
         "a warp reduction that only the lanes with an element call (undefined on a GPU; the emulator aborts)"),
     "wire_sum_not_rounded_again": (
-        WIRE, "    if (dst) over |= round_batch<W>(acc, b0, nb, count, *dst);",
+        WIRE_WARP, "    if (dst) over |= round_batch<W>(acc, b0, nb, count, *dst);",
         "    float kept[kBatch][kPer];\n    __builtin_memcpy(kept, acc, sizeof acc);\n"
         "    if (dst) over |= round_batch<W>(kept, b0, nb, count, *dst);", WIRE_TEST,
         "the reducing rank keeps its unrounded sum while the others decode the rounded one"),
@@ -334,6 +338,42 @@ MUTATIONS = {
         "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(in + c * m + begin, count, P, at(j, r, c));",
         "      for (int c = 0; c < n; ++c) o |= put_part<T, W>(in + c * m + begin + (c ? 1 : 0), count, P, at(j, r, c));",
         WIRE_TEST, "reduce_scatter rounds a chunk's elements shifted by one (blocks not from the chunk's start)"),
+    # The two-level CUDA plan (issue 74): ranks on emulated hosts, the NCCL stand-in between them.
+    "hier_piece_folded_twice": (
+        HIER, "        cross_->run({Coll::AllReduce, c.dtype, red, q, k.buf, k.buf}, st);\n",
+        "        cross_->run({Coll::AllReduce, c.dtype, red, q, k.buf, k.buf}, st);\n"
+        "        cross_->run({Coll::AllReduce, c.dtype, red, q, k.buf, k.buf}, st);\n", HIER_TEST,
+        "a piece's shard reduced between hosts twice"),
+    "hier_partial_sent_before_host_reduce": (
+        HIER, "    after(k.in_host, a, b);\n", "", HIER_TEST,
+        "a host's partial sum sent between hosts before its reduce-scatter inside the host ends"),
+    "hier_slot_reused_early": (
+        HIER, "    if (k.used) RR_CUDA_CHECK(cudaStreamWaitEvent(a, k.free, 0));  // its last reader is done\n", "",
+        HIER_TEST, "a slot's next piece written before its last reader (the other stream) is done"),
+    "hier_avg_divided_by_hosts": (
+        HIER, "        if (c.op == RedOp::Avg) launch_divide(c.dtype, k.buf, q, N, st);",
+        "        if (c.op == RedOp::Avg) launch_divide(c.dtype, k.buf, q, layout_.nhosts, st);", HIER_TEST,
+        "AVG divided by the number of hosts instead of the group's size"),
+    "hier_gather_in_host_order": (
+        HIER, "            RR_CUDA_CHECK(cudaMemcpyAsync(out + (layout_.by_host[h][j] * m + p * K) * es,",
+        "            RR_CUDA_CHECK(cudaMemcpyAsync(out + ((j * layout_.nhosts + h) * m + p * K) * es,", HIER_TEST,
+        "all_gather leaves the chunks in (local rank, host) order, not the group's rank order"),
+    "hier_gather_before_between_hosts": (
+        HIER, "    if (b != s) RR_CUDA_CHECK(cudaStreamWaitEvent(s, k.between, 0));  // recorded after its second leg\n",
+        "", HIER_TEST, "a piece gathered inside the host before its step between hosts ends"),
+    "hier_wire_tail_not_padded": (
+        HIER, "          RR_CUDA_CHECK(cudaMemsetAsync(pad_, 0, unit * es, st));\n", "", HIER_WIRE_TEST,
+        "a wire call's tail padded with stale memory instead of zeros (its last block's scale moves)"),
+    "hier_wire_avg_not_divided_first": (
+        HIER, "        if (c.op == RedOp::Avg) launch_divide(c.dtype, k.buf, H * rn, N, st);\n", "", HIER_WIRE_TEST,
+        "AVG on the wire between hosts not divided by the group's size before rounding"),
+    "hier_wire_fold_not_rounded": (
+        "csrc/cuda/hier/wire.cu", "p2p::fold_part<T, W>(src, nhosts, n, row_part(cap, per_row), 1, &nowhere, out + k * n);",
+        "p2p::fold_part<T, W>(src, nhosts, n, row_part(cap, per_row), 1, static_cast<const WSpan<W>*>(nullptr), out + k * n);",
+        HIER_WIRE_TEST, "the hosts' fold kept in float32 instead of rounded onto the wire once more"),
+    "hier_wire_rows_transposed": (
+        "csrc/cuda/hier/wire.cu", "(h * nrows + k) * row_bytes", "(k * nhosts + h) * row_bytes", HIER_WIRE_TEST,
+        "each host folds the rows of one host instead of row k of every host"),
     # Imported memory (issue 70): the prediction checked at the start barrier, and its release.
     "imported_peers_hash_unchecked": (
         SYM, "          right = right && tw[1] == a.tag_hash;", "",

@@ -1,0 +1,2 @@
+// csrc/cuda/hier/divide.cu compiled by the host compiler for the emulated device (tests only).
+#include "cuda/hier/divide.cu"
