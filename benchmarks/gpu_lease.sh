@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
 # BUDGET_S seconds (default 570): the build, the GPU smoke tests, issue 70's DDP step and GEMM
-# overlap (benchmarks/ddp_step_gpu.py, gpu_overlap.py; DDP=0 skips), the roofline for world 2 (MPS on,
+# overlap (benchmarks/ddp_step_gpu.py, gpu_overlap.py; DDP=0 skips), issue 74's emulated hosts
+# (benchmarks/hier_gpu.py; HIER=0 skips), the roofline for world 2 (MPS on,
 # then off; benchmarks/gpu_roofline.py; torch's SymmetricMemory one-/two-shot in the same bench runs
 # as auto and registered, those runs first, then one-shot and two-shot forced, then two-shot and
 # registered on 64 blocks), profiles of 4 KiB
@@ -73,6 +74,16 @@ if [ "$PART" = all ]; then
     timeout -k 10 75 "$PY" benchmarks/gpu_overlap.py --world 2 --blocks 8,24,64 --repeats 3 \
         --out "$OUT/overlap.json" > "$OUT/overlap.log" 2>&1
     log "overlap exit $?"
+    mps_off
+  fi
+
+  # Issue 74: two emulated hosts of two ranks on this GPU (MPS; NCCL's sockets between them): the
+  # two-level plan, its bf16/fp8 wires, the flat ring, NCCL's own all_reduce (HIER=0 skips it).
+  if [ "${HIER-1}" = 1 ] && [ "$(left)" -ge 330 ]; then
+    nvidia-cuda-mps-control -d > /dev/null 2>&1; sleep 1
+    log "hier (benchmarks/hier_gpu.py, MPS)"
+    timeout -k 10 90 "$PY" benchmarks/hier_gpu.py --iters 8 --warmup 2 > "$OUT/hier.log" 2>&1
+    log "hier exit $?: $(grep -cE '^ *[0-9]+M |not run' "$OUT/hier.log") rows"
     mps_off
   fi
 
