@@ -166,13 +166,15 @@ static void test_lost_host() {
   std::string f[2];
   for (;;) {
     for (int r : {0, 1}) f[r] = g.eps[r]->failure();
-    const bool named = contains(f[0], "host 1 (ranks 2, 3)") && contains(f[1], "host 1 (ranks 2, 3)");
+    const bool named = contains(f[0], "the other host, host 1 (ranks 2, 3)") &&
+                       contains(f[1], "the other host, host 1 (ranks 2, 3)");
     if (named || seconds_since(t0) > timeout + 10) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   const double took = seconds_since(t0);
   for (int r : {0, 1}) {
-    EXPECT(contains(f[r], "host 1 (ranks 2, 3)") && contains(f[r], "between hosts"),
+    EXPECT(contains(f[r], "with the other host, host 1 (ranks 2, 3)") && contains(f[r], "between hosts") &&
+               !contains(f[r], "host 0 (ranks 0, 1), host 1"),
            "lost host: rank %d's failure does not name host 1 between hosts: '%s'", r, f[r].c_str());
     RR_CUDA_CHECK(cudaSetDevice(r));
     const cudaError_t e = cudaStreamSynchronize(g.ranks[r].stream);  // nothing waits on
@@ -181,6 +183,38 @@ static void test_lost_host() {
   EXPECT(took < timeout + 8, "lost host: the survivors took %.1f s to fail (timeout %.0f s)", took, timeout);
   std::printf("lost host: survivors failed in %.1f s: %s\n", took, f[0].c_str());
   // the lost host's ranks still close (their rings were never used)
+}
+
+// (2) Three hosts of one rank, host 2 never calls: the survivors fail within the timeout, naming
+// the other hosts of their ring (which of them never came, NCCL's groups do not say).
+static void test_lost_host_of_three() {
+  const double timeout = 2.0;
+  Hosts g(3, 1, false, 512, timeout);
+  std::vector<std::unique_ptr<DevBuf>> bufs;
+  for (int r = 0; r < 3; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(r));
+    bufs.push_back(std::make_unique<DevBuf>(4096 * 4));
+  }
+  const auto t0 = Clock::now();
+  for (int r : {0, 1}) {
+    RR_CUDA_CHECK(cudaSetDevice(r));
+    g.ranks[r].run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 4096, bufs[r]->p, bufs[r]->p},
+                   g.ranks[r].stream);
+  }
+  std::string f[2];
+  while (seconds_since(t0) < timeout + 10 && (f[0].empty() || f[1].empty())) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    for (int r : {0, 1}) f[r] = g.eps[r]->failure();
+  }
+  EXPECT(contains(f[0], "one of the other hosts: host 1 (rank 1), host 2 (rank 2)"),
+         "lost host of three: rank 0's failure: '%s'", f[0].c_str());
+  EXPECT(contains(f[1], "one of the other hosts: host 0 (rank 0), host 2 (rank 2)"),
+         "lost host of three: rank 1's failure: '%s'", f[1].c_str());
+  EXPECT(seconds_since(t0) < timeout + 8, "lost host of three: the survivors took %.1f s", seconds_since(t0));
+  for (int r : {0, 1}) {  // their streams run out (before the buffers go)
+    RR_CUDA_CHECK(cudaSetDevice(r));
+    EXPECT(cudaStreamSynchronize(g.ranks[r].stream) == cudaSuccess, "lost host of three: rank %d's stream", r);
+  }
 }
 
 // (3) deterministic mode runs the flat nccl ring, not this plan.
@@ -308,6 +342,7 @@ int main(int argc, char** argv) {
   try {
     run_test(argc, argv, "test_sweep", [&] { test_sweep(); });
     run_test(argc, argv, "test_lost_host", [&] { test_lost_host(); });
+    run_test(argc, argv, "test_lost_host_of_three", [&] { test_lost_host_of_three(); });
     run_test(argc, argv, "test_deterministic_refused", [&] { test_deterministic_refused(); });
     run_test(argc, argv, "test_wire", [&] { test_wire(); });
   } catch (const std::exception& e) {

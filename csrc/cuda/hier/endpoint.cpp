@@ -98,15 +98,16 @@ std::string Endpoint::failure() {
   // Between hosts first: a lost host stops this host's ranks too (watch()), and then the reason
   // that names the host is the one to give on every rank of it.
   const std::string x = cross_->failure();
-  if (!x.empty())
+  if (!x.empty()) {
+    // The other hosts of this rank's ring (NCCL's groups do not say which peer never came).
+    std::string others;
+    for (int h = 0, k = 0; h < layout_.nhosts; ++h)
+      if (h != layout_.host) others += (k++ ? ", " : "") + layout_.host_text(h);
     return "ringreduce: rank " + std::to_string(layout_.rank) + " (" + layout_.host_text(layout_.host) +
-           ", local rank " + std::to_string(layout_.local) + "): the step between hosts failed (NCCL " +
-           "among local rank " + std::to_string(layout_.local) + " of every host; its rank h is host h: " +
-           [&] {
-             std::string s;
-             for (int h = 0; h < layout_.nhosts; ++h) s += (h ? ", " : "") + layout_.host_text(h);
-             return s;
-           }() + "): " + x;
+           ", local rank " + std::to_string(layout_.local) + "): the step between hosts failed, with " +
+           (layout_.nhosts == 2 ? "the other host, " : "one of the other hosts: ") + others +
+           " (NCCL among local rank " + std::to_string(layout_.local) + " of every host; its rank h is host h): " + x;
+  }
   return intra_->failure();
 }
 
