@@ -13,7 +13,10 @@
 //     tensors, SUM and AVG): the CPU's two-level wire bit for bit (each host's partial sum in the
 //     tensor's dtype, AVG divided first, rounded onto the wire in blocks of 128 from the tensor's
 //     start, folded in host order in float32 and rounded again: cpu/wire.h's functions), in pieces
-//     and with a tail under one piece's unit; float16's wire and other collectives refused.
+//     and with a tail under one piece's unit; float16's wire and other collectives refused;
+// (5) the bytes between hosts (the stand-in's count of every ncclSend): per rank 2(H-1)/H of 1/L
+//     of the tensor for float32, and the wire's share of that (bf16 0.5, fp8 0.26).
+#include <dlfcn.h>
 #include <nccl.h>
 
 #include <thread>
@@ -337,6 +340,49 @@ static void test_wire() {
               seconds_since(t0));
 }
 
+// (5) Bytes sent between hosts by every rank together, against the two-level plan's optimum.
+static void test_bytes_between_hosts() {
+  void* lib = dlopen(kLib, RTLD_NOW);
+  auto sent = reinterpret_cast<uint64_t (*)()>(lib ? dlsym(lib, "standin_sent_bytes") : nullptr);
+  EXPECT(sent != nullptr, "the NCCL stand-in has no standin_sent_bytes");
+  if (!sent) return;
+  for (int H : {2, 3}) {
+    const int L = 2, N = H * L;
+    Hosts g(H, L, false, rc::hier::kDefaultPieceBytes);
+    const int64_t numel = int64_t{1} << 18;  // 1 MiB of float32: one piece
+    const double S = 4.0 * numel, ideal = N * 2.0 * (H - 1) / H * S / L;
+    std::vector<std::unique_ptr<DevBuf>> bufs;
+    for (int r = 0; r < N; ++r) {
+      RR_CUDA_CHECK(cudaSetDevice(r));
+      bufs.push_back(std::make_unique<DevBuf>(numel * 4));
+      set_on(g.ranks[r].stream, bufs[r]->p, 0, numel * 4);
+    }
+    double f32 = 0;
+    for (rr::Wire w : {rr::Wire::None, rr::Wire::BF16, rr::Wire::E4M3}) {
+      const uint64_t before = sent();
+      for (int r = 0; r < N; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(r));
+        g.ranks[r].run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, bufs[r]->p, bufs[r]->p, w},
+                       g.ranks[r].stream);
+      }
+      for (int r = 0; r < N; ++r) RR_CUDA_CHECK(cudaStreamSynchronize(g.ranks[r].stream));
+      const double bytes = static_cast<double>(sent() - before);
+      if (w == rr::Wire::None) {
+        f32 = bytes;  // plus the calls' 32-byte descriptors
+        EXPECT(bytes >= ideal && bytes <= 1.01 * ideal, "%d hosts x %d, float32: %.0f bytes between hosts, "
+               "ideal %.0f (2(H-1)/H of 1/L of the tensor per rank)", H, L, bytes, ideal);
+      } else {
+        // every host's rows to every host: the two steps' bytes with two hosts, H/2 times them above
+        const double share = (w == rr::Wire::BF16 ? 0.5 : 0.25 + 1.0 / 128) * (H == 2 ? 1.0 : H / 2.0);
+        EXPECT(bytes <= 1.02 * share * f32, "%d hosts x %d, wire %s: %.0f bytes between hosts, %.3f of "
+               "float32's (want <= %.3f)", H, L, rr::wire_name(w), bytes, bytes / f32, 1.02 * share);
+      }
+      std::printf("bytes between hosts, %d hosts x %d, 1 MiB float32, wire %s: %.0f (%.3f of the ideal)\n",
+                  H, L, rr::wire_name(w), bytes, bytes / ideal);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   emu_set_device_count(6);
   try {
@@ -345,6 +391,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_lost_host_of_three", [&] { test_lost_host_of_three(); });
     run_test(argc, argv, "test_deterministic_refused", [&] { test_deterministic_refused(); });
     run_test(argc, argv, "test_wire", [&] { test_wire(); });
+    run_test(argc, argv, "test_bytes_between_hosts", [&] { test_bytes_between_hosts(); });
   } catch (const std::exception& e) {
     std::printf("FAIL: exception: %s\n", e.what());
     return 1;

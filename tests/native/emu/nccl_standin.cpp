@@ -79,6 +79,7 @@ std::map<std::string, std::shared_ptr<Clique>> g_cliques;  // by unique id
 std::map<std::string, ncclResult_t> g_fail_next;
 std::atomic<uint64_t> g_ids{0};
 std::atomic<uint64_t> g_groups{0};  // operations enqueued (standin_groups)
+std::atomic<uint64_t> g_sent{0};    // bytes of every ncclSend posted, all ranks (standin_sent_bytes)
 thread_local int tl_depth = 0;
 thread_local std::vector<Op> tl_group;
 std::string g_last_error;
@@ -225,6 +226,7 @@ ncclResult_t p2p(bool send, const void* buf, size_t count, ncclDataType_t t, int
   }
   if (comm->async != ncclSuccess && comm->async != ncclInProgress) return static_cast<ncclResult_t>(comm->async.load());
   Op o{send, const_cast<void*>(buf), count * type_size(t), peer, comm, stream};
+  if (send) g_sent += o.bytes;
   if (tl_depth > 0) {
     tl_group.push_back(o);
     return ncclSuccess;
@@ -386,5 +388,7 @@ void standin_fail_next(const char* function, ncclResult_t result) {
 int standin_group_depth() { return tl_depth; }
 
 uint64_t standin_groups() { return g_groups.load(); }
+
+uint64_t standin_sent_bytes() { return g_sent.load(); }
 
 }  // extern "C"
