@@ -2,7 +2,7 @@
 # Everything one short GPU lease should run, in order of value, each step under a time limit inside
 # BUDGET_S seconds (default 570): the build, the GPU smoke tests, issue 70's DDP step and GEMM
 # overlap (benchmarks/ddp_step_gpu.py, gpu_overlap.py; DDP=0 skips), issue 74's emulated hosts
-# (benchmarks/hier_gpu.py; HIER=0 skips), the roofline for world 2 (MPS on,
+# (ringreduce.bench --hosts 2, then --link 10gbit; HIER=0 skips), the roofline for world 2 (MPS on,
 # then off; benchmarks/gpu_roofline.py; torch's SymmetricMemory one-/two-shot in the same bench runs
 # as auto and registered, those runs first, then one-shot and two-shot forced, then two-shot and
 # registered on 64 blocks), profiles of 4 KiB
@@ -79,11 +79,19 @@ if [ "$PART" = all ]; then
 
   # Issue 74: two emulated hosts of two ranks on this GPU (MPS; NCCL's sockets between them): the
   # two-level plan, its bf16/fp8 wires, the flat ring, NCCL's own all_reduce (HIER=0 skips it).
+  # Then the same on a 10 Gbit/s link (network namespaces, tc; as root) if time allows: hier
+  # against the link's bound, NCCL's own all_reduce and the wires on the same link.
   if [ "${HIER-1}" = 1 ] && [ "$(left)" -ge 330 ]; then
     nvidia-cuda-mps-control -d > /dev/null 2>&1; sleep 1
-    log "hier (benchmarks/hier_gpu.py, MPS)"
-    timeout -k 10 90 "$PY" benchmarks/hier_gpu.py --iters 8 --warmup 2 > "$OUT/hier.log" 2>&1
-    log "hier exit $?: $(grep -cE '^ *[0-9]+M |not run' "$OUT/hier.log") rows"
+    HOSTS_ARGS="--nranks 4 --hosts 2 --collectives all_reduce --wire bf16,fp8 -b 16M -e 64M -f 4 -n 8 -w 2 --no-results"
+    log "hosts: 2 emulated hosts x 2 ranks (ringreduce.bench --hosts 2, MPS)"
+    timeout -k 10 100 "$PY" -m ringreduce.bench $HOSTS_ARGS > "$OUT/hosts.log" 2>&1
+    log "hosts exit $?"
+    if [ "$(left)" -ge 400 ]; then
+      log "hosts on a 10gbit link (ringreduce.bench --hosts 2 --link 10gbit, MPS)"
+      timeout -k 10 120 "$PY" -m ringreduce.bench $HOSTS_ARGS --link 10gbit > "$OUT/hosts_link.log" 2>&1
+      log "hosts on the link exit $?"
+    fi
     mps_off
   fi
 
@@ -213,4 +221,8 @@ grep -hE "^(FAILED|ERROR) |passed|failed" "$OUT"/smoke.log "$OUT"/exits.log "$OU
 cat "$OUT/handshake.log" 2>/dev/null | grep -v "^#"
 grep -h "^size" "$OUT"/profile_*.log 2>/dev/null
 cat "$OUT/ddp_step.log" "$OUT/overlap.log" 2>/dev/null | tail -30
+# --hosts runs: hier against the flat ring, NCCL and the link's bound; the wires' speed-ups
+for f in "$OUT/hosts.log" "$OUT/hosts_link.log"; do
+  [ -f "$f" ] && sed -n '/--wire, in place/,$p' "$f" | grep -v "^# load\|^# results"
+done
 cat "$OUT/roofline.md" 2>/dev/null

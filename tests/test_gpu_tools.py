@@ -568,21 +568,3 @@ def test_gpu_overlap_rows_take_the_slowest_rank():
         with pytest.raises(SystemExit) as e:
             ov.main(argv)
         assert e.value.code == (0 if argv == ["--help"] else 2)
-
-
-def test_hier_gpu_table_against_hier_and_the_flat_ring():
-    """Issue 74's GPU benchmark (it needs a GPU to run): its table's medians and speed-ups against
-    the two-level plan and the flat ring of the same run, the rows that could not run, its flags."""
-    hg = _load("hier_gpu")
-    m = 16 << 20
-    times = {("hier", m): [0.004, 0.005, 0.006], ("rr-nccl", m): [0.010, 0.010, 0.012],
-             ("hier/bf16", m): [0.0025, 0.0025, 0.003]}
-    text = hg.table(times, {"torch-nccl": "rank 0: RuntimeError: no NCCL"}, [m])
-    rows = {line.split()[1]: line.split() for line in text.splitlines()[1:] if line.split()[0] == "16M"}
-    assert rows["hier"][2] == "5000.0" and rows["hier"][4:] == ["1.00x", "2.00x"], text
-    assert rows["hier/bf16"][4:] == ["2.00x", "4.00x"] and rows["rr-nccl"][4] == "0.50x", text
-    assert "torch-nccl not run: rank 0: RuntimeError: no NCCL" in text, text
-    for argv, code in ((["--help"], 0), (["--hosts", "1"], 2)):
-        with pytest.raises(SystemExit) as e:
-            hg.main(argv)
-        assert e.value.code == code

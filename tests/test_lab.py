@@ -178,4 +178,8 @@ def test_bench_rows_on_emulated_hosts(tmp_path):
     labels = {row["backend"] for run in doc["runs"] for row in run["rows"]}
     assert {"torch/gloo", "ringreduce/hier", "ringreduce/wire-bf16"} <= labels, labels
     assert "# link: 2 emulated hosts" in res.stdout
+    # hier against the link's bound, at the socket rate the lab measured (in results.json too)
+    gbps = doc["args"]["link_gbps"]
+    assert 0.05 < gbps < 0.2 and f"at {gbps:.3f} GB/s" in res.stdout, res.stdout[-3000:]
+    assert "hier/bound" in res.stdout
     assert set(_lab_names()) == before

@@ -29,6 +29,7 @@ def _is_chunk_of(small, big, rank):
 ALGOS = ("ring", "oneshot", "twoshot", "cma")  # ringreduce/<algo>: the shm transport with RINGREDUCE_ALGO=<algo>
 HOSTS = 1  # --hosts: ringreduce/hier's group is split into this many simulated hosts
 REAL_HOSTS = False  # --link: the ranks are on emulated hosts; the group's own host ids count
+DEVICE = "cpu"  # the run's device; on "cuda" every rank is on its emulated host when HOSTS > 1
 
 
 def simulated_hosts(world, hosts):
@@ -55,7 +56,11 @@ class RingReduce:
         self.op = REDUCE_OPS[op]
         self.group = None
         self._pooled = None
-        if variant == "pool":
+        if variant == "hier" and DEVICE == "cuda":
+            # The CUDA transport of that name on the default group: the ranks' host ids (set by
+            # the launcher) are the hosts; made at the first call.
+            self.transport = "hier"
+        elif variant == "pool":
             self.group = dist.new_group(backend="gloo")
         elif self.algo or variant == "hier":
             self.group = dist.new_group(backend="gloo")
@@ -125,6 +130,11 @@ class Wire(RingReduce):
     def supports(self, collective, dtype):
         if collective == "all_gather":
             return "a wire carries reductions only"
+        if self.transport == "hier" and DEVICE == "cuda":
+            if collective != "all_reduce":
+                return "across hosts the CUDA wire carries all_reduce only"
+            if self.wire == torch.float16:
+                return "float16's wire does not cross hosts on CUDA (its overflow check)"
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return "a wire takes float32, float16 and bfloat16 tensors"
         if self.op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -141,7 +151,7 @@ class Wire(RingReduce):
         return self.step * magnitude * 2 * self.world
 
     def _on(self, t):
-        if t.is_cuda:  # CUDA tensors: the p2p transport's wire (csrc/cuda/p2p/sym_wire.cu)
+        if t.is_cuda and self.transport != "hier":  # one host: p2p's wire (cuda/p2p/sym_wire.cu)
             self.transport = "p2p"
         self._select()
 

@@ -170,13 +170,16 @@ def build_parser():
                    help="CPU: split the ranks into H simulated hosts (blocks of consecutive ranks) "
                         "for the row ringreduce/hier, the hierarchical all-reduce (shared memory "
                         "inside a host, Gloo over loopback TCP between hosts); the other rows stay "
-                        "flat (default 1: no ringreduce/hier row)")
+                        "flat. GPU: every rank on one of H emulated hosts (RINGREDUCE_HOST_ID and "
+                        "NCCL_HOSTID per block of ranks; NCCL's sockets over loopback between "
+                        "them), rows ringreduce/hier (CUDA IPC inside a host, NCCL between "
+                        "hosts), ringreduce/nccl (the flat ring) and torch/nccl (default 1)")
     p.add_argument("--link", metavar="RATE",
                    help="with --hosts H >= 2: run every rank on H emulated hosts (network "
                         "namespaces on a bridge, each host's link shaped both ways to RATE by tc "
                         "tbf, e.g. 1gbit, 10gbit; 'none': unshaped veth), started by torchrun "
-                        "per host; needs root. Default backends there: torch (Gloo over the "
-                        "link) and ringreduce/hier")
+                        "per host; needs root. Default backends there: torch (Gloo or NCCL over "
+                        "the link) and ringreduce/hier, and on GPUs ringreduce/nccl")
     p.add_argument("--quick", action="store_true", help="small sweep for smoke tests")
     # Test-only: corrupts rank 0's result of BACKEND once per row (see the package docstring).
     p.add_argument("--corrupt-for-test", metavar="BACKEND", help=argparse.SUPPRESS)
@@ -230,18 +233,23 @@ def parse_args(argv=None):
         a.results = os.path.join(RESULTS_ROOT, time.strftime("%Y%m%d-%H%M%S"))
         if os.path.exists(a.results):  # another run this second
             a.results += f"-{os.getpid()}"
-    if a.hosts > 1 and a.device != "cpu":
-        parser.error("--hosts: simulated hosts split CPU groups only")
     a.lab = os.environ.get(LAB_ENV)  # set by the --link launcher for the ranks it starts
+    a.link_gbps = float(os.environ.get(LAB_GBPS_ENV) or 0) or None  # what a socket got across it
+    if a.hosts > 1 and a.device == "cuda" and any(n % a.hosts for n in a.nranks):
+        parser.error(f"--hosts {a.hosts} on GPUs: --nranks must be multiples of it (the two-level "
+                     f"plan needs the same number of ranks on every host), got "
+                     f"{','.join(map(str, a.nranks))}")
     if a.link is not None:
         _check_link(a, parser)
     if a.hosts > min(a.nranks):
         parser.error(f"--hosts {a.hosts}: more simulated hosts than ranks (--nranks "
                      f"{','.join(map(str, a.nranks))})")
     a.skipped = []  # one line per command-line name left out here, with the reason
-    lab = a.link is not None or a.lab
+    # Every rank on an emulated host: the lab's, or on GPUs --hosts alone (one process's NCCL and
+    # transports see one host id, so no row of such a run is on one host).
+    lab = a.link is not None or a.lab or (a.hosts > 1 and a.device == "cuda")
     if lab and a.backends == DEFAULT_BACKENDS:
-        a.backends = ["torch", "ringreduce/hier"]
+        a.backends = ["torch", "ringreduce/hier"] + (["ringreduce/nccl"] if a.device == "cuda" else [])
     if a.wire:
         # CUDA: the p2p transport's wire; torch's compress hooks are compared on the CPU only
         a.backends = list(a.backends) + [f"ringreduce/wire-{w}" for w in a.wire] + (
@@ -251,8 +259,9 @@ def parse_args(argv=None):
     if lab:
         for b in [b for b in a.backends if b in ONE_HOST]:
             a.backends.remove(b)
-            a.skipped.append(f"{b} skipped: it joins the ranks of one host, and --link puts "
-                             f"them on {a.hosts} emulated hosts")
+            a.skipped.append(f"{b} skipped: it joins the ranks of one host, and "
+                             f"{'--link' if a.device == 'cpu' else '--hosts on GPUs'} puts them on "
+                             f"{a.hosts} emulated hosts")
     if not a.backends:
         parser.error("no backend to run: " + "; ".join(a.skipped))
     if a.corrupt_for_test in BACKENDS:  # a command-line name: the first label it stands for
@@ -315,9 +324,11 @@ def symm_unavailable(device):
 # The --link launcher tells the ranks it starts (under torchrun, one per emulated host) what the
 # lab is, in this variable: the header line, and "the hosts are real" to ringreduce/hier.
 LAB_ENV = "RINGREDUCE_BENCH_LAB"
+LAB_GBPS_ENV = "RINGREDUCE_BENCH_LAB_GBPS"  # and the GB/s one TCP stream got across the link
 # Backends that join ranks of one host only: left out on emulated hosts.
 ONE_HOST = ("ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot", "ringreduce/twoshot",
-            "ringreduce/cma", "ringreduce/pool", "torch/ringreduce", "deepspeed/shm")
+            "ringreduce/cma", "ringreduce/pool", "torch/ringreduce", "deepspeed/shm",
+            "ringreduce/p2p", "ringreduce/p2p-shared") + SYMM_LABELS
 
 
 def _check_link(a, parser):
@@ -362,9 +373,11 @@ def expand_backends(names, device, parser, hosts=1, skipped=None):
                              f"tensors)")
             continue
         if name == "ringreduce":
-            out += ["ringreduce/p2p", "ringreduce/nccl"] if device == "cuda" else \
-                ["ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot"] + \
-                (["ringreduce/hier"] if hosts > 1 else [])
+            # GPUs across hosts: the two-level plan where p2p would stand (it joins one host)
+            out += (["ringreduce/hier" if hosts > 1 else "ringreduce/p2p", "ringreduce/nccl"]
+                    if device == "cuda" else
+                    ["ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot"] +
+                    (["ringreduce/hier"] if hosts > 1 else []))
         elif name == "mpi" or name.startswith("mpi/"):  # mpi: every MPI installed
             if device != "cpu":
                 parser.error(f"--backends {name}: the MPI backend moves CPU tensors only")
@@ -386,13 +399,13 @@ def expand_backends(names, device, parser, hosts=1, skipped=None):
             transport = name.split("/", 1)[1]
             if transport == "hier" and hosts < 2:
                 parser.error(f"--backends {name} needs --hosts H with H >= 2 simulated hosts")
-            if transport in ("ring", "oneshot", "twoshot", "cma", "pool", "hier"):
+            if transport in ("ring", "oneshot", "twoshot", "cma", "pool"):
                 transport = "shm"  # an algorithm of the shm transport
             if transport.startswith("wire-"):  # the narrow wire: shm on the CPU, p2p on CUDA
                 transport = "shm" if device == "cpu" else "p2p"
             if transport == "p2p-shared":
                 transport = "p2p"  # shared_empty buffers on the GPU: the registered algorithm
-            if (transport == "shm") != (device == "cpu"):
+            if transport != "hier" and (transport == "shm") != (device == "cpu"):
                 parser.error(f"--backends {name}: transport {transport} does not move "
                              f"{device.upper()} tensors")
             out.append(name)

@@ -17,11 +17,14 @@ LEGEND = {
     "ringreduce/twoshot": "ringreduce's two-shot (direct reduce-scatter, then all-gather) forced",
     "ringreduce/cma": "ringreduce's two-shot over process_vm_readv (one copy) forced",
     "ringreduce/pool": "ringreduce on tensors every rank maps (rr.shared_empty): one pass",
-    "ringreduce/hier": "ringreduce across hosts (--hosts): shared memory inside a host, Gloo "
-                       "between hosts (two-level plan, or leaders for uneven hosts)",
+    "ringreduce/hier": "ringreduce across hosts (--hosts): CPU tensors: shared memory inside a "
+                       "host, Gloo between hosts (two-level plan, or leaders for uneven hosts); "
+                       "GPU tensors: CUDA IPC inside a host, NCCL between hosts (the two-level "
+                       "plan, its legs pipelined)",
     "ringreduce/p2p": "ringreduce's CUDA transport over CUDA IPC (automatic algorithm)",
     "ringreduce/p2p-shared": "ringreduce/p2p on rr.shared_empty tensors (no copy in or out)",
-    "ringreduce/nccl": "ringreduce's ring over NCCL send/recv",
+    "ringreduce/nccl": "ringreduce's ring over NCCL send/recv (across hosts: the flat ring, every "
+                       "hop on NCCL)",
     "torch/gloo": "torch.distributed on Gloo (the CPU baseline)",
     "ringreduce/wire-bf16": "all_reduce(wire_dtype=torch.bfloat16): each rank rounded once, an "
                             "exact float32 sum in rank order, rounded once more (shm); across "
@@ -72,6 +75,8 @@ def left_out(a):
             continue
         if device != a.device:
             why = "no GPU" if device == "cuda" else "moves CPU tensors; this run is on the GPU"
+        elif device == "cuda" and a.hosts > 1 and label in ("ringreduce/p2p", "torch/symm"):
+            why = f"joins the ranks of one host; this run puts them on {a.hosts} emulated hosts"
         elif name == "mpi" and (importlib.util.find_spec("mpi4py") is None or not mpi_launchers()):
             why = f"not installed (needs an MPI and mpi4py: apt-get install openmpi-bin " \
                   f"libopenmpi-dev, then {PEERS_HINT})"

@@ -28,21 +28,33 @@ from .cli import mpi_launchers, parse_args
 GRACE_S = 3.0  # after one rank fails, how long the others get to report before they are killed
 
 
-def _device_setup(device_kind, local_rank, local_world):
+def emulated_host(rank, world, hosts):
+    """The host id of a spawned GPU rank with --hosts H: blocks of world / H consecutive ranks."""
+    return f"bench-h{rank * hosts // world}"
+
+
+def _device_setup(device_kind, local_rank, local_world, host=None):
     """Threads per rank, this rank's GPU, and NCCL's and SymmetricMemory's consent to share a
-    GPU between ranks."""
+    GPU between ranks. host: this GPU rank's emulated host (--hosts, --link), told to ringreduce
+    and to NCCL (its sockets between hosts; loopback unless the lab named an interface); set
+    before any communicator exists, as both read it when one is made."""
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, local_world)))
     if device_kind != "cuda":
         return torch.device("cpu")
     count = torch.cuda.device_count()
     device = torch.device("cuda", local_rank % count)
     torch.cuda.set_device(device)
+    if host is not None:
+        os.environ["RINGREDUCE_HOST_ID"] = os.environ["NCCL_HOSTID"] = host
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if local_world > count:  # several ranks per GPU (DESIGN.md, "Machines and builds")
         os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
         # torch's SymmetricMemory refuses a rendezvous of ranks on one device without it (read
         # at each rendezvous, so setting it here, before any, is enough)
         os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
         if torch.cuda.nccl.version() < (2, 30):  # older NCCL: pretend to be hosts, use sockets
+            if host is not None:  # every rank a host of its own to NCCL, still `host` to ours
+                os.environ["NCCL_HOSTID"] = f"{host}-{local_rank}"
             os.environ.setdefault("NCCL_HOSTID", f"ringreduce-bench-{local_rank}")
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     return device
@@ -92,7 +104,7 @@ def run_rank(args, rank, world, device, local_world):
               else f"{runner.MEMBW_BYTES >> 20} MiB torch copy, all cores") + ", read+write counted"
     labels = [b.label for b in ctx.backends]
     run = {"nranks": world, "device": device.type, "machine": info, "backends": labels,
-           "notes": ctx.notes,
+           "hosts": args.hosts, "link_GBps": getattr(args, "link_gbps", None), "notes": ctx.notes,
            "peak_membw_GBps": max(membw), "membw_samples_GBps": membw, "membw_method": method,
            "rows": rows,
            "summary": report.summarize(rows, labels)}
@@ -102,7 +114,9 @@ def run_rank(args, rank, world, device, local_world):
 
 
 def _spawned_rank(rank, world, tmpdir, args):
-    device = _device_setup(args.device, rank, world)
+    host = emulated_host(rank, world, args.hosts) if args.device == "cuda" and args.hosts > 1 \
+        else None
+    device = _device_setup(args.device, rank, world, host)
     ran = False
     try:
         store = dist.FileStore(os.path.join(tmpdir, "store"), world)
@@ -342,7 +356,10 @@ def _torchrun_main(args):
     # Emulated hosts (--link) share this machine's cores: threads per rank as for world ranks
     # (with local_world, 2 hosts x 1 rank on 2 cores ran 2 intra-op threads per rank, and every
     # small parallel copy waited a time slice for a descheduled thread: 1.6x slower calls).
-    device = _device_setup(args.device, local_rank, world if args.lab else local_world)
+    # On GPUs in the lab every rank is told its host (the lab's) and takes GPU rank % count.
+    device = (_device_setup(args.device, rank, world, os.environ.get("RINGREDUCE_HOST_ID"))
+              if args.lab and args.device == "cuda" else
+              _device_setup(args.device, local_rank, world if args.lab else local_world))
     load = header.load_average()
     if rank == 0:
         print("\n".join(header.lines(args, load, local_world)), flush=True)
@@ -389,14 +406,16 @@ def _child_argv(argv):
     return out
 
 
-def lab_env(environ, desc, per_host):
-    """The environment of each emulated host's torchrun: the lab's description for the report, no
-    forced transport, and quiet where nothing is wrong: torchrun's banner about OMP_NUM_THREADS
-    (set here to the cores per rank, as the bench's own ranks use them) and c10d's warnings that
-    a namespace's socket has no host name (reverse DNS inside the lab; TORCH_CPP_LOG_LEVEL=ERROR),
-    unless the caller set them."""
-    from .cli import LAB_ENV
+def lab_env(environ, desc, per_host, gbps=None):
+    """The environment of each emulated host's torchrun: the lab's description for the report and
+    the GB/s a socket got across the link (the bound's unit), no forced transport, and quiet where
+    nothing is wrong: torchrun's banner about OMP_NUM_THREADS (set here to the cores per rank, as
+    the bench's own ranks use them) and c10d's warnings that a namespace's socket has no host name
+    (reverse DNS inside the lab; TORCH_CPP_LOG_LEVEL=ERROR), unless the caller set them."""
+    from .cli import LAB_ENV, LAB_GBPS_ENV
     env = dict(environ, **{LAB_ENV: desc})
+    if gbps:
+        env[LAB_GBPS_ENV] = f"{gbps:.4f}"
     env.pop("RINGREDUCE_TRANSPORT", None)
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max(1, per_host))))
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -415,7 +434,7 @@ def _lab_main(args, argv):
         gbps = lab.measure()
         desc = f"{lab.describe()}; one TCP stream between two hosts: {gbps:.2f} GB/s"
         print(f"# emulated hosts: {desc}", file=sys.stderr, flush=True)
-        env = lab_env(os.environ, desc, world // H)
+        env = lab_env(os.environ, desc, world // H, gbps)
         logs, procs = [], []
         for h in range(H):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(H),
@@ -424,7 +443,10 @@ def _lab_main(args, argv):
                    "-m", "ringreduce.bench"] + _child_argv(argv)
             log = None if h == 0 else tempfile.TemporaryFile(mode="w+")
             logs.append(log)
-            procs.append(lab.popen(h, cmd, private_shm=True, env=env, stdout=log,
+            # CPU ranks get a /dev/shm per host, as real hosts have. GPU ranks keep the machine's:
+            # CUDA IPC inside a host and MPS (shared by every emulated host) may use it, and their
+            # hosts are told apart by RINGREDUCE_HOST_ID and NCCL_HOSTID (lab.env), not by it.
+            procs.append(lab.popen(h, cmd, private_shm=args.device == "cpu", env=env, stdout=log,
                                    stderr=subprocess.STDOUT if log else None))
         failed_at = None
         while any(p.poll() is None for p in procs):

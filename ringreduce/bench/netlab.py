@@ -13,7 +13,8 @@ delay is added (this kernel has no netem). Nothing is made outside the lab's nam
 deleting them (close(), the end of `with`, SIGINT/SIGTERM, atexit) removes every interface, and
 the processes still inside them are killed first. A lab left by a killed process is removed by the
 next Lab() (its owner's pid is in the tag). Ranks keep the machine's /dev/shm unless started with
-private_shm=True; the host identity comes from RINGREDUCE_HOST_ID, which popen() sets.
+private_shm=True; the host identity comes from RINGREDUCE_HOST_ID and NCCL_HOSTID, which popen()
+sets.
 
 Needs CAP_NET_ADMIN (root): Lab() raises LabUnavailable with one line saying so, and
 lab_unavailable() returns that line (or None) without making anything.
@@ -211,9 +212,12 @@ class Lab:
         return cmd + list(argv)
 
     def env(self, host, base=None):
-        """The environment a rank on host needs: its host identity and Gloo's interface."""
+        """The environment a rank on host needs: its host identity (to ringreduce and to NCCL,
+        which would otherwise take every namespace of this machine for one host) and the
+        interface of Gloo's and NCCL's sockets."""
         env = dict(os.environ if base is None else base)
-        env.update(RINGREDUCE_HOST_ID=f"lab-h{host}", GLOO_SOCKET_IFNAME="eth0")
+        env.update(RINGREDUCE_HOST_ID=f"lab-h{host}", NCCL_HOSTID=f"lab-h{host}",
+                   GLOO_SOCKET_IFNAME="eth0", NCCL_SOCKET_IFNAME="eth0")
         return env
 
     def popen(self, host, argv, private_shm=False, env=None, **kw):

@@ -102,6 +102,7 @@ def print_summary(run):
         print(f"#\n# peak memory bandwidth (rank 0, {run['membw_method']}): "
               f"{run['peak_membw_GBps']:.1f} GB/s")
     print_wire(run["rows"])
+    print_hosts(run)
     bad = sum(r["wrong"] or 0 for r in run["rows"])
     print(f"# wrong elements in total: {bad}" + ("" if run["rows"] and
                                                   run["rows"][0]["wrong"] is not None
@@ -133,6 +134,44 @@ def print_wire(rows):
             speed = f"{base['time_us'] / r['time_us']:.2f}x" if base else "-"
             cells.append(f"{speed} | {r['max_err']:.1e}")
         print("# " + f"{c:<15}{human(size):>9}" + "".join(f"{x:>{w}}" for x in cells))
+
+
+def link_bound_us(size, hosts, gbps):
+    """The least time an all_reduce of size bytes across hosts can take on links of gbps GB/s
+    each way: whatever the plan, each host's link carries its partial sums out and the others'
+    in, 2 (H - 1) / H x size bytes each way (float32; a narrow wire carries fewer)."""
+    return 2 * (hosts - 1) / hosts * size / (gbps * 1e9) * 1e6
+
+
+def print_hosts(run):
+    """--hosts: the all_reduce rows in place against ringreduce/hier's (each row's time / hier's;
+    > 1: hier faster) and, with --link, hier's time against the link's bound (link_bound_us at the
+    GB/s one TCP stream got across the link). The wire rows are in print_wire's table."""
+    hosts, gbps = run.get("hosts", 1), run.get("link_GBps")
+    rows = [r for r in run["rows"] if r["inplace"] and r["collective"] == "all_reduce"]
+    hier = {r["size_bytes"]: r["time_us"] for r in rows if r["backend"] == "ringreduce/hier"}
+    if hosts < 2 or not hier:
+        return
+    others = [b for b in dict.fromkeys(r["backend"] for r in rows)
+              if b != "ringreduce/hier" and "/wire-" not in b]
+    if not gbps and not any(b.startswith("ringreduce/") for b in others):
+        return  # the summary's table already has hier against each baseline
+    print(f"#\n# across {hosts} hosts, all_reduce in place: each row's time / ringreduce/hier's "
+          f"(> 1: hier faster)" + (f"; the link's bound: 2(H-1)/H x size at {gbps:.3f} GB/s "
+                                   f"(one TCP stream across it)" if gbps else ""))
+    widths = [max(8, len(b)) + 2 for b in others]
+    print("# " + f"{'size':>9}{'hier us':>12}" +
+          (f"{'bound us':>12}{'hier/bound':>12}" if gbps else "") +
+          "".join(f"{b:>{w}}" for b, w in zip(others, widths)))
+    at = {(r["backend"], r["size_bytes"]): r["time_us"] for r in rows}
+    for size, t in hier.items():
+        cells = [f"{human(size):>9}", f"{t:>12.1f}"]
+        if gbps:
+            bound = link_bound_us(size, hosts, gbps)
+            cells += [f"{bound:>12.1f}", f"{t / bound:>12.2f}"]
+        cells += [f"{at[(b, size)] / t:>{w}.2f}" if (b, size) in at else f"{'-':>{w}}"
+                  for b, w in zip(others, widths)]
+        print("# " + "".join(cells))
 
 
 def print_vs_n(runs):
@@ -207,6 +246,9 @@ def print_machine(info, args, world):
           f"agg {args.agg_iters or f'auto (batches >= {args.batch_ms:g} ms)'}, warmup {args.warmup_iters}, check {args.check}, type {args.type_name}, op {args.op}, "
           f"backends {','.join(args.backends)}" +
           (f"; every row on {args.hosts} emulated hosts" if getattr(args, "lab", None) else
+           f"; every row on {args.hosts} emulated hosts of this machine's GPUs (RINGREDUCE_HOST_ID "
+           f"and NCCL_HOSTID per host; NCCL's sockets over loopback between them)"
+           if args.hosts > 1 and args.device == "cuda" else
            f"; ringreduce/hier on {args.hosts} simulated hosts (Gloo over loopback TCP between "
            f"them)" if args.hosts > 1 else ""), flush=True)
     if getattr(args, "lab", None):
@@ -215,7 +257,7 @@ def print_machine(info, args, world):
 
 def write_json(path, args, info, runs, extra=None):
     """Writes the run's document (command, flags, machine, runs, and extra) to path; returns it."""
-    keep = ("minbytes", "maxbytes", "stepfactor", "iters", "agg_iters", "batch_ms", "hosts", "lab", "warmup_iters", "check", "datatype",
+    keep = ("minbytes", "maxbytes", "stepfactor", "iters", "agg_iters", "batch_ms", "hosts", "lab", "link_gbps", "warmup_iters", "check", "datatype",
             "op", "nranks", "collectives", "backends", "quick", "device", "torchrun", "results")
     doc = {"command": [os.path.basename(sys.executable), "-m", "ringreduce.bench"] + sys.argv[1:],
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

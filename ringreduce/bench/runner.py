@@ -87,6 +87,7 @@ class Context:
         self.cuda = device.type == "cuda"
         bk.HOSTS = args.hosts
         bk.REAL_HOSTS = bool(getattr(args, "lab", None))
+        bk.DEVICE = device.type
         self.notes = []
         self.tty = sys.stderr.isatty()
         self.progress_shown = False  # a progress line stands on the terminal, unterminated
