@@ -17,8 +17,9 @@ Prints, and writes as markdown to --out (default gpu_roofline.md) for a new entr
    (copied into its buffer, as vLLM does) and beside registered on its symmetric tensors, as rows
    of their own with the same fraction of the HBM limit, and a table of the faster peer's time over
    ours at each size (> 1: ours faster; the issue's target is >= 1 everywhere).
-MPS is started with `nvidia-cuda-mps-control -d` and stopped with `quit` (needs root); --mps off
-or on runs one of the two (MPS on first). Each bench run has a time limit (--timeout per backend in
+MPS is started with `nvidia-cuda-mps-control -d` and stopped with `quit` (needs root), from
+whatever state the run finds (a daemon already running is used); --mps off or on runs one of the
+two (MPS on first). Each bench run has a time limit (--timeout per backend in
 it) and keeps the sizes it finished; the runs with the peer go first (--algos), and the report is
 rewritten after each run, so a lease that ends early keeps what ran. --json writes every median and
 its fraction of the limit, for `gpu_tune.py --from`. Nothing here runs without a GPU except the table arithmetic, which
@@ -180,16 +181,29 @@ def world_one(sizes):
     return out
 
 
-def set_mps(on):
+def mps_answers(ctl):
+    """True when an MPS control daemon answers (the control client exits 0 only then)."""
+    r = subprocess.run([ctl], input="get_server_list\n", text=True, capture_output=True)
+    return r.returncode == 0
+
+
+def set_mps(on, settle_s=1.0):
+    """MPS on or off, from whatever state this finds it in (issue 71 item 3): a second `-d` fails
+    while a daemon runs, which stopped the roofline when gpu_lease.sh's steps had left one."""
     ctl = shutil.which("nvidia-cuda-mps-control")
     if not ctl:
-        raise SystemExit("nvidia-cuda-mps-control not found: run with --mps off")
+        if on:
+            raise SystemExit("nvidia-cuda-mps-control not found: run with --mps off")
+        return  # no MPS here: off already
     if on:
-        subprocess.run([ctl, "-d"], check=True)
-        time.sleep(1.0)
-    else:
-        subprocess.run([ctl], input="quit\n", text=True, check=False)
-        time.sleep(2.0)
+        r = subprocess.run([ctl, "-d"], text=True, capture_output=True)
+        if r.returncode != 0 and not mps_answers(ctl):
+            raise SystemExit(f"nvidia-cuda-mps-control -d failed (exit {r.returncode}) and no "
+                             f"daemon answers: {(r.stderr or r.stdout).strip()[-300:]}")
+        time.sleep(settle_s)
+    elif mps_answers(ctl):
+        subprocess.run([ctl], input="quit\n", text=True, capture_output=True)
+        time.sleep(2 * settle_s)
 
 
 def parse_rows(text, backend=None):
@@ -319,8 +333,7 @@ def main(argv=None):
     results = {}
     modes = ("on", "off") if a.mps == "both" else (a.mps,)  # MPS first: the targets are there
     for mode in modes:
-        if a.mps == "both":
-            set_mps(mode == "on")
+        set_mps(mode == "on")  # whatever state the machine was left in
         for w in worlds:
             for algo in algos:
                 t0 = time.monotonic()

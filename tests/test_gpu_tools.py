@@ -568,3 +568,56 @@ def test_gpu_overlap_rows_take_the_slowest_rank():
         with pytest.raises(SystemExit) as e:
             ov.main(argv)
         assert e.value.code == (0 if argv == ["--help"] else 2)
+
+
+FAKE_MPS = """#!{python}
+# A stand-in for nvidia-cuda-mps-control as documented: `-d` starts the daemon and fails while one
+# runs; without arguments it reads commands and fails when no daemon answers.
+import os, sys
+state, log = os.environ["FAKE_MPS_STATE"], os.environ["FAKE_MPS_LOG"]
+with open(log, "a") as f:
+    f.write(" ".join(sys.argv[1:]) or sys.stdin.read().strip())
+    f.write("\\n")
+if sys.argv[1:] == ["-d"]:
+    if os.path.exists(state):
+        sys.exit("An instance of this daemon is already running")
+    open(state, "w").close()
+    sys.exit(0)
+if not os.path.exists(state):
+    sys.exit("Cannot find MPS control daemon process")
+with open(log) as f:
+    last = f.read().splitlines()[-1]
+if last == "quit":
+    os.remove(state)
+"""
+
+
+def test_mps_set_from_any_state(tmp_path, monkeypatch):
+    """Issue 71 item 3: the roofline turns MPS on or off whatever state it finds (a daemon left
+    running by an earlier step made its own `-d` fail with CalledProcessError), and says why when
+    MPS cannot start. The control program is a stand-in here (no GPU, no MPS)."""
+    import sys
+    tool = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    tool.parent.mkdir()
+    tool.write_text(FAKE_MPS.replace("{python}", sys.executable))
+    tool.chmod(0o755)
+    state, log = tmp_path / "running", tmp_path / "log"
+    monkeypatch.setenv("PATH", f"{tool.parent}:/usr/bin:/bin")
+    monkeypatch.setenv("FAKE_MPS_STATE", str(state))
+    monkeypatch.setenv("FAKE_MPS_LOG", str(log))
+    roof.set_mps(True, settle_s=0)
+    assert state.exists()
+    roof.set_mps(True, settle_s=0)  # already running: used, not an error
+    assert state.exists()
+    roof.set_mps(False, settle_s=0)
+    assert not state.exists()
+    roof.set_mps(False, settle_s=0)  # off already: no quit sent
+    assert log.read_text().splitlines() == ["-d", "-d", "get_server_list", "get_server_list",
+                                            "quit", "get_server_list"]
+    monkeypatch.setenv("FAKE_MPS_STATE", str(tmp_path / "no" / "such" / "dir"))  # -d cannot start
+    with pytest.raises(SystemExit, match="failed .exit 1. and no daemon answers"):
+        roof.set_mps(True, settle_s=0)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no MPS at all: off is a no-op, on says so
+    roof.set_mps(False, settle_s=0)
+    with pytest.raises(SystemExit, match="not found"):
+        roof.set_mps(True, settle_s=0)
