@@ -53,6 +53,20 @@ def test_refused_across_hosts(gpu, argv, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_refused_under_torchrun(gpu, monkeypatch, capsys):
+    """Under torchrun (outside the lab) every rank keeps its node's host id, so --hosts on GPUs
+    would label one host's rows as hosts': refused, naming torchrun's nodes."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv(cli.LAB_ENV, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["--hosts", "2", "--no-results"])
+    assert exc.value.code == 2 and "torchrun's nodes" in capsys.readouterr().err
+    monkeypatch.setenv(cli.LAB_ENV, "2 emulated hosts")  # the lab's own torchrun: its hosts
+    assert cli.parse_args(["--hosts", "2", "--no-results"]).backends[1] == "ringreduce/hier"
+
+
 def test_cpu_hosts_unchanged():
     """On CPU tensors --hosts still adds ringreduce/hier beside the flat rows."""
     if torch.cuda.is_available():
@@ -61,29 +75,34 @@ def test_cpu_hosts_unchanged():
     assert a.backends == ["ringreduce/shm", "ringreduce/ring", "ringreduce/oneshot", "ringreduce/hier"]
 
 
-@pytest.mark.parametrize("nccl,expect_nccl", [((2, 30, 7), ["bench-h0", "bench-h0", "bench-h1",
-                                                             "bench-h1"]),
-                                              ((2, 28, 9), ["bench-h0-0", "bench-h0-1",
-                                                            "bench-h1-2", "bench-h1-3"])])
-def test_each_rank_told_its_host(nccl, expect_nccl, monkeypatch):
+H0H1 = ["bench-h0", "bench-h0", "bench-h1", "bench-h1"]
+
+
+@pytest.mark.parametrize("gpus,nccl,expect_nccl,shared", [
+    (1, (2, 30, 7), H0H1, "1"),
+    (1, (2, 28, 9), ["bench-h0-0", "bench-h0-1", "bench-h1-2", "bench-h1-3"], "1"),
+    (2, (2, 28, 9), H0H1, None),  # a GPU per rank of a host: nothing to consent to
+])
+def test_each_rank_told_its_host(gpus, nccl, expect_nccl, shared, monkeypatch):
     """A spawned GPU rank's host (blocks of consecutive ranks) goes to ringreduce and NCCL before
-    any communicator; NCCL's sockets on loopback; NCCL < 2.30, which refuses ranks sharing a GPU,
-    sees a host per rank while ringreduce still sees the emulated host."""
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    any communicator; NCCL's sockets on loopback, not InfiniBand; where a host's ranks share a GPU,
+    NCCL's consent, and NCCL < 2.30, which refuses that, sees a host per rank while ringreduce
+    still sees the emulated host. Ranks of different hosts on one GPU are no concern of NCCL's."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: nccl)
     threads = torch.get_num_threads()
     got = []
     try:
         for rank in range(4):
-            for name in ("RINGREDUCE_HOST_ID", "NCCL_HOSTID", "NCCL_SOCKET_IFNAME",
+            for name in ("RINGREDUCE_HOST_ID", "NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE",
                          "NCCL_MULTI_RANK_GPU_ENABLE", "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"):
                 monkeypatch.delenv(name, raising=False)
             host = launch.emulated_host(rank, 4, 2)
-            assert launch._device_setup("cuda", rank, 4, host) == torch.device("cuda", 0)
+            assert launch._device_setup("cuda", rank, 4, host, 2) == torch.device("cuda", rank % gpus)
             got.append((os.environ["RINGREDUCE_HOST_ID"], os.environ["NCCL_HOSTID"]))
-            assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"
-            assert os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
+            assert os.environ["NCCL_SOCKET_IFNAME"] == "lo" and os.environ["NCCL_IB_DISABLE"] == "1"
+            assert os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == shared
     finally:
         torch.set_num_threads(threads)
     assert [h for h, _ in got] == ["bench-h0", "bench-h0", "bench-h1", "bench-h1"]
@@ -97,6 +116,7 @@ def test_lab_tells_nccl_the_host_and_the_link():
     env = Lab.env(object.__new__(Lab), 1, {"PATH": "/bin"})
     assert env["NCCL_HOSTID"] == env["RINGREDUCE_HOST_ID"] == "lab-h1"
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert env["NCCL_IB_DISABLE"] == "1"  # InfiniBand would bypass the shaped link
     assert launch.lab_env({}, "lab", 2, 1.19712)[cli.LAB_GBPS_ENV] == "1.1971"
     assert cli.LAB_GBPS_ENV not in launch.lab_env({}, "lab", 2)
 

@@ -257,6 +257,29 @@ def test_time_sliced_where_ranks_share_a_gpu_without_mps():
     assert resident_blocks([("a", "0:1", 132, False)] * 2) == 66  # the same records
 
 
+def test_emulated_hosts_sharing_a_gpu_counted_as_one_device():
+    """Ranks of two emulated hosts (RINGREDUCE_HOST_ID) on one GPU of one machine, as the bench's
+    --hosts 2 puts 2 x 2 ranks on one H200: the plans see two hosts, but all four ranks' blocks
+    spin on that GPU at once, so each may keep a quarter of its SMs, not half (half let two ranks
+    of different hosts fill the GPU while their peers waited for an SM: a hang until timeout)."""
+    from ringreduce._cuda.policy import (device_record, parse_device_records, resident_blocks,
+                                         time_sliced)
+    values = [device_record(f"h{q // 2}", "box/boot", "0000:19:00.0", 132, True).encode()
+              for q in range(4)]
+    where, devices = parse_device_records(values)
+    assert [h for h, _, _, _ in where] == ["h0", "h0", "h1", "h1"]
+    assert resident_blocks(devices) == 33 and resident_blocks(where) == 66
+    assert not time_sliced(devices)  # MPS
+    off = parse_device_records([device_record(f"h{q}", "box/boot", "0:1", 132, False)
+                                for q in range(2)])
+    assert time_sliced(off[1]) and not time_sliced(off[0])
+    # two real machines, a GPU each on the same bus id: not shared
+    two = parse_device_records([device_record(f"m{q}", f"m{q}/boot", "0:1", 132, False)
+                                for q in range(2)])
+    assert resident_blocks(two[1]) == 132 and not time_sliced(two[1])
+    assert parse_device_records([device_record("a|b", "m", "0:1", 8, 0)])[0] == [("a|b", "0:1", 8, False)]
+
+
 def test_mps_as_the_environment_says(tmp_path, monkeypatch):
     from ringreduce._cuda.policy import mps_active
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))

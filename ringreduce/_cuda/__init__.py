@@ -45,7 +45,8 @@ from . import policy
 from .policy import (CLOSE_BARRIER_S, DEFAULT_STAGING_BYTES, DEFAULT_SYM_BLOCKS, MAX_DIRECT_RANKS,
                      MAX_SYM_BLOCKS, P2P_KNOBS, _WIRE_F16, _nccl_lib, _require_cuda,
                      _warned_connections, _warned_sharing, choose_transport, connections_warning, log,
-                     mps_active, mps_sm_share, p2p_knobs, resident_blocks, sharing_warning,
+                     device_record, mps_active, mps_sm_share, p2p_knobs, parse_device_records,
+                     resident_blocks, sharing_warning,
                      time_sliced, usable_sms)
 
 RingReduceError = _C.RingReduceError
@@ -96,10 +97,10 @@ class Communicator(_lifecycle.Communicator):
         # Whether every rank maps every other (the direct algorithms), and how many blocks a call
         # may use so that the kernels of all ranks sharing a device are resident together.
         direct = self._direct_possible()
-        max_blocks = resident_blocks(self._where)
+        max_blocks = resident_blocks(self._devices)
         if k["blocks_cap"]:
             max_blocks = min(max_blocks, k["blocks_cap"])
-        sliced = time_sliced(self._where)
+        sliced = time_sliced(self._devices)
         if algo == "copy" and not direct:  # its counters are one host's shared memory
             raise ValueError("ringreduce: RINGREDUCE_CUDA_ALGO=copy needs every rank to map every "
                              "other rank's memory (one host, peer access); this group cannot")
@@ -208,12 +209,15 @@ class Communicator(_lifecycle.Communicator):
         sms = usable_sms(torch.cuda.get_device_properties(self.device).multi_processor_count,
                          mps_sm_share(self.device.index),
                          len(REGISTRY.live(("cuda", self.device.index))))
-        me = f"{host_id()}|{_C.cuda_bus_id(self.device.index)}|{sms}|{int(mps_active())}"
+        me = device_record(host_id(), _lifecycle.machine_id(), _C.cuda_bus_id(self.device.index),
+                           sms, mps_active())
         self._setup.set(f"bus/{r}", me)
-        where = [v.decode().rsplit("|", 3) for v in self._setup.all("bus", n, "host and device")]
-        # resident_blocks(), time_sliced()
-        self._where = [(h, b, int(s), m == "1") for h, b, s, m in where]
-        self._bus_ids = [f"{h}|{b}" for h, b, _, _ in where]  # ranks per device (_tune)
+        # self._where: each rank's host (plans), self._devices: its GPU (resident_blocks(),
+        # time_sliced(), ranks per device in _tune)
+        self._where, self._devices = parse_device_records(
+            self._setup.all("bus", n, "host and device"))
+        self._bus_ids = [f"{mach}|{b}" for mach, b, _, _ in self._devices]
+        where = self._where
         ok = n <= MAX_DIRECT_RANKS and len({h for h, _, _, _ in where}) == 1
         for q in range(n):
             if ok and q != r:
@@ -264,7 +268,7 @@ class Communicator(_lifecycle.Communicator):
         if host == 0:  # the id of local rank j's ring over the hosts
             setup.set(f"cross-id/{local}", _C.nccl_unique_id(lib))
         uid = setup.get(f"cross-id/{local}", f"the NCCL id of local rank {local}'s ring")
-        max_blocks = resident_blocks(self._where)
+        max_blocks = resident_blocks(self._devices)  # emulated hosts may share one GPU
         if k["blocks_cap"]:
             max_blocks = min(max_blocks, k["blocks_cap"])
         # The host's waits outlast the waits between hosts (as the CPU's hierarchy): a rank waiting

@@ -199,9 +199,27 @@ def mps_active():
     return mps_pipe_present()
 
 
+def device_record(host, machine, bus, sms, mps):
+    """What a rank tells the group of itself: its host (RINGREDUCE_HOST_ID: what plans go by), the
+    machine it really runs on, its device's PCI bus id, the SMs it may use and whether MPS runs."""
+    return f"{host}|{machine}|{bus}|{sms}|{int(bool(mps))}"
+
+
+def parse_device_records(values):
+    """Every rank's device_record -> (where, devices): where[q] = (host, bus, SMs, MPS) for the
+    plans, devices[q] = (machine, bus, SMs, MPS) for who shares a GPU: emulated hosts (tests, the
+    bench's --hosts) put ranks of different hosts on one GPU, whose blocks must all be resident."""
+    where, devices = [], []
+    for v in values:
+        host, machine, bus, sms, mps = (v.decode() if isinstance(v, bytes) else v).rsplit("|", 4)
+        where.append((host, bus, int(sms), mps == "1"))
+        devices.append((machine, bus, int(sms), mps == "1"))
+    return where, devices
+
+
 def time_sliced(where):
     """Whether some device of the group is shared by ranks without MPS (where[q]: rank q's
-    (host, PCI bus id, SM count, MPS active)): their contexts take turns in time slices, so each
+    (machine, PCI bus id, SM count, MPS active)): their contexts take turns in time slices, so each
     wait of a kernel of ours for another rank's waits for a slice (logged; the copy algorithm,
     RINGREDUCE_CUDA_ALGO=copy, avoids such waits). The same answer on every rank."""
     per_device = {}
@@ -239,7 +257,7 @@ def usable_sms(sms, share_pct, live_comms):
 
 def resident_blocks(where):
     """The most thread blocks one p2p call may use, the same on every rank: where[q] is rank q's
-    (host, PCI bus id, SM count). Every block of every rank's kernel spins until its peers' blocks
+    (machine, PCI bus id, SM count). Every block of every rank's kernel spins until its peers' blocks
     run, so all must be resident at once, and one block of these kernels fills an SM: the SMs of a
     device over the ranks sharing it, the least over the group."""
     per_device = {}

@@ -235,6 +235,10 @@ def parse_args(argv=None):
             a.results += f"-{os.getpid()}"
     a.lab = os.environ.get(LAB_ENV)  # set by the --link launcher for the ranks it starts
     a.link_gbps = float(os.environ.get(LAB_GBPS_ENV) or 0) or None  # what a socket got across it
+    if a.hosts > 1 and a.device == "cuda" and a.torchrun and not a.lab:
+        parser.error(f"--hosts {a.hosts} on GPUs emulates hosts among the ranks the bench starts "
+                     f"itself (or, with --link, in the lab); under torchrun the hosts are "
+                     f"torchrun's nodes: run without --hosts")
     if a.hosts > 1 and a.device == "cuda" and any(n % a.hosts for n in a.nranks):
         parser.error(f"--hosts {a.hosts} on GPUs: --nranks must be multiples of it (the two-level "
                      f"plan needs the same number of ranks on every host), got "

@@ -33,11 +33,13 @@ def emulated_host(rank, world, hosts):
     return f"bench-h{rank * hosts // world}"
 
 
-def _device_setup(device_kind, local_rank, local_world, host=None):
-    """Threads per rank, this rank's GPU, and NCCL's and SymmetricMemory's consent to share a
-    GPU between ranks. host: this GPU rank's emulated host (--hosts, --link), told to ringreduce
-    and to NCCL (its sockets between hosts; loopback unless the lab named an interface); set
-    before any communicator exists, as both read it when one is made."""
+def _device_setup(device_kind, local_rank, local_world, host=None, host_ranks=None):
+    """Threads per rank (local_world ranks share the cores), this rank's GPU, and NCCL's and
+    SymmetricMemory's consent to share a GPU between the host_ranks ranks (default local_world)
+    that have this rank's host id. host: this GPU rank's emulated host (--hosts, --link), told to
+    ringreduce and to NCCL (its sockets between hosts, not InfiniBand, which would bypass the
+    lab's link; loopback unless the lab named an interface); set before any communicator exists,
+    as both read it when one is made."""
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, local_world)))
     if device_kind != "cuda":
         return torch.device("cpu")
@@ -47,7 +49,8 @@ def _device_setup(device_kind, local_rank, local_world, host=None):
     if host is not None:
         os.environ["RINGREDUCE_HOST_ID"] = os.environ["NCCL_HOSTID"] = host
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    if local_world > count:  # several ranks per GPU (DESIGN.md, "Machines and builds")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    if (host_ranks or local_world) > count:  # ranks of a host share a GPU (DESIGN.md, "Machines")
         os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
         # torch's SymmetricMemory refuses a rendezvous of ranks on one device without it (read
         # at each rendezvous, so setting it here, before any, is enough)
@@ -78,7 +81,8 @@ def _backend(device_kind):
 
 
 def run_rank(args, rank, world, device, local_world):
-    """This rank's whole run (process group already initialized); rank 0 returns the run."""
+    """This rank's whole run (process group already initialized); rank 0 returns the run.
+    local_world: the ranks with this rank's host id on this machine (who share its GPUs)."""
     ctrl = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
     ctx = runner.Context(args, rank, world, device, ctrl)
     info = report.machine() if rank == 0 else None  # here, so the launcher never touches a GPU
@@ -114,14 +118,14 @@ def run_rank(args, rank, world, device, local_world):
 
 
 def _spawned_rank(rank, world, tmpdir, args):
-    host = emulated_host(rank, world, args.hosts) if args.device == "cuda" and args.hosts > 1 \
-        else None
-    device = _device_setup(args.device, rank, world, host)
+    hosts = args.hosts if args.device == "cuda" else 1  # GPU ranks on emulated hosts
+    host = emulated_host(rank, world, hosts) if hosts > 1 else None
+    device = _device_setup(args.device, rank, world, host, world // hosts)
     ran = False
     try:
         store = dist.FileStore(os.path.join(tmpdir, "store"), world)
         dist.init_process_group(_backend(args.device), store=store, rank=rank, world_size=world)
-        run = run_rank(args, rank, world, device, world)
+        run = run_rank(args, rank, world, device, world // hosts)
         if rank == 0:
             with open(os.path.join(tmpdir, "result.tmp"), "w") as f:
                 json.dump(run, f)
@@ -357,7 +361,8 @@ def _torchrun_main(args):
     # (with local_world, 2 hosts x 1 rank on 2 cores ran 2 intra-op threads per rank, and every
     # small parallel copy waited a time slice for a descheduled thread: 1.6x slower calls).
     # On GPUs in the lab every rank is told its host (the lab's) and takes GPU rank % count.
-    device = (_device_setup(args.device, rank, world, os.environ.get("RINGREDUCE_HOST_ID"))
+    device = (_device_setup(args.device, rank, world, os.environ.get("RINGREDUCE_HOST_ID"),
+                            local_world)
               if args.lab and args.device == "cuda" else
               _device_setup(args.device, local_rank, world if args.lab else local_world))
     load = header.load_average()

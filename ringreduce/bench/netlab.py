@@ -214,10 +214,11 @@ class Lab:
     def env(self, host, base=None):
         """The environment a rank on host needs: its host identity (to ringreduce and to NCCL,
         which would otherwise take every namespace of this machine for one host) and the
-        interface of Gloo's and NCCL's sockets."""
+        interface of Gloo's and NCCL's sockets (NCCL without InfiniBand, which would bypass the
+        shaped link)."""
         env = dict(os.environ if base is None else base)
         env.update(RINGREDUCE_HOST_ID=f"lab-h{host}", NCCL_HOSTID=f"lab-h{host}",
-                   GLOO_SOCKET_IFNAME="eth0", NCCL_SOCKET_IFNAME="eth0")
+                   GLOO_SOCKET_IFNAME="eth0", NCCL_SOCKET_IFNAME="eth0", NCCL_IB_DISABLE="1")
         return env
 
     def popen(self, host, argv, private_shm=False, env=None, **kw):
