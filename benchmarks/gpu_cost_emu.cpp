@@ -8,12 +8,14 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/host.h"
 #include "cuda/shape.h"
 #include "cuda/p2p/endpoint.h"
 #include "emu.h"
+#include "../tests/native/held_memory.h"
 #include "runtime/shm_map.h"
 
 #include <unistd.h>
@@ -42,6 +44,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   emu_set_device_count(n);
+  HeldMemory held;  // recurring: the tensors' memory, as torch's allocator would hold it
   try {
     std::vector<std::unique_ptr<p2p::Endpoint>> rings;
     std::vector<cudaStream_t> streams(n);
@@ -75,12 +78,16 @@ int main(int argc, char** argv) {
     }
     if (recurring) {  // the board, shared as the torch binding does
       const std::string name = "/rr-cost-board-" + std::to_string(getpid());
-      for (int r = 0; r < n; ++r) rings[r]->board_attach(name, r == 0);
+      for (int r = 0; r < n; ++r) {
+        rings[r]->set_holder(held.holder());
+        rings[r]->board_attach(name, r == 0);
+      }
       rr::runtime::shm_unlink(name);
     }
     for (int i = 4; i < argc; ++i) {
       const int64_t numel = (std::atoll(argv[i]) / 4 / n) * n;
       std::vector<char*> in(n), out(n);
+      std::vector<std::shared_ptr<char>> held_in(n);
       std::vector<std::string> reg_handles(n);
       std::vector<int> reg_ids(n);
       for (int r = 0; r < n; ++r) {
@@ -94,7 +101,12 @@ int main(int argc, char** argv) {
           reg_ids[r] = id;
           in[r] = rings[r]->reg_memory(id).get();
         } else {
-          RR_CUDA_CHECK(cudaMalloc(&in[r], in_b ? in_b : 4));
+          if (recurring) {  // freed as torch frees a tensor: when its last owner (a hold) lets go
+            held_in[r] = held.alloc(in_b ? in_b : 4);
+            in[r] = held_in[r].get();
+          } else {
+            RR_CUDA_CHECK(cudaMalloc(&in[r], in_b ? in_b : 4));
+          }
         }
         if (!registered) RR_CUDA_CHECK(cudaMalloc(&out[r], out_b ? out_b : 4));
         // On the rank's stream: a legacy-stream memset is not ordered before it (non-blocking).
@@ -160,11 +172,13 @@ int main(int argc, char** argv) {
       }
       std::printf("]}\n");
       std::fflush(stdout);
+      // An imported allocation is withdrawn, the peers unmap it, then the reaper's hold frees it.
+      const int freed = held.freed();
+      held_in.assign(n, nullptr);
+      while (recurring && held.freed() < freed + n) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       for (int r = 0; r < n; ++r) {
         RR_CUDA_CHECK(cudaSetDevice(r));
-        // An imported allocation is withdrawn (the peers unmap it) before it is freed.
-        if (recurring) rings[r]->forget(reinterpret_cast<uintptr_t>(in[r]), (numel ? numel : 1) * 4);
-        if (!registered) cudaFree(in[r]);
+        if (!registered && !recurring) cudaFree(in[r]);
         cudaFree(out[r]);
       }
     }

@@ -928,10 +928,11 @@ def test_shared_buffers(world):
 
 def imported_worker(rank, world):
     """Ordinary tensors reduced where they lie (issue 70): calls on the same memory run in place
-    from the second on (the device reports it), every result exact; torch.cuda.empty_cache frees
-    the allocation (the caching allocator's trace tracker withdraws it first: the peers close their
-    mappings) and new memory is imported anew. Under expandable segments (no CUDA IPC handle) the
-    calls go through the workspace and a warning says why, once."""
+    from the second on (the device reports it), every result exact; once the tensor goes, its
+    storage is held (issue 81: nothing on torch's free path waits for a peer; empty_cache returns
+    at once) until the peers closed their mappings, then dropped, and new memory is imported anew.
+    Under expandable segments (no CUDA IPC handle) the calls go through the workspace and a warning
+    says why, once; under the cudaMallocAsync backend imports are off for the group, said once."""
     import warnings
     import ringreduce as rr
     from ringreduce import _cuda
@@ -955,32 +956,42 @@ def imported_worker(rank, world):
             rr.all_reduce(torch.ones(8, device=dev))  # learns the last calls' tags (a small call)
             seen, in_place, mapped = comm._native.imported()
             del t
-            torch.cuda.empty_cache()  # the segment goes: withdrawn first
+            t0 = time.perf_counter()
+            torch.cuda.empty_cache()  # nothing of ours waits in torch's free path
+            free_s = time.perf_counter() - t0
             dist.barrier()
-            after = comm._native.imported()[2]
-            failures.append(("counts", round_, seen, in_place, mapped, after))
+            deadline = time.monotonic() + 5  # the reapers: withdrawn, closed, dropped (~ms)
+            while (comm._native.imported()[2] or comm._native.holds()) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            after = comm._native.imported()[2] + comm._native.holds()
+            torch.cuda.empty_cache()
+            failures.append(("counts", round_, seen, in_place, mapped, after, free_s))
     finish()
     return failures, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("expandable", [False, True], ids=["caching", "expandable"])
-def test_imported_memory(expandable):
+@pytest.mark.parametrize("alloc", ["caching", "expandable", "async"])
+def test_imported_memory(alloc):
     env = dict(P2P_ENV)
-    if expandable:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    conf = {"expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
+    if alloc in conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = conf[alloc]
     for rank, (out, warned) in enumerate(run_ranks(2, imported_worker, timeout=300, env=env)):
         counts = [o for o in out if isinstance(o, tuple)]
         assert [o for o in out if not isinstance(o, tuple)] == [], (rank, out)
-        for _, round_, seen, in_place, mapped, after in counts:
-            assert seen >= 4 * (round_ + 1) - 1, (rank, counts)
-            if expandable:
-                assert in_place == 0 and mapped == 0, (rank, counts)
-            else:
+        for _, round_, seen, in_place, mapped, after, free_s in counts:
+            assert free_s < 0.05, (rank, counts)  # the old free callback waited 2 ms a peer, or the timeout
+            if alloc == "caching":
+                assert seen >= 4 * (round_ + 1) - 1, (rank, counts)
                 assert in_place >= 3 * (round_ + 1) - 1 and mapped >= 1 and after == 0, (rank, counts)
+            else:
+                assert in_place == 0 and mapped == 0, (rank, counts)
         notes = [w for w in warned if "workspace" in w]
-        assert len(notes) == (1 if expandable else 0), (rank, warned)
-        if expandable:
+        assert len(notes) == (0 if alloc == "caching" else 1), (rank, warned)
+        if alloc == "expandable":
             assert "expandable segment" in notes[0], notes
+        if alloc == "async":
+            assert "imported memory is off" in notes[0] and "cudaMallocAsync" in notes[0], notes
 
 
 # -- CUDA graphs ---------------------------------------------------------------------------------

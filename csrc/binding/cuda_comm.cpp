@@ -149,7 +149,7 @@ Wire CudaComm::wire_of(int wire, const at::Tensor& t, int op, const char* arg) {
 py::object CudaComm::all_reduce(at::Tensor t, int op, bool async_op, int wire) {
   check(t, "tensor");
   return run({Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), t.data_ptr(), t.data_ptr(),
-              wire_of(wire, t, op, "tensor")}, {t}, async_op);
+              wire_of(wire, t, op, "tensor"), t.storage().unsafeGetStorageImpl()}, {t}, async_op);
 }
 
 py::object CudaComm::reduce_scatter(at::Tensor out, at::Tensor in, int op, bool async_op, int wire) {
@@ -190,7 +190,8 @@ bool CudaComm::fast_all_reduce(PyObject* obj, int op, int wire) {
   struct Pop {
     ~Pop() { nvtxRangePop(); }
   } pop;
-  run({Coll::AllReduce, dt, to_op(op), t.numel(), t.data_ptr(), t.data_ptr(), Wire::None}, {t}, false);
+  run({Coll::AllReduce, dt, to_op(op), t.numel(), t.data_ptr(), t.data_ptr(), Wire::None,
+       t.storage().unsafeGetStorageImpl()}, {t}, false);
   return true;
 }
 

@@ -1,20 +1,19 @@
-// Imported memory's link to torch (p2p::Endpoint::set_finder, forget): which allocation of the
-// caching allocator holds a tensor, and the allocator's frees reported to every p2p communicator
-// on the device before its memory goes.
+// Imported memory's link to torch (p2p::Endpoint::Hold): a reference to a tensor's storage keeps
+// torch's caching allocator from freeing its block, and so the segment around it (the cudaMalloc
+// allocation the peers map), until the endpoint drops it once every peer closed its mapping.
 #pragma once
-#include <cstdint>
 #include <memory>
 #include <string>
 
+#include "cuda/p2p/endpoint.h"
+
 namespace ringreduce::binding {
 
-struct Shared;
-
-// The caching allocator's segment holding p (base, bytes), or false and why it cannot be shared:
-// not the caching allocator's memory, or an expandable segment (no CUDA IPC handle).
-bool caching_allocator_segment(const void* p, uintptr_t* base, size_t* bytes, std::string* why);
-// From now on the allocator's segment frees on `device` reach this communicator's p2p endpoint
-// (Endpoint::forget) while it lives. The allocator's trace tracker is attached once per process.
-void report_frees(const std::weak_ptr<Shared>& shared, int device);
+// "" when torch's CUDA allocator is its native caching allocator, whose cudaMalloc'd segments
+// CUDA IPC can share; else why imports are off (cudaMallocAsync's pools, a pluggable allocator).
+std::string allocator_why_not();
+// The hold on call c's input (Call::owner: the tensor's StorageImpl), or null and why it cannot
+// be shared (not memory of torch's caching allocator). Endpoint::Holder.
+std::unique_ptr<cuda::p2p::Endpoint::Hold> hold_storage(const Call& c, std::string* why);
 
 }  // namespace ringreduce::binding

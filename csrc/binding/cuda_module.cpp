@@ -88,13 +88,13 @@ void register_cuda(py::module_& m) {
         p2p_of(c).copy_attach(name, create);
       }, py::arg("name"), py::arg("create"))
       // Imported memory (p2p::Endpoint::board_attach): ordinary tensors of torch's caching
-      // allocator, whose segment frees reach the endpoint before the memory goes.
+      // allocator, each kept allocated (a reference to its storage) while a peer may map it.
       .def("board_attach", [](CudaComm& c, const std::string& name, bool create) {
         rc::p2p::Endpoint& ep = p2p_of(c);
-        ep.set_finder(&caching_allocator_segment);
+        ep.set_holder(&hold_storage);
         ep.board_attach(name, create);
-        report_frees(c.shared(), c.device());
       }, py::arg("name"), py::arg("create"))
+      .def("holds", [](CudaComm& c) { return p2p_of(c).holds(); })
       .def("imported", [](CudaComm& c) {  // (calls seen, of them in place, peers' allocations mapped)
         rc::p2p::Endpoint& ep = p2p_of(c);
         return py::make_tuple(ep.imported_seen(), ep.imported_in_place(), ep.imports());
@@ -246,6 +246,8 @@ void register_cuda(py::module_& m) {
     return py::make_tuple(ok, why);
   }, py::arg("device"), py::arg("bus_id"));
   m.def("cuda_free_streams", &free_stream_count, py::arg("device"));
+  // Why imported memory is off on this process's allocator ("" where it can be on).
+  m.def("cuda_allocator_why_not", &allocator_why_not);
   m.def("cuda_device_count", [] {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;

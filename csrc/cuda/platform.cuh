@@ -88,6 +88,14 @@ __device__ __forceinline__ uint64_t ld_ll(const uint64_t* p) {
   asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+// Two LL words in one 16-byte access (p 16-byte aligned): each 8-byte half is still single-copy
+// atomic, so each half carries its own flag (NCCL's LL reads 16 bytes a poll the same way).
+__device__ __forceinline__ void st_ll2(uint64_t* p, uint64_t a, uint64_t b) {
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+__device__ __forceinline__ void ld_ll2(const uint64_t* p, uint64_t* a, uint64_t* b) {
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(*a), "=l"(*b) : "l"(p) : "memory");
+}
 // The emulator's cost model counts an LL word's bytes once, when its flag matched; nothing here.
 __device__ __forceinline__ void ll_arrived(const void*) {}
 // The narrow wire's fp8 scales (p2p/sym_wire.cu): v[u] = the largest v[u] over the calling warp,
@@ -173,6 +181,15 @@ inline void st_ll(uint64_t* p, uint64_t v) {
   __atomic_store_n(p, v, __ATOMIC_RELAXED);
 }
 inline uint64_t ld_ll(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+// Two words, each whole (a GPU makes no promise for the 16 bytes together: neither does this).
+inline void st_ll2(uint64_t* p, uint64_t a, uint64_t b) {
+  st_ll(p, a);
+  st_ll(p + 1, b);
+}
+inline void ld_ll2(const uint64_t* p, uint64_t* a, uint64_t* b) {
+  *a = ld_ll(p);
+  *b = ld_ll(p + 1);
+}
 inline void ll_arrived(const void* p) {
   if (::emu::cost_enabled.load(std::memory_order_relaxed)) ::emu::cost_access(p, 8, false);
 }

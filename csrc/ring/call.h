@@ -47,6 +47,9 @@ struct Call {
   const void* in;
   void* out;
   Wire wire = Wire::None;  // all-reduce / reduce-scatter of floats over a narrow wire (ring/types.h)
+  // Who owns in's memory, opaque (the binding: the tensor's c10::StorageImpl), for a transport that
+  // shares that memory with its peers and must keep it from being freed meanwhile (p2p's imports).
+  const void* owner = nullptr;
 };
 
 // RINGREDUCE_DETERMINISTIC=1 / rr.set_deterministic(True): every all_reduce and reduce_scatter of

@@ -133,8 +133,15 @@ class Communicator(_lifecycle.Communicator):
             if native.copies() and native.direct():  # one host: the counters are shared memory
                 self._attach_copy_counters(native)
             if k["imports"] and native.direct():  # ordinary tensors reduced where they lie
-                self._attach_shared_segment(native, "board", native.board_attach,
-                                            "the board of imported memory")
+                on, note = policy.agree_imports(setup, r, n, _C.cuda_allocator_why_not())
+                if on:
+                    self._attach_shared_segment(native, "board", native.board_attach,
+                                                "the board of imported memory")
+                else:
+                    log.debug("rank %d/%d: %s", r, n, note)
+                    if note not in policy._warned_imports:  # once per process
+                        policy._warned_imports.add(note)
+                        warnings.warn(note, RuntimeWarning, stacklevel=3)
         except BaseException:
             native.close(False)  # the others may have mapped our memory already
             raise

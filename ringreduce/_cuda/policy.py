@@ -317,6 +317,23 @@ def p2p_knobs():
     return k
 
 
+def agree_imports(setup, rank, world, why_not):
+    """Whether the group reduces ordinary tensors where they lie (imported memory): only if every
+    rank's allocator can share them (why_not: "" where this rank's can, else why not; a rank with
+    RINGREDUCE_CUDA_IMPORT=0 never gets here, as the knob is compared first). Every rank publishes
+    its verdict before any waits, so a rank that cannot never leaves the others waiting. Returns
+    (on, note): note names the first rank that cannot and why ("" when on)."""
+    setup.set(f"imports/{rank}", why_not.encode() or b"ok")
+    for q, theirs in enumerate(setup.all("imports", world, "allocator check")):
+        if theirs != b"ok":
+            return False, (f"ringreduce: imported memory is off for this group (ordinary tensors go "
+                           f"through the workspace: a copy in and out): rank {q}: {theirs.decode()}")
+    return True, ""
+
+
+_warned_imports = set()
+
+
 def sharing_warning(ranks_per_device, device, mps):
     """The warning for ranks_per_device ranks sharing one GPU, or None. Without MPS their kernels
     take turns in time slices and every handshake between them waits for one (measured, world 2:

@@ -27,6 +27,7 @@
 #include "cuda/nccl/endpoint.h"
 #include "cuda/p2p/endpoint.h"
 #include "cuda_check.h"
+#include "held_memory.h"
 #include "deterministic_check.h"
 #include "wire_check.h"
 #include "runtime/recorder.h"
@@ -723,13 +724,124 @@ static void test_ll_back_to_back() {
   for (int n : {2, 3, 4}) ll_back_to_back(n, 1000, 25);
 }
 
+// The emulator's weak memory mode (a GPU's is its own).
+static void set_weak(uint64_t seed) {
+#ifdef RINGREDUCE_EMU
+  emu_set_weak(seed);
+#else
+  (void)seed;
+#endif
+}
+
+// Issue 81 item 2: the LL flag never matches a stale word. The LL count started just below a
+// wipe and below 2^32 (where a flag that was the count cut to 32 bits came round to 0, the value
+// of a word never written), sizes mixed (a big call leaves words a small one does not overwrite),
+// and one rank late to every call, so that its peers poll before its words arrive: every result
+// exact; after each wiping call the idle slots hold only zeros.
+static void test_ll_flag_wrap() {
+  // Twice: as stores land, and in the weak memory mode (stores land late and in any order, so a
+  // reader meets words not yet arrived whatever the header's timing).
+  for (uint64_t seed : {uint64_t{0}, uint64_t{5}})
+  for (int n : {2, 3})
+    for (uint64_t start : {(uint64_t{1} << 30) - 3, (uint64_t{1} << 32) - 5, (uint64_t{3} << 31) - 4}) {
+      set_weak(seed);
+      struct Strong {
+        ~Strong() { set_weak(0); }
+      } strong;
+      Group g(n, 2, 4096, 20.0);  // slots of zeros, as new
+      const int64_t most = static_cast<int64_t>(rc::p2p::ll_max_bytes(n)) / 4;
+      std::vector<std::unique_ptr<DevBuf>> x;
+      for (int r = 0; r < n; ++r) {
+        RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
+        x.push_back(std::make_unique<DevBuf>(most * 4));
+      }
+      for (int r = 0; r < n; ++r) g.rings[r]->set_counts(start * 3, start);  // epochs: any larger value
+      // small calls first, so that the fifth (LL call 2^32 from the second start) reads words no
+      // call wrote since the slots were new
+      const int64_t sizes[] = {7, 1, 33, 2, most, most - 5, 7, most / 2, 1, most};
+      int calls = 0;
+      for (int64_t numel : sizes) {
+        const uint64_t k = start + ++calls;
+        for (int r = 0; r < n; ++r) {
+          std::vector<int32_t> v(numel);
+          for (int64_t i = 0; i < numel; ++i) v[i] = (r + 1) * static_cast<int32_t>(i % 7 + 1) + calls;
+          RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
+          RR_CUDA_CHECK(cudaMemcpyAsync(x[r]->p, v.data(), numel * 4, cudaMemcpyHostToDevice, g.ranks[r].stream));
+          RR_CUDA_CHECK(cudaStreamSynchronize(g.ranks[r].stream));
+        }
+        const rr::Call probe{rr::Coll::AllReduce, rr::DType::I32, rr::RedOp::Sum, numel, x[0]->p, x[0]->p};
+        EXPECT(g.rings[0]->plan_of(probe).algo == rc::p2p::Algo::LL, "n=%d: %lld elements not LL", n, (long long)numel);
+        for (int r = n - 1; r >= 0; --r) {  // rank 0 last, late: the others poll for its words
+          if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+          RR_CUDA_CHECK(cudaSetDevice(g.ranks[r].device));
+          g.rings[r]->run({rr::Coll::AllReduce, rr::DType::I32, rr::RedOp::Sum, numel, x[r]->p, x[r]->p},
+                          g.ranks[r].stream);
+        }
+        sync_all(g);
+        for (int r = 0; r < n; ++r) {
+          EXPECT(g.rings[r]->failure().empty(), "n=%d rank %d: %s", n, r, g.rings[r]->failure().c_str());
+          std::vector<int32_t> got(numel);
+          RR_CUDA_CHECK(cudaMemcpy(got.data(), x[r]->p, numel * 4, cudaMemcpyDeviceToHost));
+          int64_t bad = 0, first = -1;
+          for (int64_t i = 0; i < numel; ++i)
+            if (got[i] != n * (n + 1) / 2 * static_cast<int32_t>(i % 7 + 1) + n * calls) bad += 1, first = first < 0 ? i : first;
+          EXPECT(bad == 0, "n=%d rank %d, LL call %llu (%lld elements): %lld wrong, first at %lld (%d)", n, r,
+                 (unsigned long long)k, (long long)numel, (long long)bad, (long long)first, first >= 0 ? got[first] : 0);
+          if (!rc::p2p::ll_wipes(k)) continue;
+          size_t slot = 0;
+          const char* slots = g.rings[r]->ll_slots(&slot);
+          std::vector<uint64_t> idle(n * slot / 8);
+          RR_CUDA_CHECK(cudaMemcpy(idle.data(), slots + ((k + 1) & 1) * n * slot, n * slot, cudaMemcpyDeviceToHost));
+          int64_t left = 0;
+          for (uint64_t w : idle) left += w != 0;
+          EXPECT(left == 0, "n=%d rank %d: %lld words left in the idle slots after LL call %llu wiped them", n, r,
+                 (long long)left, (unsigned long long)k);
+        }
+        if (g_failures) return;
+      }
+    }
+  // The flag's arithmetic: never 0, and a slot's flags distinct for calls fewer than 2^32 apart.
+  for (uint64_t k : {uint64_t{1}, uint64_t{2}, (uint64_t{1} << 32) - 2, uint64_t{1} << 32, (uint64_t{1} << 33) + 7}) {
+    EXPECT(rc::p2p::ll_flag(k) != 0, "the flag of LL call %llu is 0", (unsigned long long)k);
+    for (uint64_t d : {uint64_t{2}, uint64_t{4}, (uint64_t{1} << 31), (uint64_t{1} << 32) - 2})
+      EXPECT(rc::p2p::ll_flag(k) != rc::p2p::ll_flag(k + d), "LL calls %llu and %llu share a flag",
+             (unsigned long long)k, (unsigned long long)(k + d));
+  }
+}
+
 // The group's board for imported memory (Endpoint::board_attach): rank 0 makes it, the others
 // map it, then the name goes.
+// Each rank's holds come from g_held: memory from g_held.alloc() is freed as torch frees a tensor's
+// block, when its last owner (the test, or a hold) lets go; other memory stays held until close.
+static HeldMemory g_held;
 static void attach_boards(Group& g) {
   static int made = 0;
   const std::string name = "/rr-test-board-" + std::to_string(getpid()) + "-" + std::to_string(made++);
-  for (size_t r = 0; r < g.rings.size(); ++r) g.rings[r]->board_attach(name, r == 0);
+  for (size_t r = 0; r < g.rings.size(); ++r) {
+    g.rings[r]->set_holder(g_held.holder());
+    g.rings[r]->board_attach(name, r == 0);
+  }
   rr::runtime::shm_unlink(name);
+}
+
+// Frees of memory an IPC mapping still mapped (the emulator counts them; a GPU cannot tell).
+static uint64_t frees_while_mapped() {
+#ifdef RINGREDUCE_EMU
+  return emu_frees_while_mapped();
+#else
+  return 0;
+#endif
+}
+
+// Waits (at most 5 s) until pred holds; false if it never did.
+template <class Pred>
+static bool eventually(Pred pred) {
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  while (!pred()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
 }
 
 // Ordinary memory, imported (Algo::Imported): the first call on a tensor goes through the workspace
@@ -743,17 +855,18 @@ static void test_imported() {
   int cases = 0;
   const auto t0 = Clock::now();
   for (int n = 2; n <= 3; ++n) {
-    std::vector<std::unique_ptr<DevBuf>> mem, other;
+    std::vector<std::shared_ptr<char>> mem;
+    std::vector<std::unique_ptr<DevBuf>> other;
     for (int r = 0; r < n; ++r) {
       RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
-      mem.push_back(std::make_unique<DevBuf>(1 << 20));
+      mem.push_back(g_held.alloc(1 << 20));
       other.push_back(std::make_unique<DevBuf>(1 << 20));
     }
     Group g(n, 2, 4096, 20.0);
     for (auto& ring : g.rings) ring->set_threshold(0), ring->set_ll_max(0);
     attach_boards(g);
     std::vector<char*> at(n), moved(n);
-    for (int r = 0; r < n; ++r) at[r] = mem[r]->p + 4096 * (r + 1);
+    for (int r = 0; r < n; ++r) at[r] = mem[r].get() + 4096 * (r + 1);
     const rr::Call probe{rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 100, at[0], at[0]};
     EXPECT(g.rings[0]->plan_of(probe).algo == Algo::Imported, "n=%d: an ordinary tensor planned %s", n,
            rc::p2p::algo_name(g.rings[0]->plan_of(probe).algo));
@@ -797,20 +910,20 @@ static void test_imported() {
     // Inside a CUDA graph capture (global mode) nothing new is mapped, which would invalidate it:
     // fresh memory goes through the workspace, and the capture stays valid.
     {
-      std::vector<std::unique_ptr<DevBuf>> fresh;
+      std::vector<std::shared_ptr<char>> fresh;
       const int64_t numel = 3000;
       const size_t imported = g.rings[1]->imports();
       for (int r = 0; r < n; ++r) {
         RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
-        fresh.push_back(std::make_unique<DevBuf>(numel * 4));
+        fresh.push_back(g_held.alloc(numel * 4));
         const std::vector<float> v(numel, static_cast<float>(r + 1));
-        RR_CUDA_CHECK(cudaMemcpyAsync(fresh[r]->p, v.data(), numel * 4, cudaMemcpyHostToDevice, g.ranks[r].stream));
+        RR_CUDA_CHECK(cudaMemcpyAsync(fresh[r].get(), v.data(), numel * 4, cudaMemcpyHostToDevice, g.ranks[r].stream));
         RR_CUDA_CHECK(cudaStreamSynchronize(g.ranks[r].stream));
       }
       for (int r = 0; r < n; ++r) emu_set_capturing(g.ranks[r].stream, 1);
       for (int r = 0; r < n; ++r) {
         RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
-        g.rings[r]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, fresh[r]->p, fresh[r]->p},
+        g.rings[r]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, fresh[r].get(), fresh[r].get()},
                         g.ranks[r].stream);
       }
       for (int r = 0; r < n; ++r) {
@@ -820,26 +933,33 @@ static void test_imported() {
       sync_all(g);
       for (int r = 0; r < n; ++r) {
         std::vector<float> got(numel);
-        RR_CUDA_CHECK(cudaMemcpy(got.data(), fresh[r]->p, numel * 4, cudaMemcpyDeviceToHost));
+        RR_CUDA_CHECK(cudaMemcpy(got.data(), fresh[r].get(), numel * 4, cudaMemcpyDeviceToHost));
         EXPECT(got[0] == n * (n + 1) / 2 && got[numel - 1] == n * (n + 1) / 2, "n=%d rank %d: captured call gave %g",
                n, r, got[0]);
       }
       EXPECT(g.rings[1]->imports() == imported, "n=%d: a capture mapped memory", n);
-      for (int r = 0; r < n; ++r) g.rings[r]->forget(reinterpret_cast<uintptr_t>(fresh[r]->p), numel * 4);
+      // Never shared (first seen in a capture): nothing holds it, it goes with the test's handle.
+      const int freed = g_held.freed();
+      fresh.clear();
+      EXPECT(g_held.freed() == freed + n, "n=%d: memory first seen in a capture was held", n);
     }
 #endif
-    // Rank 0 frees its allocation: withdrawn, the peers' mappings closed first, no free of mapped
-    // memory; its next allocation is shared anew.
+    // Rank 0 lets go of its allocation (as a tensor's last reference goes): withdrawn by its
+    // reaper, the peers' mappings closed, and only then freed (the emulator counts a free of
+    // mapped memory); its next allocation is shared anew.
     const size_t mapped = g.rings[1]->imports();
-    g.rings[0]->forget(reinterpret_cast<uintptr_t>(mem[0]->p), 1 << 20);
+    const int freed = g_held.freed();
+    const uint64_t frees_mapped = frees_while_mapped();
+    mem[0].reset();
+    EXPECT(eventually([&] { return g_held.freed() == freed + 1; }), "n=%d: rank 0's memory was never freed", n);
     EXPECT(g.rings[1]->imports() == mapped - 1, "n=%d: rank 1 maps %zu allocations after rank 0's free (before: %zu)",
            n, g.rings[1]->imports(), mapped);
+    EXPECT(frees_while_mapped() == frees_mapped, "n=%d: freed while a peer mapped it", n);
     EXPECT(g.rings[0]->import_note().empty(), "rank 0: %s", g.rings[0]->import_note().c_str());
-    mem[0].reset();
     RR_CUDA_CHECK(cudaSetDevice(device_of(0)));
-    mem[0] = std::make_unique<DevBuf>(1 << 20);
-    const bool same_address = mem[0]->p == moved[0];
-    moved[0] = mem[0]->p;
+    mem[0] = g_held.alloc(1 << 20);
+    const bool same_address = mem[0].get() == moved[0];
+    moved[0] = mem[0].get();
     g.rings[0]->learn();
     const uint64_t freed_in_place = g.rings[0]->imported_in_place();
     for (int k = 0; k < 4; ++k)
@@ -854,6 +974,144 @@ static void test_imported() {
   }
   std::printf("imported memory: %d cases (%.1f s)\n", cases, seconds_since(t0));
 }
+
+#ifdef RINGREDUCE_EMU
+// Calls on memory from g_held at every rank (each tensor at its allocation's start): the second
+// and later run in place, mapped by every peer.
+static std::vector<std::shared_ptr<char>> imported_tensors(Group& g, int64_t numel, int calls) {
+  const int n = static_cast<int>(g.rings.size());
+  std::vector<std::shared_ptr<char>> mem;
+  std::vector<char*> at(n);
+  for (int r = 0; r < n; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+    mem.push_back(g_held.alloc(numel * 4));
+    at[r] = mem[r].get();
+  }
+  for (int k = 0; k < calls; ++k)
+    check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, true, "imported", 0, &at);
+  return mem;
+}
+
+// Issue 81 item 3: nothing on the owner's free path waits for another process. An owner lets go
+// of its tensor (torch's free of the block would follow at once); its hold keeps the memory until
+// every peer's reaper closed its mapping, then the owner's reaper drops it (the free): never
+// while mapped. A peer whose ring a CUDA graph pins closes nothing (its captured launches may read
+// the mappings), so the owner keeps the memory, its calls going on, until the pin goes; a group
+// closed under such a pin keeps it until exit (close(false)).
+static void test_imported_release() {
+  for (int n = 2; n <= 3; ++n) {
+    Group g(n, 2, 4096, 20.0);
+    for (auto& ring : g.rings) ring->set_threshold(0), ring->set_ll_max(0);
+    attach_boards(g);
+    std::vector<std::shared_ptr<char>> mem = imported_tensors(g, 5000, 3);
+    if (g_failures) return;
+    EXPECT(g.rings[1]->imports() >= 1, "n=%d: rank 1 mapped nothing of rank 0's", n);
+    const uint64_t mapped_frees = frees_while_mapped();
+    int freed = g_held.freed();
+    const size_t holds = g.rings[0]->holds();
+    const auto t0 = Clock::now();
+    mem[0].reset();  // torch's free path: returns at once (the hold is ours)
+    const double drop_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    EXPECT(eventually([&] { return g_held.freed() == freed + 1; }), "n=%d: rank 0's memory never freed", n);
+    const double free_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    EXPECT(frees_while_mapped() == mapped_frees, "n=%d: freed while a peer mapped it", n);
+    EXPECT(g.rings[0]->holds() == holds - 1, "n=%d: rank 0 keeps %zu holds, not %zu", n, g.rings[0]->holds(), holds - 1);
+    std::printf("n=%d: the owner let go in %.1f us; freed %.1f ms later, after every peer closed\n", n, drop_us,
+                free_ms);
+    // A graph pins rank 1's ring: it closes nothing, so rank 0 keeps its memory; calls go on.
+    void* pin = g.rings[1]->graph_pin();
+    std::vector<std::shared_ptr<char>> fresh = imported_tensors(g, 3000, 2);
+    const std::weak_ptr<char> watched = fresh[0];  // expired: freed
+    fresh.clear();  // every rank lets go
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT(!watched.expired(), "n=%d: rank 0 freed memory a pinned peer maps", n);
+    std::vector<std::shared_ptr<char>> more = imported_tensors(g, 2000, 2);  // calls still run
+    rc::p2p::Endpoint::release_graph_pin(pin);
+    EXPECT(eventually([&] { return watched.expired(); }), "n=%d: rank 0 kept its memory after the pin went", n);
+    EXPECT(frees_while_mapped() == mapped_frees, "n=%d: freed while a pinned peer mapped it", n);
+    more.clear();
+    mem.clear();
+    // A group closed while rank 1 is pinned (unmap_peers refuses): every rank closes keeping what a
+    // peer may map (close(false)); nothing is freed while mapped.
+    std::vector<std::shared_ptr<char>> last = imported_tensors(g, 1000, 2);
+    void* pin2 = g.rings[1]->graph_pin();
+    EXPECT(!g.rings[1]->unmap_peers(), "n=%d: a pinned ring unmapped its peers", n);
+    last.clear();
+    for (auto& ring : g.rings) ring->close(false);
+    EXPECT(frees_while_mapped() == mapped_frees, "n=%d: a close under a pin freed mapped memory", n);
+    rc::p2p::Endpoint::release_graph_pin(pin2);
+  }
+}
+
+// Issue 81 item 4: IPC calls beside a CUDA graph capture on another thread (torch.cuda.graph
+// captures in global mode): a first export, a peer's first open and a reaper's close run in
+// relaxed mode, so the user's capture stays valid.
+static void test_imports_beside_a_capture() {
+  const int n = 2;
+  Group g(n, 2, 4096, 20.0);
+  for (auto& ring : g.rings) ring->set_threshold(0), ring->set_ll_max(0);
+  attach_boards(g);
+  cudaStream_t user;
+  RR_CUDA_CHECK(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
+  emu_set_capturing(user, 1);
+  {
+    std::vector<std::shared_ptr<char>> mem = imported_tensors(g, 5000, 3);  // get + open
+    EXPECT(g.rings[1]->imports() == 1, "rank 1 maps %zu allocations (beside a capture)", g.rings[1]->imports());
+    const int freed = g_held.freed();
+    mem.clear();  // the reapers close, then the holds go
+    EXPECT(eventually([&] { return g_held.freed() == freed + n; }), "memory not freed beside a capture");
+  }
+  EXPECT(!emu_capture_invalidated(user), "an IPC call invalidated another thread's capture");
+  emu_set_capturing(user, 0);
+  RR_CUDA_CHECK(cudaStreamDestroy(user));
+}
+
+// Issue 81 item 5: after stop_threads (a communicator left to the process's exit) no thread of
+// the transport makes a CUDA call: the runtime may be tearing down.
+static void test_no_cuda_call_after_stop_threads() {
+  const int n = 2;
+  Group g(n, 2, 4096, 20.0);
+  for (auto& ring : g.rings) ring->set_threshold(0), ring->set_ll_max(0);
+  attach_boards(g);
+  for (int r = 0; r < n; ++r) g.rings[r]->watch_peers({rr::runtime::Peer{1 - r, getpid()}});
+  std::vector<std::shared_ptr<char>> mem = imported_tensors(g, 5000, 3);  // mapped by the peer
+  for (auto& ring : g.rings) ring->stop_threads();
+  emu_watch_calls(1);
+  mem.clear();  // a live reaper would withdraw, close the peer's mapping and free
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const uint64_t calls = emu_other_thread_calls();
+  emu_watch_calls(0);
+  EXPECT(calls == 0, "%llu CUDA calls from a transport's threads after stop_threads", (unsigned long long)calls);
+}
+
+// Issue 81 item 8: a peer's allocation that cannot be mapped here is tried once, not on every
+// call (each would cost an IPC open); the calls go through the workspace, exact.
+static void test_failed_open_remembered() {
+  const int n = 2;
+  Group g(n, 2, 4096, 20.0);
+  for (auto& ring : g.rings) ring->set_threshold(0), ring->set_ll_max(0);
+  attach_boards(g);
+  std::vector<std::shared_ptr<char>> mem;
+  std::vector<char*> at(n);
+  for (int r = 0; r < n; ++r) {
+    RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
+    mem.push_back(g_held.alloc(5000 * 4));
+    at[r] = mem[r].get();
+  }
+  check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 5000, true, "open fails", 0, &at);
+  emu_fail_ipc_opens(n);  // every rank's open of its peer's memory, at the next call
+  const uint64_t opens = emu_ipc_opens();
+  check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 5000, true, "open fails", 0, &at);
+  EXPECT(emu_ipc_opens() == opens + n, "%llu opens at the first call, not %d", (unsigned long long)(emu_ipc_opens() - opens), n);
+  for (int k = 0; k < 5; ++k)
+    check_collective(g.ranks, rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 5000, true, "open fails", 0, &at);
+  EXPECT(emu_ipc_opens() == opens + n, "a failed open was retried %llu times in 5 calls",
+         (unsigned long long)(emu_ipc_opens() - opens - n));
+  EXPECT(g.rings[0]->import_note().find("could not be mapped") != std::string::npos, "rank 0's note: %s",
+         g.rings[0]->import_note().c_str());
+  emu_fail_ipc_opens(0);
+}
+#endif
 
 #ifdef RINGREDUCE_EMU
 // The README's table of what runs where states the CUDA plan's numbers: checked against the code
@@ -2046,8 +2304,15 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_imported_result_in_stream_order", [&] { test_result_in_stream_order(true); });
     run_test(argc, argv, "test_registered_release", [&] { test_registered_release(); });
     run_test(argc, argv, "test_imported", [&] { test_imported(); });
+#ifdef RINGREDUCE_EMU
+    run_test(argc, argv, "test_imported_release", [&] { test_imported_release(); });
+    run_test(argc, argv, "test_imports_beside_a_capture", [&] { test_imports_beside_a_capture(); });
+    run_test(argc, argv, "test_no_cuda_call_after_stop_threads", [&] { test_no_cuda_call_after_stop_threads(); });
+    run_test(argc, argv, "test_failed_open_remembered", [&] { test_failed_open_remembered(); });
+#endif
     run_test(argc, argv, "test_ll", [&] { test_ll(); });
     run_test(argc, argv, "test_ll_back_to_back", [&] { test_ll_back_to_back(); });
+    run_test(argc, argv, "test_ll_flag_wrap", [&] { test_ll_flag_wrap(); });
     run_test(argc, argv, "test_ll_mismatch_with_the_workspace", [&] { test_ll_mismatch_with_the_workspace(); });
     run_test(argc, argv, "test_pinned_release_counted_once", [&] { test_pinned_release_counted_once(); });
 #ifdef RINGREDUCE_EMU

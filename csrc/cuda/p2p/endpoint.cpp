@@ -143,6 +143,18 @@ Endpoint::~Endpoint() {
   }
 }
 
+void Endpoint::set_counts(uint64_t epoch, uint64_t ll_calls) {
+  if (!area_) return;
+  DeviceScope scope(device_);
+  RR_CUDA_CHECK(cudaStreamSynchronize(side_));
+  for (int b = 0; b < kMaxSymBlocks; ++b) {
+    Area* at = reinterpret_cast<Area*>(area_);
+    RR_CUDA_CHECK(cudaMemcpy(&at->sym[b].epoch.value, &epoch, 8, cudaMemcpyHostToDevice));
+    RR_CUDA_CHECK(cudaMemcpy(&at->sym[b].ll.value, &ll_calls, 8, cudaMemcpyHostToDevice));
+  }
+  RR_CUDA_CHECK(cudaDeviceSynchronize());  // a copy from pageable memory may land late
+}
+
 std::string Endpoint::handle() const {
   if (closed_) throw RingError("ringreduce: p2p ring is closed");
   if (!area_) return "";  // world 1
@@ -642,9 +654,9 @@ void Endpoint::close(bool peers_done) {
   // Imported memory: the peers' mappings closed as the areas are (kept under a graph's pin); this
   // rank's exports withdrawn (the allocations are the caller's: nothing to free).
   if (!replayable) close_imports_locked();
+  // This rank's exports: their holds dropped only where every peer has closed its mappings.
+  release_holds_locked(!keep && !replayable);
   if (board_) {
-    for (auto& [base, e] : exports_) board_->exp[opt_.rank][e.id % kBoardSlots].id = 0;
-    exports_.clear();
     runtime::shm_unmap(reinterpret_cast<char*>(board_), sizeof(RegBoard));
     board_ = nullptr;
   }

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -79,6 +80,14 @@ class Endpoint : public runtime::Transport {
   // A captured launch's copy of the host's abort word into this rank's area (Area::host_abort),
   // enqueued before the kernel: a graph replays it, then the kernel's blocks read device memory.
   void copy_host_abort(cudaStream_t stream) const;
+  // Native tests: the workspace's epoch and the LL count set on this rank as after that many calls
+  // (between calls, on every rank alike), and where this rank's LL slots lie (two of slot_bytes
+  // per source).
+  void set_counts(uint64_t epoch, uint64_t ll_calls);
+  const char* ll_slots(size_t* slot_bytes) const {
+    *slot_bytes = ll_slot_bytes();
+    return ll_bytes() ? area_ + ll_offset() : nullptr;
+  }
   // Native tests: launches call c's kernel again with the arguments run() gave it (after run()
   // counted the call), as a CUDA graph replays a captured launch. Endpoint and symmetric workspace.
   void launch_again(const Call& c, cudaStream_t stream) const;
@@ -112,19 +121,28 @@ class Endpoint : public runtime::Transport {
   // Imported memory (imports.cpp): an all_reduce in place of an ordinary tensor larger than auto's
   // one-shot threshold plans Algo::Imported once the group's board is attached; see layout.h.
   // board_attach: rank 0 creates the POSIX shared memory `name`, the others map it after; before
-  // the first call. Starts this rank's reaper (closes what a peer withdrew; every 2 ms).
+  // the first call. Starts this rank's reaper (every 2 ms: withdraws this rank's allocations no
+  // tensor uses any more, closes what a peer withdrew, drops holds every peer is done with).
   void board_attach(const std::string& name, bool create);
   bool board() const { return board_ != nullptr; }
-  // Where the allocation holding p begins and how long it is, or false and why not (it cannot be
-  // shared: not cudaMalloc's, or no free of it would reach forget()). Default: the driver's
-  // cuMemGetAddressRange (native tests, which call forget() themselves); the binding sets torch's
-  // caching allocator, whose frees it reports. Called outside every lock of this endpoint.
-  using Finder = std::function<bool(const void* p, uintptr_t* base, size_t* bytes, std::string* why)>;
-  void set_finder(Finder f) { finder_ = std::move(f); }
-  // The allocation [base, base + bytes) of this rank is about to be freed: withdraws what this rank
-  // exported of it and waits until every peer has closed its mapping (at most the timeout; not
-  // once the group broke), since freeing memory another process maps is undefined in CUDA.
-  void forget(uintptr_t base, size_t bytes);
+  // What keeps an allocation this rank exports from being freed while a peer may map it: freeing
+  // memory before every importer closed its mapping is undefined (CUDA Runtime API,
+  // cudaIpcOpenMemHandle). The binding's hold is a reference to the tensor's storage, so torch's
+  // caching allocator frees neither its block nor the segment (the allocation) around it.
+  // in_use(): someone else still refers to it (a tensor); key(): the same for every hold on one
+  // owner. The reaper drops a hold only after every peer closed its mapping, outside our locks.
+  struct Hold {
+    virtual ~Hold() = default;
+    virtual bool in_use() const = 0;
+    virtual const void* key() const = 0;
+  };
+  // A hold on call c's input (c.owner says whose memory it is), or null and why it cannot be
+  // shared. Called outside every lock of this endpoint; set before the first call (without one,
+  // nothing is imported).
+  using Holder = std::function<std::unique_ptr<Hold>(const Call& c, std::string* why)>;
+  void set_holder(Holder h) { holder_ = std::move(h); }
+  // Holds this rank keeps (exported allocations' and those waiting for the peers to close).
+  size_t holds() const;
   // Why the last import this rank tried could not share its memory ("" if none failed).
   std::string import_note() const;
   // The first such note, once (runtime::Transport).
@@ -166,6 +184,7 @@ class Endpoint : public runtime::Transport {
   void stop_threads() override {
     if (watcher_) watcher_->stop();
     if (copy_watch_) copy_watch_->stop();
+    if (reaper_) reaper_->stop();  // its IPC closes would run into the runtime's teardown
   }
   // Whether this ring has the copy algorithm's inbox (RINGREDUCE_CUDA_ALGO=copy: opt-in, for ranks
   // sharing a GPU without MPS; auto does not pick it, no GPU has shown it faster yet).
@@ -231,10 +250,13 @@ class Endpoint : public runtime::Transport {
   // Imported (imports.cpp): this call's tag, prediction hash and the peers' memory into imp_;
   // learn: the tags the device saw of earlier calls; reap: closes what peers withdrew.
   void prepare_import(const Call& c, bool capturing);
+  uint64_t export_of(const Call& c, std::unique_ptr<Hold> hold);
   void learn_locked();
   void reap();
   char* import_locked(int q, uint64_t id, uint64_t end);
   void close_imports_locked();
+  // At close: the holds dropped (every peer closed its mappings) or kept until exit (not known).
+  void release_holds_locked(bool peers_done);
 
   // The copy algorithm (csrc/cuda/p2p/copy.cpp): enqueues call c's pieces on stream; and the
   // watchdog's look (every 50 ms) at where the stream stands: a piece waited on for longer than
@@ -293,14 +315,21 @@ class Endpoint : public runtime::Transport {
   struct Export {
     uint64_t id;
     size_t bytes;
+    std::map<const void*, std::unique_ptr<Hold>> holds;  // by key; never empty
+  };
+  struct Retiring {  // an export withdrawn, kept until every peer reaped `kills`
+    uint64_t kills;
+    std::vector<std::unique_ptr<Hold>> holds;
   };
   struct Import {
     char* p;
     size_t bytes;
   };
   RegBoard* board_ = nullptr;
-  Finder finder_;
+  Holder holder_;
   std::map<uintptr_t, Export> exports_;
+  std::deque<Retiring> retiring_;
+  std::set<std::pair<int, uint64_t>> unmappable_;  // peers' allocations whose open failed here
   std::map<std::pair<int, uint64_t>, Import> imports_;
   std::unordered_map<uint64_t, std::vector<uint64_t>> predict_;
   std::deque<uint64_t> to_learn_;

@@ -1,8 +1,12 @@
 // Imported memory of the p2p transport (Algo::Imported, layout.h): an ordinary tensor's allocation
 // shared with the peers once, by its IPC handle on the group's board, mapped by each peer the
-// first time it predicts a call on it, and closed by the peers' reapers before the owner frees it.
-// Correctness never rests on a prediction: the start barrier compares every rank's tags, and a
-// wrong guess only sends the call through the workspace. Torch-free.
+// first time it predicts a call on it. Freeing memory a peer still maps is undefined in CUDA, so
+// this rank keeps a hold on every tensor it exported (Endpoint::Hold: the binding's keeps the
+// storage, and so torch's block and segment, allocated) until no tensor uses it, the export is
+// withdrawn, and every peer's reaper closed its mapping; only then does the reaper drop the hold
+// (and torch may free). Nothing on torch's free path waits for another process. Correctness
+// never rests on a prediction: the start barrier compares every rank's tags, and a wrong guess
+// only sends the call through the workspace. Torch-free.
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -84,12 +88,22 @@ size_t Endpoint::imports() const {
   return imports_.size();
 }
 
-// The peer's allocation `id` mapped here (opened now if new), or null: withdrawn, or too short for
-// `end` bytes. Under reg_mu_, which the reaper takes too: an entry withdrawn while this opens it is
-// seen by the check after the open, or by the reaper's next scan.
+size_t Endpoint::holds() const {
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  size_t n = 0;
+  for (const auto& [base, e] : exports_) n += e.holds.size();
+  for (const Retiring& t : retiring_) n += t.holds.size();
+  return n;
+}
+
+// The peer's allocation `id` mapped here (opened now if new), or null: withdrawn, too short for
+// `end` bytes, or its open failed before (remembered: not retried on every call). Under reg_mu_,
+// which the reaper takes too: an entry withdrawn while this opens it is seen by the check after
+// the open, or by the reaper's next scan.
 char* Endpoint::import_locked(int q, uint64_t id, uint64_t end) {
   auto it = imports_.find({q, id});
   if (it != imports_.end()) return end <= it->second.bytes ? it->second.p : nullptr;
+  if (unmappable_.count({q, id})) return nullptr;
   BoardEntry* e = &board_->exp[q][id % kBoardSlots];
   if (load_acquire(&e->id) != id) return nullptr;
   const uint64_t bytes = e->bytes;
@@ -97,9 +111,11 @@ char* Endpoint::import_locked(int q, uint64_t id, uint64_t end) {
   std::memcpy(&h, e->handle, sizeof h);
   if (load_acquire(&e->id) != id || end > bytes) return nullptr;
   DeviceScope scope(device_);
+  RelaxedCapture relaxed;  // not the stream's work: allowed beside another thread's capture
   void* p = nullptr;
   if (cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
     cudaGetLastError();
+    unmappable_.insert({q, id});
     import_note_ = "rank " + std::to_string(opt_.rank) + ": rank " + std::to_string(q) +
                    "'s memory could not be mapped here (cudaIpcOpenMemHandle); such calls go through the workspace";
     return nullptr;
@@ -142,59 +158,96 @@ void Endpoint::learn_locked() {
   }
 }
 
-void Endpoint::prepare_import(const Call& c, bool capturing) {
-  imp_ = Prepared{};
-  const int n = opt_.nranks, r = opt_.rank;
+// Call c's tag: its allocation's export (made now at first sight, unless capturing) and offset, with
+// `hold` kept for the export; 0 where the memory cannot be shared (import_note_ says why).
+uint64_t Endpoint::export_of(const Call& c, std::unique_ptr<Hold> hold) {
   const uintptr_t p = reinterpret_cast<uintptr_t>(c.in);
   const uint64_t bytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
-  uint64_t tag = 0;
+  std::unique_ptr<Hold> spare;  // a second hold on one owner: dropped after the lock (no free: ours stays)
   {
     std::lock_guard<std::mutex> lk(reg_mu_);
     auto it = exports_.upper_bound(p);
-    if (it != exports_.begin() && p + bytes <= (--it)->first + it->second.bytes)
-      tag = it->second.id << kTagShift | (p - it->first);
+    if (it != exports_.begin() && p + bytes <= (--it)->first + it->second.bytes) {
+      auto& holds = it->second.holds;
+      const void* key = hold->key();
+      if (holds.count(key)) spare = std::move(hold);
+      else holds.emplace(key, std::move(hold));
+      return it->second.id << kTagShift | (p - it->first);
+    }
   }
-  if (!tag && !capturing) {  // first sight of this allocation: share it (the finder outside our locks)
-    uintptr_t base = 0;
-    size_t size = 0;
-    std::string why;
-    bool ok = finder_ ? finder_(c.in, &base, &size, &why) : driver_finder(c.in, &base, &size, &why);
-    cudaIpcMemHandle_t h;
-    if (ok && (p < base || p + bytes > base + size)) {
+  // First sight of this allocation: share it (the driver's and IPC calls outside our locks).
+  uintptr_t base = 0;
+  size_t size = 0;
+  std::string why;
+  bool ok = driver_finder(c.in, &base, &size, &why);
+  cudaIpcMemHandle_t h;
+  if (ok && (p < base || p + bytes > base + size)) {
+    ok = false;
+    why = "the tensor does not lie inside the allocation found for it";
+  }
+  if (ok) {
+    DeviceScope scope(device_);
+    RelaxedCapture relaxed;  // another thread may be capturing (this one is not: see run())
+    if (cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)) != cudaSuccess) {
+      cudaGetLastError();
       ok = false;
-      why = "the tensor does not lie inside the allocation found for it";
+      why = "its allocation has no CUDA IPC handle (not from cudaMalloc: expandable segments or "
+            "another allocator)";
     }
-    if (ok) {
-      DeviceScope scope(device_);
-      if (cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)) != cudaSuccess) {
-        cudaGetLastError();
-        ok = false;
-        why = "its allocation has no CUDA IPC handle (not from cudaMalloc: expandable segments or "
-              "another allocator)";
+  }
+  std::lock_guard<std::mutex> lk(reg_mu_);
+  const int r = opt_.rank;
+  if (ok && (size >> kTagShift) != 0) {
+    ok = false;
+    why = "its allocation is larger than 1 TiB";
+  }
+  const uint64_t id = next_export_;
+  if (ok && load_acquire(&board_->exp[r][id % kBoardSlots].id) != 0) {
+    ok = false;
+    why = "more than " + std::to_string(kBoardSlots) + " of its allocations are shared already";
+  }
+  if (!ok) {
+    import_note_ = "rank " + std::to_string(r) + ": a tensor's memory cannot be shared with the peers, so "
+                   "its all_reduce copies it through the workspace: " + why;
+    return 0;
+  }
+  ++next_export_;
+  BoardEntry* e = &board_->exp[r][id % kBoardSlots];
+  e->bytes = size;
+  std::memcpy(e->handle, &h, sizeof h);
+  store_release(&e->id, id);
+  Export& x = exports_[base];
+  x.id = id;
+  x.bytes = size;
+  const void* key = hold->key();
+  x.holds.emplace(key, std::move(hold));
+  return id << kTagShift | (p - base);
+}
+
+void Endpoint::prepare_import(const Call& c, bool capturing) {
+  imp_ = Prepared{};
+  const int n = opt_.nranks, r = opt_.rank;
+  const uint64_t bytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
+  // The hold first (the binding's takes a reference to the tensor's storage: no lock of ours).
+  std::string why = "this communicator has no way to keep its memory allocated (no holder)";
+  std::unique_ptr<Hold> hold = holder_ ? holder_(c, &why) : nullptr;
+  uint64_t tag = 0;
+  if (hold) {
+    if (capturing) {  // mapped before only: a capture shares nothing new
+      std::lock_guard<std::mutex> lk(reg_mu_);
+      const uintptr_t p = reinterpret_cast<uintptr_t>(c.in);
+      auto it = exports_.upper_bound(p);
+      if (it != exports_.begin() && p + bytes <= (--it)->first + it->second.bytes) {
+        if (!it->second.holds.count(hold->key())) it->second.holds.emplace(hold->key(), std::move(hold));
+        tag = it->second.id << kTagShift | (p - it->first);
       }
-    }
-    std::lock_guard<std::mutex> lk(reg_mu_);
-    if (ok && (size >> kTagShift) != 0) {
-      ok = false;
-      why = "its allocation is larger than 1 TiB";
-    }
-    const uint64_t id = next_export_;
-    if (ok && load_acquire(&board_->exp[r][id % kBoardSlots].id) != 0) {
-      ok = false;
-      why = "more than " + std::to_string(kBoardSlots) + " of its allocations are shared already";
-    }
-    if (!ok) {
-      import_note_ = "rank " + std::to_string(r) + ": a tensor's memory cannot be shared with the peers, so "
-                     "its all_reduce copies it through the workspace: " + why;
     } else {
-      ++next_export_;
-      BoardEntry* e = &board_->exp[r][id % kBoardSlots];
-      e->bytes = size;
-      std::memcpy(e->handle, &h, sizeof h);
-      store_release(&e->id, id);
-      exports_[base] = Export{id, size};
-      tag = id << kTagShift | (p - base);
+      tag = export_of(c, std::move(hold));
     }
+  } else {
+    std::lock_guard<std::mutex> lk(reg_mu_);
+    import_note_ = "rank " + std::to_string(r) + ": a tensor's memory cannot be shared with the peers, so "
+                   "its all_reduce copies it through the workspace: " + why;
   }
   std::lock_guard<std::mutex> lk(reg_mu_);
   learn_locked();
@@ -222,72 +275,113 @@ void Endpoint::prepare_import(const Call& c, bool capturing) {
   imp_.hash = tags_hash(tags.data(), n);
 }
 
+// Every kReapPeriod, on the reaper's thread: (1) this rank's exports that no tensor uses any more
+// are withdrawn (a peer maps nothing new of them, and its reaper closes what it mapped); (2) the
+// peers' withdrawals are closed here and reported; (3) the holds of withdrawals every peer
+// reported are dropped. CUDA calls and drops (which may free torch's memory) outside reg_mu_,
+// so a call on another thread waits for nothing but a few map operations.
 void Endpoint::reap() {
-  std::lock_guard<std::mutex> lk(reg_mu_);
-  if (!board_) return;
-  const int r = opt_.rank;
-  DeviceScope scope(device_);
-  for (int q = 0; q < opt_.nranks; ++q) {
-    if (q == r) continue;
-    const uint64_t k = load_acquire(&board_->kills[q]);
-    if (k == kills_seen_[q]) continue;
-    for (auto it = imports_.begin(); it != imports_.end();) {
-      const auto [owner, id] = it->first;
-      if (owner == q && load_acquire(&board_->exp[q][id % kBoardSlots].id) != id) {
-        cudaIpcCloseMemHandle(it->second.p);
-        it = imports_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    cudaGetLastError();
-    kills_seen_[q] = k;
-    store_release(&board_->reaped[r][q], k);
-  }
-}
-
-void Endpoint::forget(uintptr_t base, size_t bytes) {
-  const int r = opt_.rank;
-  uint64_t kills = 0;
+  const int r = opt_.rank, n = opt_.nranks;
+  std::vector<char*> to_close;
+  std::vector<std::pair<int, uint64_t>> seen;  // (peer, kills) to report once closed
+  std::vector<std::unique_ptr<Hold>> to_drop;
   {
     std::lock_guard<std::mutex> lk(reg_mu_);
     if (!board_) return;
-    bool any = false;
-    for (auto it = exports_.lower_bound(base); it != exports_.end() && it->first < base + bytes;) {
+    // (1) A hold nobody else refers to goes now if the export keeps another in use, else the
+    // export is withdrawn with its holds (some hold stays while a peer may map the allocation).
+    bool withdrew = false;
+    for (auto it = exports_.begin(); it != exports_.end();) {
+      auto& holds = it->second.holds;
+      bool any = false;
+      for (const auto& [key, h] : holds) any = any || h->in_use();
+      if (any) {
+        for (auto h = holds.begin(); h != holds.end();)
+          if (h->second->in_use()) ++h;
+          else to_drop.push_back(std::move(h->second)), h = holds.erase(h);
+        ++it;
+        continue;
+      }
       const uint64_t id = it->second.id;
       store_release(&board_->exp[r][id % kBoardSlots].id, 0);
       for (auto p = predict_.begin(); p != predict_.end();)
         p = (p->first >> kTagShift) == id ? predict_.erase(p) : std::next(p);
+      Retiring t{0, {}};
+      for (auto& [key, h] : holds) t.holds.push_back(std::move(h));
+      retiring_.push_back(std::move(t));
       it = exports_.erase(it);
-      any = true;
+      withdrew = true;
     }
-    if (!any) return;
-    kills = __atomic_add_fetch(&board_->kills[r], 1, __ATOMIC_ACQ_REL);
-  }
-  // The peers' reapers close their mappings; a closed peer has marked itself done.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opt_.timeout_s);
-  for (int q = 0; q < opt_.nranks; ++q) {
-    if (q == r) continue;
-    while (load_acquire(&board_->reaped[q][r]) < kills) {
-      if (broken() || std::chrono::steady_clock::now() > deadline) {
-        std::lock_guard<std::mutex> lk(reg_mu_);
-        import_note_ = "rank " + std::to_string(r) + ": rank " + std::to_string(q) +
-                       " did not close its mapping of memory freed here within the timeout";
-        return;
+    if (withdrew) {
+      const uint64_t k = __atomic_add_fetch(&board_->kills[r], 1, __ATOMIC_ACQ_REL);
+      for (Retiring& t : retiring_)
+        if (!t.kills) t.kills = k;
+    }
+    // (2) What the peers withdrew, unless a CUDA graph pins this ring (its captured launches may
+    // read those mappings): then nothing is closed or reported, and the owner keeps its memory.
+    if (pins_->load() == 0)
+      for (int q = 0; q < n; ++q) {
+        if (q == r) continue;
+        const uint64_t k = load_acquire(&board_->kills[q]);
+        if (k == kills_seen_[q]) continue;
+        for (auto it = imports_.begin(); it != imports_.end();) {
+          const auto [owner, id] = it->first;
+          if (owner == q && load_acquire(&board_->exp[q][id % kBoardSlots].id) != id) {
+            to_close.push_back(it->second.p);
+            it = imports_.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        for (auto it = unmappable_.begin(); it != unmappable_.end();)
+          it = it->first == q && load_acquire(&board_->exp[q][it->second % kBoardSlots].id) != it->second
+                   ? unmappable_.erase(it) : std::next(it);
+        kills_seen_[q] = k;
+        seen.emplace_back(q, k);
       }
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    // (3) Withdrawals every peer has closed (a closed peer reports kReapedAll).
+    while (!retiring_.empty()) {
+      const uint64_t k = retiring_.front().kills;
+      bool done = true;
+      for (int q = 0; q < n && done; ++q) done = q == r || load_acquire(&board_->reaped[q][r]) >= k;
+      if (!done) break;
+      for (auto& h : retiring_.front().holds) to_drop.push_back(std::move(h));
+      retiring_.pop_front();
     }
   }
+  if (!to_close.empty()) {
+    DeviceScope scope(device_);
+    RelaxedCapture relaxed;  // beside a capture on another thread (torch.cuda.graph: global mode)
+    for (char* p : to_close) cudaIpcCloseMemHandle(p);
+    cudaGetLastError();
+  }
+  for (const auto& [q, k] : seen) store_release(&board_->reaped[r][q], k);
+  to_drop.clear();  // may free the memory (torch's allocator): no lock of ours held
 }
 
 // Under reg_mu_: every peer allocation mapped here closed, and this rank marked done with all.
 void Endpoint::close_imports_locked() {
   DeviceScope scope(device_);
+  RelaxedCapture relaxed;
   for (auto& [key, m] : imports_) cudaIpcCloseMemHandle(m.p);
   imports_.clear();
   cudaGetLastError();
   if (board_)
     for (int q = 0; q < opt_.nranks; ++q) store_release(&board_->reaped[opt_.rank][q], kReapedAll);
+}
+
+void Endpoint::release_holds_locked(bool peers_done) {
+  for (auto& [base, e] : exports_) {
+    if (board_) store_release(&board_->exp[opt_.rank][e.id % kBoardSlots].id, 0);
+    for (auto& [key, h] : e.holds) retiring_.push_back(Retiring{0, {}}), retiring_.back().holds.push_back(std::move(h));
+  }
+  exports_.clear();
+  // Dropped: torch may free the memory now (its free path calls nothing of ours). Kept until exit
+  // where a peer may still map them.
+  for (Retiring& t : retiring_)
+    for (auto& h : t.holds)
+      if (!peers_done) (void)h.release();
+  retiring_.clear();
 }
 
 }  // namespace ringreduce::cuda::p2p

@@ -42,12 +42,26 @@ constexpr size_t kSymBytesPerBlock = 32 << 10;
 // The LL one-shot (ll_kernel.cu): a block per this many bytes of the tensor (16 per thread).
 constexpr size_t kLLBytesPerBlock = 8 << 10;
 // An LL slot: the call's header (a MsgHeader, 8 data words), then the data, each 4-byte data word
-// stored whole with the call's epoch beside it (one 8-byte word: single-copy atomic on the GPU),
-// so that the word itself says it arrived. Two slots per source, by epoch parity.
+// stored whole with the call's flag beside it (one 8-byte word: single-copy atomic on the GPU),
+// so that the word itself says it arrived. Two slots per source, by the parity of the LL call's
+// count k (SymFlags::ll: LL calls only, so other algorithms' epochs between two LL calls do not
+// age the words).
 constexpr int kLLHeaderWords = 8;
 RR_HOST_DEVICE inline uint64_t ll_word(uint32_t data, uint32_t flag) {
   return static_cast<uint64_t>(data) | static_cast<uint64_t>(flag) << 32;
 }
+// The flag of LL call k (k >= 1): odd, so never the 0 of a word not yet written, and different
+// for any two calls of one slot fewer than 2^32 calls apart. An older word cannot be in a slot:
+// ll_wipes. (A flag that is the epoch cut to 32 bits matches a word written 2^32 calls earlier,
+// and a zero word at every multiple of 2^32: a stale fold, silently wrong. NCCL's LL cleans its
+// buffers before its flags wrap for the same reason.)
+RR_HOST_DEVICE inline uint32_t ll_flag(uint64_t k) { return static_cast<uint32_t>(k) | 1u; }
+// Whether LL call k first zeroes the other slot of every source (parity (k & 1) ^ 1). That slot
+// is idle then: this rank's call k - 1 has read it, and no peer writes it for call k + 1 before
+// it has this call's header, posted after the wipe. Each slot is wiped once every 2^30 LL calls
+// (at k = 0 or 1 modulo 2^30), far within 2^32; the cost is one pass over the slots then.
+constexpr uint64_t kLLWipeMask = (uint64_t{1} << 30) - 1;
+RR_HOST_DEVICE inline bool ll_wipes(uint64_t k) { return (k & kLLWipeMask) < 2; }
 // The most blocks of any kernel (one error record each).
 constexpr int kMaxBlocks = kMaxChannels > kMaxSymBlocks ? kMaxChannels : kMaxSymBlocks;
 // The workspace: two halves of this many bytes per rank (plus alignment slack), pieces of a call
@@ -94,6 +108,7 @@ struct RingFlags {
 // One block's barrier words of the symmetric workspace algorithms (csrc/cuda/p2p/sym_kernel.cu).
 struct SymFlags {
   Counter epoch;  // own: pieces run by this rank's blocks so far (every entry equal between calls)
+  Counter ll;     // own: LL calls run so far (every entry equal between calls; ll_flag)
   alignas(kLine) uint64_t arrived[kMaxPeers];  // [q]: written by rank q's block, the barrier it reached
 };
 // The copy algorithm's counters (Algo::Copy) and the group's abort word for it: one block in host

@@ -66,7 +66,9 @@ struct Targets {
   }
 };
 
-// The fold, out of line: one body per type and operator for every call site.
+// The fold, out of line: one body per type and operator for every call site. It takes nearly all
+// of a thread's 128 registers (kThreads a block; alone, 97 for float and 113 for F16 on sm_90), so
+// what a caller keeps in registers across it spills: the kernel keeps little (two_shot_step).
 template <class T, RedOp Op>
 __device__ RR_NOINLINE void fold(Targets<T> dst, int nd, Sources<T> src, int ns, int64_t n, int div) {
   span_fold<T, Op>(dst, nd, src, ns, n, div, threadIdx.x, blockDim.x);
@@ -74,6 +76,71 @@ __device__ RR_NOINLINE void fold(Targets<T> dst, int nd, Sources<T> src, int ns,
 template <class T>
 __device__ __forceinline__ void copy(T* dst, const T* src, int64_t n) {
   if (dst != src) span_op<T, RedOp::Sum, false>(dst, nullptr, src, nullptr, n, 1, threadIdx.x, blockDim.x);
+}
+
+// The pieces of a call of the workspace algorithms, the same on every rank: piece j (of at most
+// chunk_elems elements C of the span they cut, from j * C) runs at epoch e0 + 1 + j (barrier
+// values, half parity) in that half of the workspace.
+struct Pieces {
+  const SymArgs& a;
+  uint64_t e0;
+  int64_t span;  // all_reduce: the tensor; reduce_scatter, all_gather: one chunk (numel / n)
+  __device__ uint64_t epoch(int64_t j) const { return e0 + 1 + static_cast<uint64_t>(j); }
+  // Where its elements lie in a half (global: the element index in the full tensor of the span's
+  // element j * C).
+  __device__ Layout layout(int64_t j, int64_t global, uint64_t region) const {
+    return Layout{(epoch(j) & 1) * a.half_bytes, j * a.chunk_elems, global, region};
+  }
+  // This block's elements of [lo, lo + len) of piece j (lo relative to it), as absolute indices
+  // of the span: a cut of the full piece, the same in every piece of the call and clipped to
+  // this one, so that a block ahead of another (blocks do not wait for each other) never writes
+  // where that one may still read in a piece two back, in the same half.
+  __device__ ring::Span mine(int64_t j, int64_t lo, int64_t len) const {
+    const int64_t C = a.chunk_elems, begin = j * C, count = ring::min64(C, span - begin);
+    const ring::Span p = ring::channel_part(ring::Span{lo, len}, gridDim.x, blockIdx.x);
+    const int64_t b = ring::min64(p.begin, count), f = ring::min64(p.begin + p.count, count);
+    return ring::Span{begin + b, f - b};
+  }
+  // Two-shot's chunk c of piece j: of S elements, the same cut in every piece (the last may be short).
+  __device__ ring::Span part(int64_t j, int c) const {
+    const int64_t S = (a.chunk_elems + a.nranks - 1) / a.nranks;
+    return mine(j, c * S, S);
+  }
+};
+
+// Two-shot: piece j's chunks of the other ranks into this rank's workspace, for them to fold (this
+// rank's own chunk is folded from its input).
+template <class T>
+__device__ void copy_in(const Pieces& p, int64_t j) {
+  const SymArgs& a = p.a;
+  const T* in = static_cast<const T*>(a.in);
+  const Layout L = p.layout(j, j * a.chunk_elems, 0);
+  for (int c = 0; c < a.nranks; ++c) {
+    if (c == a.rank) continue;
+    const ring::Span P = p.part(j, c);
+    copy(reinterpret_cast<T*>(a.data[a.rank] + L.at(P.begin, 0, sizeof(T))), in + P.begin, P.count);
+  }
+}
+// Two-shot, after piece j's fold: piece j + 1's copy in and start barrier (the last piece: its
+// middle barrier), then piece j's reduced chunks copied out of their owners. False: stopped.
+template <class T>
+__device__ RR_NOINLINE bool two_shot_step(const SymArgs& a, uint64_t e0, int64_t j, unsigned* claim) {
+  const Pieces p{a, e0, a.numel};
+  const uint64_t nbytes = static_cast<uint64_t>(a.chunk_elems) * sizeof(T);
+  if (j + 1 < a.pieces) {
+    copy_in<T>(p, j + 1);
+    if (!barrier(a, p.epoch(j + 1), kStart, j + 1, nbytes, claim)) return false;
+  } else if (!barrier(a, p.epoch(j), kMiddle, j, nbytes, claim)) {
+    return false;
+  }
+  T* out = static_cast<T*>(a.out);
+  const Layout L = p.layout(j, j * a.chunk_elems, 0);
+  for (int c = 0; c < a.nranks; ++c) {
+    if (c == a.rank) continue;
+    const ring::Span Q = p.part(j, c);
+    copy(out + Q.begin, reinterpret_cast<const T*>(a.data[c] + L.at(Q.begin, 0, sizeof(T))), Q.count);
+  }
+  return true;
 }
 
 template <class T, RedOp Op>
@@ -90,57 +157,49 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
   uint64_t e0 = s_epoch;
   const T* in = static_cast<const T*>(a.in);
   T* out = static_cast<T*>(a.out);
-  const int64_t m = a.numel / n;
-  int64_t pieces = a.pieces;
-  Algo how = algo;
   if (algo == Algo::Imported) {
     // The start barrier carries every rank's tag and prediction hash; every block of every rank
     // reads the same words, so all decide alike: in place where every rank predicted the same
     // tags (each prediction holds its rank's own tag, so the same is the right one), else
-    // two-shot through the workspace, its pieces numbered after this barrier.
+    // two-shot through the workspace, its pieces numbered after this barrier. In place (or
+    // stopped): one piece, and back here (no state kept for later).
     __shared__ int s_in_place;
-    how = Algo::Registered;
-    pieces = 1;
-    if (barrier(a, e0 + 1, kStart, 0, 0, &s_claim, true)) {
-      if (tid == 0) {
-        uint64_t tags[kMaxPeers];
-        bool right = a.tag_hash != 0;
-        for (int q = 0; q < n; ++q) {
-          if (q == r) {
-            tags[q] = a.tag;
-            continue;
-          }
+    if (!barrier(a, e0 + 1, kStart, 0, 0, &s_claim, true)) return end_epochs(a, e0 + 1);
+    if (tid == 0) {
+      // Block 0 also writes what it saw, for the host's next prediction (Endpoint::learn): each
+      // tag as it is read (an array of them took 128 bytes of stack), `seq` last.
+      volatile HostCtl::Seen* seen = blockIdx.x == 0 ? &a.ctl->seen[a.op_seq % kSeenSlots] : nullptr;
+      bool right = a.tag_hash != 0;
+      for (int q = 0; q < n; ++q) {
+        uint64_t tag = a.tag;
+        if (q != r) {
           const uint4 w = __ldcg(reinterpret_cast<const uint4*>(a.self->sym_tag[(e0 + 1) & 1][blockIdx.x][q]));
           uint64_t tw[2];
           __builtin_memcpy(tw, &w, sizeof tw);
-          tags[q] = tw[0];
+          tag = tw[0];
           right = right && tw[1] == a.tag_hash;
         }
-        s_in_place = right;
-        if (blockIdx.x == 0) {  // for the host's next prediction (Endpoint::learn)
-          volatile HostCtl::Seen* seen = &a.ctl->seen[a.op_seq % kSeenSlots];
-          for (int q = 0; q < n; ++q) seen->tags[q] = tags[q];
-          seen->in_place = right;
-          __threadfence_system();
-          seen->seq = a.op_seq;
-        }
+        if (seen) seen->tags[q] = tag;
       }
-      __syncthreads();
-      if (s_in_place) {
-        const ring::Span P = ring::channel_part(ring::chunk(a.numel, n, r), nb, blockIdx.x);
-        const uint64_t off = static_cast<uint64_t>(P.begin) * es;
-        fold<T, Op>(Targets<T>{nullptr, a.imp, off, r}, n, Sources<T>{nullptr, -1, a.imp, off}, n, P.count,
-                    a.divisor);
-        barrier(a, e0 + 1, kEnd, 0, 0, &s_claim);
-      } else {
-        ++e0;
-        how = Algo::TwoShot;
-        pieces = a.pieces;
+      s_in_place = right;
+      if (seen) {
+        seen->in_place = right;
+        __threadfence_system();
+        seen->seq = a.op_seq;
       }
     }
+    __syncthreads();
+    if (s_in_place) {
+      const ring::Span P = ring::channel_part(ring::chunk(a.numel, n, r), nb, blockIdx.x);
+      const uint64_t off = static_cast<uint64_t>(P.begin) * es;
+      fold<T, Op>(Targets<T>{nullptr, a.imp, off, r}, n, Sources<T>{nullptr, -1, a.imp, off}, n, P.count,
+                  a.divisor);
+      barrier(a, e0 + 1, kEnd, 0, 0, &s_claim);
+      return end_epochs(a, e0 + 1);
+    }
+    ++e0;
   }
   if (algo == Algo::Registered) {
-    pieces = 1;
     const ring::Span P = ring::channel_part(ring::chunk(a.numel, n, r), nb, blockIdx.x);
     if (barrier(a, e0 + 1, kStart, 0, a.reg_tag, &s_claim)) {
       const uint64_t off = static_cast<uint64_t>(P.begin) * es;
@@ -148,72 +207,38 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
                   P.count, a.divisor);
       barrier(a, e0 + 1, kEnd, 0, a.reg_tag, &s_claim);
     }
-  } else if (how != Algo::Registered) {  // (Imported in place ran above, or stopped)
-    const int64_t C = a.chunk_elems;
+  } else {
+    // (pieces, the chunk: from the arguments, not carried in registers across the folds)
+    const int64_t C = a.chunk_elems, pieces = a.pieces;
     const uint64_t nbytes = static_cast<uint64_t>(C) * es;
-    const int64_t span = coll == Coll::AllReduce ? a.numel : m;
-    // Two-shot's chunks of a piece: of S elements, the same cut in every piece (the last may be short).
-    const int64_t S = (C + n - 1) / n;
-    // Piece j: its epoch (barrier values, half parity) and where its elements lie in a half.
-    auto epoch = [&](int64_t j) { return e0 + 1 + static_cast<uint64_t>(j); };
-    auto layout = [&](int64_t j, int64_t global, uint64_t region) {
-      return Layout{(epoch(j) & 1) * a.half_bytes, j * C, global, region};
-    };
-    // This block's elements of [lo, lo + len) of piece j (lo relative to it), as absolute indices
-    // of the span: a cut of the full piece, the same in every piece of the call and clipped to
-    // this one, so that a block ahead of another (blocks do not wait for each other) never writes
-    // where that one may still read in a piece two back, in the same half.
-    auto mine = [&](int64_t j, int64_t lo, int64_t len) {
-      const int64_t begin = j * C, count = ring::min64(C, span - begin);
-      const ring::Span p = ring::channel_part(ring::Span{lo, len}, nb, blockIdx.x);
-      const int64_t b = ring::min64(p.begin, count), f = ring::min64(p.begin + p.count, count);
-      return ring::Span{begin + b, f - b};
-    };
-    if (coll == Coll::AllReduce && how == Algo::TwoShot) {
+    const Pieces p{a, e0, coll == Coll::AllReduce ? a.numel : a.numel / n};
+    if (coll == Coll::AllReduce && (algo == Algo::TwoShot || algo == Algo::Imported)) {
       // Pipelined: one barrier per piece (and one to start). Piece j + 1's inputs are copied in
       // between piece j's fold and the barrier after it, which then says both "my chunk of piece j
       // is reduced" and "my inputs of piece j + 1 are in"; piece j's reduced chunks are copied out
-      // after it. Halves alternate by piece, so piece j + 1 reuses piece j - 1's half: its copy in
-      // writes the other ranks' chunks there while the peers may still copy this rank's reduced
-      // chunk r of piece j - 1 out of it (disjoint regions: copy_in must never write chunk r), and
-      // its fold writes chunk r only after the barrier, which the peers reach after those copies.
-      auto part = [&](int64_t j, int c) { return mine(j, c * S, S); };
-      auto copy_in = [&](int64_t j) {  // the other ranks' chunks, for them to fold
-        const Layout L = layout(j, j * C, 0);
-        for (int c = 0; c < n; ++c) {
-          if (c == r) continue;  // this rank's own chunk is folded from its input
-          const ring::Span P = part(j, c);
-          copy(reinterpret_cast<T*>(a.data[r] + L.at(P.begin, 0, es)), in + P.begin, P.count);
-        }
-      };
-      copy_in(0);
-      bool ok = barrier(a, epoch(0), kStart, 0, nbytes, &s_claim);
+      // after it (two_shot_step). Halves alternate by piece, so piece j + 1 reuses piece j - 1's
+      // half: its copy in writes the other ranks' chunks there while the peers may still copy this
+      // rank's reduced chunk r of piece j - 1 out of it (disjoint regions: copy_in must never write
+      // chunk r), and its fold writes chunk r only after the barrier, which the peers reach after
+      // those copies.
+      copy_in<T>(p, 0);
+      bool ok = barrier(a, p.epoch(0), kStart, 0, nbytes, &s_claim);
       for (int64_t j = 0; ok && j < pieces; ++j) {
-        const Layout L = layout(j, j * C, 0);
-        const ring::Span P = part(j, r);
+        const Layout L = p.layout(j, j * C, 0);
+        const ring::Span P = p.part(j, r);
         const uint64_t off = L.at(P.begin, 0, es);
         fold<T, Op>(Targets<T>{out + P.begin, a.data, off, r}, 2, Sources<T>{in + P.begin, r, a.data, off}, n,
                     P.count, a.divisor);
-        if (j + 1 < pieces) {
-          copy_in(j + 1);
-          ok = barrier(a, epoch(j + 1), kStart, j + 1, nbytes, &s_claim);
-        } else {
-          ok = barrier(a, epoch(j), kMiddle, j, nbytes, &s_claim);
-        }
-        if (!ok) break;
-        for (int c = 0; c < n; ++c) {
-          if (c == r) continue;
-          const ring::Span Q = part(j, c);
-          copy(out + Q.begin, reinterpret_cast<const T*>(a.data[c] + L.at(Q.begin, 0, es)), Q.count);
-        }
+        ok = two_shot_step<T>(a, e0, j, &s_claim);
       }
     } else {
+      const int64_t m = p.span;  // reduce_scatter, all_gather: the chunk
       for (int64_t j = 0; j < pieces; ++j) {
-        const uint64_t e = epoch(j);
+        const uint64_t e = p.epoch(j);
         const int64_t begin = j * C;
         if (coll == Coll::AllReduce) {  // one-shot
-          const Layout L = layout(j, begin, 0);
-          const ring::Span P = mine(j, 0, C);
+          const Layout L = p.layout(j, begin, 0);
+          const ring::Span P = p.mine(j, 0, C);
           copy(reinterpret_cast<T*>(a.data[r] + L.at(P.begin, 0, es)), in + P.begin, P.count);
           if (!barrier(a, e, kStart, j, nbytes, &s_claim)) break;
           const uint64_t off = L.at(P.begin, 0, es);
@@ -222,33 +247,33 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
         } else if (coll == Coll::ReduceScatter) {
           // Region c of the half holds this piece of chunk c; the output is chunk r alone.
           const uint64_t region = nbytes + kVecBytes;
-          const ring::Span P = mine(j, 0, C);
+          const ring::Span P = p.mine(j, 0, C);
           for (int c = 0; c < n; ++c) {
             if (c == r) continue;
-            const Layout L = layout(j, c * m + begin, region);
+            const Layout L = p.layout(j, c * m + begin, region);
             copy(reinterpret_cast<T*>(a.data[r] + L.at(P.begin, c, es)), in + c * m + P.begin, P.count);
           }
           if (!barrier(a, e, kStart, j, nbytes, &s_claim)) break;
-          const Layout L = layout(j, r * m + begin, region);
+          const Layout L = p.layout(j, r * m + begin, region);
           const uint64_t off = L.at(P.begin, r, es);
           fold<T, Op>(Targets<T>{out + P.begin, a.data, off, r}, 1,
                       Sources<T>{in + r * m + P.begin, r, a.data, off}, n, P.count, a.divisor);
         } else {  // all_gather: the input is this rank's chunk of the output
-          const ring::Span P = mine(j, 0, C);
-          const Layout own = layout(j, r * m + begin, 0);
+          const ring::Span P = p.mine(j, 0, C);
+          const Layout own = p.layout(j, r * m + begin, 0);
           copy(reinterpret_cast<T*>(a.data[r] + own.at(P.begin, 0, es)), in + P.begin, P.count);
           copy(out + r * m + P.begin, in + P.begin, P.count);
           if (!barrier(a, e, kStart, j, nbytes, &s_claim)) break;
           for (int q = 0; q < n; ++q) {
             if (q == r) continue;
-            const Layout L = layout(j, q * m + begin, 0);
+            const Layout L = p.layout(j, q * m + begin, 0);
             copy(out + q * m + P.begin, reinterpret_cast<const T*>(a.data[q] + L.at(P.begin, 0, es)), P.count);
           }
         }
       }
     }
   }
-  end_epochs(a, e0 + pieces);
+  end_epochs(a, e0 + (algo == Algo::Registered ? 1 : a.pieces));
 }
 
 }  // namespace

@@ -384,14 +384,55 @@ MUTATIONS = {
         "      if (false) {", ("test_cuda_kernels_emu", ["test_imported"]),
         "an allocation freed (and reused) while a peer still maps it: undefined in CUDA"),
     "imported_export_kept_after_free": (
-        "csrc/cuda/p2p/imports.cpp", "      it = exports_.erase(it);\n      any = true;", "      ++it;\n      any = true;",
-        ("test_cuda_kernels_emu", ["test_imported"]),
-        "a freed allocation's export stays: memory allocated in its range later carries the withdrawn id "
-        "(peers may hold their mapping of the old memory under it)"),
+        "csrc/cuda/p2p/imports.cpp", "      it = exports_.erase(it);\n      withdrew = true;",
+        "      ++it;\n      withdrew = true;", ("test_cuda_kernels_emu", ["test_imported"]),
+        "a withdrawn allocation's export stays: its hold is moved out and nothing refers to the memory "
+        "again (the export is never shared anew, and the next tensor in it finds a hold-less export)"),
+    # Issue 81: the release protocol, IPC beside a capture, stop_threads, a failed open.
+    "imported_hold_dropped_before_peers_closed": (
+        "csrc/cuda/p2p/imports.cpp",
+        "      for (int q = 0; q < n && done; ++q) done = q == r || load_acquire(&board_->reaped[q][r]) >= k;",
+        "", ("test_cuda_kernels_emu", ["test_imported_release"]),
+        "the owner frees (drops its hold) before every peer closed its mapping: undefined in CUDA"),
+    "imported_pinned_peer_closes": (
+        "csrc/cuda/p2p/imports.cpp", "    if (pins_->load() == 0)\n", "    if (true)\n",
+        ("test_cuda_kernels_emu", ["test_imported_release"]),
+        "a ring a CUDA graph pins closes its mappings: the owner frees memory a captured launch reads"),
+    "imported_close_frees_under_pin": (
+        "csrc/cuda/p2p/endpoint.cpp", "  release_holds_locked(!keep && !replayable);", "  release_holds_locked(true);",
+        ("test_cuda_kernels_emu", ["test_imported_release"]),
+        "a group closed while a peer maps the memory (close(false)) drops the holds: freed while mapped"),
+    "reaper_close_in_global_capture_mode": (
+        "csrc/cuda/p2p/imports.cpp",
+        "    RelaxedCapture relaxed;  // beside a capture on another thread (torch.cuda.graph: global mode)\n", "",
+        ("test_cuda_kernels_emu", ["test_imports_beside_a_capture"]),
+        "the reaper's IPC close in the thread's global capture mode invalidates another thread's capture"),
+    "export_in_global_capture_mode": (
+        "csrc/cuda/p2p/imports.cpp",
+        "    RelaxedCapture relaxed;  // another thread may be capturing (this one is not: see run())\n", "",
+        ("test_cuda_kernels_emu", ["test_imports_beside_a_capture"]),
+        "a first export's cudaIpcGetMemHandle in global capture mode invalidates another thread's capture"),
+    "stop_threads_leaves_reaper": (
+        "csrc/cuda/p2p/endpoint.h", "    if (reaper_) reaper_->stop();  // its IPC closes", "    // its IPC closes",
+        ("test_cuda_kernels_emu", ["test_no_cuda_call_after_stop_threads"]),
+        "a communicator left to the process's exit keeps calling CUDA from its reaper during teardown"),
+    "failed_open_retried": (
+        "csrc/cuda/p2p/imports.cpp", "  if (unmappable_.count({q, id})) return nullptr;\n", "",
+        ("test_cuda_kernels_emu", ["test_failed_open_remembered"]),
+        "a peer's allocation that cannot be mapped is opened again on every call"),
     "imported_in_place_without_end_barrier": (
         SYM, "        barrier(a, e0 + 1, kEnd, 0, 0, &s_claim);", "",
         ("test_cuda_kernels_emu", ["test_imported_result_in_stream_order"]),
         "a rank returns (and its caller reads the tensor) while peers still write their results into it"),
+    # Issue 81 item 2: the LL flag never matches a stale word.
+    "ll_flag_is_the_count_cut_to_32_bits": (
+        "csrc/cuda/p2p/layout.h", "return static_cast<uint32_t>(k) | 1u;", "return static_cast<uint32_t>(k);",
+        ("test_cuda_kernels_emu", ["test_ll_flag_wrap"]),
+        "at LL call 2^32 the flag is 0, the value of a word never written: a peer's data read before it came"),
+    "ll_slots_never_wiped": (
+        "csrc/cuda/p2p/ll_kernel.cu", "  if (blockIdx.x == 0 && ll_wipes(k)) {", "  if (false) {",
+        ("test_cuda_kernels_emu", ["test_ll_flag_wrap"]),
+        "words older than 2^32 LL calls stay in a slot, where their flag comes round again"),
     # The LL one-shot (issue 71): a word says it arrived only if data and flag land as one store.
     "ll_flag_in_a_separate_store": (
         "csrc/cuda/p2p/ll_kernel.cu",

@@ -116,6 +116,16 @@ cudaError_t fail(cudaError_t e) {
 }
 cudaError_t sticky(int dev) { return static_cast<cudaError_t>(g_sticky[dev].load()); }
 // Every API call on a broken context returns its error, as CUDA's do.
+// Test hook (emu_watch_calls): API calls from threads other than the watching one, counted.
+std::atomic<bool> g_watch_calls{false};
+std::thread::id g_watching;
+std::atomic<uint64_t> g_other_calls{0};
+#define EMU_CALL()                                                                          \
+  do {                                                                                      \
+    if (emu::g_watch_calls.load(std::memory_order_acquire) &&                               \
+        std::this_thread::get_id() != emu::g_watching)                                      \
+      emu::g_other_calls.fetch_add(1);                                                      \
+  } while (0)
 #define EMU_ENTER()                               \
   do {                                            \
     if (cudaError_t s_ = sticky(tl_device)) return fail(s_); \
@@ -729,12 +739,14 @@ extern "C" {
 
 // ---- errors and devices -----------------------------------------------------------------------------
 cudaError_t cudaGetLastError() {
+  EMU_CALL();
   const cudaError_t e = emu::tl_last;
   emu::tl_last = cudaSuccess;
   if (cudaError_t s = sticky(tl_device)) return s;
   return e;
 }
 cudaError_t cudaPeekAtLastError() {
+  EMU_CALL();
   if (cudaError_t s = sticky(tl_device)) return s;
   return emu::tl_last;
 }
@@ -749,6 +761,7 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
     case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorMapBufferObjectFailed: return "cudaErrorMapBufferObjectFailed";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorPeerAccessUnsupported: return "cudaErrorPeerAccessUnsupported";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
@@ -779,19 +792,23 @@ const char* cudaGetErrorString(cudaError_t e) {
 }
 
 cudaError_t cudaGetDeviceCount(int* count) {
+  EMU_CALL();
   *count = emu::g_devices.load();
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int* device) {
+  EMU_CALL();
   *device = tl_device;
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int device) {
+  EMU_CALL();
   if (device < 0 || device >= emu::g_devices.load()) return fail(cudaErrorInvalidDevice);
   tl_device = device;
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  EMU_CALL();
   if (device < 0 || device >= emu::g_devices.load()) return fail(cudaErrorInvalidDevice);
   if (static_cast<int>(attr) == 122) {  // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
     *value = 1;
@@ -802,17 +819,20 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   return cudaSuccess;
 }
 cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer) {
+  EMU_CALL();
   const int n = emu::g_devices.load();
   if (device < 0 || device >= n || peer < 0 || peer >= n) return fail(cudaErrorInvalidDevice);
   *can = device != peer && !emu::g_no_peer[device][peer].load();
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGetPCIBusId(char* bus_id, int len, int device) {
+  EMU_CALL();
   if (device < 0 || device >= emu::g_devices.load()) return fail(cudaErrorInvalidDevice);
   std::snprintf(bus_id, static_cast<size_t>(len), "0000:%02x:00.0", 0x10 + device);
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGetByPCIBusId(int* device, const char* bus_id) {
+  EMU_CALL();
   unsigned bus = 0;
   if (std::sscanf(bus_id, "0000:%x:00.0", &bus) != 1) return fail(cudaErrorInvalidValue);
   const int d = static_cast<int>(bus) - 0x10;
@@ -822,6 +842,7 @@ cudaError_t cudaDeviceGetByPCIBusId(int* device, const char* bus_id) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
+  EMU_CALL();
   std::vector<CUstream_st*> mine;
   {
     std::lock_guard<std::mutex> lk(g_streams_mu);
@@ -835,6 +856,7 @@ cudaError_t cudaDeviceSynchronize() {
 
 // ---- memory -------------------------------------------------------------------------------------------
 cudaError_t cudaMalloc(void** p, size_t bytes) {
+  EMU_CALL();
   EMU_ENTER();
   *p = nullptr;
   if (bytes == 0) return cudaSuccess;
@@ -852,6 +874,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 }
 
 cudaError_t cudaFree(void* p) {
+  EMU_CALL();
   if (!p) return cudaSuccess;
   // CUDA synchronises here; the legacy stream's late work (a memset, a copy) must not land on unmapped
   // memory. Other streams are not waited for: a freed buffer a kernel still uses faults, as it should.
@@ -887,6 +910,7 @@ cudaError_t cudaFree(void* p) {
 // past the end faults, as an overrun of a struct the host and the kernels share should.
 constexpr size_t kHostAlign = 128;
 cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) {
+  EMU_CALL();
   EMU_ENTER();
   const size_t used = (std::max<size_t>(bytes, 1) + kHostAlign - 1) / kHostAlign * kHostAlign;
   const size_t page = page_round(1), mapped = page_round(used) + page;
@@ -908,6 +932,7 @@ cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) {
 cudaError_t cudaMallocHost(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, 0); }
 
 cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned) {
+  EMU_CALL();
   std::lock_guard<std::mutex> lk(g_mem_mu);
   if (!g_host.count(reinterpret_cast<uintptr_t>(host))) return fail(cudaErrorInvalidValue);
   *dev = host;  // unified addressing: the device sees host memory at the same address
@@ -915,6 +940,7 @@ cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned) {
 }
 
 cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
+  EMU_CALL();
   EMU_ENTER();
   if (!p || !bytes) return fail(cudaErrorInvalidValue);
   std::lock_guard<std::mutex> lk(g_mem_mu);
@@ -926,6 +952,7 @@ cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
 }
 
 cudaError_t cudaHostUnregister(void* p) {
+  EMU_CALL();
   std::lock_guard<std::mutex> lk(g_mem_mu);
   auto it = g_host.find(reinterpret_cast<uintptr_t>(p));
   if (it == g_host.end() || !it->second.registered) return fail(cudaErrorInvalidValue);
@@ -935,6 +962,7 @@ cudaError_t cudaHostUnregister(void* p) {
 }
 
 cudaError_t cudaFreeHost(void* p) {
+  EMU_CALL();
   if (!p) return cudaSuccess;
   std::lock_guard<std::mutex> lk(g_mem_mu);
   auto it = g_host.find(reinterpret_cast<uintptr_t>(p));
@@ -946,6 +974,7 @@ cudaError_t cudaFreeHost(void* p) {
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t s) {
+  EMU_CALL();
   EMU_ENTER();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   if (bytes) {
@@ -958,6 +987,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
+  EMU_CALL();
   EMU_ENTER();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   if (bytes) enqueue(s, [=] { std::memset(p, value, bytes); });
@@ -968,6 +998,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
 // copy and a memset of device memory return at once; the others return when done. All run on the
 // legacy stream, late (CUstream_st).
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  EMU_CALL();
   const bool to_dev = device_memory(dst), from_dev = device_memory(src);
   if (to_dev && !from_dev && !pinned_memory(src) && bytes) {
     EMU_ENTER();
@@ -985,6 +1016,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
   return cudaStreamSynchronize(nullptr);
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+  EMU_CALL();
   if (cudaError_t e = cudaMemsetAsync(p, value, bytes, nullptr)) return e;
   if (!pinned_memory(p)) return cudaSuccess;
   return cudaStreamSynchronize(nullptr);
@@ -992,6 +1024,7 @@ cudaError_t cudaMemset(void* p, int value, size_t bytes) {
 
 // ---- streams ---------------------------------------------------------------------------------------------
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
+  EMU_CALL();
   EMU_ENTER();
   auto* st = new CUstream_st(tl_device, flags & cudaStreamNonBlocking ? CUstream_st::kNonBlocking
                                                                       : CUstream_st::kBlocking);
@@ -1012,6 +1045,7 @@ cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags
 
 // Unlike CUDA, which returns at once, this waits until the stream's work is done.
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  EMU_CALL();
   if (!s) return fail(cudaErrorInvalidResourceHandle);
   {
     std::lock_guard<std::mutex> lk(g_streams_mu);
@@ -1022,6 +1056,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  EMU_CALL();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   CUstream_st* st = resolve(s);
   st->drain();
@@ -1039,6 +1074,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t s) {
+  EMU_CALL();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   CUstream_st* st = resolve(s);
   if (cudaError_t e = sticky(st->device)) return fail(e);
@@ -1046,6 +1082,7 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  EMU_CALL();
   EMU_ENTER();
   if (!e || !valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   std::shared_ptr<EventState> st = e->st;
@@ -1060,6 +1097,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
 }
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  EMU_CALL();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   *status = s && s->capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
   return cudaSuccess;
@@ -1083,12 +1121,14 @@ cudaError_t unsafe_call_during_capture() {
 }  // namespace
 
 cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  EMU_CALL();
   if (!mode) return fail(cudaErrorInvalidValue);
   std::swap(tl_capture_mode, *mode);
   return cudaSuccess;
 }
 
 cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* user_data) {
+  EMU_CALL();
   EMU_ENTER();
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   enqueue(s, [fn, user_data] { fn(user_data); });
@@ -1148,6 +1188,7 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsi
 
 // ---- events ----------------------------------------------------------------------------------------------
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  EMU_CALL();
   EMU_ENTER();
   *e = new CUevent_st;
   (*e)->st->device = tl_device;
@@ -1155,11 +1196,13 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
 }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  EMU_CALL();
   if (!e) return fail(cudaErrorInvalidResourceHandle);
   delete e;  // a pending record keeps the state alive
   return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  EMU_CALL();
   EMU_ENTER();
   if (!e || !valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   std::shared_ptr<EventState> st = e->st;
@@ -1177,6 +1220,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) {
+  EMU_CALL();
   if (!e) return fail(cudaErrorInvalidResourceHandle);
   if (cudaError_t c = unsafe_call_during_capture()) return c;
   EventState& st = *e->st;
@@ -1185,6 +1229,7 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
   return st.done() ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  EMU_CALL();
   if (!ms || !start || !end) return fail(cudaErrorInvalidResourceHandle);
   std::chrono::steady_clock::time_point a, b;
   {
@@ -1201,6 +1246,7 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  EMU_CALL();
   if (!e) return fail(cudaErrorInvalidResourceHandle);
   if (cudaError_t c = unsafe_call_during_capture()) return c;
   std::shared_ptr<EventState> st = e->st;
@@ -1213,9 +1259,18 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   return cudaSuccess;
 }
 
+namespace {
+std::atomic<uint64_t> g_ipc_opens{0};
+std::atomic<int> g_failing_opens{0};
+}  // namespace
+
 // ---- IPC ---------------------------------------------------------------------------------------------------
 cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
+  EMU_CALL();
   EMU_ENTER();
+  // IPC calls are not stream work: CUDA refuses them on a thread in global capture mode while
+  // any stream captures in that mode, and invalidates the capture.
+  if (cudaError_t e = unsafe_call_during_capture()) return e;
   std::lock_guard<std::mutex> lk(g_mem_mu);
   const Alloc* a = alloc_containing(p);
   if (!a) return fail(cudaErrorInvalidValue);
@@ -1230,9 +1285,12 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
 // The allocation's pages mapped again at a new address (the base of the allocation, as in CUDA).
 // Between the threads of one process only: the emulated IPC of ranks played by threads.
 cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned) {
+  EMU_CALL();
   EMU_ENTER();
   // Maps memory, as cudaMalloc does: not during a capture in global mode.
   if (cudaError_t e = unsafe_call_during_capture()) return e;
+  g_ipc_opens.fetch_add(1);
+  if (g_failing_opens.load() > 0 && g_failing_opens.fetch_sub(1) > 0) return fail(cudaErrorMapBufferObjectFailed);
   int32_t pid = 0;
   uint64_t id = 0;
   std::memcpy(&pid, handle.reserved + 8, 4);
@@ -1255,6 +1313,8 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned) 
 }
 
 cudaError_t cudaIpcCloseMemHandle(void* p) {
+  EMU_CALL();
+  if (cudaError_t e = unsafe_call_during_capture()) return e;  // unmaps memory: as an open
   std::lock_guard<std::mutex> lk(g_mem_mu);
   auto it = g_alias.find(reinterpret_cast<uintptr_t>(p));
   if (it == g_alias.end()) return fail(cudaErrorInvalidValue);
@@ -1296,6 +1356,15 @@ int emu_capture_invalidated(cudaStream_t stream) { return stream->capture_invali
 int emu_block_threads() { return emu::g_block_threads; }
 uint64_t emu_launches() { return emu::g_launches.load(); }
 uint64_t emu_frees_while_mapped() { return g_frees_while_mapped.load(); }
+uint64_t emu_ipc_opens() { return g_ipc_opens.load(); }
+void emu_fail_ipc_opens(int n) { g_failing_opens.store(n); }
+void emu_watch_calls(int on) {
+  emu::g_watch_calls.store(false);
+  emu::g_watching = std::this_thread::get_id();
+  emu::g_other_calls.store(0);
+  emu::g_watch_calls.store(on != 0, std::memory_order_release);
+}
+uint64_t emu_other_thread_calls() { return emu::g_other_calls.load(); }
 void emu_fail_launches(int n, cudaError_t e) {
   emu::g_launch_error = e;
   emu::g_failing_launches = n;

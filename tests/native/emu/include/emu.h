@@ -17,8 +17,8 @@ cudaError_t emu_inject_fault(cudaStream_t stream, cudaError_t e);
 // captures nothing, this lets tests see what code does when it finds itself inside a capture.
 void emu_set_capturing(cudaStream_t stream, int capturing);
 // Whether that capture was invalidated (as cudaStreamEndCapture would report): while a stream
-// captures, as torch.cuda.graph does by default (global mode), an event query or synchronize from
-// a thread not in relaxed capture mode (cudaThreadExchangeStreamCaptureMode) is refused with
+// captures, as torch.cuda.graph does by default (global mode), an event query or synchronize, an
+// IPC get, open or close from a thread not in relaxed capture mode (cudaThreadExchangeStreamCaptureMode) is refused with
 // cudaErrorStreamCaptureImplicit and invalidates the capture, as CUDA does.
 int emu_capture_invalidated(cudaStream_t stream);
 // Clears a device's sticky error (cudaDeviceReset without freeing anything), for the next test.
@@ -44,6 +44,14 @@ uint64_t emu_launches();
 // cudaFree calls so far of device memory that IPC mappings still mapped (undefined in CUDA: the
 // owner must free only after every importer closed its handle). Each is also said on stderr.
 uint64_t emu_frees_while_mapped();
+// cudaIpcOpenMemHandle calls so far; and the next n of them fail (cudaErrorMapBufferObjectFailed,
+// not sticky), as an open of a peer's memory the driver cannot map does.
+uint64_t emu_ipc_opens();
+void emu_fail_ipc_opens(int n);
+// From now on (on != 0) count the CUDA API calls made by any thread but the calling one (a
+// transport's own threads after stop_threads must make none: the runtime may be tearing down).
+void emu_watch_calls(int on);
+uint64_t emu_other_thread_calls();
 // The next n kernel launches, on any thread, are refused with error e (for cudaGetLastError, not
 // sticky), as a launch that asks for too many resources is on a GPU.
 void emu_fail_launches(int n, cudaError_t e);
