@@ -250,7 +250,7 @@ Plan Endpoint::plan_of(const Call& c) const {
   Plan r = p2p::plan(c, opt_, direct_);
   // An ordinary tensor: Imported where the group has its board (the same on every rank), with the
   // two-shot plan for the calls that go through the workspace.
-  if (opt_.algo == Algo::Auto && board_ && direct_ && c.coll == Coll::AllReduce && c.wire == Wire::None &&
+  if (opt_.algo == Algo::Auto && imported_.attached() && direct_ && c.coll == Coll::AllReduce && c.wire == Wire::None &&
       c.in == c.out && c.numel > 0 && opt_.nranks > 1 && bytes > oneshot_max && r.algo == Algo::TwoShot)
     r.algo = Algo::Imported;
   return r;
@@ -393,7 +393,7 @@ void Endpoint::run(const Call& c, cudaStream_t stream, const Plan* plan) {
     // Inside a capture no new mapping (the IPC calls would invalidate it): memory seen before only.
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
-    prepare_import(c, st != cudaStreamCaptureStatusNone);
+    imp_ = imported_.prepare(c, st != cudaStreamCaptureStatusNone, ctl_, op_seq_);
   }
   ++op_seq_;
   LogOnReturn logged{calls_, op_seq_, stream};
@@ -523,7 +523,7 @@ SymArgs Endpoint::sym_args(const Call& c, const Plan& p) const {
   if (p.algo == Algo::Imported) {
     a.tag = imp_.tag;
     a.tag_hash = imp_.hash;
-    for (int q = 0; q < n; ++q) a.imp[q] = imp_.imp[q];
+    for (int q = 0; q < n; ++q) a.imp[q] = imp_.at[q];
   }
   return a;
 }
@@ -588,7 +588,7 @@ void Endpoint::release_graph_pin(void* pin) {
 bool Endpoint::unmap_peers() {
   if (watcher_) watcher_->stop();  // they take mu_, and write into the peers' areas
   if (copy_watch_) copy_watch_->stop();
-  if (reaper_) reaper_->stop();  // it takes reg_mu_
+  imported_.stop();  // its closes beside ours
   std::lock_guard<std::mutex> lk(mu_);
   if (maps_kept_) return false;
   if (closed_ || unmapped_ || !area_) return true;
@@ -608,7 +608,7 @@ bool Endpoint::unmap_peers() {
     g.at.clear();
     g.mapped = false;
   }
-  close_imports_locked();
+  imported_.close_mappings();
   cudaGetLastError();
   return true;
 }
@@ -616,7 +616,7 @@ bool Endpoint::unmap_peers() {
 void Endpoint::close(bool peers_done) {
   if (watcher_) watcher_->stop();  // it takes mu_
   if (copy_watch_) copy_watch_->stop();  // and so does this one
-  if (reaper_) reaper_->stop();  // it takes reg_mu_
+  imported_.stop();
   calls_.close();
   std::lock_guard<std::mutex> lk(mu_);  // failure() and abort() read ctl_ and area_
   DeviceScope scope(device_);
@@ -653,13 +653,9 @@ void Endpoint::close(bool peers_done) {
   regs_.clear();
   // Imported memory: the peers' mappings closed as the areas are (kept under a graph's pin); this
   // rank's exports withdrawn (the allocations are the caller's: nothing to free).
-  if (!replayable) close_imports_locked();
+  if (!replayable) imported_.close_mappings();
   // This rank's exports: their holds dropped only where every peer has closed its mappings.
-  release_holds_locked(!keep && !replayable);
-  if (board_) {
-    runtime::shm_unmap(reinterpret_cast<char*>(board_), sizeof(RegBoard));
-    board_ = nullptr;
-  }
+  imported_.release(!keep && !replayable);
   if (keep || replayable) {
     std::lock_guard<std::mutex> klk(g_kept_mu);
     g_kept_bytes += area_bytes();  // freed by the process's exit

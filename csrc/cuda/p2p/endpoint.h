@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cuda/call_log.h"
+#include "cuda/p2p/imports.h"
 #include "cuda/p2p/launch.h"
 #include "cuda/p2p/plan.h"
 #include "runtime/peers.h"
@@ -123,38 +124,23 @@ class Endpoint : public runtime::Transport {
   // board_attach: rank 0 creates the POSIX shared memory `name`, the others map it after; before
   // the first call. Starts this rank's reaper (every 2 ms: withdraws this rank's allocations no
   // tensor uses any more, closes what a peer withdrew, drops holds every peer is done with).
-  void board_attach(const std::string& name, bool create);
-  bool board() const { return board_ != nullptr; }
-  // What keeps an allocation this rank exports from being freed while a peer may map it: freeing
-  // memory before every importer closed its mapping is undefined (CUDA Runtime API,
-  // cudaIpcOpenMemHandle). The binding's hold is a reference to the tensor's storage, so torch's
-  // caching allocator frees neither its block nor the segment (the allocation) around it.
-  // in_use(): someone else still refers to it (a tensor); key(): the same for every hold on one
-  // owner. The reaper drops a hold only after every peer closed its mapping, outside our locks.
-  struct Hold {
-    virtual ~Hold() = default;
-    virtual bool in_use() const = 0;
-    virtual const void* key() const = 0;
-  };
-  // A hold on call c's input (c.owner says whose memory it is), or null and why it cannot be
-  // shared. Called outside every lock of this endpoint; set before the first call (without one,
-  // nothing is imported).
-  using Holder = std::function<std::unique_ptr<Hold>(const Call& c, std::string* why)>;
-  void set_holder(Holder h) { holder_ = std::move(h); }
+  void board_attach(const std::string& name, bool create) { imported_.attach(name, create); }
+  bool board() const { return imported_.attached(); }
+  // The holds that keep exported memory allocated (imports.h); set before the first call.
+  using Hold = p2p::Hold;
+  using Holder = p2p::Holder;
+  void set_holder(Holder h) { imported_.set_holder(std::move(h)); }
   // Holds this rank keeps (exported allocations' and those waiting for the peers to close).
-  size_t holds() const;
-  // Why the last import this rank tried could not share its memory ("" if none failed).
-  std::string import_note() const;
+  size_t holds() const { return imported_.holds(); }
+  // Why the last import this rank tried could not share or map memory ("" if none failed).
+  std::string import_note() const { return imported_.note(); }
   // The first such note, once (runtime::Transport).
-  std::string take_note() override;
+  std::string take_note() override { return imported_.take_note(); }
   // Imported calls the device has reported so far, and of those, the ones that ran in place.
-  uint64_t imported_seen() const { return imported_seen_; }
-  uint64_t imported_in_place() const { return imported_in_place_; }
-  size_t imports() const;  // the peers' allocations mapped here
-  void learn() {  // what the device reported of finished calls, now (tests: the counts above)
-    std::lock_guard<std::mutex> lk(reg_mu_);
-    if (ctl_) learn_locked();
-  }
+  uint64_t imported_seen() const { return imported_.seen(); }
+  uint64_t imported_in_place() const { return imported_.in_place(); }
+  size_t imports() const { return imported_.mapped(); }  // the peers' allocations mapped here
+  void learn() { imported_.learn(ctl_, op_seq_); }  // what the device reported of finished calls, now
   // Auto's one-shot threshold (see Options); the same on every rank, before the first call.
   void set_threshold(size_t oneshot_max) {
     opt_.tuned = true;
@@ -184,7 +170,7 @@ class Endpoint : public runtime::Transport {
   void stop_threads() override {
     if (watcher_) watcher_->stop();
     if (copy_watch_) copy_watch_->stop();
-    if (reaper_) reaper_->stop();  // its IPC closes would run into the runtime's teardown
+    imported_.stop();  // its IPC closes would run into the runtime's teardown
   }
   // Whether this ring has the copy algorithm's inbox (RINGREDUCE_CUDA_ALGO=copy: opt-in, for ranks
   // sharing a GPU without MPS; auto does not pick it, no GPU has shown it faster yet).
@@ -234,6 +220,11 @@ class Endpoint : public runtime::Transport {
   size_t area_bytes() const;
 
  private:
+  static int current_device() {
+    int d = 0;
+    cudaGetDevice(&d);
+    return d;
+  }
   std::string describe(const ErrorRecord& e, int block) const;
   // cause: what the abort word written into every area says (the peers' errors name it).
   void abort_locked(const std::string& why, uint32_t cause = kHostAbort);
@@ -246,17 +237,6 @@ class Endpoint : public runtime::Transport {
   size_t ll_slot_bytes() const;  // one LL slot; 0 without the LL one-shot
   size_t ll_offset() const { return copy_offset() + copy_bytes(); }
   size_t ll_bytes() const { return 2 * static_cast<size_t>(opt_.nranks) * ll_slot_bytes(); }
-
-  // Imported (imports.cpp): this call's tag, prediction hash and the peers' memory into imp_;
-  // learn: the tags the device saw of earlier calls; reap: closes what peers withdrew.
-  void prepare_import(const Call& c, bool capturing);
-  uint64_t export_of(const Call& c, std::unique_ptr<Hold> hold);
-  void learn_locked();
-  void reap();
-  char* import_locked(int q, uint64_t id, uint64_t end);
-  void close_imports_locked();
-  // At close: the holds dropped (every peer closed its mappings) or kept until exit (not known).
-  void release_holds_locked(bool peers_done);
 
   // The copy algorithm (csrc/cuda/p2p/copy.cpp): enqueues call c's pieces on stream; and the
   // watchdog's look (every 50 ms) at where the stream stands: a piece waited on for longer than
@@ -272,7 +252,7 @@ class Endpoint : public runtime::Transport {
   Options opt_;
   static constexpr size_t kNoSlot = ~size_t{0};
   size_t ll_slot_fixed_ = kNoSlot;  // the LL slot size once set_ll_max changed the reach
-  int device_ = 0;
+  int device_ = current_device();  // the device current at construction (before imported_)
   int up_ = 0, down_ = 0;
   Call planned_call_{};   // plan()'s call and its plan, for the run() that follows
   Plan planned_{};
@@ -310,39 +290,9 @@ class Endpoint : public runtime::Transport {
   };
   std::vector<Reg> regs_;
   mutable std::mutex reg_mu_;  // regs_: a buffer may be registered while another thread calls
-  // Imported memory, under reg_mu_: this rank's exports by base, the peers' allocations mapped
-  // here by (rank, id), the tags each own tag met last (by own tag), calls whose tags are to learn.
-  struct Export {
-    uint64_t id;
-    size_t bytes;
-    std::map<const void*, std::unique_ptr<Hold>> holds;  // by key; never empty
-  };
-  struct Retiring {  // an export withdrawn, kept until every peer reaped `kills`
-    uint64_t kills;
-    std::vector<std::unique_ptr<Hold>> holds;
-  };
-  struct Import {
-    char* p;
-    size_t bytes;
-  };
-  RegBoard* board_ = nullptr;
-  Holder holder_;
-  std::map<uintptr_t, Export> exports_;
-  std::deque<Retiring> retiring_;
-  std::set<std::pair<int, uint64_t>> unmappable_;  // peers' allocations whose open failed here
-  std::map<std::pair<int, uint64_t>, Import> imports_;
-  std::unordered_map<uint64_t, std::vector<uint64_t>> predict_;
-  std::deque<uint64_t> to_learn_;
-  uint64_t next_export_ = 1;
-  uint64_t imported_seen_ = 0, imported_in_place_ = 0;
-  std::string import_note_;
-  bool note_taken_ = false;
-  uint64_t kills_seen_[kMaxPeers] = {};
-  struct Prepared {  // prepare_import's, for sym_args
-    uint64_t tag = 0, hash = 0;
-    char* imp[kMaxPeers] = {};
-  } imp_;
-  std::unique_ptr<runtime::Ticker> reaper_;
+  // Imported memory (imports.h): its own state and lock; imp_: the call run() is launching.
+  Imports imported_{opt_.rank, opt_.nranks, device_, pins_};
+  ImportedCall imp_;
   uint64_t pieces_ = 0;  // copy algorithm: pieces enqueued (the same count on every rank)
   struct CopyCall {
     MsgHeader call;

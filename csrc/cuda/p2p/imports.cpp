@@ -1,7 +1,7 @@
 // Imported memory of the p2p transport (Algo::Imported, layout.h): an ordinary tensor's allocation
 // shared with the peers once, by its IPC handle on the group's board, mapped by each peer the
 // first time it predicts a call on it. Freeing memory a peer still maps is undefined in CUDA, so
-// this rank keeps a hold on every tensor it exported (Endpoint::Hold: the binding's keeps the
+// this rank keeps a hold on every tensor it exported (Hold: the binding's keeps the
 // storage, and so torch's block and segment, allocated) until no tensor uses it, the export is
 // withdrawn, and every peer's reaper closed its mapping; only then does the reaper drop the hold
 // (and torch may free). Nothing on torch's free path waits for another process. Correctness
@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "cuda/host.h"
-#include "cuda/p2p/endpoint.h"
+#include "cuda/p2p/imports.h"
 #include "runtime/shm_map.h"
 
 namespace ringreduce::cuda::p2p {
@@ -21,7 +21,7 @@ namespace {
 uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
-// The reaper's period: an owner's free waits about this long for its peers.
+// The reaper's period: memory a tensor let go of returns to its allocator about two of these later.
 constexpr auto kReapPeriod = std::chrono::milliseconds(2);
 // Done with every owner: set by a rank that closed (nothing of anyone's is mapped there any more).
 constexpr uint64_t kReapedAll = ~uint64_t{0};
@@ -59,50 +59,70 @@ bool driver_finder(const void* p, uintptr_t* base, size_t* bytes, std::string* w
 
 }  // namespace
 
-void Endpoint::board_attach(const std::string& name, bool create) {
-  if (board_) throw RingError("ringreduce: board_attach: the board is attached already");
+void Imports::attach(const std::string& name, bool create) {
+  if (attached()) throw RingError("ringreduce: board_attach: the board is attached already");
   uint64_t bytes = sizeof(RegBoard);
   char* p = create ? runtime::shm_create(name, bytes) : runtime::shm_map(name, &bytes);
   if (create) std::memset(p, 0, sizeof(RegBoard));
   {
-    std::lock_guard<std::mutex> lk(reg_mu_);
+    std::lock_guard<std::mutex> lk(mu_);
     board_ = reinterpret_cast<RegBoard*>(p);
   }
+  attached_.store(true, std::memory_order_release);
   reaper_ = std::make_unique<runtime::Ticker>(kReapPeriod, [this] { reap(); });
 }
 
-std::string Endpoint::import_note() const {
-  std::lock_guard<std::mutex> lk(reg_mu_);
-  return import_note_;
+void Imports::set_holder(Holder h) {
+  std::lock_guard<std::mutex> lk(mu_);
+  holder_ = std::move(h);
 }
 
-std::string Endpoint::take_note() {
-  std::lock_guard<std::mutex> lk(reg_mu_);
-  if (note_taken_ || import_note_.empty()) return {};
-  note_taken_ = true;
-  return import_note_;
+uint64_t Imports::seen() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return seen_;
 }
 
-size_t Endpoint::imports() const {
-  std::lock_guard<std::mutex> lk(reg_mu_);
-  return imports_.size();
+uint64_t Imports::in_place() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return in_place_;
 }
 
-size_t Endpoint::holds() const {
-  std::lock_guard<std::mutex> lk(reg_mu_);
+size_t Imports::mapped() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return mappings_.size();
+}
+
+size_t Imports::holds() const {
+  std::lock_guard<std::mutex> lk(mu_);
   size_t n = 0;
   for (const auto& [base, e] : exports_) n += e.holds.size();
   for (const Retiring& t : retiring_) n += t.holds.size();
   return n;
 }
 
+std::string Imports::note() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return note_;
+}
+
+std::string Imports::take_note() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (note_taken_ || note_.empty()) return {};
+  note_taken_ = true;
+  return note_;
+}
+
+void Imports::stop() {
+  if (reaper_) reaper_->stop();
+}
+
 // The peer's allocation `id` mapped here (opened now if new), or null: withdrawn, too short for
-// `end` bytes, or its open failed before (remembered: not retried on every call). Under reg_mu_,
+// `end` bytes, or its open failed before (remembered: not retried on every call). Under mu_,
 // which the reaper takes too: an entry withdrawn while this opens it is seen by the check after
 // the open, or by the reaper's next scan.
-char* Endpoint::import_locked(int q, uint64_t id, uint64_t end) {
-  auto it = imports_.find({q, id});
-  if (it != imports_.end()) return end <= it->second.bytes ? it->second.p : nullptr;
+char* Imports::map_locked(int q, uint64_t id, uint64_t end) {
+  auto it = mappings_.find({q, id});
+  if (it != mappings_.end()) return end <= it->second.bytes ? it->second.p : nullptr;
   if (unmappable_.count({q, id})) return nullptr;
   BoardEntry* e = &board_->exp[q][id % kBoardSlots];
   if (load_acquire(&e->id) != id) return nullptr;
@@ -116,25 +136,30 @@ char* Endpoint::import_locked(int q, uint64_t id, uint64_t end) {
   if (cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
     cudaGetLastError();
     unmappable_.insert({q, id});
-    import_note_ = "rank " + std::to_string(opt_.rank) + ": rank " + std::to_string(q) +
-                   "'s memory could not be mapped here (cudaIpcOpenMemHandle); such calls go through the workspace";
+    say_locked("rank " + std::to_string(rank_) + ": rank " + std::to_string(q) +
+               "'s memory could not be mapped here (cudaIpcOpenMemHandle); such calls go through the workspace");
     return nullptr;
   }
   if (load_acquire(&e->id) != id) {  // withdrawn meanwhile: its owner may free it
     cudaIpcCloseMemHandle(p);
     return nullptr;
   }
-  imports_[{q, id}] = Import{static_cast<char*>(p), bytes};
+  mappings_[{q, id}] = Mapping{static_cast<char*>(p), bytes};
   return static_cast<char*>(p);
 }
 
-void Endpoint::learn_locked() {
+void Imports::learn(const HostCtl* ctl, uint64_t op_seq) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (ctl) learn_locked(ctl, op_seq);
+}
+
+void Imports::learn_locked(const HostCtl* ctl, uint64_t op_seq) {
   // What the device saw of earlier Imported calls; a slot overwritten since (more than kSeenSlots
   // calls back) or never written (a call that stopped) is dropped.
   for (auto it = to_learn_.begin(); it != to_learn_.end();) {
     const uint64_t seq = *it;
-    volatile HostCtl::Seen* s = &ctl_->seen[seq % kSeenSlots];
-    if (op_seq_ - seq >= kSeenSlots) {
+    const volatile HostCtl::Seen* s = &ctl->seen[seq % kSeenSlots];
+    if (op_seq - seq >= kSeenSlots) {
       it = to_learn_.erase(it);
       continue;
     }
@@ -143,29 +168,29 @@ void Endpoint::learn_locked() {
       continue;
     }
     std::atomic_thread_fence(std::memory_order_acquire);
-    std::vector<uint64_t> tags(opt_.nranks);
-    for (int q = 0; q < opt_.nranks; ++q) tags[q] = s->tags[q];
+    std::vector<uint64_t> tags(nranks_);
+    for (int q = 0; q < nranks_; ++q) tags[q] = s->tags[q];
     const bool in_place = s->in_place != 0;
     std::atomic_thread_fence(std::memory_order_acquire);
     if (s->seq != seq) {  // overwritten while read
       it = to_learn_.erase(it);
       continue;
     }
-    ++imported_seen_;
-    imported_in_place_ += in_place;
-    if (tags[opt_.rank]) predict_[tags[opt_.rank]] = std::move(tags);
+    ++seen_;
+    in_place_ += in_place;
+    if (tags[rank_]) predict_[tags[rank_]] = std::move(tags);
     it = to_learn_.erase(it);
   }
 }
 
-// Call c's tag: its allocation's export (made now at first sight, unless capturing) and offset, with
-// `hold` kept for the export; 0 where the memory cannot be shared (import_note_ says why).
-uint64_t Endpoint::export_of(const Call& c, std::unique_ptr<Hold> hold) {
+// Call c's tag: its allocation's export (made now at first sight) and offset, with `hold` kept
+// for the export; 0 where the memory cannot be shared (note_ says why).
+uint64_t Imports::export_of(const Call& c, std::unique_ptr<Hold> hold) {
   const uintptr_t p = reinterpret_cast<uintptr_t>(c.in);
   const uint64_t bytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
   std::unique_ptr<Hold> spare;  // a second hold on one owner: dropped after the lock (no free: ours stays)
   {
-    std::lock_guard<std::mutex> lk(reg_mu_);
+    std::lock_guard<std::mutex> lk(mu_);
     auto it = exports_.upper_bound(p);
     if (it != exports_.begin() && p + bytes <= (--it)->first + it->second.bytes) {
       auto& holds = it->second.holds;
@@ -175,7 +200,7 @@ uint64_t Endpoint::export_of(const Call& c, std::unique_ptr<Hold> hold) {
       return it->second.id << kTagShift | (p - it->first);
     }
   }
-  // First sight of this allocation: share it (the driver's and IPC calls outside our locks).
+  // First sight of this allocation: share it (the driver's and IPC calls outside the lock).
   uintptr_t base = 0;
   size_t size = 0;
   std::string why;
@@ -187,7 +212,7 @@ uint64_t Endpoint::export_of(const Call& c, std::unique_ptr<Hold> hold) {
   }
   if (ok) {
     DeviceScope scope(device_);
-    RelaxedCapture relaxed;  // another thread may be capturing (this one is not: see run())
+    RelaxedCapture relaxed;  // another thread may be capturing (this one is not: see prepare)
     if (cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)) != cudaSuccess) {
       cudaGetLastError();
       ok = false;
@@ -195,24 +220,23 @@ uint64_t Endpoint::export_of(const Call& c, std::unique_ptr<Hold> hold) {
             "another allocator)";
     }
   }
-  std::lock_guard<std::mutex> lk(reg_mu_);
-  const int r = opt_.rank;
+  std::lock_guard<std::mutex> lk(mu_);
   if (ok && (size >> kTagShift) != 0) {
     ok = false;
     why = "its allocation is larger than 1 TiB";
   }
   const uint64_t id = next_export_;
-  if (ok && load_acquire(&board_->exp[r][id % kBoardSlots].id) != 0) {
+  if (ok && load_acquire(&board_->exp[rank_][id % kBoardSlots].id) != 0) {
     ok = false;
     why = "more than " + std::to_string(kBoardSlots) + " of its allocations are shared already";
   }
   if (!ok) {
-    import_note_ = "rank " + std::to_string(r) + ": a tensor's memory cannot be shared with the peers, so "
-                   "its all_reduce copies it through the workspace: " + why;
+    say_locked("rank " + std::to_string(rank_) + ": a tensor's memory cannot be shared with the peers, so "
+               "its all_reduce copies it through the workspace: " + why);
     return 0;
   }
   ++next_export_;
-  BoardEntry* e = &board_->exp[r][id % kBoardSlots];
+  BoardEntry* e = &board_->exp[rank_][id % kBoardSlots];
   e->bytes = size;
   std::memcpy(e->handle, &h, sizeof h);
   store_release(&e->id, id);
@@ -224,17 +248,22 @@ uint64_t Endpoint::export_of(const Call& c, std::unique_ptr<Hold> hold) {
   return id << kTagShift | (p - base);
 }
 
-void Endpoint::prepare_import(const Call& c, bool capturing) {
-  imp_ = Prepared{};
-  const int n = opt_.nranks, r = opt_.rank;
+ImportedCall Imports::prepare(const Call& c, bool capturing, const HostCtl* ctl, uint64_t op_seq) {
+  ImportedCall out;
+  const int n = nranks_, r = rank_;
   const uint64_t bytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
   // The hold first (the binding's takes a reference to the tensor's storage: no lock of ours).
+  Holder holder;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    holder = holder_;
+  }
   std::string why = "this communicator has no way to keep its memory allocated (no holder)";
-  std::unique_ptr<Hold> hold = holder_ ? holder_(c, &why) : nullptr;
+  std::unique_ptr<Hold> hold = holder ? holder(c, &why) : nullptr;
   uint64_t tag = 0;
   if (hold) {
     if (capturing) {  // mapped before only: a capture shares nothing new
-      std::lock_guard<std::mutex> lk(reg_mu_);
+      std::lock_guard<std::mutex> lk(mu_);
       const uintptr_t p = reinterpret_cast<uintptr_t>(c.in);
       auto it = exports_.upper_bound(p);
       if (it != exports_.begin() && p + bytes <= (--it)->first + it->second.bytes) {
@@ -245,18 +274,18 @@ void Endpoint::prepare_import(const Call& c, bool capturing) {
       tag = export_of(c, std::move(hold));
     }
   } else {
-    std::lock_guard<std::mutex> lk(reg_mu_);
-    import_note_ = "rank " + std::to_string(r) + ": a tensor's memory cannot be shared with the peers, so "
-                   "its all_reduce copies it through the workspace: " + why;
+    std::lock_guard<std::mutex> lk(mu_);
+    say_locked("rank " + std::to_string(r) + ": a tensor's memory cannot be shared with the peers, so "
+               "its all_reduce copies it through the workspace: " + why);
   }
-  std::lock_guard<std::mutex> lk(reg_mu_);
-  learn_locked();
-  to_learn_.push_back(op_seq_ + 1);  // run() counts the call after this
-  imp_.tag = tag;
-  imp_.imp[r] = static_cast<char*>(const_cast<void*>(c.in));
-  if (!tag) return;  // no prediction: the call goes through the workspace on every rank
+  std::lock_guard<std::mutex> lk(mu_);
+  learn_locked(ctl, op_seq);
+  to_learn_.push_back(op_seq + 1);  // the endpoint counts the call after this
+  out.tag = tag;
+  out.at[r] = static_cast<char*>(const_cast<void*>(c.in));
+  if (!tag) return out;  // no prediction: the call goes through the workspace on every rank
   auto it = predict_.find(tag);
-  if (it == predict_.end()) return;
+  if (it == predict_.end()) return out;
   const std::vector<uint64_t>& tags = it->second;
   const uint64_t mask = (uint64_t{1} << kTagShift) - 1;
   for (int q = 0; q < n; ++q) {
@@ -264,29 +293,30 @@ void Endpoint::prepare_import(const Call& c, bool capturing) {
     const uint64_t id = tags[q] >> kTagShift, off = tags[q] & mask;
     char* m = nullptr;
     if (id && capturing) {  // mapped before only
-      auto at = imports_.find({q, id});
-      if (at != imports_.end() && off + bytes <= at->second.bytes) m = at->second.p;
+      auto at = mappings_.find({q, id});
+      if (at != mappings_.end() && off + bytes <= at->second.bytes) m = at->second.p;
     } else if (id) {
-      m = import_locked(q, id, off + bytes);
+      m = map_locked(q, id, off + bytes);
     }
-    if (!m) return;
-    imp_.imp[q] = m + off;
+    if (!m) return out;
+    out.at[q] = m + off;
   }
-  imp_.hash = tags_hash(tags.data(), n);
+  out.hash = tags_hash(tags.data(), n);
+  return out;
 }
 
 // Every kReapPeriod, on the reaper's thread: (1) this rank's exports that no tensor uses any more
 // are withdrawn (a peer maps nothing new of them, and its reaper closes what it mapped); (2) the
 // peers' withdrawals are closed here and reported; (3) the holds of withdrawals every peer
-// reported are dropped. CUDA calls and drops (which may free torch's memory) outside reg_mu_,
-// so a call on another thread waits for nothing but a few map operations.
-void Endpoint::reap() {
-  const int r = opt_.rank, n = opt_.nranks;
+// reported are dropped. CUDA calls and drops (which may free torch's memory) outside mu_, so a
+// call on another thread waits for nothing but a few map operations.
+void Imports::reap() {
+  const int r = rank_, n = nranks_;
   std::vector<char*> to_close;
   std::vector<std::pair<int, uint64_t>> seen;  // (peer, kills) to report once closed
   std::vector<std::unique_ptr<Hold>> to_drop;
   {
-    std::lock_guard<std::mutex> lk(reg_mu_);
+    std::lock_guard<std::mutex> lk(mu_);
     if (!board_) return;
     // (1) A hold nobody else refers to goes now if the export keeps another in use, else the
     // export is withdrawn with its holds (some hold stays while a peer may map the allocation).
@@ -324,11 +354,11 @@ void Endpoint::reap() {
         if (q == r) continue;
         const uint64_t k = load_acquire(&board_->kills[q]);
         if (k == kills_seen_[q]) continue;
-        for (auto it = imports_.begin(); it != imports_.end();) {
+        for (auto it = mappings_.begin(); it != mappings_.end();) {
           const auto [owner, id] = it->first;
           if (owner == q && load_acquire(&board_->exp[q][id % kBoardSlots].id) != id) {
             to_close.push_back(it->second.p);
-            it = imports_.erase(it);
+            it = mappings_.erase(it);
           } else {
             ++it;
           }
@@ -359,29 +389,48 @@ void Endpoint::reap() {
   to_drop.clear();  // may free the memory (torch's allocator): no lock of ours held
 }
 
-// Under reg_mu_: every peer allocation mapped here closed, and this rank marked done with all.
-void Endpoint::close_imports_locked() {
-  DeviceScope scope(device_);
-  RelaxedCapture relaxed;
-  for (auto& [key, m] : imports_) cudaIpcCloseMemHandle(m.p);
-  imports_.clear();
-  cudaGetLastError();
+void Imports::close_mappings() {
+  std::vector<char*> to_close;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [key, m] : mappings_) to_close.push_back(m.p);
+    mappings_.clear();
+  }
+  if (!to_close.empty()) {
+    DeviceScope scope(device_);
+    RelaxedCapture relaxed;
+    for (char* p : to_close) cudaIpcCloseMemHandle(p);
+    cudaGetLastError();
+  }
+  std::lock_guard<std::mutex> lk(mu_);
   if (board_)
-    for (int q = 0; q < opt_.nranks; ++q) store_release(&board_->reaped[opt_.rank][q], kReapedAll);
+    for (int q = 0; q < nranks_; ++q) store_release(&board_->reaped[rank_][q], kReapedAll);
 }
 
-void Endpoint::release_holds_locked(bool peers_done) {
-  for (auto& [base, e] : exports_) {
-    if (board_) store_release(&board_->exp[opt_.rank][e.id % kBoardSlots].id, 0);
-    for (auto& [key, h] : e.holds) retiring_.push_back(Retiring{0, {}}), retiring_.back().holds.push_back(std::move(h));
+void Imports::release(bool peers_done) {
+  std::vector<std::unique_ptr<Hold>> all;
+  RegBoard* board = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [base, e] : exports_) {
+      if (board_) store_release(&board_->exp[rank_][e.id % kBoardSlots].id, 0);
+      for (auto& [key, h] : e.holds) all.push_back(std::move(h));
+    }
+    exports_.clear();
+    for (Retiring& t : retiring_)
+      for (auto& h : t.holds) all.push_back(std::move(h));
+    retiring_.clear();
+    predict_.clear();
+    board = board_;
+    board_ = nullptr;
   }
-  exports_.clear();
+  attached_.store(false, std::memory_order_release);
+  if (board) runtime::shm_unmap(reinterpret_cast<char*>(board), sizeof(RegBoard));
   // Dropped: torch may free the memory now (its free path calls nothing of ours). Kept until exit
-  // where a peer may still map them.
-  for (Retiring& t : retiring_)
-    for (auto& h : t.holds)
-      if (!peers_done) (void)h.release();
-  retiring_.clear();
+  // where a peer may still map it.
+  if (!peers_done)
+    for (auto& h : all) (void)h.release();
+  all.clear();
 }
 
 }  // namespace ringreduce::cuda::p2p

@@ -399,7 +399,7 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_imported_release"]),
         "a ring a CUDA graph pins closes its mappings: the owner frees memory a captured launch reads"),
     "imported_close_frees_under_pin": (
-        "csrc/cuda/p2p/endpoint.cpp", "  release_holds_locked(!keep && !replayable);", "  release_holds_locked(true);",
+        "csrc/cuda/p2p/endpoint.cpp", "  imported_.release(!keep && !replayable);", "  imported_.release(true);",
         ("test_cuda_kernels_emu", ["test_imported_release"]),
         "a group closed while a peer maps the memory (close(false)) drops the holds: freed while mapped"),
     "reaper_close_in_global_capture_mode": (
@@ -409,11 +409,11 @@ MUTATIONS = {
         "the reaper's IPC close in the thread's global capture mode invalidates another thread's capture"),
     "export_in_global_capture_mode": (
         "csrc/cuda/p2p/imports.cpp",
-        "    RelaxedCapture relaxed;  // another thread may be capturing (this one is not: see run())\n", "",
+        "    RelaxedCapture relaxed;  // another thread may be capturing (this one is not: see prepare)\n", "",
         ("test_cuda_kernels_emu", ["test_imports_beside_a_capture"]),
         "a first export's cudaIpcGetMemHandle in global capture mode invalidates another thread's capture"),
     "stop_threads_leaves_reaper": (
-        "csrc/cuda/p2p/endpoint.h", "    if (reaper_) reaper_->stop();  // its IPC closes", "    // its IPC closes",
+        "csrc/cuda/p2p/endpoint.h", "    imported_.stop();  // its IPC closes", "    // its IPC closes",
         ("test_cuda_kernels_emu", ["test_no_cuda_call_after_stop_threads"]),
         "a communicator left to the process's exit keeps calling CUDA from its reaper during teardown"),
     "failed_open_retried": (
