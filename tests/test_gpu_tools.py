@@ -1,8 +1,12 @@
 """The GPU tools that need no GPU to check: benchmarks/gpu_roofline.py and gpu_tune.py arithmetic, the table auto reads, the warning for ranks sharing a GPU without MPS."""
 import importlib.util
+import os
 import pathlib
 
 import pytest
+import torch.distributed as dist
+
+from ringreduce import _C
 
 spec = importlib.util.spec_from_file_location(
     "gpu_roofline", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_roofline.py")
@@ -644,3 +648,61 @@ def test_mps_set_from_any_state(tmp_path, monkeypatch):
     roof.set_mps(False, settle_s=0)
     with pytest.raises(SystemExit, match="not found"):
         roof.set_mps(True, settle_s=0)
+
+
+from dist_utils import run_ranks  # noqa: E402
+
+
+def _agree_worker(rank, world, verdicts):
+    """policy.agree_imports over the group's real store, each rank with its own allocator verdict."""
+    import types
+    from ringreduce import _lifecycle
+    from ringreduce._cuda import policy
+    store = dist.distributed_c10d._get_default_store()
+    member = types.SimpleNamespace(store=store, rank=rank, name="imports-test")
+    setup = _lifecycle.Bootstrap(member, "p2p-imports-test", 10.0)  # a rank left waiting fails in 10 s
+    return policy.agree_imports(setup, rank, world, verdicts[rank])
+
+
+def test_imports_agreed_by_every_rank_when_one_allocator_cannot_share():
+    """Issue 81 item 1: a rank whose allocator is not torch's native one (cudaMallocAsync) turns
+    imported memory off for the whole group; every rank learns it at setup, with the rank and why,
+    and none waits (each publishes its verdict before reading the others')."""
+    why = "torch's CUDA allocator is cudaMallocAsync (PYTORCH_CUDA_ALLOC_CONF backend or a pluggable allocator)"
+    results = run_ranks(3, _agree_worker, ["", why, ""], timeout=120)
+    for rank, (on, note) in enumerate(results):
+        assert on is False, (rank, note)
+        assert "rank 1: " + why in note and "imported memory is off" in note, (rank, note)
+    assert run_ranks(2, _agree_worker, ["", ""], timeout=120) == [(True, ""), (True, "")]
+
+
+@pytest.mark.skipif(not getattr(_C, "cuda_compiled", False), reason="this build has no CUDA code (RINGREDUCE_CUDA=1 builds it)")
+@pytest.mark.parametrize("conf", ["", "backend:native", "backend:cudaMallocAsync"])
+def test_allocator_backend_read_without_a_gpu(conf):
+    """Issue 81 item 1: with PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync every p2p group hung
+    at setup (torch refuses attachAllocatorTraceTracker there, and rank 0 threw before publishing
+    the board). The binding now asks which allocator torch runs, which needs no GPU: the check
+    every rank publishes at setup says why imports are off, or "" on the native one."""
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
+    out = subprocess.run([sys.executable, "-c", "from ringreduce import _C; print(repr(_C.cuda_allocator_why_not()))"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    why = eval(out.stdout.strip())
+    if conf.endswith("cudaMallocAsync"):
+        assert "cudaMallocAsync" in why and "not the native caching allocator" in why, why
+    else:
+        assert why == "", why
+
+
+def test_no_allocator_callback_in_the_binding():
+    """Issue 81 items 1, 3 and 9: imported memory is kept allocated by holds on the tensors'
+    storages (csrc/cuda/p2p/imports.cpp), so the binding attaches no allocator trace tracker (a
+    callback torch runs under its allocator lock, refused by cudaMallocAsync) and takes no
+    allocator snapshot (a copy of every segment, and of the trace buffer when history is on)."""
+    csrc = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    for path in sorted(csrc.rglob("*.[ch]*")):
+        text = path.read_text()
+        for call in ("attachAllocatorTraceTracker", "snapshot("):
+            assert call not in text, f"{path.relative_to(csrc)} calls {call}"
