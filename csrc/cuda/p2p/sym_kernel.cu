@@ -68,7 +68,7 @@ struct Targets {
 
 // The fold, out of line: one body per type and operator for every call site. It takes nearly all
 // of a thread's 128 registers (kThreads a block; alone, 97 for float and 113 for F16 on sm_90), so
-// whatever a caller keeps in registers across it spills: the kernel keeps little (two_shot_step).
+// whatever a caller keeps in registers across it spills (hence two-shot's copies out of line too).
 template <class T, RedOp Op>
 __device__ RR_NOINLINE void fold(Targets<T> dst, int nd, Sources<T> src, int ns, int64_t n, int div) {
   span_fold<T, Op>(dst, nd, src, ns, n, div, threadIdx.x, blockDim.x);
@@ -108,11 +108,13 @@ struct Pieces {
   }
 };
 
-// Two-shot: piece j's chunks of the other ranks into this rank's workspace, for them to fold (this
-// rank's own chunk is folded from its input).
+// Two-shot's copies, out of line: the kernel's loop then keeps only j and the epoch across the fold
+// (inline, their cuts and layouts stayed in registers across it and spilled: 56/60 bytes of spill
+// stores/loads, float SUM on sm_90, ptxas -v). Piece j's chunks of the other ranks into this rank's
+// workspace, for them to fold (this rank's own chunk is folded from its input):
 template <class T>
-__device__ void copy_in(const Pieces& p, int64_t j) {
-  const SymArgs& a = p.a;
+__device__ RR_NOINLINE void copy_in(const SymArgs& a, uint64_t e0, int64_t j) {
+  const Pieces p{a, e0, a.numel};
   const T* in = static_cast<const T*>(a.in);
   const Layout L = p.layout(j, j * a.chunk_elems, 0);
   for (int c = 0; c < a.nranks; ++c) {
@@ -121,20 +123,10 @@ __device__ void copy_in(const Pieces& p, int64_t j) {
     copy(reinterpret_cast<T*>(a.data[a.rank] + L.at(P.begin, 0, sizeof(T))), in + P.begin, P.count);
   }
 }
-// Two-shot, after piece j's fold: piece j + 1's copy in and start barrier (the last piece: its
-// middle barrier), then piece j's reduced chunks copied out of their owners. False: stopped. Out
-// of line, so that the kernel's loop keeps only j and the epoch across the fold (inline, this
-// step's state made the kernel spill 56/60 bytes, stores/loads, float SUM on sm_90; ptxas -v).
+// and piece j's reduced chunks copied out of their owners.
 template <class T>
-__device__ RR_NOINLINE bool two_shot_step(const SymArgs& a, uint64_t e0, int64_t j, unsigned* claim) {
+__device__ RR_NOINLINE void copy_out(const SymArgs& a, uint64_t e0, int64_t j) {
   const Pieces p{a, e0, a.numel};
-  const uint64_t nbytes = static_cast<uint64_t>(a.chunk_elems) * sizeof(T);
-  if (j + 1 < a.pieces) {
-    copy_in<T>(p, j + 1);
-    if (!barrier(a, p.epoch(j + 1), kStart, j + 1, nbytes, claim)) return false;
-  } else if (!barrier(a, p.epoch(j), kMiddle, j, nbytes, claim)) {
-    return false;
-  }
   T* out = static_cast<T*>(a.out);
   const Layout L = p.layout(j, j * a.chunk_elems, 0);
   for (int c = 0; c < a.nranks; ++c) {
@@ -142,7 +134,6 @@ __device__ RR_NOINLINE bool two_shot_step(const SymArgs& a, uint64_t e0, int64_t
     const ring::Span Q = p.part(j, c);
     copy(out + Q.begin, reinterpret_cast<const T*>(a.data[c] + L.at(Q.begin, 0, sizeof(T))), Q.count);
   }
-  return true;
 }
 
 template <class T, RedOp Op>
@@ -217,12 +208,11 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
       // Pipelined: one barrier per piece (and one to start). Piece j + 1's inputs are copied in
       // between piece j's fold and the barrier after it, which then says both "my chunk of piece j
       // is reduced" and "my inputs of piece j + 1 are in"; piece j's reduced chunks are copied out
-      // after it (two_shot_step). Halves alternate by piece, so piece j + 1 reuses piece j - 1's
-      // half: its copy in writes the other ranks' chunks there while the peers may still copy this
-      // rank's reduced chunk r of piece j - 1 out of it (disjoint regions: copy_in must never write
-      // chunk r), and its fold writes chunk r only after the barrier, which the peers reach after
-      // those copies.
-      copy_in<T>(p, 0);
+      // after it. Halves alternate by piece, so piece j + 1 reuses piece j - 1's half: its copy in
+      // writes the other ranks' chunks there while the peers may still copy this rank's reduced
+      // chunk r of piece j - 1 out of it (disjoint regions: copy_in must never write chunk r), and
+      // its fold writes chunk r only after the barrier, which the peers reach after those copies.
+      copy_in<T>(a, e0, 0);
       bool ok = barrier(a, p.epoch(0), kStart, 0, nbytes, &s_claim);
       for (int64_t j = 0; ok && j < pieces; ++j) {
         const Layout L = p.layout(j, j * C, 0);
@@ -230,7 +220,14 @@ __global__ void __launch_bounds__(kThreads) sym_kernel(const __grid_constant__ S
         const uint64_t off = L.at(P.begin, 0, es);
         fold<T, Op>(Targets<T>{out + P.begin, a.data, off, r}, 2, Sources<T>{in + P.begin, r, a.data, off}, n,
                     P.count, a.divisor);
-        ok = two_shot_step<T>(a, e0, j, &s_claim);
+        if (j + 1 < pieces) {
+          copy_in<T>(a, e0, j + 1);
+          ok = barrier(a, p.epoch(j + 1), kStart, j + 1, nbytes, &s_claim);
+        } else {
+          ok = barrier(a, p.epoch(j), kMiddle, j, nbytes, &s_claim);
+        }
+        if (!ok) break;
+        copy_out<T>(a, e0, j);
       }
     } else {
       const int64_t m = p.span;  // reduce_scatter, all_gather: the chunk

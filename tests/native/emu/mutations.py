@@ -127,7 +127,7 @@ MUTATIONS = {
         "the sender's stores (the happens-before check, tests/native/emu/hb.cpp; the weak mode alone "
         "missed it)"),
     "start_reads_host_abort": (
-        "csrc/cuda/p2p/device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.ctl->abort))",
+        "csrc/cuda/p2p/device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.self->host_abort))",
         "if (!word && ld_relaxed_sys(&a.ctl->abort))",
         COST_CHECK, "every block of every call reads the host's abort word across PCIe at its start (host_reads)"),
     "replay_skips_host_word": (
@@ -255,19 +255,19 @@ MUTATIONS = {
         "    stop = b == kStart ? 0 : sym_wait(a, &a.self->sym[k].arrived[q], v, &local);",
         P2P_TEST, "a rank pulls the peers' pieces before they copied them in"),
     "sym_no_middle_barrier": (
-        SYM, "          ok = barrier(a, epoch(j), kMiddle, j, nbytes, &s_claim);", "", P2P_TEST,
+        SYM, "          ok = barrier(a, p.epoch(j), kMiddle, j, nbytes, &s_claim);", "", P2P_TEST,
         "two-shot gathers the peers' reduced chunks of its last piece before they wrote them"),
     "sym_pipelined_copy_in_after_barrier": (
-        SYM, "          copy_in(j + 1);\n          ok = barrier(a, epoch(j + 1), kStart, j + 1, nbytes, &s_claim);",
-        "          ok = barrier(a, epoch(j + 1), kStart, j + 1, nbytes, &s_claim);\n          copy_in(j + 1);",
+        SYM, "          copy_in<T>(a, e0, j + 1);\n          ok = barrier(a, p.epoch(j + 1), kStart, j + 1, nbytes, &s_claim);",
+        "          ok = barrier(a, p.epoch(j + 1), kStart, j + 1, nbytes, &s_claim);\n          copy_in<T>(a, e0, j + 1);",
         P2P_TEST, "pipelined two-shot: the next piece's inputs copied in after the barrier that says they are in"),
     "sym_one_half": (
-        SYM, "      return Layout{(epoch(j) & 1) * a.half_bytes, j * C, global, region};",
-        "      return Layout{0, j * C, global, region};",
+        SYM, "    return Layout{(epoch(j) & 1) * a.half_bytes, j * a.chunk_elems, global, region};",
+        "    return Layout{0, j * a.chunk_elems, global, region};",
         P2P_TEST, "one workspace half: a rank copies piece k + 1 over piece k while its peers read it"),
     "sym_cut_by_piece_length": (
-        SYM, "      const ring::Span p = ring::channel_part(ring::Span{lo, len}, nb, blockIdx.x);",
-        "      const ring::Span p = ring::channel_part(ring::Span{lo, ring::min64(len, count - lo)}, nb, blockIdx.x);",
+        SYM, "    const ring::Span p = ring::channel_part(ring::Span{lo, len}, gridDim.x, blockIdx.x);",
+        "    const ring::Span p = ring::channel_part(ring::Span{lo, ring::min64(len, count - lo)}, gridDim.x, blockIdx.x);",
         P2P_TEST, "blocks cut a short piece their own way: a block ahead writes where another still reads "
         "(the race found while writing the kernel)"),
     "sym_no_barrier_before_post": (
@@ -288,7 +288,7 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_registered_result_in_stream_order"]),
         "a rank's call ends while peers still write their results into its copy"),
     "sym_epochs_of_own_blocks_only": (
-        SYM_BARRIER, "    for (int k = blockIdx.x; k < kMaxSymBlocks; k += gridDim.x) a.self->sym[k].epoch.value = epoch;",
+        "csrc/cuda/p2p/device.cuh", "    for (int k = blockIdx.x; k < kMaxSymBlocks; k += gridDim.x) a.self->sym[k].epoch.value = epoch;",
         "    a.self->sym[blockIdx.x].epoch.value = epoch;", ("test_cuda_kernels_emu", ["test_epochs_stay_equal"]),
         "blocks a call did not use keep old epochs: a later call with more blocks waits for values "
         "its peers passed long ago, or passes barriers early"),
@@ -421,7 +421,7 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_failed_open_remembered"]),
         "a peer's allocation that cannot be mapped is opened again on every call"),
     "imported_in_place_without_end_barrier": (
-        SYM, "        barrier(a, e0 + 1, kEnd, 0, 0, &s_claim);", "",
+        SYM, "      barrier(a, e0 + 1, kEnd, 0, 0, &s_claim);", "",
         ("test_cuda_kernels_emu", ["test_imported_result_in_stream_order"]),
         "a rank returns (and its caller reads the tensor) while peers still write their results into it"),
     # Issue 81 item 2: the LL flag never matches a stale word.
@@ -436,23 +436,26 @@ MUTATIONS = {
     # The LL one-shot (issue 71): a word says it arrived only if data and flag land as one store.
     "ll_flag_in_a_separate_store": (
         "csrc/cuda/p2p/ll_kernel.cu",
-        "    for (int64_t i = w0 + tid; i < w1; i += blockDim.x) st_ll(slot + kLLHeaderWords + i, ll_word(data_word(in, i, nbytes), flag));",
-        "    for (int64_t i = w0 + tid; i < w1; i += blockDim.x) {\n"
-        "      uint32_t* w32 = reinterpret_cast<uint32_t*>(slot + kLLHeaderWords + i);\n"
-        "      __stcg(w32, data_word(in, i, nbytes));\n"
-        "      st_relaxed_sys(w32 + 1, flag);\n"
-        "    }",
+        "__device__ __forceinline__ void ll_post_group(uint64_t* p, uint4 v, int words, uint32_t flag) {\n",
+        "__device__ __forceinline__ void ll_post_group(uint64_t* p, uint4 v, int words, uint32_t flag) {\n"
+        "  const uint32_t d[4] = {v.x, v.y, v.z, v.w};\n"
+        "  for (int k = 0; k < words; ++k) {\n"
+        "    uint32_t* w32 = reinterpret_cast<uint32_t*>(p + k);\n"
+        "    __stcg(w32, d[k]);\n"
+        "    st_relaxed_sys(w32 + 1, flag);\n"
+        "  }\n"
+        "  return;\n",
         ("test_cuda_kernels_emu", ["weak_ll"]),
         "the flag lands before its data (two stores): a peer folds the slot's old bytes"),
     "ll_parity_reused_one_call_early": (
-        "csrc/cuda/p2p/ll_kernel.cu", "((epoch & 1) * a.nranks + src) * a.ll_slot", "(0 * a.nranks + src) * a.ll_slot",
+        "csrc/cuda/p2p/ll_kernel.cu", "((k & 1) * a.nranks + src) * a.ll_slot", "(0 * a.nranks + src) * a.ll_slot",
         ("test_cuda_kernels_emu", ["test_ll_back_to_back"]),
         "a rank ahead by a call overwrites the words its peers still wait for"),
     "ll_line_read_before_its_flag": (
         "csrc/cuda/p2p/ll_kernel.cu",
-        "            stop = ll_wait(a, slot + k, flag, &w, &local);\n            d[k] = static_cast<uint32_t>(w);",
-        "            const uint32_t early = static_cast<uint32_t>(ld_ll(slot + k));\n"
-        "            stop = ll_wait(a, slot + k, flag, &w, &local);\n            d[k] = early;",
+        [("  *local = true;\n  uint64_t w0, w1, w2 = 0, w3 = 0;",
+          "  *local = true;\n  const uint64_t early0 = ld_ll(p);\n  uint64_t w0, w1, w2 = 0, w3 = 0;"),
+         ("  d->x = static_cast<uint32_t>(w0);", "  d->x = static_cast<uint32_t>(early0);")], None,
         ("test_cuda_kernels_emu", ["test_ll", "test_ll_back_to_back"]),
         "the data read before its flag said it arrived: the previous call's bytes"),
     "sym_blocks_not_in_header": (
