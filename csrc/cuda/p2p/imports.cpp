@@ -183,22 +183,33 @@ void Imports::learn_locked(const HostCtl* ctl, uint64_t op_seq) {
   }
 }
 
+// The tag of [p, p + bytes) in an export of this rank, which then keeps *hold (unless it holds that
+// owner already: *hold stays the caller's, to drop outside the lock); 0 if no export holds it.
+uint64_t Imports::tag_locked(uintptr_t p, uint64_t bytes, std::unique_ptr<Hold>* hold) {
+  auto it = exports_.upper_bound(p);
+  if (it == exports_.begin() || p + bytes > (--it)->first + it->second.bytes) return 0;
+  auto& holds = it->second.holds;
+  if (!holds.count((*hold)->key())) holds.emplace((*hold)->key(), std::move(*hold));
+  return it->second.id << kTagShift | (p - it->first);
+}
+
+// Closes the mappings (IPC calls: outside mu_).
+void Imports::close_all(const std::vector<char*>& to_close) {
+  if (to_close.empty()) return;
+  DeviceScope scope(device_);
+  RelaxedCapture relaxed;  // beside a capture on another thread (torch.cuda.graph: global mode)
+  for (char* p : to_close) cudaIpcCloseMemHandle(p);
+  cudaGetLastError();
+}
+
 // Call c's tag: its allocation's export (made now at first sight) and offset, with `hold` kept
 // for the export; 0 where the memory cannot be shared (note_ says why).
 uint64_t Imports::export_of(const Call& c, std::unique_ptr<Hold> hold) {
   const uintptr_t p = reinterpret_cast<uintptr_t>(c.in);
   const uint64_t bytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
-  std::unique_ptr<Hold> spare;  // a second hold on one owner: dropped after the lock (no free: ours stays)
   {
     std::lock_guard<std::mutex> lk(mu_);
-    auto it = exports_.upper_bound(p);
-    if (it != exports_.begin() && p + bytes <= (--it)->first + it->second.bytes) {
-      auto& holds = it->second.holds;
-      const void* key = hold->key();
-      if (holds.count(key)) spare = std::move(hold);
-      else holds.emplace(key, std::move(hold));
-      return it->second.id << kTagShift | (p - it->first);
-    }
+    if (const uint64_t tag = tag_locked(p, bytes, &hold)) return tag;  // a spare hold goes after the lock
   }
   // First sight of this allocation: share it (the driver's and IPC calls outside the lock).
   uintptr_t base = 0;
@@ -264,12 +275,7 @@ ImportedCall Imports::prepare(const Call& c, bool capturing, const HostCtl* ctl,
   if (hold) {
     if (capturing) {  // mapped before only: a capture shares nothing new
       std::lock_guard<std::mutex> lk(mu_);
-      const uintptr_t p = reinterpret_cast<uintptr_t>(c.in);
-      auto it = exports_.upper_bound(p);
-      if (it != exports_.begin() && p + bytes <= (--it)->first + it->second.bytes) {
-        if (!it->second.holds.count(hold->key())) it->second.holds.emplace(hold->key(), std::move(hold));
-        tag = it->second.id << kTagShift | (p - it->first);
-      }
+      tag = tag_locked(reinterpret_cast<uintptr_t>(c.in), bytes, &hold);
     } else {
       tag = export_of(c, std::move(hold));
     }
@@ -379,12 +385,7 @@ void Imports::reap() {
       retiring_.pop_front();
     }
   }
-  if (!to_close.empty()) {
-    DeviceScope scope(device_);
-    RelaxedCapture relaxed;  // beside a capture on another thread (torch.cuda.graph: global mode)
-    for (char* p : to_close) cudaIpcCloseMemHandle(p);
-    cudaGetLastError();
-  }
+  close_all(to_close);
   for (const auto& [q, k] : seen) store_release(&board_->reaped[r][q], k);
   to_drop.clear();  // may free the memory (torch's allocator): no lock of ours held
 }
@@ -396,12 +397,7 @@ void Imports::close_mappings() {
     for (auto& [key, m] : mappings_) to_close.push_back(m.p);
     mappings_.clear();
   }
-  if (!to_close.empty()) {
-    DeviceScope scope(device_);
-    RelaxedCapture relaxed;
-    for (char* p : to_close) cudaIpcCloseMemHandle(p);
-    cudaGetLastError();
-  }
+  close_all(to_close);
   std::lock_guard<std::mutex> lk(mu_);
   if (board_)
     for (int q = 0; q < nranks_; ++q) store_release(&board_->reaped[rank_][q], kReapedAll);

@@ -99,6 +99,8 @@ class Imports {
     size_t bytes;
   };
   uint64_t export_of(const Call& c, std::unique_ptr<Hold> hold);
+  uint64_t tag_locked(uintptr_t p, uint64_t bytes, std::unique_ptr<Hold>* hold);
+  void close_all(const std::vector<char*>& to_close);
   void learn_locked(const HostCtl* ctl, uint64_t op_seq);
   char* map_locked(int q, uint64_t id, uint64_t end);
   void reap();

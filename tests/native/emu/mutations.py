@@ -404,7 +404,7 @@ MUTATIONS = {
         "a group closed while a peer maps the memory (close(false)) drops the holds: freed while mapped"),
     "reaper_close_in_global_capture_mode": (
         "csrc/cuda/p2p/imports.cpp",
-        "    RelaxedCapture relaxed;  // beside a capture on another thread (torch.cuda.graph: global mode)\n", "",
+        "  RelaxedCapture relaxed;  // beside a capture on another thread (torch.cuda.graph: global mode)\n", "",
         ("test_cuda_kernels_emu", ["test_imports_beside_a_capture"]),
         "the reaper's IPC close in the thread's global capture mode invalidates another thread's capture"),
     "export_in_global_capture_mode": (
