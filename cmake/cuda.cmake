@@ -9,8 +9,8 @@ find_package(CUDAToolkit REQUIRED)
 set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 
-add_library(ringreduce_cuda STATIC csrc/cuda/nccl/reduce.cu csrc/cuda/host.cpp csrc/cuda/p2p/ring_kernel.cu csrc/cuda/p2p/sym_kernel.cu csrc/cuda/p2p/sym_wire.cu csrc/cuda/p2p/ll_kernel.cu csrc/cuda/hier/divide.cu csrc/cuda/hier/wire.cu csrc/cuda/hier/endpoint.cpp csrc/cuda/p2p/endpoint.cpp csrc/cuda/p2p/imports.cpp csrc/cuda/p2p/copy.cpp
-            csrc/cuda/p2p/plan.cpp csrc/cuda/p2p/diagnose.cpp csrc/cuda/call_log.cpp)
+add_library(ringreduce_cuda STATIC csrc/cuda/nccl/reduce.cu csrc/cuda/p2p/ring_kernel.cu csrc/cuda/p2p/sym_kernel.cu csrc/cuda/p2p/sym_wire.cu csrc/cuda/p2p/ll_kernel.cu csrc/cuda/hier/divide.cu csrc/cuda/hier/wire.cu
+            ${RR_CUDA_HOST_SOURCES})
 target_link_libraries(ringreduce_cuda PUBLIC ringreduce_core CUDA::cudart)
 # --expt-relaxed-constexpr: as setup.py passes it (constexpr host helpers in device code).
 target_compile_options(ringreduce_cuda PRIVATE

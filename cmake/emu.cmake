@@ -16,8 +16,10 @@ set_target_properties(nccl_standin PROPERTIES OUTPUT_NAME nccl VERSION 2 SOVERSI
 target_link_libraries(nccl_standin PRIVATE cuda_emu)
 target_compile_options(nccl_standin PRIVATE -Wall -Wextra)
 
+# The host code of the CUDA transports: every .cpp under csrc/cuda (setup.py takes the same glob).
+file(GLOB_RECURSE RR_CUDA_HOST_SOURCES CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/*.cpp)
 add_library(ringreduce_cuda_emu STATIC tests/native/emu/kernels/reduce.cpp
-            tests/native/emu/kernels/p2p_kernel.cpp tests/native/emu/kernels/sym_kernel.cpp tests/native/emu/kernels/sym_wire.cpp tests/native/emu/kernels/ll_kernel.cpp tests/native/emu/kernels/hier_divide.cpp tests/native/emu/kernels/hier_wire.cpp csrc/cuda/hier/endpoint.cpp csrc/cuda/p2p/endpoint.cpp csrc/cuda/p2p/imports.cpp csrc/cuda/p2p/diagnose.cpp csrc/cuda/p2p/copy.cpp csrc/cuda/p2p/plan.cpp csrc/cuda/nccl/endpoint.cpp csrc/cuda/call_log.cpp csrc/cuda/host.cpp)
+            tests/native/emu/kernels/p2p_kernel.cpp tests/native/emu/kernels/sym_kernel.cpp tests/native/emu/kernels/sym_wire.cpp tests/native/emu/kernels/ll_kernel.cpp tests/native/emu/kernels/hier_divide.cpp tests/native/emu/kernels/hier_wire.cpp ${RR_CUDA_HOST_SOURCES})
 target_link_libraries(ringreduce_cuda_emu PUBLIC ringreduce_core cuda_emu ${CMAKE_DL_LIBS})
 target_compile_options(ringreduce_cuda_emu PRIVATE -Wall -Wextra -O2)
 
