@@ -13,6 +13,10 @@ namespace ringreduce {
 struct RingError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// The one "closed" error, whoever meets the closed communicator (a transport, a communicator, an
+// executor): a RingError, so Python raises RingReduceError.
+constexpr const char* kClosedMessage = "ringreduce: communicator is closed";
+inline RingError closed_error() { return RingError(kClosedMessage); }
 
 enum class Coll : uint8_t { AllReduce = 0, ReduceScatter, AllGather };
 
