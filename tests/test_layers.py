@@ -342,6 +342,6 @@ def test_host_ring_loop_written_once():
     the device kernel; the transports bring primitives, not loops."""
     walkers = [f for f in csrc_files_with("rs_recv_chunk(") if f != "ring/schedule.h"]
     assert walkers == ["cuda/p2p/ring_kernel.cu", "ring/loop.h"]
-    for rel in ("shm/protocol.cpp", "cuda/nccl/endpoint.cpp"):
+    for rel in ("shm/protocol.cpp", "cuda/nccl/algorithms.cpp"):
         assert "ring::run_ring(" in code_text(CSRC / rel), rel
 

@@ -1,6 +1,6 @@
 // The host-driven ring loop, written once: reduce-scatter then all-gather over the schedule
 // (ring/schedule.h), slice by slice, against a transport's primitives. The shared-memory ring
-// (shm/protocol.cpp) and the NCCL ring (cuda/nccl/endpoint.cpp) run it; the p2p device kernel
+// (shm/protocol.cpp) and the NCCL ring (cuda/nccl/algorithms.cpp) run it; the p2p device kernel
 // keeps its own loop over the same schedule (a loop on the device, one thread block per channel,
 // cannot call host primitives). Header-only, no memory or threads.
 //

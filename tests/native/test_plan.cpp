@@ -1,10 +1,12 @@
 // The p2p transport's plan (csrc/cuda/p2p/plan.h) as the arithmetic it is: compiled without CUDA
-// and checked over sizes, worlds, collectives and options. What a plan means on the device is the
+// and checked over sizes, worlds, collectives and options; the nccl transport's (cuda/nccl/plan.h)
+// by its values. What a plan means on the device is the
 // emulated device's test (test_cuda_kernels_emu); here only what every plan must satisfy.
 #include <cstdint>
 #include <stdexcept>
 
 #include "check.h"
+#include "cuda/nccl/plan.h"
 #include "cuda/p2p/plan.h"
 
 namespace rr = ringreduce;
@@ -118,6 +120,58 @@ void test_wire() {
         (long long)p.slice_elems);
 }
 
+// The nccl plan's thresholds and choices, value by value (the model's: one-shot up to
+// oneshot_max_bytes, two-shot up to kTwoShotMaxBytes, the ring above), and the mode as an argument.
+void test_nccl() {
+  namespace nc = rr::cuda::nccl;
+  const size_t want[][2] = {{1, 1 << 20}, {2, 1 << 20}, {3, 256 << 10}, {4, 128 << 10}, {5, 64 << 10},
+                            {8, 32 << 10}, {16, 16 << 10}, {64, 4 << 10}};
+  for (const auto& w : want)
+    CHECK(nc::oneshot_max_bytes(static_cast<int>(w[0])) == w[1], "nccl threshold at world %zu: %zu, not %zu",
+          w[0], nc::oneshot_max_bytes(static_cast<int>(w[0])), w[1]);
+  nc::Options o;
+  o.nranks = 8;
+  const int64_t one = (32 << 10) / 4, two = nc::kTwoShotMaxBytes / 4;
+  const struct {
+    rr::Coll coll;
+    int64_t numel;
+    rr::Algo algo, det;
+  } cases[] = {
+      {rr::Coll::AllReduce, one, rr::Algo::OneShot, rr::Algo::OneShot},
+      {rr::Coll::AllReduce, one + 1, rr::Algo::TwoShot, rr::Algo::TwoShot},
+      {rr::Coll::AllReduce, two, rr::Algo::TwoShot, rr::Algo::TwoShot},
+      {rr::Coll::AllReduce, two + 8, rr::Algo::Ring, rr::Algo::TwoShot},
+      {rr::Coll::ReduceScatter, 8, rr::Algo::TwoShot, rr::Algo::TwoShot},
+      {rr::Coll::ReduceScatter, two + 8, rr::Algo::Ring, rr::Algo::TwoShot},
+      {rr::Coll::AllGather, two + 8, rr::Algo::Ring, rr::Algo::Ring},
+  };
+  rr::set_deterministic(true);  // the plan reads its argument, never the process's mode
+  for (const auto& k : cases) {
+    const rr::Algo a = nc::plan(call(k.coll, k.numel), o, false), d = nc::plan(call(k.coll, k.numel), o, true);
+    CHECK(a == k.algo && d == k.det, "nccl %s numel=%lld: %s and %s (deterministic), not %s and %s",
+          rr::coll_name(k.coll), (long long)k.numel, rr::algo_name(a), rr::algo_name(d),
+          rr::algo_name(k.algo), rr::algo_name(k.det));
+  }
+  rr::set_deterministic(false);
+  o.algo = rr::Algo::Ring;
+  CHECK(nc::plan(call(rr::Coll::AllReduce, one), o, false) == rr::Algo::Ring, "nccl forced ring ignored");
+  CHECK(nc::plan(call(rr::Coll::AllReduce, one), o, true) == rr::Algo::OneShot, "nccl deterministic ran the ring");
+  // Staging too small for one element per piece: the ring, or in deterministic mode an error.
+  o.algo = rr::Algo::TwoShot;
+  o.staging_bytes = 16;
+  CHECK(nc::plan(call(rr::Coll::AllReduce, 1024, rr::DType::F64), o, false) == rr::Algo::Ring,
+        "nccl two-shot without room did not fall back to the ring");
+  bool threw = false;
+  try {
+    nc::plan(call(rr::Coll::AllReduce, 1024, rr::DType::F64), o, true);
+  } catch (const rr::RingError&) {
+    threw = true;
+  }
+  CHECK(threw, "nccl deterministic two-shot without room did not refuse");
+  o.nranks = 1;
+  CHECK(nc::plan(call(rr::Coll::AllReduce, 1024), o, true) == rr::Algo::Ring, "nccl world 1");
+}
+
 }  // namespace
 
 int main() {
@@ -125,5 +179,6 @@ int main() {
   test_auto_threshold_and_forced();
   test_deterministic();
   test_wire();
+  test_nccl();
   return finish("test_plan");
 }

@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "ring/crossover.h"
+
 namespace ringreduce::cuda::p2p {
 
 // The alpha-beta model's figures for H100 NVLink (benchmarks/gpu_cost.py cites their sources): a
@@ -19,14 +21,8 @@ constexpr int kMaxCopyBlocks = 32;
 
 size_t oneshot_max_bytes(int n) {
   // One-shot reads (n-1) x size per rank against two-shot's 2(n-1)/n x size, and saves one of
-  // two-shot's two barriers (half a round trip each): worth it while
-  // (n-1)(n-2)/n x size / bandwidth < half a round trip. Rounded down to a power of two.
-  constexpr size_t kCap = 1 << 20;
-  if (n <= 2) return kCap;
-  const double limit = 0.5 * kModelRttS * kModelLinkBytesPerS * n / ((n - 1.0) * (n - 2.0));
-  size_t b = 1;
-  while (b * 2 <= limit && b * 2 <= kCap) b *= 2;
-  return b;
+  // two-shot's two barriers: half a round trip.
+  return ring::oneshot_crossover(n, 0.5 * kModelRttS, kModelLinkBytesPerS, 1 << 20);
 }
 
 size_t ll_max_bytes(int nranks) {

@@ -141,7 +141,7 @@ MUTATIONS = {
         WEAK_DIRECT, "no acquire after a workspace barrier's poll: the peers' inputs read with nothing ordering "
         "them after their stores (the happens-before check)"),
     "nccl_reduce_on_default_stream": (
-        "csrc/cuda/nccl/endpoint.cpp",
+        "csrc/cuda/nccl/algorithms.cpp",
         "    launch_reduce(c.dtype, c.op, got, got, own, n, 1, stream);",
         "    launch_reduce(c.dtype, c.op, got, got, own, n, 1, nullptr);",
         NCCL_TEST, "the ring's reduce of a staged slice on the legacy stream, which the rank's non-blocking "
@@ -154,7 +154,7 @@ MUTATIONS = {
           "    slot(i).posted = true;\n    cl.cv.notify_all();")],
         None, NCCL_TEST, "every rank waits for its receive before posting its send: the ring deadlocks"),
     "nccl_descriptors_not_compared": (
-        "csrc/cuda/nccl/endpoint.cpp",
+        "csrc/cuda/nccl/watchdog.cpp",
         "        mismatch = p.descs ? check_descs(p) : std::string();",
         "        mismatch = std::string();",
         ("test_nccl_ring_emu", ["test_size_mismatch"]),
@@ -174,7 +174,7 @@ MUTATIONS = {
         '    gops_.insert(gops_.end(), ops.begin(), ops.end());\n'
         '    post(gops_, stream, "ncclGroupEnd (call descriptors with the peers)");\n'
         '    RR_CUDA_CHECK(cudaEventCreateWithFlags(&next_.descs, cudaEventDisableTiming));\n'
-        '    RR_CUDA_CHECK(cudaMemcpyAsync(ds.host, ds.dev, opt_.nranks * sizeof(Desc), '
+        '    RR_CUDA_CHECK(cudaMemcpyAsync(descs_.host(next_.slot), dev, opt_.nranks * sizeof(Desc), '
         'cudaMemcpyDeviceToHost, stream));\n'
         '    RR_CUDA_CHECK(cudaEventRecord(next_.descs, stream));\n'
         '    return;',
@@ -206,9 +206,9 @@ MUTATIONS = {
         "the host ring loop (shm and nccl) stops forwarding in the all-gather: from 3 ranks on, a "
         "rank never gets the chunks two hops away"),
     "nccl_wrong_staging_buffer": (
-        "csrc/cuda/nccl/endpoint.cpp",
-        "    char* got = recv(e.staging_[turn++ & 1], n);\n    launch_reduce(c.dtype, c.op, got, got,",
-        "    char* got = recv(e.staging_[turn & 1], n);\n    launch_reduce(c.dtype, c.op, got, got,",
+        "csrc/cuda/nccl/algorithms.cpp",
+        "    char* got = recv(g.staging[turn++ & 1], n);\n    launch_reduce(c.dtype, c.op, got, got,",
+        "    char* got = recv(g.staging[turn & 1], n);\n    launch_reduce(c.dtype, c.op, got, got,",
         NCCL_TEST, "step s forwards the buffer being received into, not what step s-1 reduced"),
     "harness_fills_on_legacy_stream": (
         "tests/native/cuda_check.h",
@@ -299,7 +299,7 @@ MUTATIONS = {
         "only the thread that failed stops; the others go on to the next barrier"),
 
     "nccl_watchdog_queries_in_global_mode": (
-        "csrc/cuda/nccl/endpoint.cpp", "  RelaxedCapture relaxed;  // this thread's queries, for its whole life\n", "",
+        "csrc/cuda/nccl/watchdog.cpp", "  RelaxedCapture relaxed;  // this thread's queries, for its whole life\n", "",
         ("test_nccl_ring_emu", ["test_watchdog_spares_a_capture"]),
         "the watchdog's event queries invalidate a CUDA graph another thread captures (issue 51, finding 2)"),
     "close_forgets_failed_calls": (
