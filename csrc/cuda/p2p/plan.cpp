@@ -105,9 +105,9 @@ Plan wire_plan(const Call& c, const Options& o, bool direct) {
   }
   return p;
 }
-}  // namespace
 
-Plan plan(const Call& c, const Options& o, bool direct) {
+// Every call's plan but those that run in the tensor's own memory.
+Plan plain_plan(const Call& c, const Options& o, bool direct) {
   if (c.wire != Wire::None) return wire_plan(c, o, direct);
   const int n = o.nranks;
   const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
@@ -198,6 +198,30 @@ Plan plan(const Call& c, const Options& o, bool direct) {
     p.blocks = static_cast<int>(std::max<int64_t>(
         1, std::min<int64_t>(std::min(cap, o.sym_blocks),
                              piece_bytes / static_cast<int64_t>(kSymBytesPerBlock))));
+  }
+  return p;
+}
+
+}  // namespace
+
+Plan plan(const Call& c, const Options& o, bool direct, const Memory& m) {
+  Plan p = plain_plan(c, o, direct);
+  const size_t bytes = static_cast<size_t>(c.numel) * dtype_size(c.dtype);
+  // Up to auto's one-shot threshold one-shot stays: one barrier against the in-place kernels' two,
+  // and its copy into the workspace is small.
+  const size_t oneshot_max = o.tuned ? o.oneshot_max : oneshot_max_bytes(o.nranks);
+  if (o.algo != Algo::Auto || !direct || c.coll != Coll::AllReduce || c.wire != Wire::None || c.in != c.out ||
+      c.numel <= 0 || o.nranks < 2 || bytes <= oneshot_max)
+    return p;
+  if (m.reg >= 0) {
+    // Blocks as the workspace's two-shot: a block reads its part of chunk r from all n copies.
+    p.algo = Algo::Registered;
+    p.slice_elems = c.numel;
+    p.steps = 1;
+    p.reg = m.reg;
+    p.reg_offset = m.reg_offset;
+  } else if (m.board && p.algo == Algo::TwoShot) {
+    p.algo = Algo::Imported;  // the two-shot plan for the calls that go through the workspace
   }
   return p;
 }
