@@ -9,6 +9,29 @@
 
 namespace ringreduce::cuda::p2p {
 
+std::string device_bus_id() {
+  int dev = 0;
+  RR_CUDA_CHECK(cudaGetDevice(&dev));
+  char id[32] = {};
+  RR_CUDA_CHECK(cudaDeviceGetPCIBusId(id, sizeof id, dev));
+  return id;
+}
+
+bool can_map(const std::string& bus_id, std::string* why) {
+  int dev = 0, other = -1, can = 0;
+  RR_CUDA_CHECK(cudaGetDevice(&dev));
+  if (cudaDeviceGetByPCIBusId(&other, bus_id.c_str()) != cudaSuccess) {
+    cudaGetLastError();
+    *why = "device " + bus_id + " is not visible to this process";
+    return false;
+  }
+  if (other == dev) return true;
+  RR_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, dev, other));
+  if (!can) *why = "devices " + std::to_string(dev) + " and " + std::to_string(other) + " (" + bus_id +
+                   ") have no peer access (cudaDeviceCanAccessPeer)";
+  return can != 0;
+}
+
 void Areas::create(const AreaLayout& l) {
   bytes_ = l.bytes();
   RR_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));

@@ -14,51 +14,8 @@
 
 namespace ringreduce::cuda::p2p {
 
-std::string device_bus_id() {
-  int dev = 0;
-  RR_CUDA_CHECK(cudaGetDevice(&dev));
-  char id[32] = {};
-  RR_CUDA_CHECK(cudaDeviceGetPCIBusId(id, sizeof id, dev));
-  return id;
-}
-
-bool can_map(const std::string& bus_id, std::string* why) {
-  int dev = 0, other = -1, can = 0;
-  RR_CUDA_CHECK(cudaGetDevice(&dev));
-  if (cudaDeviceGetByPCIBusId(&other, bus_id.c_str()) != cudaSuccess) {
-    cudaGetLastError();
-    *why = "device " + bus_id + " is not visible to this process";
-    return false;
-  }
-  if (other == dev) return true;
-  RR_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, dev, other));
-  if (!can) *why = "devices " + std::to_string(dev) + " and " + std::to_string(other) + " (" + bus_id +
-                   ") have no peer access (cudaDeviceCanAccessPeer)";
-  return can != 0;
-}
-
 Endpoint::Endpoint(const Options& opt) : opt_(opt) {
-  if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
-    throw std::invalid_argument("ringreduce: rank " + std::to_string(opt.rank) + " out of range for " +
-                                std::to_string(opt.nranks) + " ranks");
-  if (opt.channels < 1 || opt.channels > kMaxChannels)
-    throw std::invalid_argument("ringreduce: channels must be 1.." + std::to_string(kMaxChannels) +
-                                ", got " + std::to_string(opt.channels));
-  if (opt.slice_bytes < kVecBytes || opt.slice_bytes % kVecBytes)
-    throw std::invalid_argument("ringreduce: p2p slice_bytes must be a positive multiple of 16, got " +
-                                std::to_string(opt.slice_bytes));
-  if (opt.chunk_bytes < kVecBytes || opt.chunk_bytes % kVecBytes)
-    throw std::invalid_argument("ringreduce: p2p chunk_bytes must be a positive multiple of 16, got " +
-                                std::to_string(opt.chunk_bytes));
-  if (opt.max_blocks < 0)
-    throw std::invalid_argument("ringreduce: p2p max_blocks must be >= 0 (0: this device's SM count), got " +
-                                std::to_string(opt.max_blocks));
-  if (opt.sym_blocks < 1 || opt.sym_blocks > kMaxSymBlocks)
-    throw std::invalid_argument("ringreduce: p2p sym_blocks must be 1.." + std::to_string(kMaxSymBlocks) +
-                                ", got " + std::to_string(opt.sym_blocks));
-  if (opt.copy_slot_bytes < kVecBytes || opt.copy_slot_bytes % kVecBytes)
-    throw std::invalid_argument("ringreduce: p2p copy_slot_bytes must be a positive multiple of 16, got " +
-                                std::to_string(opt.copy_slot_bytes));
+  check_options(opt);
   RR_CUDA_CHECK(cudaGetDevice(&device_));
   if (opt_.max_blocks == 0) opt_.max_blocks = sm_count();
   up_ = ring::mod(opt.rank - 1, opt.nranks);
@@ -119,9 +76,7 @@ void Endpoint::set_ll_max(size_t bytes) {
 }
 
 void Endpoint::set_sym_blocks(int blocks) {
-  if (blocks < 1 || blocks > kMaxSymBlocks)
-    throw std::invalid_argument("ringreduce: p2p sym_blocks must be 1.." + std::to_string(kMaxSymBlocks) +
-                                ", got " + std::to_string(blocks));
+  check_sym_blocks(blocks);
   opt_.sym_blocks = blocks;
 }
 

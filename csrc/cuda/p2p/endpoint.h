@@ -41,12 +41,6 @@
 
 namespace ringreduce::cuda::p2p {
 
-// The transport choice: PCI bus id of the current device ("0000:17:00.0"), and whether the current
-// device can map memory of the device with that bus id through CUDA IPC (the same device, or a peer
-// in cudaDeviceCanAccessPeer's sense); why: the reason when it cannot.
-std::string device_bus_id();
-bool can_map(const std::string& bus_id, std::string* why);
-
 // One rank's side of the group, on the device current at construction.
 class Endpoint : public runtime::Transport {
  public:

@@ -29,6 +29,34 @@ size_t oneshot_max_bytes(int n) {
   return b;
 }
 
+void check_sym_blocks(int blocks) {
+  if (blocks < 1 || blocks > kMaxSymBlocks)
+    throw std::invalid_argument("ringreduce: p2p sym_blocks must be 1.." + std::to_string(kMaxSymBlocks) +
+                                ", got " + std::to_string(blocks));
+}
+
+void check_options(const Options& o) {
+  if (o.nranks < 1 || o.rank < 0 || o.rank >= o.nranks)
+    throw std::invalid_argument("ringreduce: rank " + std::to_string(o.rank) + " out of range for " +
+                                std::to_string(o.nranks) + " ranks");
+  if (o.channels < 1 || o.channels > kMaxChannels)
+    throw std::invalid_argument("ringreduce: channels must be 1.." + std::to_string(kMaxChannels) +
+                                ", got " + std::to_string(o.channels));
+  if (o.slice_bytes < kVecBytes || o.slice_bytes % kVecBytes)
+    throw std::invalid_argument("ringreduce: p2p slice_bytes must be a positive multiple of 16, got " +
+                                std::to_string(o.slice_bytes));
+  if (o.chunk_bytes < kVecBytes || o.chunk_bytes % kVecBytes)
+    throw std::invalid_argument("ringreduce: p2p chunk_bytes must be a positive multiple of 16, got " +
+                                std::to_string(o.chunk_bytes));
+  if (o.max_blocks < 0)
+    throw std::invalid_argument("ringreduce: p2p max_blocks must be >= 0 (0: this device's SM count), got " +
+                                std::to_string(o.max_blocks));
+  check_sym_blocks(o.sym_blocks);
+  if (o.copy_slot_bytes < kVecBytes || o.copy_slot_bytes % kVecBytes)
+    throw std::invalid_argument("ringreduce: p2p copy_slot_bytes must be a positive multiple of 16, got " +
+                                std::to_string(o.copy_slot_bytes));
+}
+
 size_t ll_max_bytes(int nranks) {
   return std::max<size_t>(4 << 10, (64 << 10) / static_cast<size_t>(std::max(1, nranks)) / 16 * 16);
 }

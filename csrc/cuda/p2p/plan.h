@@ -46,6 +46,10 @@ struct Options {
   int64_t ll_max = -1;
 };
 
+// Throws std::invalid_argument naming the option that is out of range (the endpoint's constructor).
+void check_options(const Options& o);
+void check_sym_blocks(int blocks);
+
 // How one call runs: the algorithm, its blocks, and its slice/piece size in elements.
 struct Plan {
   Algo algo;
