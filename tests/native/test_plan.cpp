@@ -4,9 +4,11 @@
 // emulated device's test (test_cuda_kernels_emu); here only what every plan must satisfy.
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "check.h"
 #include "cuda/nccl/plan.h"
+#include "cuda/p2p/area_layout.h"
 #include "cuda/p2p/plan.h"
 
 namespace rr = ringreduce;
@@ -170,6 +172,92 @@ void test_nccl() {
   CHECK(threw, "nccl deterministic two-shot without room did not refuse");
   o.nranks = 1;
   CHECK(nc::plan(call(rr::Coll::AllReduce, 1024), o, true) == rr::Algo::Ring, "nccl world 1");
+// The area's layout (area_layout.h): the parts in order, none overlapping, aligned, and present
+// exactly where the group can run what uses them; every rank computes the same.
+void test_area_layout() {
+  CHECK(area_layout(options(1)).bytes() == 0, "world 1 has an area");
+  for (int n : {2, 3, 8, 9, 16})
+    for (rr::Algo algo : {rr::Algo::Auto, rr::Algo::Ring, rr::Algo::Copy})
+      for (bool direct : {true, false})
+        for (int64_t ll : {int64_t{-1}, int64_t{0}}) {
+          Options o = options(n);
+          o.algo = algo;
+          o.direct = direct;
+          o.ll_max = ll;
+          const AreaLayout l = area_layout(o);
+          const bool sym = direct && n <= kMaxPeers;
+          CHECK((l.fifo > 0) == (!sym || algo == rr::Algo::Ring), "n=%d fifo %zu", n, l.fifo);
+          CHECK((l.half > 0) == sym, "n=%d half %zu", n, l.half);
+          CHECK((l.inbox > 0) == (algo == rr::Algo::Copy && n <= kMaxPeers), "n=%d inbox %zu", n, l.inbox);
+          CHECK((l.ll_slot > 0) == (sym && ll != 0), "n=%d ll slot %zu", n, l.ll_slot);
+          CHECK(l.half == 0 || l.half >= o.chunk_bytes + 2 * kVecBytes * kMaxPeers, "half %zu too small", l.half);
+          CHECK(l.ll_reach() >= (ll != 0 && sym ? ll_limit(o) : 0), "LL slots hold %zu < reach", l.ll_reach());
+          CHECK(l.fifo_at() >= sizeof(Area) && l.workspace_at() == l.fifo_at() + l.fifo &&
+                    l.inbox_at() == l.workspace_at() + 2 * l.half && l.ll_at() == l.inbox_at() + l.inbox &&
+                    l.bytes() == l.ll_at() + 2 * static_cast<size_t>(n) * l.ll_slot,
+                "n=%d parts out of order", n);
+          for (size_t at : {l.fifo_at(), l.workspace_at(), l.inbox_at(), l.ll_at()})
+            CHECK(at % kLine == 0, "n=%d part at %zu not line-aligned", n, at);
+        }
+}
+
+// Where the tensor lies (Memory) decides Registered and Imported, inside p2p::plan: only an
+// in-place all_reduce above auto's one-shot threshold, under Auto, in a group that maps every rank.
+void test_in_place_memory() {
+  const int n = 4;
+  Options o = options(n);
+  static float buf[1];
+  const int64_t big = int64_t{4} << 20, small = 1024;
+  auto in_place = [&](int64_t numel) {
+    rr::Call c = call(rr::Coll::AllReduce, numel);
+    c.in = c.out = buf;
+    return c;
+  };
+  Memory reg;
+  reg.reg = 2;
+  reg.reg_offset = 4096;
+  Memory board;
+  board.board = true;
+  Plan p = plan(in_place(big), o, true, reg);
+  CHECK(p.algo == rr::Algo::Registered && p.reg == 2 && p.reg_offset == 4096 && p.steps == 1 &&
+            p.slice_elems == big && uses_tensor(p),
+        "registered: %s reg %d offset %llu", rr::algo_name(p.algo), p.reg, (unsigned long long)p.reg_offset);
+  CHECK(plan(in_place(big), o, true, board).algo == rr::Algo::Imported, "board: not imported");
+  CHECK(plan(in_place(small), o, true, reg).algo != rr::Algo::Registered, "small tensor registered");
+  CHECK(plan(in_place(small), o, true, board).algo != rr::Algo::Imported, "small tensor imported");
+  CHECK(plan(in_place(big), o, false, reg).algo == rr::Algo::Ring, "no direct access, yet %s",
+        rr::algo_name(plan(in_place(big), o, false, reg).algo));
+  rr::Call apart = in_place(big);
+  apart.out = buf + 1;
+  CHECK(!uses_tensor(plan(apart, o, true, reg)) && !uses_tensor(plan(apart, o, true, board)), "out of place in place");
+  rr::Call wire = in_place(big);
+  wire.wire = rr::Wire::BF16;
+  CHECK(!uses_tensor(plan(wire, o, true, board)), "a wire call imported");
+  CHECK(!uses_tensor(plan(in_place(big), o, true)), "no memory, yet in place");
+  Options forced = o;
+  forced.algo = rr::Algo::TwoShot;
+  CHECK(plan(in_place(big), forced, true, reg).algo == rr::Algo::TwoShot, "a forced algorithm lost its meaning");
+}
+
+void test_check_options() {
+  auto message = [](const Options& o) -> std::string {
+    try {
+      check_options(o);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "";
+  };
+  CHECK(message(options(4)).empty(), "defaults refused: %s", message(options(4)).c_str());
+  Options o = options(4);
+  o.channels = 0;
+  CHECK(message(o).find("channels") != std::string::npos, "channels 0: '%s'", message(o).c_str());
+  o = options(4);
+  o.sym_blocks = kMaxSymBlocks + 1;
+  CHECK(message(o).find("sym_blocks") != std::string::npos, "sym_blocks: '%s'", message(o).c_str());
+  o = options(4);
+  o.rank = 4;
+  CHECK(message(o).find("rank 4") != std::string::npos, "rank 4: '%s'", message(o).c_str());
 }
 
 }  // namespace
@@ -180,5 +268,8 @@ int main() {
   test_deterministic();
   test_wire();
   test_nccl();
+  test_area_layout();
+  test_in_place_memory();
+  test_check_options();
   return finish("test_plan");
 }

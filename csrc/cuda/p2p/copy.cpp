@@ -7,7 +7,7 @@
 // front end waits, no SM spins), and folds with a kernel that only checks headers and computes.
 // Two inbox slots per source, reused safely by stream order alone (kCopyDepth says why).
 // The counters live in host memory every rank maps (CopyCtl): stream waits never time out, so the
-// watchdog (copy_tick) fails a piece waited on past the timeout and releases the waits with CPU
+// watchdog (CopyPath::tick) fails a piece waited on past the timeout and releases the waits with CPU
 // stores; a kernel that stops releases them too (record_stop).
 #include <cuda_runtime.h>
 
@@ -18,7 +18,9 @@
 #include <string>
 
 #include "cuda/host.h"
-#include "cuda/p2p/endpoint.h"
+#include "cuda/p2p/copy.h"
+#include "cuda/p2p/failures.h"
+#include "cuda/p2p/launch.h"
 #include "runtime/shm_map.h"
 
 namespace ringreduce::cuda::p2p {
@@ -66,7 +68,7 @@ const MemOps& mem_ops() {
   return ops;
 }
 
-void check(int result, const char* what) {
+void check_result(int result, const char* what) {
   if (result != 0)
     throw RingError(std::string("ringreduce: ") + what + " failed (CUresult " + std::to_string(result) +
                     "); stream memory operations may be off in this driver");
@@ -76,11 +78,14 @@ unsigned long long addr(const void* p) { return reinterpret_cast<unsigned long l
 
 }  // namespace
 
-void Endpoint::copy_check(cudaStream_t stream) {
-  if (!copies())
+void CopyPath::check(cudaStream_t stream) const {
+  if (!on())
     throw RingError("ringreduce: the copy algorithm needs its inbox (RINGREDUCE_CUDA_ALGO=copy or "
                     "ranks sharing a GPU without MPS, at most " + std::to_string(kMaxPeers) + " ranks)");
-  if (!cctl_) throw RingError("ringreduce: the copy algorithm's counters are not attached (copy_attach)");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!cctl_) throw RingError("ringreduce: the copy algorithm's counters are not attached (copy_attach)");
+  }
   if (!mem_ops().missing.empty())
     throw RingError("ringreduce: the copy algorithm (ranks sharing a GPU without MPS) needs the "
                     "driver's stream memory operations, and this driver lacks " + mem_ops().missing +
@@ -102,9 +107,12 @@ void Endpoint::copy_check(cudaStream_t stream) {
                     "(nvidia-cuda-mps-control -d) or use one GPU per rank to capture collectives");
 }
 
-void Endpoint::copy_attach(const std::string& name, bool create) {
-  if (!copies()) throw RingError("ringreduce: copy_attach: this ring has no copy algorithm");
-  if (cctl_) throw RingError("ringreduce: copy_attach: the counters are attached already");
+void CopyPath::attach(const std::string& name, bool create) {
+  if (!on()) throw RingError("ringreduce: copy_attach: this ring has no copy algorithm");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (cctl_) throw RingError("ringreduce: copy_attach: the counters are attached already");
+  }
   uint64_t bytes = sizeof(CopyCtl);
   char* p = create ? runtime::shm_create(name, bytes) : runtime::shm_map(name, &bytes);
   if (create) std::memset(p, 0, sizeof(CopyCtl));
@@ -124,15 +132,16 @@ void Endpoint::copy_attach(const std::string& name, bool create) {
   cctl_dev_ = static_cast<CopyCtl*>(dev);
 }
 
-void Endpoint::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
+void CopyPath::run(const Call& c, const Plan& p, Args a, const std::vector<char*>& areas, HostCtl* ctl_dev,
+                   uint64_t op_seq, cudaStream_t s) {
   const MemOps& m = mem_ops();
   const int n = opt_.nranks, r = opt_.rank;
   const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
   const int64_t span = c.coll == Coll::AllReduce ? c.numel : c.numel / n;
   const size_t stride = slot_stride(opt_.copy_slot_bytes);
-  Args a = args(c, p);
-  auto write = [&](const uint64_t* at, uint64_t v) { check(m.write(s, addr(at), v, kWriteFenced), "cuStreamWriteValue64"); };
-  auto wait = [&](const uint64_t* at, uint64_t v) { check(m.wait(s, addr(at), v, kWaitGeq), "cuStreamWaitValue64"); };
+  CopyCtl* cctl_dev = cctl_dev_;  // set before the first call (attach), then fixed until close
+  auto write = [&](const uint64_t* at, uint64_t v) { check_result(m.write(s, addr(at), v, kWriteFenced), "cuStreamWriteValue64"); };
+  auto wait = [&](const uint64_t* at, uint64_t v) { check_result(m.wait(s, addr(at), v, kWaitGeq), "cuStreamWaitValue64"); };
   for (int64_t k = 0; k < p.steps; ++k) {
     const uint64_t piece = pieces_ + static_cast<uint64_t>(k);
     const int slot = static_cast<int>(piece % kCopyDepth);
@@ -142,10 +151,10 @@ void Endpoint::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
     // rank's chunk of the output), so that the receiver's copy or fold runs on 16-byte vectors.
     const int64_t at_out = c.coll == Coll::AllGather ? r * span + begin : begin;
     const size_t shift = static_cast<size_t>(at_out * es) & (kVecBytes - 1);
-    write(&ctl_dev_->copy_call, op_seq_);
-    write(&ctl_dev_->copy_reached, piece + 1);
+    write(&ctl_dev->copy_call, op_seq);
+    write(&ctl_dev->copy_reached, piece + 1);
     MsgHeader h{};
-    h.op_seq = op_seq_;
+    h.op_seq = op_seq;
     h.numel = c.numel;
     h.nbytes = bytes;
     h.index = static_cast<uint32_t>(k);
@@ -157,31 +166,36 @@ void Endpoint::run_copy(const Call& c, const Plan& p, cudaStream_t s) {
     std::memcpy(words, &h, sizeof h);
     if (k == 0) {
       std::lock_guard<std::mutex> lk(mu_);
-      copy_calls_[op_seq_ % 64] = CopyCall{h, piece};
+      sent_[op_seq % 64] = Sent{h, piece};
     }
     for (int j = 1; j < n; ++j) {  // from the next rank on, so that the ranks start on different peers
       const int q = (r + j) % n;
-      Area* peer = reinterpret_cast<Area*>(peers_[q]);
+      Area* peer = reinterpret_cast<Area*>(areas[q]);
       const char* src = static_cast<const char*>(c.in) +
                         (c.coll == Coll::ReduceScatter ? q * span + begin : begin) * es;
-      char* dst = peers_[q] + copy_offset() + (static_cast<size_t>(slot) * n + r) * stride + shift;
+      char* dst = areas[q] + layout_.inbox_at() + (static_cast<size_t>(slot) * n + r) * stride + shift;
       if (bytes) RR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
       const uint64_t* hw = reinterpret_cast<const uint64_t*>(&peer->copy_hdr[slot][r]);
       for (size_t w = 0; w < sizeof h / 8; ++w) write(hw + w, words[w]);
-      write(&cctl_dev_->arrived[q][r].value, piece + 1);
+      write(&cctl_dev->arrived[q][r].value, piece + 1);
     }
-    for (int j = 1; j < n; ++j) wait(&cctl_dev_->arrived[r][(r + j) % n].value, piece + 1);
+    for (int j = 1; j < n; ++j) wait(&cctl_dev->arrived[r][(r + j) % n].value, piece + 1);
     a.piece_begin = begin;
     a.piece_count = count;
     a.piece_index = static_cast<uint32_t>(k);
     a.copy_slot = slot;
     launch_copy(a, copy_blocks(count * es), s);  // before the next piece's copies: the slots' reuse depends on it
-    write(&ctl_dev_->copy_done, piece + 1);
+    write(&ctl_dev->copy_done, piece + 1);
   }
   pieces_ += static_cast<uint64_t>(p.steps);
 }
 
-void Endpoint::release_copy_waits_locked(uint32_t word) {
+void CopyPath::release_waits(uint32_t word) {
+  std::lock_guard<std::mutex> lk(mu_);
+  release_locked(word);
+}
+
+void CopyPath::release_locked(uint32_t word) {
   if (!cctl_) return;
   uint32_t none = 0;
   if (word) __atomic_compare_exchange_n(&cctl_->abort, &none, word, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
@@ -189,48 +203,69 @@ void Endpoint::release_copy_waits_locked(uint32_t word) {
     for (int s = 0; s < opt_.nranks; ++s) __atomic_store_n(&cctl_->arrived[q][s].value, kReleased, __ATOMIC_SEQ_CST);
 }
 
-void Endpoint::copy_tick() {
+void CopyPath::watch(const HostCtl* ctl, std::function<bool()> broken,
+                     std::function<void(const std::string&, uint64_t)> fail) {
+  ctl_ = ctl;
+  broken_ = std::move(broken);
+  fail_ = std::move(fail);
+  ticker_ = std::make_unique<runtime::Ticker>(std::chrono::milliseconds(50), [this] { tick(); });
+}
+
+void CopyPath::tick() {
   const auto now = std::chrono::steady_clock::now();
-  bool broken = !failure().empty();
+  bool broken = broken_();  // before mu_: the other part's lock is never taken under this one
+  std::string why;
+  uint64_t call = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!ctl_ || !cctl_) return;
+    broken = broken || __atomic_load_n(&cctl_->abort, __ATOMIC_ACQUIRE) != 0;
+    const volatile HostCtl* ctl = ctl_;
+    const uint64_t done = ctl->copy_done, reached = ctl->copy_reached;
+    if (done >= reached || reached != watch_.reached || done != watch_.done) {
+      watch_ = Watch{reached, done, now};  // idle, or moving
+      if (done >= reached) return;
+    }
+    // A piece this rank's stream waits on (or folds): once the group is broken every wait is
+    // released, again each time (a peer's later count may have lowered a released counter).
+    if (broken) {
+      release_locked(0);
+      return;
+    }
+    if (now - watch_.since < std::chrono::duration<double>(opt_.timeout_s)) return;
+    call = ctl->copy_call;
+    char t[32];
+    std::snprintf(t, sizeof t, "%g", opt_.timeout_s);
+    const Sent& cc = sent_[call % 64];
+    const bool known = cc.call.op_seq == call;
+    const std::string what = known ? call_text(cc.call) : std::string("call");
+    // The peers whose count for this piece has not come: the ranks that did not make the call (or
+    // made it later, are stuck in an earlier piece, or died). None: the data came, the stream did
+    // not get through its fold (time slices, a shared hardware queue).
+    std::string missing;
+    for (int q = 0; q < opt_.nranks; ++q)
+      if (q != opt_.rank && __atomic_load_n(&cctl_->arrived[opt_.rank][q].value, __ATOMIC_ACQUIRE) < reached)
+        missing += (missing.empty() ? "" : ", ") + std::to_string(q);
+    const std::string from = missing.find(',') == std::string::npos ? "rank " + missing : "ranks " + missing;
+    why = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + what + " #" + std::to_string(call) +
+          " (copy algorithm, piece " + (known ? std::to_string(reached - 1 - cc.first_piece) : "?") +
+          ") timed out after " + t +
+          (missing.empty() ? std::string(" s: every peer's data came, its fold did not finish")
+                           : " s waiting for data from " + from) +
+          " (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
+  }
+  fail_(why, call);  // the abort word to every peer, then the waits released (release_waits)
+}
+
+void CopyPath::close(bool keep) {
+  stop();
   std::lock_guard<std::mutex> lk(mu_);
-  if (!ctl_ || !cctl_) return;
-  broken = broken || __atomic_load_n(&cctl_->abort, __ATOMIC_ACQUIRE) != 0;
-  const volatile HostCtl* ctl = ctl_;
-  const uint64_t done = ctl->copy_done, reached = ctl->copy_reached;
-  if (done >= reached || reached != watch_.reached || done != watch_.done) {
-    watch_ = Watch{reached, done, now};  // idle, or moving
-    if (done >= reached) return;
+  if (cctl_ && !keep) {
+    cudaHostUnregister(cctl_);
+    runtime::shm_unmap(reinterpret_cast<char*>(cctl_), sizeof(CopyCtl));
   }
-  // A piece this rank's stream waits on (or folds): once the group is broken every wait is
-  // released, again each time (a peer's later count may have lowered a released counter).
-  if (broken) {
-    release_copy_waits_locked(0);
-    return;
-  }
-  if (now - watch_.since < std::chrono::duration<double>(opt_.timeout_s)) return;
-  const uint64_t call = ctl->copy_call;
-  char t[32];
-  std::snprintf(t, sizeof t, "%g", opt_.timeout_s);
-  const CopyCall& cc = copy_calls_[call % 64];
-  const bool known = cc.call.op_seq == call;
-  const std::string what = known ? call_text(cc.call) : std::string("call");
-  // The peers whose count for this piece has not come: the ranks that did not make the call (or
-  // made it later, are stuck in an earlier piece, or died). None: the data came, the stream did
-  // not get through its fold (time slices, a shared hardware queue).
-  std::string missing;
-  for (int q = 0; q < opt_.nranks; ++q)
-    if (q != opt_.rank && __atomic_load_n(&cctl_->arrived[opt_.rank][q].value, __ATOMIC_ACQUIRE) < reached)
-      missing += (missing.empty() ? "" : ", ") + std::to_string(q);
-  const std::string from = missing.find(',') == std::string::npos ? "rank " + missing : "ranks " + missing;
-  const std::string why = "ringreduce: rank " + std::to_string(opt_.rank) + ": " + what + " #" +
-                          std::to_string(call) + " (copy algorithm, piece " +
-                          (known ? std::to_string(reached - 1 - cc.first_piece) : "?") + ") timed out after " + t +
-                          (missing.empty() ? std::string(" s: every peer's data came, its fold did not finish")
-                                           : " s waiting for data from " + from) +
-                          " (RINGREDUCE_TIMEOUT; did every rank make the same call?)";
-  if (failure_.empty()) failure_ = why;
-  if (abort_seq_ == 0 || call < abort_seq_) abort_seq_ = call;
-  abort_locked(why, kTimeout);  // the abort word to every peer, then the waits released
+  cctl_ = cctl_dev_ = nullptr;
+  ctl_ = nullptr;
 }
 
 }  // namespace ringreduce::cuda::p2p

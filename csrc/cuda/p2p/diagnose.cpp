@@ -4,7 +4,7 @@
 #include <cstring>
 #include <string>
 
-#include "cuda/p2p/endpoint.h"
+#include "cuda/p2p/failures.h"
 
 namespace ringreduce::cuda::p2p {
 namespace {
@@ -31,7 +31,7 @@ std::string call_text(const MsgHeader& h) {
   return buf;
 }
 
-std::string Endpoint::describe(const ErrorRecord& e, int channel) const {
+std::string Failures::describe(const ErrorRecord& e, int channel) const {
   const uint32_t cause = abort_cause(e.word);
   const int who = abort_rank(e.word);
   char where[200];
@@ -52,14 +52,14 @@ std::string Endpoint::describe(const ErrorRecord& e, int channel) const {
                   coll_name(Coll(e.mine.coll)), static_cast<unsigned long long>(e.mine.op_seq),
                   algo_name(Algo(e.mine.algo)), e.phase == 2 ? "start" : e.phase == 3 ? "middle" : "end",
                   static_cast<long long>(e.slice), channel);
-  const std::string me = "ringreduce: rank " + std::to_string(opt_.rank) + ": ";
+  const std::string me = "ringreduce: rank " + std::to_string(rank_) + ": ";
   if (!e.local)
     return me + where + " stopped because rank " + std::to_string(who) + " " + cause_text(cause) +
            " (see the error on that rank)";
   switch (cause) {
     case kTimeout: {
       char t[32];
-      std::snprintf(t, sizeof t, "%g", opt_.timeout_s);
+      std::snprintf(t, sizeof t, "%g", timeout_s_);
       const bool ring = e.phase >= 0 && e.phase < 2;
       return me + where + " timed out after " + t + " s waiting for " +
              (!ring ? "rank " : e.waiting_for_slot ? "a free slot, consumed by rank " : "a message from rank ") +
@@ -69,7 +69,7 @@ std::string Endpoint::describe(const ErrorRecord& e, int channel) const {
     case kMismatch:
       return "ringreduce: mismatched collective calls: rank " + std::to_string(e.peer) + " called " +
              call_text(e.got) + " as its call #" + std::to_string(e.got.op_seq) +
-             " on this communicator, while rank " + std::to_string(opt_.rank) + " called " +
+             " on this communicator, while rank " + std::to_string(rank_) + " called " +
              call_text(e.mine) + " as its call #" + std::to_string(e.mine.op_seq) +
              ((Algo(e.got.algo) == Algo::Registered) != (Algo(e.mine.algo) == Algo::Registered)
                   ? " (a tensor in a ringreduce.shared_empty buffer on one rank only: use one on "
@@ -104,43 +104,6 @@ std::string Endpoint::describe(const ErrorRecord& e, int channel) const {
     default:
       return me + where + " stopped (cause " + std::to_string(cause) + ")";
   }
-}
-
-std::string Endpoint::failure() {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (!failure_.empty() || !ctl_) return failure_;
-  // Prefer a record of a block that saw the cause itself over one that learned of it.
-  int pick = -1;
-  for (int k = 0; k < kMaxBlocks; ++k) {
-    const volatile ErrorRecord* e = &ctl_->err[k];
-    if (e->word == 0) continue;
-    if (pick < 0 || (e->local && !ctl_->err[pick].local)) pick = k;
-  }
-  if (pick < 0) return failure_;
-  std::atomic_thread_fence(std::memory_order_acquire);
-  ErrorRecord rec;
-  std::memcpy(&rec, const_cast<const ErrorRecord*>(&ctl_->err[pick]), sizeof rec);
-  failure_ = describe(rec, pick);
-  return failure_;
-}
-
-uint64_t Endpoint::failed_seq() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return failed_seq_locked();
-}
-
-uint64_t Endpoint::failed_seq_locked() const {
-  uint64_t first = abort_seq_;
-  if (closed_failed_seq_ && (first == 0 || closed_failed_seq_ < first)) first = closed_failed_seq_;
-  if (!ctl_) return first;
-  for (int k = 0; k < kMaxBlocks; ++k) {
-    const volatile ErrorRecord* e = &ctl_->err[k];
-    if (e->word == 0) continue;
-    std::atomic_thread_fence(std::memory_order_acquire);
-    const uint64_t seq = e->mine.op_seq;
-    if (first == 0 || seq < first) first = seq;
-  }
-  return first;
 }
 
 }  // namespace ringreduce::cuda::p2p

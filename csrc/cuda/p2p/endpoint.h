@@ -4,6 +4,11 @@
 // upstream neighbour reads the consumed counter. Every message carries the call's header, checked
 // before the data is touched. Waits poll a host-mapped abort flag, the neighbours' abort words and a
 // deadline (%globaltimer): nothing spins forever. Torch-free.
+// The endpoint is the Transport front over parts that each own their state and lock: the areas
+// (areas.h), stopping (failures.h), registered buffers (registered.h), imported memory (imports.h)
+// and the copy algorithm (copy.h). It calls them; they do not call it, and no part calls another
+// but through a callback the front gives it (an abort telling the areas and the copy algorithm),
+// so the lock order is the call order: failures, then areas or copy; imports, registered alone.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -23,22 +28,18 @@
 #include <vector>
 
 #include "cuda/call_log.h"
+#include "cuda/p2p/area_layout.h"
+#include "cuda/p2p/areas.h"
+#include "cuda/p2p/copy.h"
+#include "cuda/p2p/failures.h"
 #include "cuda/p2p/imports.h"
 #include "cuda/p2p/launch.h"
 #include "cuda/p2p/plan.h"
+#include "cuda/p2p/registered.h"
 #include "runtime/peers.h"
 #include "runtime/transport.h"
 
 namespace ringreduce::cuda::p2p {
-
-// "all_reduce(numel=..., dtype=..., op=...; algorithm)" for error messages.
-std::string call_text(const MsgHeader& h);
-
-// The transport choice: PCI bus id of the current device ("0000:17:00.0"), and whether the current
-// device can map memory of the device with that bus id through CUDA IPC (the same device, or a peer
-// in cudaDeviceCanAccessPeer's sense); why: the reason when it cannot.
-std::string device_bus_id();
-bool can_map(const std::string& bus_id, std::string* why);
 
 // One rank's side of the group, on the device current at construction.
 class Endpoint : public runtime::Transport {
@@ -85,8 +86,8 @@ class Endpoint : public runtime::Transport {
   // per source).
   void set_counts(uint64_t epoch, uint64_t ll_calls);
   const char* ll_slots(size_t* slot_bytes) const {
-    *slot_bytes = ll_slot_bytes();
-    return ll_bytes() ? area_ + ll_offset() : nullptr;
+    *slot_bytes = layout_.ll_slot;
+    return layout_.ll_bytes() ? areas_.own() + layout_.ll_at() : nullptr;
   }
   // Native tests: launches call c's kernel again with the arguments run() gave it (after run()
   // counted the call), as a CUDA graph replays a captured launch. Endpoint and symmetric workspace.
@@ -114,10 +115,7 @@ class Endpoint : public runtime::Transport {
   // its last owner. Kept instead (until exit) while a CUDA graph may replay a launch on it, and
   // this rank's copy also once the ring broke (a peer's stopped call may still write into it).
   void reg_release(int id);
-  int reg_count() const {
-    std::lock_guard<std::mutex> lk(reg_mu_);
-    return static_cast<int>(regs_.size());
-  }
+  int reg_count() const { return registered_.count(); }
   // Imported memory (imports.cpp): an all_reduce in place of an ordinary tensor larger than auto's
   // one-shot threshold plans Algo::Imported once the group's board is attached; see layout.h.
   // board_attach: rank 0 creates the POSIX shared memory `name`, the others map it after; before
@@ -139,7 +137,7 @@ class Endpoint : public runtime::Transport {
   uint64_t imported_seen() const { return imported_.seen(); }
   uint64_t imported_in_place() const { return imported_.in_place(); }
   size_t imports() const { return imported_.mapped(); }  // the peers' allocations mapped here
-  void learn() { imported_.learn(ctl_, op_seq_); }  // what the device reported of finished calls, now
+  void learn() { imported_.learn(failures_.ctl(), op_seq_); }  // what the device reported of finished calls, now
   // Auto's one-shot threshold (see Options); the same on every rank, before the first call.
   void set_threshold(size_t oneshot_max) {
     opt_.tuned = true;
@@ -151,33 +149,28 @@ class Endpoint : public runtime::Transport {
   // A workspace call's most blocks (Options::sym_blocks), measured for this device (the binding
   // reads ringreduce/gpu_tuning.json); the same on every rank, before the first call.
   void set_sym_blocks(int blocks);
-  bool direct() const { return direct_; }
+  bool direct() const { return areas_.direct(); }
   // The first failure the device recorded, formatted, or "" while there is none.
-  std::string failure() override;
+  std::string failure() override { return failures_.failure(); }
   bool broken() { return !failure().empty(); }
   // The op_seq of the first call that failed, or 0: that call and every later one failed, every
   // earlier one completed. Final for a call once its kernel has finished.
-  uint64_t failed_seq() override;
-  uint64_t failed_seq_locked() const;  // under mu_
+  uint64_t failed_seq() override { return failures_.failed_seq(); }
   // Stops this rank's running and future kernels and tells every mapped peer.
-  void abort(const std::string& why) override;
+  void abort(const std::string& why) override { failures_.abort(why); }
   // Watches the processes of these peers (every 50 ms): a dead one aborts the ring with
   // "peer rank R (pid P) died", so no rank waits out its timeout for a killed one.
-  void watch_peers(std::vector<runtime::Peer> peers) override;
-  // Stops the peer watcher thread, nothing else (no CUDA call): for a ring left to the process's
-  // exit while the interpreter finalizes.
-  void stop_threads() override {
-    if (watcher_) watcher_->stop();
-    if (copy_watch_) copy_watch_->stop();
-    imported_.stop();  // its IPC closes would run into the runtime's teardown
-  }
+  void watch_peers(std::vector<runtime::Peer> peers) override { failures_.watch_peers(std::move(peers)); }
+  // Stops the parts' threads, nothing else (no CUDA call): for a ring left to the process's exit
+  // while the interpreter finalizes.
+  void stop_threads() override;
   // Whether this ring has the copy algorithm's inbox (RINGREDUCE_CUDA_ALGO=copy: opt-in, for ranks
   // sharing a GPU without MPS; auto does not pick it, no GPU has shown it faster yet).
-  bool copies() const { return copy_bytes() > 0; }
+  bool copies() const { return copy_.on(); }
   // The copy algorithm's counters (CopyCtl), shared by the group: rank 0 creates the POSIX shared
   // memory segment `name`, the others map it (after rank 0 made it); every rank registers it with
   // CUDA. The creator unlinks the name once all have mapped it. Before the first call.
-  void copy_attach(const std::string& name, bool create);
+  void copy_attach(const std::string& name, bool create) { copy_.attach(name, create); }
   // Unmaps the peers and frees. Idempotent; no kernel of this ring may be running.
   // peers_done=false: a peer may still read or write this rank's area (the close barrier failed,
   // or the ring broke): the area is marked aborted, so their waits stop, and kept until the
@@ -208,7 +201,8 @@ class Endpoint : public runtime::Transport {
   // some rank: every rank learns it. Final once the call's kernel has finished; for the last
   // kWireOverflowSlots calls.
   bool wire_overflowed(uint64_t seq) const {
-    return ctl_ && reinterpret_cast<volatile const uint64_t*>(ctl_->wire_overflow)[seq % kWireOverflowSlots] == seq;
+    const HostCtl* ctl = failures_.ctl();
+    return ctl && reinterpret_cast<volatile const uint64_t*>(ctl->wire_overflow)[seq % kWireOverflowSlots] == seq;
   }
   // Which calls have finished on the device (the flight recorder reads it without blocking).
   CallLog& calls() { return calls_; }
@@ -216,7 +210,7 @@ class Endpoint : public runtime::Transport {
   // Device memory this rank's communicator holds (its area: flags, the ring's FIFO where the ring
   // can run, the workspace where the symmetric algorithms can, the copy inbox where asked for);
   // 0 at world 1. Registered buffers are the user's and not counted.
-  size_t area_bytes() const;
+  size_t area_bytes() const { return layout_.bytes(); }
 
  private:
   static int current_device() {
@@ -224,86 +218,32 @@ class Endpoint : public runtime::Transport {
     cudaGetDevice(&d);
     return d;
   }
-  std::string describe(const ErrorRecord& e, int block) const;
-  // cause: what the abort word written into every area says (the peers' errors name it).
-  void abort_locked(const std::string& why, uint32_t cause = kHostAbort);
-  bool ring_fifo() const;     // whether the ring can run (its FIFO is allocated)
-  size_t fifo_bytes() const;  // 0 where the ring cannot run (Options::direct, no forced ring)
-  size_t ws_half_bytes() const;  // one half of the workspace; 0 without one
-  size_t ws_offset() const { return data_offset() + fifo_bytes(); }
-  size_t copy_bytes() const;  // the inbox: kCopyDepth x nranks slots; 0 without the copy algorithm
-  size_t copy_offset() const { return ws_offset() + 2 * ws_half_bytes(); }
-  size_t ll_slot_bytes() const;  // one LL slot; 0 without the LL one-shot
-  size_t ll_offset() const { return copy_offset() + copy_bytes(); }
-  size_t ll_bytes() const { return 2 * static_cast<size_t>(opt_.nranks) * ll_slot_bytes(); }
-
-  // The copy algorithm (csrc/cuda/p2p/copy.cpp): enqueues call c's pieces on stream; and the
-  // watchdog's look (every 50 ms) at where the stream stands: a piece waited on for longer than
-  // the timeout fails the group (stream waits never time out), and a broken group's waits are
-  // released while calls remain.
-  void copy_check(cudaStream_t stream);  // throws where the copy algorithm cannot run
-  void run_copy(const Call& c, const Plan& p, cudaStream_t stream);
-  void copy_tick();
-  // Every copy wait of the group released by CPU stores, after `word` (if not 0) became the
-  // group's abort word.
-  void release_copy_waits_locked(uint32_t word);
+  // The kernels' arguments for every rank's memory of a call: the areas, or (Registered,
+  // Imported) the tensors in place.
+  void fill_data(const Plan& p, SymArgs* a) const;
+  // Where call c's tensor lies (plan's Memory).
+  Memory memory_of(const Call& c) const;
 
   Options opt_;
-  static constexpr size_t kNoSlot = ~size_t{0};
-  size_t ll_slot_fixed_ = kNoSlot;  // the LL slot size once set_ll_max changed the reach
-  int device_ = current_device();  // the device current at construction (before imported_)
+  int device_ = current_device();  // the device current at construction (before the parts)
+  AreaLayout layout_ = area_layout(opt_);
   int up_ = 0, down_ = 0;
   Call planned_call_{};   // plan()'s call and its plan, for the run() that follows
   Plan planned_{};
   bool has_planned_ = false;
-  char* area_ = nullptr;  // own area (cudaMalloc)
-  std::vector<char*> peers_;  // every rank's area by rank (own included; null: not mapped)
-  bool ipc_ = false;  // peers_ are IPC mappings (closed on close())
-  bool direct_ = false;
   bool closed_ = false;
   bool unmapped_ = false;  // unmap_peers() ran: the ring runs nothing more
   bool maps_kept_ = false;  // closed under a graph pin: the peers stay mapped until exit
-  HostCtl* ctl_ = nullptr;  // host-mapped (cudaHostAlloc)
-  HostCtl* ctl_dev_ = nullptr;  // the same memory as the device sees it
-  uint32_t* abort_src_ = nullptr;  // pinned source of the abort word copied into the areas
-  CopyCtl* cctl_ = nullptr;      // the group's copy counters (shared memory, registered)
-  CopyCtl* cctl_dev_ = nullptr;  // the same as the device sees them
-  cudaStream_t side_ = nullptr;  // for that copy, beside a kernel that may be spinning
   std::atomic<uint64_t> op_seq_{0};
   CallLog calls_;
-  uint64_t abort_seq_ = 0;  // op_seq_ + 1 at a host abort: the first call it can affect
-  uint64_t closed_failed_seq_ = 0;  // the device's first failed call, read at close (ctl_ is gone)
-  // reason_ and failure_: abort() and failure() are called from other threads (Work.wait(),
-  // Communicator.abort() hold the GIL) while run() calls failure() with the GIL released.
-  std::mutex mu_;
-  std::string reason_;  // why this rank aborted (host side)
-  std::string failure_;
   std::shared_ptr<std::atomic<int>> pins_ = std::make_shared<std::atomic<int>>(0);  // graphs
-  struct Reg {
-    size_t bytes = 0;
-    std::shared_ptr<char> own;  // cudaFree when the last owner (this ring, a tensor) lets go
-    std::vector<char*> at;      // every rank's copy by rank (own included); null: not mapped yet
-    bool mapped = false;        // every at[] is set: calls may use it
-    bool ipc = false;           // at[] are IPC mappings (closed on close())
-    bool kept = false;          // own is kept until exit (counted once in g_kept_bytes)
-  };
-  std::vector<Reg> regs_;
-  mutable std::mutex reg_mu_;  // regs_: a buffer may be registered while another thread calls
-  // Imported memory (imports.h): its own state and lock; imp_: the call run() is launching.
+  // The parts (see the top of this file); declared after what they read, closed by close().
+  Areas areas_{opt_.rank, opt_.nranks, device_};
+  Failures failures_{opt_.rank, opt_.nranks, opt_.timeout_s, op_seq_};
+  Registered registered_{opt_.rank, opt_.nranks, device_};
   Imports imported_{opt_.rank, opt_.nranks, device_, pins_};
-  ImportedCall imp_;
-  uint64_t pieces_ = 0;  // copy algorithm: pieces enqueued (the same count on every rank)
-  struct CopyCall {
-    MsgHeader call;
-    uint64_t first_piece;
-  };
-  CopyCall copy_calls_[64] = {};  // the last calls run_copy enqueued, by op_seq % 64 (under mu_)
-  struct Watch {  // copy_tick's state
-    uint64_t reached = 0, done = 0;
-    std::chrono::steady_clock::time_point since{};
-  } watch_;
-  std::unique_ptr<runtime::Ticker> copy_watch_;
-  std::unique_ptr<runtime::Ticker> watcher_;  // declared last: stopped first
+  ImportedCall imp_;  // the imported call run() is launching
+  CopyPath copy_{opt_, layout_, device_};
 };
 
 }  // namespace ringreduce::cuda::p2p

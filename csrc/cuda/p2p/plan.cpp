@@ -25,6 +25,34 @@ size_t oneshot_max_bytes(int n) {
   return ring::oneshot_crossover(n, 0.5 * kModelRttS, kModelLinkBytesPerS, 1 << 20);
 }
 
+void check_sym_blocks(int blocks) {
+  if (blocks < 1 || blocks > kMaxSymBlocks)
+    throw std::invalid_argument("ringreduce: p2p sym_blocks must be 1.." + std::to_string(kMaxSymBlocks) +
+                                ", got " + std::to_string(blocks));
+}
+
+void check_options(const Options& o) {
+  if (o.nranks < 1 || o.rank < 0 || o.rank >= o.nranks)
+    throw std::invalid_argument("ringreduce: rank " + std::to_string(o.rank) + " out of range for " +
+                                std::to_string(o.nranks) + " ranks");
+  if (o.channels < 1 || o.channels > kMaxChannels)
+    throw std::invalid_argument("ringreduce: channels must be 1.." + std::to_string(kMaxChannels) +
+                                ", got " + std::to_string(o.channels));
+  if (o.slice_bytes < kVecBytes || o.slice_bytes % kVecBytes)
+    throw std::invalid_argument("ringreduce: p2p slice_bytes must be a positive multiple of 16, got " +
+                                std::to_string(o.slice_bytes));
+  if (o.chunk_bytes < kVecBytes || o.chunk_bytes % kVecBytes)
+    throw std::invalid_argument("ringreduce: p2p chunk_bytes must be a positive multiple of 16, got " +
+                                std::to_string(o.chunk_bytes));
+  if (o.max_blocks < 0)
+    throw std::invalid_argument("ringreduce: p2p max_blocks must be >= 0 (0: this device's SM count), got " +
+                                std::to_string(o.max_blocks));
+  check_sym_blocks(o.sym_blocks);
+  if (o.copy_slot_bytes < kVecBytes || o.copy_slot_bytes % kVecBytes)
+    throw std::invalid_argument("ringreduce: p2p copy_slot_bytes must be a positive multiple of 16, got " +
+                                std::to_string(o.copy_slot_bytes));
+}
+
 size_t ll_max_bytes(int nranks) {
   return std::max<size_t>(4 << 10, (64 << 10) / static_cast<size_t>(std::max(1, nranks)) / 16 * 16);
 }
@@ -101,9 +129,9 @@ Plan wire_plan(const Call& c, const Options& o, bool direct) {
   }
   return p;
 }
-}  // namespace
 
-Plan plan(const Call& c, const Options& o, bool direct) {
+// Every call's plan but those that run in the tensor's own memory.
+Plan plain_plan(const Call& c, const Options& o, bool direct) {
   if (c.wire != Wire::None) return wire_plan(c, o, direct);
   const int n = o.nranks;
   const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
@@ -194,6 +222,30 @@ Plan plan(const Call& c, const Options& o, bool direct) {
     p.blocks = static_cast<int>(std::max<int64_t>(
         1, std::min<int64_t>(std::min(cap, o.sym_blocks),
                              piece_bytes / static_cast<int64_t>(kSymBytesPerBlock))));
+  }
+  return p;
+}
+
+}  // namespace
+
+Plan plan(const Call& c, const Options& o, bool direct, const Memory& m) {
+  Plan p = plain_plan(c, o, direct);
+  const size_t bytes = static_cast<size_t>(c.numel) * dtype_size(c.dtype);
+  // Up to auto's one-shot threshold one-shot stays: one barrier against the in-place kernels' two,
+  // and its copy into the workspace is small.
+  const size_t oneshot_max = o.tuned ? o.oneshot_max : oneshot_max_bytes(o.nranks);
+  if (o.algo != Algo::Auto || !direct || c.coll != Coll::AllReduce || c.wire != Wire::None || c.in != c.out ||
+      c.numel <= 0 || o.nranks < 2 || bytes <= oneshot_max)
+    return p;
+  if (m.reg >= 0) {
+    // Blocks as the workspace's two-shot: a block reads its part of chunk r from all n copies.
+    p.algo = Algo::Registered;
+    p.slice_elems = c.numel;
+    p.steps = 1;
+    p.reg = m.reg;
+    p.reg_offset = m.reg_offset;
+  } else if (m.board && p.algo == Algo::TwoShot) {
+    p.algo = Algo::Imported;  // the two-shot plan for the calls that go through the workspace
   }
   return p;
 }

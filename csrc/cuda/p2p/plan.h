@@ -46,6 +46,10 @@ struct Options {
   int64_t ll_max = -1;
 };
 
+// Throws std::invalid_argument naming the option that is out of range (the endpoint's constructor).
+void check_options(const Options& o);
+void check_sym_blocks(int blocks);
+
 // How one call runs: the algorithm, its blocks, and its slice/piece size in elements.
 struct Plan {
   Algo algo;
@@ -55,13 +59,27 @@ struct Plan {
   int reg = -1;          // Registered: the buffer's index
   uint64_t reg_offset = 0;  // and the tensor's byte offset in it
 };
+// Where a call's tensor lies, as the endpoint found it (the same on every rank for the same call):
+// in registered buffer `reg` at byte `reg_offset` (-1: in none), and whether the group's imported
+// memory board is attached (an ordinary tensor may then be imported).
+struct Memory {
+  int reg = -1;
+  uint64_t reg_offset = 0;
+  bool board = false;
+};
 // The same inputs give the same plan on every rank. direct: the symmetric workspace algorithms are
 // possible (every rank maps every other, nranks <= kMaxPeers); where they are not, every call runs
 // the ring. Auto: one-shot up to the threshold (all_reduce), else two-shot; the ring only when
 // forced. Deterministic mode (ringreduce::deterministic()): an all_reduce or reduce_scatter never
 // runs the ring (a forced ring runs as Auto); where the others are impossible (!direct) plan throws
 // RingError saying why and what to use instead.
-Plan plan(const Call& c, const Options& o, bool direct);
+// An all_reduce in place of a tensor larger than auto's one-shot threshold, under Auto, runs in
+// the tensor's own memory where it can (uses_tensor()): Registered in a registered buffer (m.reg),
+// else Imported where the board is attached and the call would run two-shot.
+Plan plan(const Call& c, const Options& o, bool direct, const Memory& m = {});
+// Whether a plan reads the peers' tensors in place: the caller holds the tensor's memory until
+// the call ends (its release unmaps what the peers' kernels read).
+inline bool uses_tensor(const Plan& p) { return p.algo == Algo::Registered || p.algo == Algo::Imported; }
 // Auto's one-shot threshold (bytes of the full tensor) from the alpha-beta model of
 // benchmarks/gpu_cost.py (not from GPU timings): one-shot while its extra remote bytes, (n-1) x
 // size against two-shot's 2(n-1)/n x size, cost less than the barrier it saves.

@@ -94,7 +94,7 @@ MUTATIONS = {
         "ranks sharing a device launch more blocks than it holds: some wait for blocks that never end"),
     "close_frees_a_pinned_ring": (
         "csrc/cuda/p2p/endpoint.cpp",
-        "  const bool replayable = area_ && pins_->load() > 0;",
+        "  const bool replayable = areas_.own() && pins_->load() > 0;",
         "  const bool replayable = false;",
         ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
         "close() frees memory a captured graph still replays (a use after free)"),
@@ -182,9 +182,9 @@ MUTATIONS = {
         "the descriptors ride in the first data group (the design before): a group that mismatched "
         "calls block holds them back, and the ranks fail by their timeout"),
     "release_frees_a_mapped_copy": (
-        "csrc/cuda/p2p/endpoint.cpp",
-        "        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);\n    g.at.clear();\n  }",
-        "        if (p && p != g.own.get()) cudaIpcCloseMemHandle(p);\n    g.at.clear();\n    g.own.reset();\n  }",
+        "csrc/cuda/p2p/registered.cpp",
+        "    DeviceScope scope(device_);\n    unmap_locked(g);\n  }",
+        "    DeviceScope scope(device_);\n    unmap_locked(g);\n    g.own.reset();\n  }",
         ("test_cuda_kernels_emu", ["test_registered_release", "test_close_frees_nothing_mapped"]),
         "a released shared buffer's own copy is freed at once, while the peers still map it"),
     "unmap_peers_does_nothing": (
@@ -220,9 +220,9 @@ MUTATIONS = {
         "the test's own race (issue 35): inputs and outputs filled on the legacy stream, which the "
         "ranks' non-blocking streams do not wait for"),
     "registered_plan_past_the_end": (
-        "csrc/cuda/p2p/endpoint.cpp",
-        "      if (!g.mapped || p < base || p + bytes > base + g.bytes) continue;",
-        "      if (!g.mapped || p < base || p >= base + g.bytes) continue;",
+        "csrc/cuda/p2p/registered.cpp",
+        "    if (g.mapped && c >= base && c + bytes <= base + g.bytes) {",
+        "    if (g.mapped && c >= base && c < base + g.bytes) {",
         ("test_cuda_kernels_emu", ["test_registered"]),
         "a tensor that runs past its buffer's end is reduced in the peers' copies past theirs"),
     "fold_rounds_every_step": (
@@ -303,7 +303,7 @@ MUTATIONS = {
         ("test_nccl_ring_emu", ["test_watchdog_spares_a_capture"]),
         "the watchdog's event queries invalidate a CUDA graph another thread captures (issue 51, finding 2)"),
     "close_forgets_failed_calls": (
-        "csrc/cuda/p2p/endpoint.cpp", "  closed_failed_seq_ = failed_seq_locked();\n", "",
+        "csrc/cuda/p2p/failures.cpp", "  closed_failed_seq_ = failed_seq_locked();\n", "",
         ("test_cuda_kernels_emu", ["test_failed_call_survives_close"]),
         "a Work waited on after close reports success for a call that failed on the device (issue 51, finding 4)"),
     # The narrow wire on the workspace (csrc/cuda/p2p/sym_wire.cu, issue 52).
@@ -413,7 +413,7 @@ MUTATIONS = {
         ("test_cuda_kernels_emu", ["test_imports_beside_a_capture"]),
         "a first export's cudaIpcGetMemHandle in global capture mode invalidates another thread's capture"),
     "stop_threads_leaves_reaper": (
-        "csrc/cuda/p2p/endpoint.h", "    imported_.stop();  // its IPC closes", "    // its IPC closes",
+        "csrc/cuda/p2p/endpoint.cpp", "  imported_.stop();  // its IPC closes", "  // its IPC closes",
         ("test_cuda_kernels_emu", ["test_no_cuda_call_after_stop_threads"]),
         "a communicator left to the process's exit keeps calling CUDA from its reaper during teardown"),
     "failed_open_retried": (
