@@ -172,6 +172,8 @@ void test_nccl() {
   CHECK(threw, "nccl deterministic two-shot without room did not refuse");
   o.nranks = 1;
   CHECK(nc::plan(call(rr::Coll::AllReduce, 1024), o, true) == rr::Algo::Ring, "nccl world 1");
+}
+
 // The area's layout (area_layout.h): the parts in order, none overlapping, aligned, and present
 // exactly where the group can run what uses them; every rank computes the same.
 void test_area_layout() {
