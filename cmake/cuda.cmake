@@ -1,5 +1,5 @@
-# The CUDA kernels (torch-free) and their native test. Included by CMakeLists.txt when a CUDA
-# compiler is found; the test skips itself (exit 0) on a machine without a GPU.
+# The CUDA kernels (torch-free) and their native tests (RR_CUDA_TESTS, CMakeLists.txt). Included by
+# CMakeLists.txt when a CUDA compiler is found; each test skips itself (exit 0) without a GPU.
 # Architectures as in setup.py (sm_80, sm_90); override with -DCMAKE_CUDA_ARCHITECTURES=...
 if(NOT CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES 80 90)
@@ -21,10 +21,14 @@ target_compile_options(ringreduce_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xcompiler=-Wall>
   $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
 
-add_executable(test_cuda_kernels tests/native/test_cuda_kernels.cpp)
-target_link_libraries(test_cuda_kernels PRIVATE ringreduce_cuda)
-add_test(NAME test_cuda_kernels COMMAND test_cuda_kernels)
-set_tests_properties(test_cuda_kernels PROPERTIES TIMEOUT 600)
+foreach(t ${RR_CUDA_TESTS})
+  add_executable(${t} tests/native/${t}.cpp)
+  target_link_libraries(${t} PRIVATE ringreduce_cuda)
+  add_test(NAME ${t} COMMAND ${t})
+  set_tests_properties(${t} PROPERTIES TIMEOUT 600)
+endforeach()
+# All of them, for tests/gpu_suite.sh: cmake --build cbuild-gpu --target cuda_tests
+add_custom_target(cuda_tests DEPENDS ${RR_CUDA_TESTS})
 
 # The handshake microbenchmark that benchmarks/gpu_lease.sh runs on a GPU: built here so that a
 # change that breaks it shows before a lease.

@@ -4,8 +4,8 @@
 # --no-build-isolation --no-deps -e .), from any directory. Runs every stage even when one fails,
 # each under its own time limit, and ends with one summary line per stage; exits non-zero if any
 # stage failed. Logs: $LOG_DIR (default gpu-suite-logs/).
-#   Stage 1, native (about 5 minutes with nvcc): tests/native's CUDA test built by nvcc (kernels,
-#     p2p ring with ranks as streams, failure paths).
+#   Stage 1, native (about 5 minutes with nvcc): tests/native's CUDA tests built by nvcc (kernels,
+#     the p2p transport's parts with ranks as streams, failure paths), every one of them in turn.
 #   Stage 2, smoke (about a minute): world 2 on p2p and nccl, world 1, the transport choice.
 #   Stage 3, the rest of tests/test_cuda.py, the narrow wire's GPU tests (tests/test_wire.py;
 #     every rank's exit status checked by the harness) and SymmetricMemory's bench row.
@@ -39,9 +39,14 @@ stage() {
 
 # (a command for `timeout`, which cannot run a shell function)
 NATIVE='cmake -S . -B cbuild-gpu -DCMAKE_BUILD_TYPE=Release > "$LOG_DIR/cmake.log" 2>&1 &&
-  cmake --build cbuild-gpu -j"$(nproc)" --target test_cuda_kernels >> "$LOG_DIR/cmake.log" 2>&1 ||
+  cmake --build cbuild-gpu -j"$(nproc)" --target cuda_tests >> "$LOG_DIR/cmake.log" 2>&1 ||
   { tail -50 "$LOG_DIR/cmake.log"; exit 1; }
-./cbuild-gpu/test_cuda_kernels'
+rc=0
+for t in test_cuda_reduce test_p2p_ring test_p2p_workspace test_p2p_ll test_p2p_registered test_p2p_imported \
+         test_p2p_copy test_p2p_close test_p2p_deterministic test_p2p_wire; do
+  echo "== $t"; ./cbuild-gpu/$t || rc=1
+done
+exit $rc'
 export LOG_DIR
 
 stage native 900 bash -c "$NATIVE"

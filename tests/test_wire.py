@@ -349,7 +349,7 @@ def test_wire_hooks_and_bucketer():
 # -- CUDA tensors: the symmetric workspace's wire kernel (csrc/cuda/p2p/sym_wire.cu) -------------------
 # The same bits as on the CPU (the inputs have no inf or nan: a GPU's NaN bits are its own). Run where a GPU is lent (tests/gpu_suite.sh, benchmarks/gpu_lease.sh);
 # the ranks of a one-GPU machine share it. CI runs the kernel on the emulated device
-# (tests/native/test_cuda_kernels.cpp: test_wire, test_wire_overflow, weak_wire).
+# (tests/native/test_p2p_wire.cpp: test_wire, test_wire_overflow, weak_wire).
 P2P = {"RINGREDUCE_TRANSPORT": "p2p"}
 # One-shot and two-shot forced, in pieces of 8 KiB (many barriers and both halves per call).
 CUDA_WIRE_ENVS = {"auto": P2P, **{algo: {**P2P, "RINGREDUCE_CUDA_ALGO": algo,

@@ -1,4 +1,4 @@
-// Helpers of the native CUDA tests (test_cuda_kernels.cpp, test_nccl_ring.cpp): element values and
+// Helpers of the native CUDA tests (test_p2p_*.cpp, test_cuda_reduce.cpp, test_nccl.cpp): element values and
 // exact references, device buffers, and one collective checked across ranks played by one thread.
 // Torch-free; built against the emulated device in every CI run and against CUDA where nvcc is.
 #pragma once

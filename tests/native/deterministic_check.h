@@ -1,5 +1,5 @@
 // Helpers of the native tests of deterministic mode (ringreduce::deterministic()) on the CUDA
-// transports (test_cuda_kernels.cpp: p2p and the fold kernel; test_nccl_ring.cpp: nccl). The
+// transports (test_p2p_deterministic.cpp: p2p; test_cuda_reduce.cpp: the fold kernel; test_nccl.cpp: nccl). The
 // contract: every element of an all_reduce or reduce_scatter is the rank-order fold
 // ((x0 op x1) op x2) ... in the accumulation type (fp16/bf16: fp32; integers: their own type,
 // wrapping), AVG divided by the world size there, rounded once to the dtype. The references here are

@@ -1,7 +1,7 @@
 // The p2p transport's plan (csrc/cuda/p2p/plan.h) as the arithmetic it is: compiled without CUDA
-// and checked over sizes, worlds, collectives and options; the nccl transport's (cuda/nccl/plan.h)
-// by its values. What a plan means on the device is the
-// emulated device's test (test_cuda_kernels_emu); here only what every plan must satisfy.
+// and checked over sizes, worlds, collectives and options, with the area's layout; the nccl
+// transport's (cuda/nccl/plan.h) by its values. What a plan means on the device is the emulated
+// device's tests (test_p2p_*_emu); here only what every plan must satisfy.
 #include <cstdint>
 #include <stdexcept>
 #include <string>

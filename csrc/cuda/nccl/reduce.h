@@ -1,6 +1,6 @@
 // Launchers of the nccl transport's reduce kernels (cuda/nccl/reduce.cu): a ring step's reduce of
 // what arrived, and the direct algorithms' rank-order fold, on typed spans on a stream. Torch-free;
-// also run by tests/native/test_cuda_kernels.cpp.
+// also run by tests/native/test_cuda_reduce.cpp.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -21,24 +21,24 @@ SYM = "csrc/cuda/p2p/sym_kernel.cu"
 SYM_BARRIER = "csrc/cuda/p2p/sym_barrier.cuh"
 WIRE = "csrc/cuda/p2p/sym_wire.cu"
 WIRE_WARP = "csrc/cuda/p2p/wire_warp.cuh"
-WIRE_TEST = ("test_cuda_kernels_emu", ["test_wire", "weak_wire"])
+WIRE_TEST = ("test_p2p_wire_emu", ["test_wire", "weak_wire"])
 HIER = "csrc/cuda/hier/endpoint.cpp"
 HIER_TEST = ("test_hier_emu", ["test_sweep"])
 HIER_WIRE_TEST = ("test_hier_emu", ["test_wire"])
 STANDIN = "tests/native/emu/nccl_standin.cpp"
-P2P_TEST = ("test_cuda_kernels_emu", ["test_ring", "test_timeout", "test_mismatch"])
-NCCL_TEST = ("test_nccl_ring_emu", ["test_sweep"])
+P2P_TEST = ("test_p2p_ring_emu", ["test_ring", "test_timeout", "test_mismatch"])
+NCCL_TEST = ("test_nccl_emu", ["test_sweep"])
 # The weak memory mode (tests/native/emu/weak.cpp): a few seconds per algorithm.
-WEAK_RING = ("test_cuda_kernels_emu", ["weak_ring"])
-WEAK_DIRECT = ("test_cuda_kernels_emu", ["weak_oneshot", "weak_twoshot"])
+WEAK_RING = ("test_p2p_ring_emu", ["weak_ring"])
+WEAK_DIRECT = ("test_p2p_workspace_emu", ["weak_oneshot", "weak_twoshot"])
 
 # name: (file, text, replacement, test, why it must be caught); text may be a list of
 # (text, replacement) pairs, then replacement is None.
-COPY_TEST = ("test_cuda_kernels_emu", ["test_copy"])
+COPY_TEST = ("test_p2p_copy_emu", ["test_copy"])
 # The cost report's targets (benchmarks/gpu_cost.py --check; "py:" runs a script with this Python).
 COST_CHECK = ("gpu_cost_emu", ["py:benchmarks/gpu_cost.py", "--world", "8", "--sizes", "4K,1M",
                                "--algo", "auto,ring", "--bin", str(BUILD / "gpu_cost_emu"), "--check"])
-COPY_FAILURES = ("test_cuda_kernels_emu", ["test_copy_failures"])
+COPY_FAILURES = ("test_p2p_copy_emu", ["test_copy_failures"])
 
 MUTATIONS = {
     "direct_own_source_at_rank_0": (
@@ -82,7 +82,7 @@ MUTATIONS = {
         "csrc/cuda/p2p/layout.h",
         "  alignas(kLine) ErrorRecord err[kMaxBlocks];  // by block index",
         "  alignas(kLine) ErrorRecord err[kMaxChannels];  // by block index",
-        ("test_cuda_kernels_emu", ["test_timeout_with_every_block"]),
+        ("test_p2p_ring_emu", ["test_timeout_with_every_block"]),
         "direct blocks past the 32nd record their stops past the end of the host-mapped records"),
     "plan_ignores_resident_blocks": (
         "csrc/cuda/p2p/plan.cpp",
@@ -90,13 +90,13 @@ MUTATIONS = {
           "  const int resident = kMaxBlocks;\n  const int most"),
          ("  const int resident = o.max_blocks > 0 ? o.max_blocks : kMaxBlocks;\n  if (algo",
           "  const int resident = kMaxBlocks;\n  if (algo")], None,
-        ("test_cuda_kernels_emu", ["test_ranks_share_a_device", "test_two_communicators_share_a_device"]),
+        ("test_p2p_ring_emu", ["test_ranks_share_a_device", "test_two_communicators_share_a_device"]),
         "ranks sharing a device launch more blocks than it holds: some wait for blocks that never end"),
     "close_frees_a_pinned_ring": (
         "csrc/cuda/p2p/endpoint.cpp",
         "  const bool replayable = areas_.own() && pins_->load() > 0;",
         "  const bool replayable = false;",
-        ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
+        ("test_p2p_close_emu", ["test_replay_after_close_of_a_pinned_ring"]),
         "close() frees memory a captured graph still replays (a use after free)"),
     "no_barrier_before_post": (
         KERNEL,
@@ -132,7 +132,7 @@ MUTATIONS = {
         COST_CHECK, "every block of every call reads the host's abort word across PCIe at its start (host_reads)"),
     "replay_skips_host_word": (
         "csrc/cuda/p2p/device.cuh", "if (!word && a.graph && ld_relaxed_sys(&a.self->host_abort))", "if (false)",
-        ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
+        ("test_p2p_close_emu", ["test_replay_after_close_of_a_pinned_ring"]),
         "a graph replayed after close() runs its call into the peers' areas (they may be freed)"),
     "sym_wait_without_acquire": (
         SYM_BARRIER, [("  if (ld_acquire_sys(flag) < target) {", "  if (ld_relaxed_sys(flag) < target) {"),
@@ -157,7 +157,7 @@ MUTATIONS = {
         "csrc/cuda/nccl/watchdog.cpp",
         "        mismatch = p.descs ? check_descs(p) : std::string();",
         "        mismatch = std::string();",
-        ("test_nccl_ring_emu", ["test_size_mismatch"]),
+        ("test_nccl_emu", ["test_size_mismatch"]),
         "a mismatched call fails only the ranks NCCL tells (the receiver of a truncated message): the "
         "sender's call succeeds"),
     "nccl_descriptors_to_neighbours_only": (
@@ -165,7 +165,7 @@ MUTATIONS = {
         "    for (int k = 1; k < opt_.nranks; ++k) {\n      const int to = (opt_.rank + k) % opt_.nranks, from",
         "    for (int k = 1; k < opt_.nranks; k += std::max(1, opt_.nranks - 2)) {\n"
         "      const int to = (opt_.rank + k) % opt_.nranks, from",
-        ("test_nccl_ring_emu", ["test_mismatch_blocks_the_first_group"]),
+        ("test_nccl_emu", ["test_mismatch_blocks_the_first_group"]),
         "descriptors go to the ring's neighbours only: a rank two steps from the mismatched one sees "
         "none and learns of it by its timeout"),
     "nccl_descriptors_in_the_data_group": (
@@ -178,26 +178,26 @@ MUTATIONS = {
         'cudaMemcpyDeviceToHost, stream));\n'
         '    RR_CUDA_CHECK(cudaEventRecord(next_.descs, stream));\n'
         '    return;',
-        ("test_nccl_ring_emu", ["test_mismatch_blocks_the_first_group"]),
+        ("test_nccl_emu", ["test_mismatch_blocks_the_first_group"]),
         "the descriptors ride in the first data group (the design before): a group that mismatched "
         "calls block holds them back, and the ranks fail by their timeout"),
     "release_frees_a_mapped_copy": (
         "csrc/cuda/p2p/registered.cpp",
         "    DeviceScope scope(device_);\n    unmap_locked(g);\n  }",
         "    DeviceScope scope(device_);\n    unmap_locked(g);\n    g.own.reset();\n  }",
-        ("test_cuda_kernels_emu", ["test_registered_release", "test_close_frees_nothing_mapped"]),
+        ("test_p2p_registered_emu", ["test_registered_release"]),
         "a released shared buffer's own copy is freed at once, while the peers still map it"),
     "unmap_peers_does_nothing": (
         "csrc/cuda/p2p/endpoint.cpp",
         "  if (pins_->load() > 0) return false;\n  unmapped_ = true;",
         "  if (pins_->load() > 0) return false;\n  return true;\n  unmapped_ = true;",
-        ("test_cuda_kernels_emu", ["test_close_frees_nothing_mapped"]),
+        ("test_p2p_close_emu", ["test_close_frees_nothing_mapped"]),
         "the close's first phase unmaps nothing: every rank frees its workspace while the others map it"),
     "launch_failure_does_not_abort": (
         "csrc/cuda/p2p/endpoint.cpp",
         '    abort(std::string("could not enqueue call #") + std::to_string(op_seq_) + ": " + e.what());\n',
         "",
-        ("test_cuda_kernels_emu", ["test_launch_failure_aborts_the_group"]),
+        ("test_p2p_close_emu", ["test_launch_failure_aborts_the_group"]),
         "a refused kernel launch throws on its rank only: the peers wait in the call's kernel until "
         "their timeout"),
     "ring_loop_all_gather_sends_nothing_on": (
@@ -216,39 +216,39 @@ MUTATIONS = {
           "  (void)s;\n  RR_CUDA_CHECK(cudaMemcpy(dst, host.data(), host.size(), cudaMemcpyHostToDevice));"),
          ("  RR_CUDA_CHECK(cudaMemsetAsync(dst, byte, bytes, s));",
           "  (void)s;\n  RR_CUDA_CHECK(cudaMemset(dst, byte, bytes));")],
-        None, ("test_cuda_kernels_emu", ["test_deterministic", "test_replayed"]),
+        None, ("test_p2p_deterministic_emu", ["test_deterministic"]),
         "the test's own race (issue 35): inputs and outputs filled on the legacy stream, which the "
         "ranks' non-blocking streams do not wait for"),
     "registered_plan_past_the_end": (
         "csrc/cuda/p2p/registered.cpp",
         "    if (g.mapped && c >= base && c + bytes <= base + g.bytes) {",
         "    if (g.mapped && c >= base && c < base + g.bytes) {",
-        ("test_cuda_kernels_emu", ["test_registered"]),
+        ("test_p2p_registered_emu", ["test_registered"]),
         "a tensor that runs past its buffer's end is reduced in the peers' copies past theirs"),
     "fold_rounds_every_step": (
         "csrc/cuda/reduce.cuh",
         "        for (int k = 0; k < K; ++k) acc[u][k] = apply<Op>(acc[u][k], N::up(x[k]));",
         "        for (int k = 0; k < K; ++k) acc[u][k] = N::up(N::down(apply<Op>(acc[u][k], N::up(x[k]))));",
-        ("test_nccl_ring_emu", ["test_deterministic"]),
+        ("test_nccl_emu", ["test_deterministic"]),
         "the rank-order fold rounds fp16/bf16 after every rank instead of once"),
     "fold_unrolled_rereads_first_source": (
         "csrc/cuda/reduce.cuh",
         "      const uint4* sq = vsrc(q);",
         "      const uint4* sq = vsrc(0);",
-        ("test_cuda_kernels_emu", ["test_ring"]),
+        ("test_p2p_ring_emu", ["test_ring"]),
         "the fold's unrolled body (several loads in flight) reads the first source for every source"),
     "fold_unrolled_stores_one_lane": (
         "csrc/cuda/reduce.cuh",
         "      for (int d = 0; d < nd; ++d) __stcg(reinterpret_cast<uint4*>(dst[d] + head) + i + u * nthreads, r);",
         "      for (int d = 0; d < nd; ++d) __stcg(reinterpret_cast<uint4*>(dst[d] + head) + i, r);",
-        ("test_cuda_kernels_emu", ["test_ring"]),
+        ("test_p2p_ring_emu", ["test_ring"]),
         "the fold's unrolled body stores every lane's result at the first lane's index"),
     # The symmetric workspace kernel (csrc/cuda/p2p/sym_kernel.cu, issue 50).
     "sym_replay_after_close_notifies_peers": (
         "csrc/cuda/p2p/device.cuh",
         "  if (ld_relaxed_sys(&a.ctl->abort) != kCtlClosed) {",
         "  if (true) {",
-        ("test_cuda_kernels_emu", ["test_replay_after_close_of_a_pinned_ring"]),
+        ("test_p2p_close_emu", ["test_replay_after_close_of_a_pinned_ring"]),
         "a graph replayed after close writes its abort word into peers that may have freed it"),
     "sym_no_start_barrier_wait": (
         SYM_BARRIER, "    stop = sym_wait(a, &a.self->sym[k].arrived[q], v, &local);",
@@ -276,35 +276,35 @@ MUTATIONS = {
         "a thread raises the flag while others still copy the piece in"),
     "sym_header_unchecked": (
         SYM_BARRIER, "      const uint32_t cause = check_header(theirs, mine);",
-        "      const uint32_t cause = kOk;", ("test_cuda_kernels_emu", ["test_mismatch"]),
+        "      const uint32_t cause = kOk;", ("test_p2p_ring_emu", ["test_mismatch"]),
         "ranks making different calls read each other's workspaces as if they matched"),
     "sym_registered_tag_not_in_headers": (
         SYM, "    if (barrier(a, e0 + 1, kStart, 0, a.reg_tag, &s_claim)) {",
         "    if (barrier(a, e0 + 1, kStart, 0, 0, &s_claim)) {",
-        ("test_cuda_kernels_emu", ["test_registered_mismatch"]),
+        ("test_p2p_registered_emu", ["test_registered_mismatch"]),
         "ranks whose tensors sit at other offsets read and write each other's wrong elements, silently"),
     "sym_registered_no_end_barrier": (
         SYM, "      barrier(a, e0 + 1, kEnd, 0, a.reg_tag, &s_claim);", "",
-        ("test_cuda_kernels_emu", ["test_registered_result_in_stream_order"]),
+        ("test_p2p_registered_emu", ["test_registered_result_in_stream_order"]),
         "a rank's call ends while peers still write their results into its copy"),
     "sym_epochs_of_own_blocks_only": (
         "csrc/cuda/p2p/device.cuh", "    for (int k = blockIdx.x; k < kMaxSymBlocks; k += gridDim.x) a.self->sym[k].epoch.value = epoch;",
-        "    a.self->sym[blockIdx.x].epoch.value = epoch;", ("test_cuda_kernels_emu", ["test_epochs_stay_equal"]),
+        "    a.self->sym[blockIdx.x].epoch.value = epoch;", ("test_p2p_workspace_emu", ["test_epochs_stay_equal"]),
         "blocks a call did not use keep old epochs: a later call with more blocks waits for values "
         "its peers passed long ago, or passes barriers early"),
     "sym_vote_thread0_only": (
         SYM_BARRIER, "  return __syncthreads_or(stop != 0) == 0;",
         "  return __syncthreads_or(0) == 0 && (threadIdx.x != 0 || stop == 0);",
-        ("test_cuda_kernels_emu", ["test_mismatch", "test_timeout"]),
+        ("test_p2p_ring_emu", ["test_mismatch", "test_timeout"]),
         "only the thread that failed stops; the others go on to the next barrier"),
 
     "nccl_watchdog_queries_in_global_mode": (
         "csrc/cuda/nccl/watchdog.cpp", "  RelaxedCapture relaxed;  // this thread's queries, for its whole life\n", "",
-        ("test_nccl_ring_emu", ["test_watchdog_spares_a_capture"]),
+        ("test_nccl_emu", ["test_watchdog_spares_a_capture"]),
         "the watchdog's event queries invalidate a CUDA graph another thread captures (issue 51, finding 2)"),
     "close_forgets_failed_calls": (
         "csrc/cuda/p2p/failures.cpp", "  closed_failed_seq_ = failed_seq_locked();\n", "",
-        ("test_cuda_kernels_emu", ["test_failed_call_survives_close"]),
+        ("test_p2p_close_emu", ["test_failed_call_survives_close"]),
         "a Work waited on after close reports success for a call that failed on the device (issue 51, finding 4)"),
     # The narrow wire on the workspace (csrc/cuda/p2p/sym_wire.cu, issue 52).
     "wire_scale_of_one_lane": (
@@ -327,11 +327,11 @@ MUTATIONS = {
     "wire_overflow_not_told": (
         WIRE, "  if (threadIdx.x == 0) store1(span.count(blockIdx.x), static_cast<uint32_t>(any));",
         "  if (threadIdx.x == 0) store1(span.count(blockIdx.x), 0u);",
-        ("test_cuda_kernels_emu", ["test_wire_overflow"]),
+        ("test_p2p_wire_emu", ["test_wire_overflow"]),
         "an fp16 overflow is known only to the rank that rounded it"),
     "wire_not_in_header": (
         "csrc/cuda/p2p/device.cuh", "  h.op = static_cast<uint8_t>(a.op | a.wire << 4);", "  h.op = a.op;",
-        ("test_cuda_kernels_emu", ["test_wire_mismatch"]),
+        ("test_p2p_wire_emu", ["test_wire_mismatch"]),
         "ranks on different wires read each other's spans as their own type"),
     "wire_rs_grid_from_tensor_start": (
         WIRE,
@@ -377,61 +377,61 @@ MUTATIONS = {
     # Imported memory (issue 70): the prediction checked at the start barrier, and its release.
     "imported_peers_hash_unchecked": (
         SYM, "          right = right && tw[1] == a.tag_hash;", "",
-        ("test_cuda_kernels_emu", ["test_imported"]),
+        ("test_p2p_imported_emu", ["test_imported"]),
         "a rank whose tensor moved is read at its old memory by peers that predicted it"),
     "imported_reaper_closes_nothing": (
         "csrc/cuda/p2p/imports.cpp", "      if (owner == q && load_acquire(&board_->exp[q][id % kBoardSlots].id) != id) {",
-        "      if (false) {", ("test_cuda_kernels_emu", ["test_imported"]),
+        "      if (false) {", ("test_p2p_imported_emu", ["test_imported"]),
         "an allocation freed (and reused) while a peer still maps it: undefined in CUDA"),
     "imported_export_kept_after_free": (
         "csrc/cuda/p2p/imports.cpp", "      it = exports_.erase(it);\n      withdrew = true;",
-        "      ++it;\n      withdrew = true;", ("test_cuda_kernels_emu", ["test_imported"]),
+        "      ++it;\n      withdrew = true;", ("test_p2p_imported_emu", ["test_imported"]),
         "a withdrawn allocation's export stays: its hold is moved out and nothing refers to the memory "
         "again (the export is never shared anew, and the next tensor in it finds a hold-less export)"),
     # Issue 81: the release protocol, IPC beside a capture, stop_threads, a failed open.
     "imported_hold_dropped_before_peers_closed": (
         "csrc/cuda/p2p/imports.cpp",
         "      for (int q = 0; q < n && done; ++q) done = q == r || load_acquire(&board_->reaped[q][r]) >= k;",
-        "", ("test_cuda_kernels_emu", ["test_imported_release"]),
+        "", ("test_p2p_imported_emu", ["test_imported_release"]),
         "the owner frees (drops its hold) before every peer closed its mapping: undefined in CUDA"),
     "imported_pinned_peer_closes": (
         "csrc/cuda/p2p/imports.cpp", "    if (pins_->load() == 0)\n", "    if (true)\n",
-        ("test_cuda_kernels_emu", ["test_imported_release"]),
+        ("test_p2p_imported_emu", ["test_imported_release"]),
         "a ring a CUDA graph pins closes its mappings: the owner frees memory a captured launch reads"),
     "imported_close_frees_under_pin": (
         "csrc/cuda/p2p/endpoint.cpp", "  imported_.release(!keep && !replayable);", "  imported_.release(true);",
-        ("test_cuda_kernels_emu", ["test_imported_release"]),
+        ("test_p2p_imported_emu", ["test_imported_release"]),
         "a group closed while a peer maps the memory (close(false)) drops the holds: freed while mapped"),
     "reaper_close_in_global_capture_mode": (
         "csrc/cuda/p2p/imports.cpp",
         "  RelaxedCapture relaxed;  // beside a capture on another thread (torch.cuda.graph: global mode)\n", "",
-        ("test_cuda_kernels_emu", ["test_imports_beside_a_capture"]),
+        ("test_p2p_imported_emu", ["test_imports_beside_a_capture"]),
         "the reaper's IPC close in the thread's global capture mode invalidates another thread's capture"),
     "export_in_global_capture_mode": (
         "csrc/cuda/p2p/imports.cpp",
         "    RelaxedCapture relaxed;  // another thread may be capturing (this one is not: see prepare)\n", "",
-        ("test_cuda_kernels_emu", ["test_imports_beside_a_capture"]),
+        ("test_p2p_imported_emu", ["test_imports_beside_a_capture"]),
         "a first export's cudaIpcGetMemHandle in global capture mode invalidates another thread's capture"),
     "stop_threads_leaves_reaper": (
         "csrc/cuda/p2p/endpoint.cpp", "  imported_.stop();  // its IPC closes", "  // its IPC closes",
-        ("test_cuda_kernels_emu", ["test_no_cuda_call_after_stop_threads"]),
+        ("test_p2p_close_emu", ["test_no_cuda_call_after_stop_threads"]),
         "a communicator left to the process's exit keeps calling CUDA from its reaper during teardown"),
     "failed_open_retried": (
         "csrc/cuda/p2p/imports.cpp", "  if (unmappable_.count({q, id})) return nullptr;\n", "",
-        ("test_cuda_kernels_emu", ["test_failed_open_remembered"]),
+        ("test_p2p_imported_emu", ["test_failed_open_remembered"]),
         "a peer's allocation that cannot be mapped is opened again on every call"),
     "imported_in_place_without_end_barrier": (
         SYM, "      barrier(a, e0 + 1, kEnd, 0, 0, &s_claim);", "",
-        ("test_cuda_kernels_emu", ["test_imported_result_in_stream_order"]),
+        ("test_p2p_imported_emu", ["test_imported_result_in_stream_order"]),
         "a rank returns (and its caller reads the tensor) while peers still write their results into it"),
     # Issue 81 item 2: the LL flag never matches a stale word.
     "ll_flag_is_the_count_cut_to_32_bits": (
         "csrc/cuda/p2p/layout.h", "return static_cast<uint32_t>(k) | 1u;", "return static_cast<uint32_t>(k);",
-        ("test_cuda_kernels_emu", ["test_ll_flag_wrap"]),
+        ("test_p2p_ll_emu", ["test_ll_flag_wrap"]),
         "at LL call 2^32 the flag is 0, the value of a word never written: a peer's data read before it came"),
     "ll_slots_never_wiped": (
         "csrc/cuda/p2p/ll_kernel.cu", "  if (blockIdx.x == 0 && ll_wipes(k)) {", "  if (false) {",
-        ("test_cuda_kernels_emu", ["test_ll_flag_wrap"]),
+        ("test_p2p_ll_emu", ["test_ll_flag_wrap"]),
         "words older than 2^32 LL calls stay in a slot, where their flag comes round again"),
     # The LL one-shot (issue 71): a word says it arrived only if data and flag land as one store.
     "ll_flag_in_a_separate_store": (
@@ -445,23 +445,23 @@ MUTATIONS = {
         "    st_relaxed_sys(w32 + 1, flag);\n"
         "  }\n"
         "  return;\n",
-        ("test_cuda_kernels_emu", ["weak_ll"]),
+        ("test_p2p_ll_emu", ["weak_ll"]),
         "the flag lands before its data (two stores): a peer folds the slot's old bytes"),
     "ll_parity_reused_one_call_early": (
         "csrc/cuda/p2p/ll_kernel.cu", "((k & 1) * a.nranks + src) * a.ll_slot", "(0 * a.nranks + src) * a.ll_slot",
-        ("test_cuda_kernels_emu", ["test_ll_back_to_back"]),
+        ("test_p2p_ll_emu", ["test_ll_back_to_back"]),
         "a rank ahead by a call overwrites the words its peers still wait for"),
     "ll_line_read_before_its_flag": (
         "csrc/cuda/p2p/ll_kernel.cu",
         [("  *local = true;\n  uint64_t w0, w1, w2 = 0, w3 = 0;",
           "  *local = true;\n  const uint64_t early0 = ld_ll(p);\n  uint64_t w0, w1, w2 = 0, w3 = 0;"),
          ("  d->x = static_cast<uint32_t>(w0);", "  d->x = static_cast<uint32_t>(early0);")], None,
-        ("test_cuda_kernels_emu", ["test_ll", "test_ll_back_to_back"]),
+        ("test_p2p_ll_emu", ["test_ll", "test_ll_back_to_back"]),
         "the data read before its flag said it arrived: the previous call's bytes"),
     "sym_blocks_not_in_header": (
         SYM_BARRIER, "static_cast<uint32_t>(piece & 0xffffff) | (static_cast<uint32_t>(gridDim.x) << 24);",
         "static_cast<uint32_t>(piece & 0xffffff);",
-        ("test_cuda_kernels_emu", ["test_block_counts_must_agree"]),
+        ("test_p2p_workspace_emu", ["test_block_counts_must_agree"]),
         "ranks that cut a call between other numbers of blocks read parts not yet written (review finding 1)"),
 }
 

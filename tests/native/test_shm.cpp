@@ -496,5 +496,5 @@ int main() {
   algorithm_mismatch(true);
   mismatch();
   timeout();
-  return finish("test_ring");
+  return finish("test_shm");
 }
