@@ -9,8 +9,12 @@ find_package(CUDAToolkit REQUIRED)
 set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 
+# The nccl transport's host code needs NCCL's headers, which the GPU native test does without (a
+# pip install of torch does not always bring them): the host sources but those.
+set(RR_CUDA_HOST_NO_NCCL ${RR_CUDA_HOST_SOURCES})
+list(FILTER RR_CUDA_HOST_NO_NCCL EXCLUDE REGEX "/csrc/cuda/nccl/")
 add_library(ringreduce_cuda STATIC csrc/cuda/nccl/reduce.cu csrc/cuda/p2p/ring_kernel.cu csrc/cuda/p2p/sym_kernel.cu csrc/cuda/p2p/sym_wire.cu csrc/cuda/p2p/ll_kernel.cu csrc/cuda/hier/divide.cu csrc/cuda/hier/wire.cu
-            ${RR_CUDA_HOST_SOURCES})
+            ${RR_CUDA_HOST_NO_NCCL})
 target_link_libraries(ringreduce_cuda PUBLIC ringreduce_core CUDA::cudart)
 # --expt-relaxed-constexpr: as setup.py passes it (constexpr host helpers in device code).
 target_compile_options(ringreduce_cuda PRIVATE
