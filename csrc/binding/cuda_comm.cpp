@@ -337,26 +337,26 @@ py::object CudaComm::run(const Call& c, const std::vector<at::Tensor>& tensors, 
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
   }
   if (!captured) follow(s, cur);
-  const Algo algo = t.plan(c);  // planned once: the recorder, the hold below, and run()
+  const Plan plan = t.plan(c);  // planned once: the recorder, the hold below, and run()
   uint64_t seq = 0;
   if (rec_ && rec_->on()) {  // started = enqueued; the device says when it ended
     const int64_t now = runtime::now_ns();
-    seq = rec_->begin(coll_name(c.coll), dtype_name(c.dtype), op_name(c.op), algo_name(algo), c.numel,
+    seq = rec_->begin(coll_name(c.coll), dtype_name(c.dtype), op_name(c.op), algo_name(plan.algo), c.numel,
                       static_cast<uint64_t>(c.numel) * dtype_size(c.dtype), runtime::current_source(),
                       now, now);
   }
   try {
     if (caps.run_waits) {
       py::gil_scoped_release nogil;  // may wait on the host until its work is enqueued
-      t.run(c, s);
+      t.run(c, plan, s);
     } else {
-      t.run(c, s);
+      t.run(c, plan, s);
     }
   } catch (...) {
     if (!rec_) throw;
     rec_->rethrow_failed(seq);
   }
-  if (algo == Algo::Imported) {
+  if (plan.in_place) {
     const std::string note = t.take_note();
     if (!note.empty())
       TORCH_WARN("ringreduce: ", note, " (said once per communicator)");
@@ -381,7 +381,7 @@ py::object CudaComm::run(const Call& c, const std::vector<at::Tensor>& tensors, 
     // marks the call's end for the next call on another stream, and for join().
     C10_CUDA_CHECK(cudaEventRecord(after_, cur));
     tail_ = cur;
-    if (algo == Algo::Registered || algo == Algo::Imported) {
+    if (plan.in_place) {
       try {
         hold(tensors, cur, &finished);
       } catch (...) {  // not held: the buffer must outlive the kernel before its release

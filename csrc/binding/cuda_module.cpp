@@ -17,11 +17,10 @@ namespace {
 namespace rc = ringreduce::cuda;
 
 // The p2p endpoint behind c, for what only that transport has (IPC handles, shared buffers, the
-// copy algorithm, its tuning).
-// The two-level transport's is its host's ring (its ranks map each other).
+// copy algorithm, its tuning): the transport that serves this host's ranks (Transport::local; the
+// two-level transport answers with its host's ring). The binding's one downcast.
 rc::p2p::Endpoint& p2p_of(CudaComm& c) {
-  if (auto* h = dynamic_cast<rc::hier::Endpoint*>(&c.transport())) return h->intra();
-  auto* e = dynamic_cast<rc::p2p::Endpoint*>(&c.transport());
+  auto* e = dynamic_cast<rc::p2p::Endpoint*>(&c.transport().local());
   TORCH_CHECK(e != nullptr, "ringreduce: this communicator runs ", c.transport().name(),
               "; only the p2p transport has this");
   return *e;

@@ -56,6 +56,21 @@ struct Call {
   const void* owner = nullptr;
 };
 
+// How one call runs, as its transport planned it (Transport::plan; the same on every rank for the
+// same call), taken by Transport::run. algo names it (the flight recorder's column); in_place: it
+// reads the peers' tensors where they lie, so the caller holds the tensors' memory until the call
+// ends (their release unmaps what the peers' kernels read). The rest is the transport's own (p2p:
+// blocks, the slice or piece in elements, slices or pieces, the registered buffer and offset).
+struct Plan {
+  Algo algo = Algo::Auto;
+  int blocks = 1;
+  int64_t slice_elems = 1;
+  int64_t steps = 1;
+  int reg = -1;
+  uint64_t reg_offset = 0;
+  bool in_place = false;
+};
+
 // RINGREDUCE_DETERMINISTIC=1 / rr.set_deterministic(True): every all_reduce and reduce_scatter of
 // every transport reduces each element in rank order, ((x0 op x1) op x2) ..., in the dtype's
 // accumulation type (fp16/bf16: fp32), rounded once: the same bits whatever the size, slicing or

@@ -41,12 +41,20 @@ class Transport {
   virtual const char* name() const = 0;  // "shm", "p2p", "nccl": for messages
   virtual Caps caps() const = 0;
   virtual int nranks() const = 0;
-  // The algorithm run() will use for c (the same on every rank for the same call).
-  virtual Algo plan(const Call& c) = 0;
-  // Runs call c: enqueued on `stream` (a cudaStream_t) by a device transport, run on this thread by
-  // a host one (stream ignored). Throws RingError when the transport is broken or closed, or the
-  // call cannot run; a failure a device meets later is seen by failure().
-  virtual void run(const Call& c, void* stream) = 0;
+  // How c will run (the same on every rank for the same call): the caller plans each call once
+  // (its recorder names the algorithm; an in-place plan makes it hold the tensors) and passes the
+  // plan to run(). May throw where the call cannot run (a deterministic call the group cannot run).
+  virtual Plan plan(const Call& c) = 0;
+  // Runs call c by plan p (plan(c)'s): enqueued on `stream` (a cudaStream_t) by a device
+  // transport, run on this thread by a host one (stream ignored). Throws RingError when the
+  // transport is broken or closed, or the call cannot run; a failure a device meets later is seen
+  // by failure().
+  virtual void run(const Call& c, const Plan& p, void* stream) = 0;
+  // Plans and runs c (transports that call one another, tests).
+  void run(const Call& c, void* stream) { run(c, plan(c), stream); }
+  // The transport that serves this host's ranks: itself, or (two-level) the one inside the host;
+  // what the binding reaches for a transport's own methods.
+  virtual Transport& local() { return *this; }
   // The first failure, or "" while there is none.
   virtual std::string failure() = 0;
   // The op_seq of the first call that failed, or 0: it and every later call failed.

@@ -28,8 +28,14 @@ class Endpoint : public runtime::Transport {
   const char* name() const override { return "shm"; }
   runtime::Caps caps() const override;
   int nranks() const override { return nranks_; }
-  Algo plan(const Call& c) override { return protocol().choose(c); }
-  void run(const Call& c, void* /*stream*/) override { protocol().run(c); }
+  Plan plan(const Call& c) override {
+    Plan p;
+    p.algo = protocol().choose(c);
+    return p;
+  }
+  // The protocol plans again, as it must for a pool buffer's call (ShmComm drives it directly).
+  void run(const Call& c, const Plan& /*p*/, void* /*stream*/) override { protocol().run(c); }
+  using Transport::run;
   std::string failure() override;
   uint64_t failed_seq() override { return ring_ ? ring_->failed_seq() : 0; }
   void abort(const std::string& why) override;

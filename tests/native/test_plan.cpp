@@ -222,7 +222,7 @@ void test_in_place_memory() {
   board.board = true;
   Plan p = plan(in_place(big), o, true, reg);
   CHECK(p.algo == rr::Algo::Registered && p.reg == 2 && p.reg_offset == 4096 && p.steps == 1 &&
-            p.slice_elems == big && uses_tensor(p),
+            p.slice_elems == big && p.in_place,
         "registered: %s reg %d offset %llu", rr::algo_name(p.algo), p.reg, (unsigned long long)p.reg_offset);
   CHECK(plan(in_place(big), o, true, board).algo == rr::Algo::Imported, "board: not imported");
   CHECK(plan(in_place(small), o, true, reg).algo != rr::Algo::Registered, "small tensor registered");
@@ -231,11 +231,11 @@ void test_in_place_memory() {
         rr::algo_name(plan(in_place(big), o, false, reg).algo));
   rr::Call apart = in_place(big);
   apart.out = buf + 1;
-  CHECK(!uses_tensor(plan(apart, o, true, reg)) && !uses_tensor(plan(apart, o, true, board)), "out of place in place");
+  CHECK(!plan(apart, o, true, reg).in_place && !plan(apart, o, true, board).in_place, "out of place in place");
   rr::Call wire = in_place(big);
   wire.wire = rr::Wire::BF16;
-  CHECK(!uses_tensor(plan(wire, o, true, board)), "a wire call imported");
-  CHECK(!uses_tensor(plan(in_place(big), o, true)), "no memory, yet in place");
+  CHECK(!plan(wire, o, true, board).in_place, "a wire call imported");
+  CHECK(!plan(in_place(big), o, true).in_place, "no memory, yet in place");
   Options forced = o;
   forced.algo = rr::Algo::TwoShot;
   CHECK(plan(in_place(big), forced, true, reg).algo == rr::Algo::TwoShot, "a forced algorithm lost its meaning");

@@ -85,13 +85,17 @@ runtime::Caps Endpoint::caps() const {
   return k;
 }
 
-Algo Endpoint::plan(const Call& c) {
+runtime::Transport& Endpoint::local() { return *intra_; }
+
+Plan Endpoint::plan(const Call& c) {
   (void)c;
   if (deterministic())
     throw RingError("ringreduce: deterministic mode reduces in rank order, which the two-level plan "
                     "(each host's partial sum first) cannot: this group must run the flat nccl ring "
                     "(RINGREDUCE_TRANSPORT=nccl, or set deterministic mode before the group's first call)");
-  return Algo::TwoLevel;
+  Plan p;
+  p.algo = Algo::TwoLevel;
+  return p;
 }
 
 std::string Endpoint::failure() {

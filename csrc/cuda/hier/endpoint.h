@@ -77,8 +77,10 @@ class Endpoint : public runtime::Transport {
   const char* name() const override { return "hier"; }
   runtime::Caps caps() const override;
   int nranks() const override { return layout_.nranks; }
-  Algo plan(const Call& c) override;
-  void run(const Call& c, void* stream) override { run(c, static_cast<cudaStream_t>(stream)); }
+  Plan plan(const Call& c) override;
+  void run(const Call& c, const Plan& /*p*/, void* stream) override { run(c, static_cast<cudaStream_t>(stream)); }
+  // The p2p endpoint inside the host serves this host's ranks.
+  Transport& local() override;
   std::string failure() override;
   uint64_t failed_seq() override;
   void poll() override { cross_->poll(); }

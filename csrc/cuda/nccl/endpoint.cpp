@@ -215,7 +215,7 @@ runtime::Caps Endpoint::caps() const {
   return k;
 }
 
-void Endpoint::run(const Call& c, cudaStream_t stream) {
+void Endpoint::run(const Call& c, Algo algo, cudaStream_t stream) {
   if (closed_) throw RingError("ringreduce: nccl communicator is closed");
   const int n = opt_.nranks;
   runtime::check_call(c, n, failure());
@@ -227,9 +227,6 @@ void Endpoint::run(const Call& c, cudaStream_t stream) {
   if (capture != cudaStreamCaptureStatusNone)
     throw RingError("ringreduce: the nccl transport cannot run inside a CUDA graph capture; use "
                     "RINGREDUCE_TRANSPORT=p2p (capture-safe) or call the collective outside the capture");
-  // Before the call is counted: a call deterministic mode cannot run throws on every rank alike
-  // (the plan depends only on the call and the options), and the ranks stay in step.
-  const Algo algo = nccl::plan(c, opt_);
   std::lock_guard<std::mutex> lk(mu_);
   // Earlier calls first: an NCCL error they left is theirs, and raises here before this call.
   const std::string earlier = retire_locked();

@@ -64,14 +64,21 @@ class Endpoint : public runtime::Transport {
 
   // Enqueues one collective on stream. Throws RingError when the ring is broken or NCCL fails, and
   // when stream is capturing a CUDA graph (not capture-safe: see run()).
-  void run(const Call& c, cudaStream_t stream);
+  // Before the call is counted: a call deterministic mode cannot run throws in its plan, on every
+  // rank alike (the plan depends only on the call and the options), and the ranks stay in step.
+  void run(const Call& c, cudaStream_t stream) { run(c, nccl::plan(c, opt_), stream); }
+  void run(const Call& c, Algo algo, cudaStream_t stream);
 
   // runtime::Transport
   const char* name() const override { return "nccl"; }
   runtime::Caps caps() const override;
   int nranks() const override { return opt_.nranks; }
-  Algo plan(const Call& c) override { return nccl::plan(c, opt_); }
-  void run(const Call& c, void* stream) override { run(c, static_cast<cudaStream_t>(stream)); }
+  Plan plan(const Call& c) override {
+    Plan p;
+    p.algo = nccl::plan(c, opt_);
+    return p;
+  }
+  void run(const Call& c, const Plan& p, void* stream) override { run(c, p.algo, static_cast<cudaStream_t>(stream)); }
   int call_state(uint64_t seq, int64_t* done_ns) override {
     return static_cast<int>(calls_.state(seq, done_ns));
   }

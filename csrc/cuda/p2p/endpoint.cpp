@@ -125,26 +125,6 @@ runtime::Caps Endpoint::caps() const {
   return k;
 }
 
-// The same call as plan()'s: every field (a Call is plain values).
-static bool same_call(const Call& a, const Call& b) {
-  return a.coll == b.coll && a.dtype == b.dtype && a.op == b.op && a.numel == b.numel && a.in == b.in &&
-         a.out == b.out && a.wire == b.wire;
-}
-
-Algo Endpoint::plan(const Call& c) {
-  if (opt_.nranks < 2) return Algo::Auto;
-  planned_ = plan_of(c);
-  planned_call_ = c;
-  has_planned_ = true;
-  return planned_.algo;
-}
-
-void Endpoint::run(const Call& c, void* stream) {
-  const bool reuse = has_planned_ && same_call(c, planned_call_);
-  has_planned_ = false;
-  run(c, static_cast<cudaStream_t>(stream), reuse ? &planned_ : nullptr);
-}
-
 void Endpoint::run(const Call& c, cudaStream_t stream, const Plan* plan) {
   if (closed_ || unmapped_) throw closed_error();
   const int n = opt_.nranks;

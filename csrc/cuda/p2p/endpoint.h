@@ -62,16 +62,15 @@ class Endpoint : public runtime::Transport {
   // cannot run it (see plan()); a failure inside the kernel is seen later by failure().
   // Capture-safe (CUDA graphs): no host synchronisation, and the kernels take where each FIFO and
   // epoch counter stands from device memory, so a replayed launch continues where the group is.
-  // plan: plan_of(c) if the caller has it already (the binding's flight recorder), else computed.
+  // plan: plan(c)'s if the caller has it already (the binding plans each call once), else computed.
   void run(const Call& c, cudaStream_t stream, const Plan* plan = nullptr);
 
-  // runtime::Transport. plan() keeps the plan it made for the run() of the same call that follows
-  // (the binding plans each call once: for its recorder and its hold, then runs it).
+  // runtime::Transport.
   const char* name() const override { return "p2p"; }
   runtime::Caps caps() const override;
   int nranks() const override { return opt_.nranks; }
-  Algo plan(const Call& c) override;
-  void run(const Call& c, void* stream) override;
+  Plan plan(const Call& c) override { return opt_.nranks < 2 ? Plan{} : plan_of(c); }
+  void run(const Call& c, const Plan& p, void* stream) override { run(c, static_cast<cudaStream_t>(stream), &p); }
   bool open() const override { return !closed_ && !unmapped_; }
   int call_state(uint64_t seq, int64_t* done_ns) override {
     return static_cast<int>(calls_.state(seq, done_ns));
@@ -228,9 +227,6 @@ class Endpoint : public runtime::Transport {
   int device_ = current_device();  // the device current at construction (before the parts)
   AreaLayout layout_ = area_layout(opt_);
   int up_ = 0, down_ = 0;
-  Call planned_call_{};   // plan()'s call and its plan, for the run() that follows
-  Plan planned_{};
-  bool has_planned_ = false;
   bool closed_ = false;
   bool unmapped_ = false;  // unmap_peers() ran: the ring runs nothing more
   bool maps_kept_ = false;  // closed under a graph pin: the peers stay mapped until exit

@@ -244,8 +244,10 @@ Plan plan(const Call& c, const Options& o, bool direct, const Memory& m) {
     p.steps = 1;
     p.reg = m.reg;
     p.reg_offset = m.reg_offset;
+    p.in_place = true;
   } else if (m.board && p.algo == Algo::TwoShot) {
     p.algo = Algo::Imported;  // the two-shot plan for the calls that go through the workspace
+    p.in_place = true;
   }
   return p;
 }

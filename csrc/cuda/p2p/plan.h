@@ -50,15 +50,10 @@ struct Options {
 void check_options(const Options& o);
 void check_sym_blocks(int blocks);
 
-// How one call runs: the algorithm, its blocks, and its slice/piece size in elements.
-struct Plan {
-  Algo algo;
-  int blocks;
-  int64_t slice_elems;  // ring: slice; symmetric workspace: piece (SymArgs::chunk_elems); copy: piece
-  int64_t steps;        // ring: slices per channel; symmetric workspace and copy: pieces
-  int reg = -1;          // Registered: the buffer's index
-  uint64_t reg_offset = 0;  // and the tensor's byte offset in it
-};
+// How one call runs: ringreduce::Plan (ring/call.h): the algorithm, its blocks, the ring's slice or
+// a workspace call's piece in elements (SymArgs::chunk_elems; copy: its piece), slices per channel
+// or pieces, and a Registered call's buffer and byte offset.
+using Plan = ringreduce::Plan;
 // Where a call's tensor lies, as the endpoint found it (the same on every rank for the same call):
 // in registered buffer `reg` at byte `reg_offset` (-1: in none), and whether the group's imported
 // memory board is attached (an ordinary tensor may then be imported).
@@ -74,12 +69,10 @@ struct Memory {
 // runs the ring (a forced ring runs as Auto); where the others are impossible (!direct) plan throws
 // RingError saying why and what to use instead.
 // An all_reduce in place of a tensor larger than auto's one-shot threshold, under Auto, runs in
-// the tensor's own memory where it can (uses_tensor()): Registered in a registered buffer (m.reg),
+// the tensor's own memory where it can (Plan::in_place): Registered in a registered buffer (m.reg),
 // else Imported where the board is attached and the call would run two-shot.
 Plan plan(const Call& c, const Options& o, bool direct, const Memory& m = {});
-// Whether a plan reads the peers' tensors in place: the caller holds the tensor's memory until
-// the call ends (its release unmaps what the peers' kernels read).
-inline bool uses_tensor(const Plan& p) { return p.algo == Algo::Registered || p.algo == Algo::Imported; }
+
 // Auto's one-shot threshold (bytes of the full tensor) from the alpha-beta model of
 // benchmarks/gpu_cost.py (not from GPU timings): one-shot while its extra remote bytes, (n-1) x
 // size against two-shot's 2(n-1)/n x size, cost less than the barrier it saves.
