@@ -42,6 +42,18 @@ inline const char* algo_name(Algo a) {
   return a < Algo::kCount ? names[static_cast<int>(a)] : "unknown";
 }
 
+// RINGREDUCE_DETERMINISTIC=1 / rr.set_deterministic(True): every all_reduce and reduce_scatter of
+// every transport reduces each element in rank order, ((x0 op x1) op x2) ..., in the dtype's
+// accumulation type (fp16/bf16: fp32), rounded once: the same bits whatever the size, slicing or
+// algorithm. Process-wide, and a bit of every Call (Call::deterministic, the mode when the call
+// was made): the planners read the call's bit, never this flag.
+inline std::atomic<bool>& deterministic_flag() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+inline bool deterministic() { return deterministic_flag().load(std::memory_order_relaxed); }
+inline void set_deterministic(bool on) { deterministic_flag().store(on, std::memory_order_relaxed); }
+
 struct Call {
   Coll coll;
   DType dtype;
@@ -54,6 +66,9 @@ struct Call {
   // Who owns in's memory, opaque (the binding: the tensor's c10::StorageImpl), for a transport that
   // shares that memory with its peers and must keep it from being freed meanwhile (p2p's imports).
   const void* owner = nullptr;
+  // Reduce in rank order (deterministic mode): the process's mode when the call is made (the
+  // binding's calls and the tests' alike); a transport's own sub-calls copy their call's.
+  bool deterministic = ringreduce::deterministic();
 };
 
 // How one call runs, as its transport planned it (Transport::plan; the same on every rank for the
@@ -70,17 +85,6 @@ struct Plan {
   uint64_t reg_offset = 0;
   bool in_place = false;
 };
-
-// RINGREDUCE_DETERMINISTIC=1 / rr.set_deterministic(True): every all_reduce and reduce_scatter of
-// every transport reduces each element in rank order, ((x0 op x1) op x2) ..., in the dtype's
-// accumulation type (fp16/bf16: fp32), rounded once: the same bits whatever the size, slicing or
-// algorithm. Process-wide; each transport reads it when it plans a call.
-inline std::atomic<bool>& deterministic_flag() {
-  static std::atomic<bool> flag{false};
-  return flag;
-}
-inline bool deterministic() { return deterministic_flag().load(std::memory_order_relaxed); }
-inline void set_deterministic(bool on) { deterministic_flag().store(on, std::memory_order_relaxed); }
 
 namespace ring {
 // FIFO depth per rank of the flag protocol (shared memory and CUDA IPC). Any depth >= 3 cannot

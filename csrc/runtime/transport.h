@@ -24,7 +24,7 @@ struct Caps {
   bool capture_safe = false;
   // Runs calls with a narrow wire (Call::wire).
   bool wire = false;
-  // Honours deterministic mode (ringreduce::deterministic(): rank-order bits at every size).
+  // Honours deterministic mode (Call::deterministic: rank-order bits at every size).
   bool deterministic = true;
   // Closes in two phases (unmap_peers, a barrier, close(true)): peers map this rank's memory.
   bool two_phase_close = false;

@@ -352,7 +352,7 @@ Algo Protocol::choose(const Call& c, const Pool* pool) const {
     for (const Step& s : opt_.steps)
       if (bytes >= s.from_bytes) big = s.algo;
   if (opt_.algo == Algo::Cma) return Algo::Cma;  // rank order as well
-  if (deterministic()) {  // rank order whatever RINGREDUCE_ALGO says
+  if (c.deterministic) {  // rank order whatever RINGREDUCE_ALGO says
     if (opt_.algo == Algo::OneShot && ar) return Algo::OneShot;
     if (opt_.algo == Algo::TwoShot) return Algo::TwoShot;
     if (small) return Algo::OneShot;

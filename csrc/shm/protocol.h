@@ -151,7 +151,7 @@ class Protocol {
   // The first call that failed (it and every later one did), or 0.
   uint64_t failed_seq() const { return failed_seq_; }
   int nranks() const { return opt_.nranks; }
-  // The algorithm run() uses for c (Auto resolved; rank order when ringreduce::deterministic()).
+  // The algorithm run() uses for c (Auto resolved; rank order when c.deterministic).
   Algo choose(const Call& c, const Pool* pool = nullptr) const;
   // Replaces Options::steps; before the first call, the same on every rank.
   void set_steps(std::vector<Step> steps) { opt_.steps = std::move(steps); }

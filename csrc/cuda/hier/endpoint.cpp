@@ -88,8 +88,7 @@ runtime::Caps Endpoint::caps() const {
 runtime::Transport& Endpoint::local() { return *intra_; }
 
 Plan Endpoint::plan(const Call& c) {
-  (void)c;
-  if (deterministic())
+  if (c.deterministic)
     throw RingError("ringreduce: deterministic mode reduces in rank order, which the two-level plan "
                     "(each host's partial sum first) cannot: this group must run the flat nccl ring "
                     "(RINGREDUCE_TRANSPORT=nccl, or set deterministic mode before the group's first call)");

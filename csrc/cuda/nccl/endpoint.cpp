@@ -26,7 +26,7 @@ constexpr auto kMaxPollSleep = std::chrono::microseconds(256);
 
 }  // namespace
 
-Algo plan(const Call& c, const Options& o) { return plan(c, o, deterministic()); }
+Algo plan(const Call& c, const Options& o) { return plan(c, o, c.deterministic); }
 
 std::string Endpoint::seconds(double s) {
   char t[32];

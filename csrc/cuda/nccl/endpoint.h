@@ -9,7 +9,7 @@
 // - ring (large): step s is ncclGroupStart; ncclSend; ncclRecv; ncclGroupEnd into a staging buffer,
 //   then our reduce kernel; one flow per rank, to its neighbour.
 // NCCL is the libnccl.so.2 the process already has (torch's: library.h). Torch-free.
-// Deterministic mode (ringreduce::deterministic()): all_reduce and reduce_scatter run one-shot or
+// Deterministic mode (Call::deterministic): all_reduce and reduce_scatter run one-shot or
 // two-shot only, whose fold gives the bits of the rank-order reduction at every size and slicing.
 // Mismatched calls: each call starts with a group of its own that exchanges a 32-byte call
 // descriptor (descriptor.h) with every peer, whatever the algorithm, so that it completes even where the
@@ -51,7 +51,7 @@ int version(const std::string& lib);
 // A new ncclUniqueId, as bytes for the store.
 std::string unique_id(const std::string& lib);
 
-// plan(c, o, deterministic()): the plan in the mode the process is in now.
+// plan(c, o, c.deterministic): the plan in the mode the call was made in.
 Algo plan(const Call& c, const Options& o);
 
 class Endpoint : public runtime::Transport {

@@ -140,7 +140,7 @@ Plan plain_plan(const Call& c, const Options& o, bool direct) {
   // ring starts each chunk at another rank), so a forced ring gives way to them; where they cannot
   // run, the call fails rather than run the ring with other bits. direct is the same on every
   // rank, so every rank throws alike.
-  const bool det = deterministic() && c.coll != Coll::AllGather && n > 1;
+  const bool det = c.deterministic && c.coll != Coll::AllGather && n > 1;
   if (det && !direct)
     throw RingError(
         std::string("ringreduce: deterministic ") + coll_name(c.coll) +

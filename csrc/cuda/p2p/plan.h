@@ -65,7 +65,7 @@ struct Memory {
 // The same inputs give the same plan on every rank. direct: the symmetric workspace algorithms are
 // possible (every rank maps every other, nranks <= kMaxPeers); where they are not, every call runs
 // the ring. Auto: one-shot up to the threshold (all_reduce), else two-shot; the ring only when
-// forced. Deterministic mode (ringreduce::deterministic()): an all_reduce or reduce_scatter never
+// forced. Deterministic mode (Call::deterministic): an all_reduce or reduce_scatter never
 // runs the ring (a forced ring runs as Auto); where the others are impossible (!direct) plan throws
 // RingError saying why and what to use instead.
 // An all_reduce in place of a tensor larger than auto's one-shot threshold, under Auto, runs in
