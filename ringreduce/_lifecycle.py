@@ -146,7 +146,7 @@ def host_id():
 # The file SIGUSR1 writes this process's Python stacks to (RINGREDUCE_TRACE_SIGNAL=1), or None.
 STACK_FILE = None
 # Operation codes (ringreduce.collectives) by name, as the recorder writes them.
-OP_NAMES = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
+OP_NAMES = tuple(sorted(_C.OP_CODES, key=_C.OP_CODES.get))  # by code (csrc/ring/types.h)
 
 
 class traced_source:
@@ -427,7 +427,7 @@ class Communicator:
 
     def _check_open(self):
         if self._closed:
-            raise RingReduceError("ringreduce: communicator is closed")
+            raise RingReduceError(_C.CLOSED_MESSAGE)
 
     # -- the worker ----------------------------------------------------------------------------
     def _submit(self, job, result, make_future, inline):

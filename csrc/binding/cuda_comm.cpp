@@ -128,7 +128,7 @@ CudaComm::~CudaComm() {
 }
 
 runtime::Transport& CudaComm::transport() {
-  if (!shared_->t || shared_->t->closed()) throw RingError("ringreduce: communicator is closed");
+  if (!shared_->t || shared_->t->closed()) throw closed_error();
   return *shared_->t;
 }
 
@@ -138,18 +138,18 @@ void CudaComm::check(const at::Tensor& t, const char* arg) {
   TORCH_CHECK_VALUE(t.is_contiguous(), "ringreduce: ", arg, " must be contiguous");
 }
 
-Wire CudaComm::wire_of(int wire, const at::Tensor& t, int op, const char* arg) {
+Wire CudaComm::wire_of(Coll coll, int wire, const at::Tensor& t, int op, const char* arg) {
   const Wire w = to_wire(wire, t, op, arg);
-  TORCH_CHECK_VALUE(w == Wire::None || shared_->caps.wire, "ringreduce: wire_dtype runs on the p2p "
-                    "transport; this group runs ", shared_->t ? shared_->t->name() : "a closed one",
-                    " (RINGREDUCE_TRANSPORT=p2p where every GPU maps its peers)");
+  const std::string why = runtime::wire_refusal(shared_->caps, shared_->t ? shared_->t->name() : "closed",
+                                                coll, w);
+  TORCH_CHECK_NOT_IMPLEMENTED(why.empty(), "ringreduce: ", why);
   return w;
 }
 
 py::object CudaComm::all_reduce(at::Tensor t, int op, bool async_op, int wire) {
   check(t, "tensor");
   return run({Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), t.data_ptr(), t.data_ptr(),
-              wire_of(wire, t, op, "tensor"), t.storage().unsafeGetStorageImpl()}, {t}, async_op);
+              wire_of(Coll::AllReduce, wire, t, op, "tensor"), t.storage().unsafeGetStorageImpl()}, {t}, async_op);
 }
 
 py::object CudaComm::reduce_scatter(at::Tensor out, at::Tensor in, int op, bool async_op, int wire) {
@@ -160,7 +160,7 @@ py::object CudaComm::reduce_scatter(at::Tensor out, at::Tensor in, int op, bool 
   TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, "ringreduce: input has ", in.numel(),
                     " elements; expected output.numel() * world size = ", out.numel() * nranks_);
   return run({Coll::ReduceScatter, to_dtype(in, "input"), to_op(op), in.numel(), in.data_ptr(),
-              out.data_ptr(), wire_of(wire, in, op, "input")}, {out, in}, async_op);
+              out.data_ptr(), wire_of(Coll::ReduceScatter, wire, in, op, "input")}, {out, in}, async_op);
 }
 
 py::object CudaComm::all_gather(at::Tensor out, at::Tensor in, bool async_op) {
@@ -307,7 +307,7 @@ py::object CudaComm::run(const Call& c, const std::vector<at::Tensor>& tensors, 
   std::vector<Tensors> finished;
   std::unique_lock<std::mutex> calls = lock_calls();
   // Closed, or a close in progress: refused before the recorder sees the call.
-  if (shared_->t && !shared_->t->open()) throw RingError("ringreduce: communicator is closed");
+  if (shared_->t && !shared_->t->open()) throw closed_error();
   runtime::Transport& t = transport();  // after the lock: "closed" if close() ran first
   const runtime::Caps& caps = shared_->caps;
   c10::cuda::CUDAGuard guard(device_);
@@ -489,7 +489,7 @@ void CudaComm::pin_for_graph(cudaStream_t cur) {
 std::unique_ptr<CudaWork> CudaComm::marker_locked() {
   // Closed: say so before an event exists (it would leak, recorded on the legacy stream).
   const uint64_t seq = transport().op_seq();
-  if (!stream_) throw RingError("ringreduce: communicator is closed");
+  if (!stream_) throw closed_error();
   c10::cuda::CUDAGuard guard(device_);
   join(true);
   cudaEvent_t done = nullptr;

@@ -303,6 +303,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("OP_CODES") = ops;      // {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4}
   m.attr("WIRE_CODES") = wires;  // {"bfloat16": 1, "float16": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}
   m.attr("WIRE_BLOCK") = rr::kWireBlock;  // elements per fp8 scale
+  py::list wire_ops;
+  for (int k = 0; k < static_cast<int>(rr::RedOp::kCount); ++k)
+    if (rr::wire_takes(rr::RedOp(k))) wire_ops.append(rr::op_name(rr::RedOp(k)));
+  m.attr("WIRE_OPS") = py::tuple(wire_ops);  // ("SUM", "AVG")
+  m.attr("CLOSED_MESSAGE") = rr::kClosedMessage;  // ring/call.h: the one "closed" error's text
   // The dtypes the core reduces, by name in code order, and those a wire takes (torch's names).
   py::list dtypes, wire_dtypes;
   for (int k = 0; k < static_cast<int>(rr::DType::kCount); ++k) {

@@ -327,7 +327,7 @@ Prepared ShmComm::all_gather(const at::Tensor& out, const at::Tensor& in) {
 
 void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, runtime::Source source,
                        int64_t t_queued) {
-  if (comm_->closed()) throw RingError("ringreduce: communicator is closed");
+  if (comm_->closed()) throw closed_error();
   shm::Protocol& ring = comm_->protocol();
   // A tensor in a pool buffer of this communicator: the buffer stays mapped for the call.
   const uint64_t nbytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
@@ -337,16 +337,17 @@ void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, 
     pool = {&buf->bases, buf->bytes,
             static_cast<uint64_t>(static_cast<const char*>(c.in) - buf->bases[buf->rank])};
   const shm::Pool* pp = buf ? &pool : nullptr;
+  const Algo algo = ring.choose(c, pp);  // planned once: the recorder and the run share it
   uint64_t seq = 0;
   if (rec_->on()) {
     const int64_t t = runtime::now_ns();
     seq = rec_->begin(coll_name(c.coll), dtype_name(c.dtype), op_name(c.op),
-                      shm::algo_name(ring.choose(c, pp)), c.numel,
+                      shm::algo_name(algo), c.numel,
                       static_cast<uint64_t>(c.numel) * dtype_size(c.dtype), source,
                       t_queued ? t_queued : t, t);
   }
   try {
-    ring.run(c, interrupted, pp);
+    ring.run(c, algo, interrupted, pp);
   } catch (...) {
     rec_->rethrow_failed(seq);
   }
@@ -366,7 +367,7 @@ const char* profile_name(Coll c) {
 }  // namespace
 
 WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
-  if (closed()) throw RingError("ringreduce: communicator is closed");
+  if (closed()) throw closed_error();
   auto abort_fn = [this] { abort("rank " + std::to_string(rank_) + ": interrupted by a signal"); };
   if (!async_op) {
     // torch.profiler: one range around the call on this thread, with its tensors' shapes and
@@ -458,12 +459,12 @@ int64_t ShmComm::slice_bytes() { return static_cast<int64_t>(comm_->protocol().s
 int64_t ShmComm::op_seq() { return static_cast<int64_t>(comm_->protocol().op_seq()); }
 
 void ShmComm::set_auto_steps(const std::vector<AutoStep>& steps) {
-  TORCH_CHECK(!comm_->closed(), "ringreduce: the communicator is closed");
+  if (comm_->closed()) throw closed_error();
   comm_->protocol().set_steps(parse_steps(steps));
 }
 
 std::string ShmComm::cma_probe() {
-  TORCH_CHECK(!comm_->closed(), "ringreduce: the communicator is closed");
+  if (comm_->closed()) throw closed_error();
   return comm_->protocol().cma_probe();
 }
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <vector>
 #include <torch/csrc/utils/pybind.h>
 
 #include "ring/types.h"
@@ -25,13 +26,18 @@ inline bool try_dtype(at::ScalarType st, DType& dt) {
   }
 }
 
-// "float32, float64, ..., int64": every dtype the core reduces (ring/types.h), for messages.
-inline std::string dtype_names() {
+// "a, b or c": the names of the values of E (ring/types.h) that keep(value) takes, for messages.
+template <class E, class Keep>
+std::string names_of(const char* (*name)(E), Keep keep) {
+  std::vector<std::string> ns;
+  for (int k = 0; k < static_cast<int>(E::kCount); ++k)
+    if (keep(E(k))) ns.push_back(name(E(k)));
   std::string s;
-  for (int k = 0; k < static_cast<int>(DType::kCount); ++k)
-    s += (k ? ", " : "") + std::string(dtype_name(DType(k)));
+  for (size_t k = 0; k < ns.size(); ++k) s += (k == 0 ? "" : k + 1 == ns.size() ? " or " : ", ") + ns[k];
   return s;
 }
+// Every dtype the core reduces, for messages.
+inline std::string dtype_names() { return names_of(dtype_name, [](DType) { return true; }); }
 
 inline DType to_dtype(const at::Tensor& t, const char* arg) {
   DType dt;
@@ -42,7 +48,7 @@ inline DType to_dtype(const at::Tensor& t, const char* arg) {
 
 inline RedOp to_op(int op) {
   TORCH_CHECK_VALUE(op >= 0 && op < static_cast<int>(RedOp::kCount), "ringreduce: op code ", op,
-                    " is not SUM, AVG, MIN, MAX or PRODUCT");
+                    " is not ", names_of(op_name, [](RedOp) { return true; }));
   return static_cast<RedOp>(op);
 }
 
@@ -54,8 +60,10 @@ inline Wire to_wire(int wire, const at::Tensor& t, int op, const char* arg) {
   if (wire == 0) return Wire::None;
   DType dt;
   TORCH_CHECK_TYPE(try_dtype(t.scalar_type(), dt) && wire_takes(dt), "ringreduce: ", arg, " is ",
-                   t.scalar_type(), "; wire_dtype takes float32, float16 and bfloat16 tensors");
-  TORCH_CHECK_VALUE(wire_takes(to_op(op)), "ringreduce: wire_dtype takes SUM and AVG, got ",
+                   t.scalar_type(), "; wire_dtype takes ",
+                   names_of(dtype_name, [](DType d) { return wire_takes(d); }), " tensors");
+  TORCH_CHECK_VALUE(wire_takes(to_op(op)), "ringreduce: wire_dtype takes ",
+                    names_of(op_name, [](RedOp o) { return wire_takes(o); }), ", got ",
                     op_name(RedOp(op)));
   return Wire(wire);
 }
