@@ -139,39 +139,43 @@ void CudaComm::check(const at::Tensor& t, const char* arg) {
 }
 
 Wire CudaComm::wire_of(Coll coll, int wire, const at::Tensor& t, int op, const char* arg) {
-  const Wire w = to_wire(wire, t, op, arg);
+  const Wire w = to_wire(wire, t, op, arg, api_name(coll));
   const std::string why = runtime::wire_refusal(shared_->caps, shared_->t ? shared_->t->name() : "closed",
                                                 coll, w);
-  TORCH_CHECK_NOT_IMPLEMENTED(why.empty(), "ringreduce: ", why);
+  TORCH_CHECK_NOT_IMPLEMENTED(why.empty(), who(api_name(coll)), why);
   return w;
 }
 
 py::object CudaComm::all_reduce(at::Tensor t, int op, bool async_op, int wire) {
   check(t, "tensor");
-  return run({Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), t.data_ptr(), t.data_ptr(),
+  return run({Coll::AllReduce, to_dtype(t, "tensor", api_name(Coll::AllReduce)), to_op(op), t.numel(), t.data_ptr(), t.data_ptr(),
               wire_of(Coll::AllReduce, wire, t, op, "tensor"), t.storage().unsafeGetStorageImpl()}, {t}, async_op);
 }
 
 py::object CudaComm::reduce_scatter(at::Tensor out, at::Tensor in, int op, bool async_op, int wire) {
   check(out, "output");
   check(in, "input");
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output dtype ",
-                   out.scalar_type(), " differs from input dtype ", in.scalar_type());
-  TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, "ringreduce: input has ", in.numel(),
-                    " elements; expected output.numel() * world size = ", out.numel() * nranks_);
-  return run({Coll::ReduceScatter, to_dtype(in, "input"), to_op(op), in.numel(), in.data_ptr(),
+  const char* api = api_name(Coll::ReduceScatter);
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), "output dtype ",
+                   torch_name(out.scalar_type()), " differs from input dtype ", torch_name(in.scalar_type()));
+  TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, who(api), "input has ", in.numel(),
+                    " elements; expected output.numel() * world size = ", out.numel(), " * ", nranks_,
+                    " = ", out.numel() * nranks_);
+  return run({Coll::ReduceScatter, to_dtype(in, "input", api), to_op(op), in.numel(), in.data_ptr(),
               out.data_ptr(), wire_of(Coll::ReduceScatter, wire, in, op, "input")}, {out, in}, async_op);
 }
 
 py::object CudaComm::all_gather(at::Tensor out, at::Tensor in, bool async_op) {
   check(out, "output_tensor");
   check(in, "input_tensor");
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output_tensor dtype ",
-                   out.scalar_type(), " differs from input_tensor dtype ", in.scalar_type());
-  TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks_, "ringreduce: output_tensor has ",
+  const char* api = api_name(Coll::AllGather);
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), "output_tensor dtype ",
+                   torch_name(out.scalar_type()), " differs from input_tensor dtype ",
+                   torch_name(in.scalar_type()));
+  TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks_, who(api), "output_tensor has ",
                     out.numel(), " elements; expected input_tensor.numel() * world size = ",
-                    in.numel() * nranks_);
-  return run({Coll::AllGather, to_dtype(in, "input_tensor"), RedOp::Sum, out.numel(), in.data_ptr(),
+                    in.numel(), " * ", nranks_, " = ", in.numel() * nranks_);
+  return run({Coll::AllGather, to_dtype(in, "input_tensor", api), RedOp::Sum, out.numel(), in.data_ptr(),
               out.data_ptr()}, {out, in}, async_op);
 }
 

@@ -111,6 +111,11 @@ struct Step {
   Algo algo;
 };
 
+// The algorithms RINGREDUCE_ALGO may force, and those an auto step may name (Python reads both
+// as _C.SHM_ALGOS and _C.SHM_STEP_ALGOS; the binding parses names against them).
+constexpr Algo kForcedAlgos[] = {Algo::Auto, Algo::Ring, Algo::OneShot, Algo::TwoShot, Algo::Cma};
+constexpr Algo kStepAlgos[] = {Algo::Ring, Algo::TwoShot, Algo::Cma};
+
 struct Options {
   int rank = 0;
   int nranks = 1;
