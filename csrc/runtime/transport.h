@@ -94,8 +94,8 @@ inline std::string wire_refusal(const Caps& k, const char* transport, Coll coll,
   const std::string head = std::string("wire_dtype=") + wire_name(w) + " in " + coll_name(coll) +
                            " does not run on the " + transport + " transport";
   if (!k.wire)
-    return head + " (a narrow wire runs on shared memory, on p2p where every GPU maps its peers' "
-                  "memory, and across hosts: RINGREDUCE_TRANSPORT=p2p or hier)";
+    return head + " (a narrow wire runs on shared memory, on the p2p transport where every GPU maps "
+                  "its peers' memory, and across hosts: RINGREDUCE_TRANSPORT=p2p or hier)";
   return head + ": its wire runs " + (k.wire_reduce_scatter ? "all_reduce and reduce_scatter" : "all_reduce") +
          (k.wire_f16 ? "" : " on a bfloat16 or float8 wire (float16's overflow check is not built there)");
 }
