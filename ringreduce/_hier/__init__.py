@@ -411,7 +411,7 @@ class HierCommunicator(_lifecycle.Communicator):
         L = len(self.local_ranks) if self.plan == "two-level" else 1
         return -(-n // L) * L
 
-    # -- collectives (arguments already checked by ringreduce.collectives) --------------------
+    # -- collectives (arguments checked by ringreduce.collectives, the dtype by the binding) ---
     def all_reduce(self, tensor, op_code, async_op, wire=0):
         _C.check_dtype(tensor, "tensor", "all_reduce")  # the binding's one dtype check
         def run():
