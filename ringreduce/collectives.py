@@ -296,8 +296,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, wire_dtype=N
     comm = _comm_for(group, tensor.device, fn)
     if comm is None:
         return None
-    _remember_fast(group, comm)
-    return comm.all_reduce(tensor, code, async_op)
+    work = comm.all_reduce(tensor, code, async_op)  # checks the tensor (the binding)
+    _remember_fast(group, comm)  # after: a refused call leaves no fast path behind
+    return work
 
 
 def _remember_fast(group, comm):
@@ -340,9 +341,10 @@ def _all_reduce_wire(tensor, op, group, async_op, wire_dtype):
     comm = _comm_for(group, tensor.device, fn)
     if comm is None:
         return None
+    work = comm.all_reduce(tensor, code, async_op, wire)
     if comm.transport == "shm":
         _remember_fast(group, comm)
-    return comm.all_reduce(tensor, code, async_op, wire)
+    return work
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False,
