@@ -295,8 +295,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, py::arg("out"), py::arg("wire_out"), py::arg("rows"), py::arg("op"), py::arg("wire"));
   m.def("shm_unlink", &rr::runtime::shm_unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
-  // The one dtype check of a collective's tensor (binding/torch_types.h), for the Python transport
-  // (ringreduce/_hier) whose calls meet no binding before their work starts.
+  // The one dtype check of a collective's tensor (binding/torch_types.h), for the Python API to ask
+  // before it creates a communicator (collectively: a rank refused later strands its peers).
   m.def("check_dtype", [](const at::Tensor& t, const std::string& arg, const std::string& api) {
     rr::binding::to_dtype(t, arg.c_str(), api.c_str());
   }, py::arg("tensor"), py::arg("arg"), py::arg("api"));

@@ -411,9 +411,8 @@ class HierCommunicator(_lifecycle.Communicator):
         L = len(self.local_ranks) if self.plan == "two-level" else 1
         return -(-n // L) * L
 
-    # -- collectives (arguments checked by ringreduce.collectives, the dtype by the binding) ---
+    # -- collectives (arguments already checked by ringreduce.collectives) --------------------
     def all_reduce(self, tensor, op_code, async_op, wire=0):
-        _C.check_dtype(tensor, "tensor", "all_reduce")  # the binding's one dtype check
         def run():
             self._begin("all_reduce")
             n = tensor.numel()
@@ -456,7 +455,6 @@ class HierCommunicator(_lifecycle.Communicator):
         return torch.tensor(self._order())
 
     def reduce_scatter(self, output, input, op_code, async_op, wire=0):
-        _C.check_dtype(input, "input", "reduce_scatter_tensor")
         def run():
             self._begin("reduce_scatter_tensor")
             c = output.numel()
@@ -500,7 +498,6 @@ class HierCommunicator(_lifecycle.Communicator):
                          [output], async_op)
 
     def all_gather(self, output, input, async_op):
-        _C.check_dtype(input, "input_tensor", "all_gather_into_tensor")
         def run():
             self._begin("all_gather_into_tensor")
             c = input.numel()
