@@ -102,8 +102,9 @@ def _check_tensor(t, arg, fn):
         raise TypeError(f"ringreduce.{fn}: {arg} must be a torch.Tensor, got {type(t).__name__}")
     # The dtype: the binding's one check (binding/torch_types.h: to_dtype), asked here before any
     # communicator exists (creating one is collective: a rank refused later would leave its peers
-    # waiting in setup).
-    _C.check_dtype(t, arg, fn)
+    # waiting in setup). Compiling: the operator's kernel meets it in the binding at run time.
+    if not torch.compiler.is_compiling():
+        _C.check_dtype(t, arg, fn)
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"ringreduce.{fn}: {arg} is on device {t.device}; expected a CPU or CUDA "
                          f"tensor")
