@@ -80,7 +80,7 @@ def env_int(name, default):
 
 def trace_buffer():
     """Calls each communicator's flight recorder keeps (RINGREDUCE_TRACE_BUFFER; 0: off)."""
-    n = env_int("RINGREDUCE_TRACE_BUFFER", 2000)
+    n = env_int("RINGREDUCE_TRACE_BUFFER", _C.TRACE_BUFFER)  # the one check of the setting
     if n < 0:
         raise ValueError(f"RINGREDUCE_TRACE_BUFFER must be >= 0 (0 turns the recorder off), got {n}")
     return n
@@ -146,7 +146,7 @@ def host_id():
 # The file SIGUSR1 writes this process's Python stacks to (RINGREDUCE_TRACE_SIGNAL=1), or None.
 STACK_FILE = None
 # Operation codes (ringreduce.collectives) by name, as the recorder writes them.
-OP_NAMES = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
+OP_NAMES = tuple(sorted(_C.OP_CODES, key=_C.OP_CODES.get))  # by code (csrc/ring/types.h)
 
 
 class traced_source:
@@ -414,12 +414,10 @@ class Communicator:
             except BaseException as e:
                 if not seq:
                     raise
-                rec.failed(seq, str(e) or type(e).__name__)
-                path = rec.dump_on_failure()
-                if path and isinstance(e, RingReduceError):  # ours, not an inner ring's
-                    text = str(e).split("\nflight recorder: ")[0]
-                    raise RingReduceError(f"{text}\nflight recorder: {path} (every rank's: python -m "
-                                          f"ringreduce.trace {os.path.dirname(path)})") from e
+                what = str(e) or type(e).__name__
+                text = rec.fail_and_dump(seq, what)  # the one failure wrapper (runtime/recorder.cpp)
+                if text != what and isinstance(e, RingReduceError):  # ours, not an inner ring's
+                    raise RingReduceError(text) from e
                 raise
             if seq:
                 rec.finished(seq)
@@ -427,7 +425,7 @@ class Communicator:
 
     def _check_open(self):
         if self._closed:
-            raise RingReduceError("ringreduce: communicator is closed")
+            raise RingReduceError(_C.CLOSED_MESSAGE)
 
     # -- the worker ----------------------------------------------------------------------------
     def _submit(self, job, result, make_future, inline):

@@ -20,8 +20,9 @@ from ._lifecycle import Bootstrap, RingReduceError, Work, env_int
 log = logging.getLogger("ringreduce")
 
 # Slice size of the shared-memory ring (bytes). Test-only knob: a tiny value (e.g. 64) forces many
-# pipeline steps per chunk. See csrc/shm/protocol.h for where the default comes from.
-DEFAULT_SLICE_BYTES = 128 << 10
+# pipeline steps per chunk. The default is csrc/shm/protocol.h's kDefaultSliceBytes (where it
+# comes from is said there).
+DEFAULT_SLICE_BYTES = _C.SHM_SLICE_BYTES
 # Busy-poll before sleeping on a futex. With more ranks than cores a spinning waiter steals the
 # core from the rank it waits for, so it goes straight to yielding then (one 64-pause poll first):
 # world 4 on 2 cores, 4 KiB all-reduce, 12.5-17 us a call against 15-25 with a 2 us spin, and no
@@ -40,12 +41,12 @@ YIELD_NS_OVERSUBSCRIBED = 1_000_000
 # Noisy machine; not measured with more ranks or on dedicated cores at world > 2.
 ONESHOT_MAX_BYTES = 32 << 10
 ONESHOT_MAX_BYTES_WORLD2 = 1 << 10
-ALGOS = ("auto", "ring", "oneshot", "twoshot", "cma")
+ALGOS = _C.SHM_ALGOS  # csrc/shm/protocol.h: kForcedAlgos
 # The measured table (benchmarks/cpu_tune.py writes it): per CPU model, cores and world size, auto's
 # one-shot threshold and its algorithm above it. RINGREDUCE_CPU_TUNING names another table, or
 # "none" for the defaults above.
 TUNING_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_tuning.json")
-STEP_ALGOS = ("ring", "twoshot", "cma")
+STEP_ALGOS = _C.SHM_STEP_ALGOS  # kStepAlgos
 
 
 def cpu_model():

@@ -31,19 +31,17 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _lifecycle
-from .collectives import SUPPORTED_DTYPES, cpu_communicator
+from .collectives import _OP_CODES, SUPPORTED_DTYPES, cpu_communicator
 
 log = logging.getLogger("ringreduce")
 ReduceOp = dist.ReduceOp
 
 NAME = "ringreduce"
-_CODES = ((ReduceOp.SUM, 0), (ReduceOp.AVG, 1), (ReduceOp.MIN, 2), (ReduceOp.MAX, 3),
-          (ReduceOp.PRODUCT, 4))
 
 
 def _op_code(op):
     """The ring's code of a ReduceOp, or None (PREMUL_SUM, BAND, ...: delegated)."""
-    for known, code in _CODES:
+    for known, code in _OP_CODES:
         try:
             if op == known:
                 return code
@@ -138,7 +136,7 @@ class RingBackend:
         dtypes = "/".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors}))
         served = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         prefix = (f"ringreduce backend: {name} of {dtypes} {device_type} tensors is not done by the "
-                  f"ring (it serves {served} with SUM, AVG, MIN, MAX, PRODUCT) and the "
+                  f"ring (it serves {served} with {', '.join(_C.OP_CODES)}) and the "
                   f"{type(delegate).__name__} delegate refused it: ")
         self._calls["delegate " + name] += 1
         try:

@@ -106,8 +106,9 @@ class GradientBucketer:
                                  f"{', '.join(map(str, WIRE_DTYPES))}, got {wire_dtype!r}")
             for p in unique:
                 if p.dtype not in WIRE_TENSOR_DTYPES:
-                    raise TypeError(f"GradientBucketer: wire_dtype={wire_dtype} takes float32, "
-                                    f"float16 and bfloat16 parameters; one is {p.dtype}")
+                    names = ", ".join(str(d) for d in WIRE_TENSOR_DTYPES)
+                    raise TypeError(f"GradientBucketer: wire_dtype={wire_dtype} takes {names} "
+                                    f"parameters; one is {p.dtype}")
         self.wire_dtype = wire_dtype
         self.params = unique
         self.group = group

@@ -25,6 +25,13 @@ _WIRE_CODES = tuple((getattr(torch, name), code) for name, code in _C.WIRE_CODES
 WIRE_DTYPES = tuple(d for d, _ in _WIRE_CODES)
 WIRE_BLOCK = _C.WIRE_BLOCK  # elements per fp8 scale
 WIRE_TENSOR_DTYPES = tuple(getattr(torch, name) for name in _C.WIRE_TENSOR_DTYPES)
+_WIRE_OP_CODES = tuple(_C.OP_CODES[name] for name in _C.WIRE_OPS)  # what a wire reduces by
+
+
+def _names(items, last="or"):
+    """'a, b or c'."""
+    items = [str(i) for i in items]
+    return ", ".join(items[:-1]) + f" {last} " + items[-1] if len(items) > 1 else "".join(items)
 
 
 def set_deterministic(on=True):
@@ -64,8 +71,7 @@ def _op_code(op, fn):
                 return code
         except TypeError:
             break
-    raise ValueError(f"ringreduce.{fn}: op must be ReduceOp.SUM, AVG, MIN, MAX or PRODUCT, "
-                     f"got {op!r}")
+    raise ValueError(f"ringreduce.{fn}: op must be ReduceOp.{_names(_C.OP_CODES)}, got {op!r}")
 
 
 def _wire_code(wire_dtype, t, arg, op_code, fn):
@@ -76,30 +82,29 @@ def _wire_code(wire_dtype, t, arg, op_code, fn):
         if wire_dtype == known:
             break
     else:
-        raise ValueError(f"ringreduce.{fn}: wire_dtype must be None, torch.bfloat16, torch.float16, "
-                         f"torch.float8_e4m3fn or torch.float8_e5m2, got {wire_dtype!r}")
+        raise ValueError(f"ringreduce.{fn}: wire_dtype must be None, "
+                         f"{_names(str(d) for d in WIRE_DTYPES)}, got {wire_dtype!r}")
+    # What a wire takes (the tensor's dtype, the op) is checked once, by the binding (to_wire),
+    # and what the transport's wire runs by its capabilities (runtime::wire_refusal); a traced
+    # call checks here, where the operator's fake kernel would not.
     if t.dtype not in WIRE_TENSOR_DTYPES:
-        raise TypeError(f"ringreduce.{fn}: wire_dtype={wire_dtype} takes float32, float16 or "
-                        f"bfloat16 tensors; {arg} is {t.dtype}")
-    if op_code not in (0, 1):
+        raise TypeError(f"ringreduce.{fn}: wire_dtype={wire_dtype} takes "
+                        f"{_names(_C.WIRE_TENSOR_DTYPES)} tensors; {arg} is {t.dtype}")
+    if op_code not in _WIRE_OP_CODES:
         name = next(str(o) for o, c in _OP_CODES if c == op_code)
-        raise ValueError(f"ringreduce.{fn}: wire_dtype={wire_dtype} takes op SUM or AVG, got {name}")
+        raise ValueError(f"ringreduce.{fn}: wire_dtype={wire_dtype} takes op {_names(_C.WIRE_OPS)}, "
+                         f"got {name}")
     return code
-
-
-def _wire_transport(comm, wire, fn):
-    if wire and comm.transport not in ("shm", "hier", "p2p"):
-        raise NotImplementedError(
-            f"ringreduce.{fn}: wire_dtype runs on shared memory and between hosts (CPU tensors) "
-            f"and on the p2p transport (CUDA tensors); this group's transport is {comm.transport}")
 
 
 def _check_tensor(t, arg, fn):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"ringreduce.{fn}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
-        raise TypeError(f"ringreduce.{fn}: {arg} has dtype {t.dtype}; expected one of {names}")
+    # The dtype: the binding's one check (binding/torch_types.h: to_dtype), asked here before any
+    # communicator exists (creating one is collective: a rank refused later would leave its peers
+    # waiting in setup). Compiling: the operator's kernel meets it in the binding at run time.
+    if not torch.compiler.is_compiling():
+        _C.check_dtype(t, arg, fn)
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"ringreduce.{fn}: {arg} is on device {t.device}; expected a CPU or CUDA "
                          f"tensor")
@@ -295,8 +300,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, wire_dtype=N
     comm = _comm_for(group, tensor.device, fn)
     if comm is None:
         return None
-    _remember_fast(group, comm)
-    return comm.all_reduce(tensor, code, async_op)
+    work = comm.all_reduce(tensor, code, async_op)  # checks the tensor (the binding)
+    _remember_fast(group, comm)  # after: a refused call leaves no fast path behind
+    return work
 
 
 def _remember_fast(group, comm):
@@ -339,10 +345,10 @@ def _all_reduce_wire(tensor, op, group, async_op, wire_dtype):
     comm = _comm_for(group, tensor.device, fn)
     if comm is None:
         return None
-    _wire_transport(comm, wire, fn)
+    work = comm.all_reduce(tensor, code, async_op, wire)
     if comm.transport == "shm":
         _remember_fast(group, comm)
-    return comm.all_reduce(tensor, code, async_op, wire)
+    return work
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False,
@@ -367,7 +373,6 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     comm = _comm_for(group, input.device, fn)
     if comm is None:
         return None
-    _wire_transport(comm, wire, fn)
     n = comm.world_size
     if input.numel() != output.numel() * n:
         raise ValueError(f"ringreduce.{fn}: input has {input.numel()} elements; expected "

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ._lifecycle import traced_source
-from .collectives import _comm_for, _wire_transport, group_name, traced  # noqa: F401  (ops.group_name, ops.traced)
+from .collectives import _comm_for, group_name, traced  # noqa: F401  (ops.group_name, ops.traced)
 
 _lib = torch.library.Library("ringreduce", "IMPL")
 _groups = {}
@@ -36,7 +36,6 @@ def _comm(group, device, fn):
 def _all_reduce_(tensor, op, group, wire=0):
     comm = _comm(group, tensor.device, "all_reduce")
     if comm is not None:
-        _wire_transport(comm, wire, "all_reduce")
         with traced_source("op"):
             comm.all_reduce(tensor, op, False, wire)
 
@@ -50,7 +49,6 @@ def _all_reduce(tensor, op, group):
 def _reduce_scatter_tensor_(output, input, op, group, wire=0):
     comm = _comm(group, input.device, "reduce_scatter_tensor")
     if comm is not None:
-        _wire_transport(comm, wire, "reduce_scatter_tensor")
         with traced_source("op"):
             comm.reduce_scatter(output, input, op, False, wire)
 

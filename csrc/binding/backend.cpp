@@ -65,15 +65,15 @@ class Slot {
   std::map<std::string, int64_t> counts_;
 };
 
-// The ring's code of a ReduceOp (csrc/cpu/reduce.h), or -1 (PREMUL_SUM, bitwise ops: Python's
+// The ring's code of a ReduceOp (ring/types.h: RedOp), or -1 (PREMUL_SUM, bitwise ops: Python's
 // path delegates them).
 int op_code(const c10d::ReduceOp& op) {
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return 0;
-    case c10d::ReduceOp::AVG: return 1;
-    case c10d::ReduceOp::MIN: return 2;
-    case c10d::ReduceOp::MAX: return 3;
-    case c10d::ReduceOp::PRODUCT: return 4;
+    case c10d::ReduceOp::SUM: return static_cast<int>(rr::RedOp::Sum);
+    case c10d::ReduceOp::AVG: return static_cast<int>(rr::RedOp::Avg);
+    case c10d::ReduceOp::MIN: return static_cast<int>(rr::RedOp::Min);
+    case c10d::ReduceOp::MAX: return static_cast<int>(rr::RedOp::Max);
+    case c10d::ReduceOp::PRODUCT: return static_cast<int>(rr::RedOp::Prod);
     default: return -1;
   }
 }

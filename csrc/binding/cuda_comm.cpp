@@ -128,7 +128,7 @@ CudaComm::~CudaComm() {
 }
 
 runtime::Transport& CudaComm::transport() {
-  if (!shared_->t || shared_->t->closed()) throw RingError("ringreduce: communicator is closed");
+  if (!shared_->t || shared_->t->closed()) throw closed_error();
   return *shared_->t;
 }
 
@@ -138,40 +138,44 @@ void CudaComm::check(const at::Tensor& t, const char* arg) {
   TORCH_CHECK_VALUE(t.is_contiguous(), "ringreduce: ", arg, " must be contiguous");
 }
 
-Wire CudaComm::wire_of(int wire, const at::Tensor& t, int op, const char* arg) {
-  const Wire w = to_wire(wire, t, op, arg);
-  TORCH_CHECK_VALUE(w == Wire::None || shared_->caps.wire, "ringreduce: wire_dtype runs on the p2p "
-                    "transport; this group runs ", shared_->t ? shared_->t->name() : "a closed one",
-                    " (RINGREDUCE_TRANSPORT=p2p where every GPU maps its peers)");
+Wire CudaComm::wire_of(Coll coll, int wire, const at::Tensor& t, int op, const char* arg) {
+  const Wire w = to_wire(wire, t, op, arg, api_name(coll));
+  const std::string why = runtime::wire_refusal(shared_->caps, shared_->t ? shared_->t->name() : "closed",
+                                                coll, w);
+  TORCH_CHECK_NOT_IMPLEMENTED(why.empty(), who(api_name(coll)), why);
   return w;
 }
 
 py::object CudaComm::all_reduce(at::Tensor t, int op, bool async_op, int wire) {
   check(t, "tensor");
-  return run({Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), t.data_ptr(), t.data_ptr(),
-              wire_of(wire, t, op, "tensor"), t.storage().unsafeGetStorageImpl()}, {t}, async_op);
+  return run({Coll::AllReduce, to_dtype(t, "tensor", api_name(Coll::AllReduce)), to_op(op), t.numel(), t.data_ptr(), t.data_ptr(),
+              wire_of(Coll::AllReduce, wire, t, op, "tensor"), t.storage().unsafeGetStorageImpl()}, {t}, async_op);
 }
 
 py::object CudaComm::reduce_scatter(at::Tensor out, at::Tensor in, int op, bool async_op, int wire) {
   check(out, "output");
   check(in, "input");
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output dtype ",
-                   out.scalar_type(), " differs from input dtype ", in.scalar_type());
-  TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, "ringreduce: input has ", in.numel(),
-                    " elements; expected output.numel() * world size = ", out.numel() * nranks_);
-  return run({Coll::ReduceScatter, to_dtype(in, "input"), to_op(op), in.numel(), in.data_ptr(),
-              out.data_ptr(), wire_of(wire, in, op, "input")}, {out, in}, async_op);
+  const char* api = api_name(Coll::ReduceScatter);
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), "output dtype ",
+                   torch_name(out.scalar_type()), " differs from input dtype ", torch_name(in.scalar_type()));
+  TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, who(api), "input has ", in.numel(),
+                    " elements; expected output.numel() * world size = ", out.numel(), " * ", nranks_,
+                    " = ", out.numel() * nranks_);
+  return run({Coll::ReduceScatter, to_dtype(in, "input", api), to_op(op), in.numel(), in.data_ptr(),
+              out.data_ptr(), wire_of(Coll::ReduceScatter, wire, in, op, "input")}, {out, in}, async_op);
 }
 
 py::object CudaComm::all_gather(at::Tensor out, at::Tensor in, bool async_op) {
   check(out, "output_tensor");
   check(in, "input_tensor");
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output_tensor dtype ",
-                   out.scalar_type(), " differs from input_tensor dtype ", in.scalar_type());
-  TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks_, "ringreduce: output_tensor has ",
+  const char* api = api_name(Coll::AllGather);
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), "output_tensor dtype ",
+                   torch_name(out.scalar_type()), " differs from input_tensor dtype ",
+                   torch_name(in.scalar_type()));
+  TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks_, who(api), "output_tensor has ",
                     out.numel(), " elements; expected input_tensor.numel() * world size = ",
-                    in.numel() * nranks_);
-  return run({Coll::AllGather, to_dtype(in, "input_tensor"), RedOp::Sum, out.numel(), in.data_ptr(),
+                    in.numel(), " * ", nranks_, " = ", in.numel() * nranks_);
+  return run({Coll::AllGather, to_dtype(in, "input_tensor", api), RedOp::Sum, out.numel(), in.data_ptr(),
               out.data_ptr()}, {out, in}, async_op);
 }
 
@@ -307,7 +311,7 @@ py::object CudaComm::run(const Call& c, const std::vector<at::Tensor>& tensors, 
   std::vector<Tensors> finished;
   std::unique_lock<std::mutex> calls = lock_calls();
   // Closed, or a close in progress: refused before the recorder sees the call.
-  if (shared_->t && !shared_->t->open()) throw RingError("ringreduce: communicator is closed");
+  if (shared_->t && !shared_->t->open()) throw closed_error();
   runtime::Transport& t = transport();  // after the lock: "closed" if close() ran first
   const runtime::Caps& caps = shared_->caps;
   c10::cuda::CUDAGuard guard(device_);
@@ -489,7 +493,7 @@ void CudaComm::pin_for_graph(cudaStream_t cur) {
 std::unique_ptr<CudaWork> CudaComm::marker_locked() {
   // Closed: say so before an event exists (it would leak, recorded on the legacy stream).
   const uint64_t seq = transport().op_seq();
-  if (!stream_) throw RingError("ringreduce: communicator is closed");
+  if (!stream_) throw closed_error();
   c10::cuda::CUDAGuard guard(device_);
   join(true);
   cudaEvent_t done = nullptr;

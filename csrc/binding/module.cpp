@@ -39,10 +39,8 @@ void register_recorder(py::module_& m) {
   namespace runtime = rr::runtime;
   using Rec = runtime::Recorder;
   py::class_<Rec, std::shared_ptr<Rec>>(m, "Recorder")
-      .def(py::init([](int64_t capacity) {
-             TORCH_CHECK_VALUE(capacity >= 0, "ringreduce: RINGREDUCE_TRACE_BUFFER must be >= 0, got ",
-                               capacity);
-             auto r = std::make_shared<Rec>(static_cast<size_t>(capacity));
+      .def(py::init([](size_t capacity) {  // checked by Python (_lifecycle.trace_buffer)
+             auto r = std::make_shared<Rec>(capacity);
              Rec::add(r);
              return r;
            }),
@@ -75,6 +73,8 @@ void register_recorder(py::module_& m) {
         if (out.empty()) throw std::runtime_error("ringreduce: trace dump failed: " + error);
         return out;
       }, py::arg("path") = "", "writes the dump (path '': the configured file); returns its path")
+      .def("fail_and_dump", &Rec::fail_and_dump, py::call_guard<py::gil_scoped_release>(),
+           py::arg("seq"), py::arg("error"), "marks seq failed, dumps once; error naming the dump")
       .def("dump_on_failure", &Rec::dump_on_failure, py::call_guard<py::gil_scoped_release>(),
            "the first failure's dump (written once); '' when none could be written");
   m.def("trace_source", [](const std::string& name) {
@@ -110,11 +110,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // returns its Work. Non-contiguous tensors are run through contiguous copies.
   py::class_<ShmComm, ShmPtr>(m, "ShmComm")
       .def(py::init<const std::string&, bool, int, int, size_t, double, int64_t, int64_t,
-                    const std::string&, int64_t, int64_t, const std::string&,
+                    const std::string&, int64_t, size_t, const std::string&,
                     const std::vector<rr::binding::AutoStep>&>(),
            py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("nranks"), py::arg("slice_bytes"),
            py::arg("timeout_s"), py::arg("spin_ns"), py::arg("yield_ns") = 0, py::arg("algo") = "auto",
-           py::arg("oneshot_max_bytes") = 0, py::arg("trace_buffer") = 2000, py::arg("stream") = "auto",
+           py::arg("oneshot_max_bytes") = 0, py::arg("trace_buffer") = rr::runtime::Recorder::kDefaultCapacity, py::arg("stream") = "auto",
            py::arg("auto_steps") = std::vector<rr::binding::AutoStep>{})
       .def("set_auto_steps", &ShmComm::set_auto_steps, py::arg("steps"))
       .def("cma_probe", &ShmComm::cma_probe,
@@ -295,6 +295,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, py::arg("out"), py::arg("wire_out"), py::arg("rows"), py::arg("op"), py::arg("wire"));
   m.def("shm_unlink", &rr::runtime::shm_unlink, py::arg("name"));
   m.def("segment_bytes", &rr::shm::segment_bytes, py::arg("nranks"), py::arg("slice_bytes"));
+  // The one dtype check of a collective's tensor (binding/torch_types.h), for the Python API to ask
+  // before it creates a communicator (collectively: a rank refused later strands its peers).
+  m.def("check_dtype", [](const at::Tensor& t, const std::string& arg, const std::string& api) {
+    rr::binding::to_dtype(t, arg.c_str(), api.c_str());
+  }, py::arg("tensor"), py::arg("arg"), py::arg("api"));
+  m.attr("SHM_SLICE_BYTES") = rr::shm::kDefaultSliceBytes;
+  m.attr("TRACE_BUFFER") = rr::runtime::Recorder::kDefaultCapacity;  // RINGREDUCE_TRACE_BUFFER's default  // the shared-memory ring's default
+  py::list shm_algos, step_algos;
+  for (rr::Algo a : rr::shm::kForcedAlgos) shm_algos.append(rr::algo_name(a));
+  for (rr::Algo a : rr::shm::kStepAlgos) step_algos.append(rr::algo_name(a));
+  m.attr("SHM_ALGOS") = py::tuple(shm_algos);        // RINGREDUCE_ALGO's names
+  m.attr("SHM_STEP_ALGOS") = py::tuple(step_algos);  // an auto step's
   register_backend(m);
   // The call vocabulary's codes (ring/types.h), so that Python never spells them itself.
   py::dict ops, wires;
@@ -303,6 +315,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("OP_CODES") = ops;      // {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4}
   m.attr("WIRE_CODES") = wires;  // {"bfloat16": 1, "float16": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}
   m.attr("WIRE_BLOCK") = rr::kWireBlock;  // elements per fp8 scale
+  py::list wire_ops;
+  for (int k = 0; k < static_cast<int>(rr::RedOp::kCount); ++k)
+    if (rr::wire_takes(rr::RedOp(k))) wire_ops.append(rr::op_name(rr::RedOp(k)));
+  m.attr("WIRE_OPS") = py::tuple(wire_ops);  // ("SUM", "AVG")
+  m.attr("CLOSED_MESSAGE") = rr::kClosedMessage;  // ring/call.h: the one "closed" error's text
   // The dtypes the core reduces, by name in code order, and those a wire takes (torch's names).
   py::list dtypes, wire_dtypes;
   for (int k = 0; k < static_cast<int>(rr::DType::kCount); ++k) {

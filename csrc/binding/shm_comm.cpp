@@ -36,31 +36,30 @@ bool python_alive() {
 #endif
 }
 
-shm::Algo parse_algo(const std::string& name) {
-  for (auto a : {shm::Algo::Auto, shm::Algo::Ring, shm::Algo::OneShot, shm::Algo::TwoShot,
-                 shm::Algo::Cma})
+// A name of one of algos (shm/protocol.h's lists; Python checked it against the same lists).
+template <size_t N>
+shm::Algo parse_algo(const std::string& name, const shm::Algo (&algos)[N], const char* what) {
+  std::string names;
+  for (shm::Algo a : algos) {
     if (name == shm::algo_name(a)) return a;
-  TORCH_CHECK_VALUE(false, "ringreduce: RINGREDUCE_ALGO must be auto, ring, oneshot, twoshot or cma, "
-                    "got '", name, "'");
+    names += (names.empty() ? "" : ", ") + std::string(shm::algo_name(a));
+  }
+  TORCH_CHECK_VALUE(false, "ringreduce: ", what, " must be one of ", names, ", got '", name, "'");
 }
 
 std::vector<shm::Step> parse_steps(const std::vector<AutoStep>& steps) {
   std::vector<shm::Step> out;
   for (const auto& [from, name] : steps) {
     TORCH_CHECK_VALUE(from >= 0, "ringreduce: an auto step's size must be >= 0 bytes, got ", from);
-    const shm::Algo a = parse_algo(name);
-    TORCH_CHECK_VALUE(a == shm::Algo::Ring || a == shm::Algo::TwoShot || a == shm::Algo::Cma,
-                      "ringreduce: an auto step's algorithm must be ring, twoshot or cma, got '",
-                      name, "'");
-    out.push_back({static_cast<uint64_t>(from), a});
+    out.push_back({static_cast<uint64_t>(from), parse_algo(name, shm::kStepAlgos, "an auto step's algorithm")});
   }
   return out;
 }
 
-void check_cpu(const at::Tensor& t, const char* arg) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "ringreduce: ", arg, " is on ", t.device(),
+void check_cpu(const at::Tensor& t, const char* arg, const char* api) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), who(api), arg, " is on ", t.device(),
                     "; the shared-memory transport takes CPU tensors");
-  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ringreduce: ", arg, " must be a dense (strided) tensor");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, who(api), arg, " must be a dense (strided) tensor");
 }
 
 // A contiguous tensor to run on in place of t (t itself when it is contiguous), and whether the
@@ -201,7 +200,7 @@ void with_interrupts(const std::function<bool(const Executor::Interrupted*)>& fn
 
 ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
                  double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
-                 int64_t oneshot_max_bytes, int64_t trace_buffer, const std::string& stream,
+                 int64_t oneshot_max_bytes, size_t trace_buffer, const std::string& stream,
                  const std::vector<AutoStep>& auto_steps) {
   shm::Options opt;
   opt.rank = rank;
@@ -209,7 +208,7 @@ ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, siz
   opt.timeout_s = timeout_s;
   opt.spin_ns = spin_ns;
   opt.yield_ns = yield_ns;
-  opt.algo = parse_algo(algo);
+  opt.algo = parse_algo(algo, shm::kForcedAlgos, "RINGREDUCE_ALGO");
   TORCH_CHECK_VALUE(oneshot_max_bytes >= 0, "ringreduce: oneshot_max_bytes must be >= 0, got ",
                     oneshot_max_bytes);
   opt.oneshot_max_bytes = static_cast<size_t>(oneshot_max_bytes);
@@ -221,11 +220,9 @@ ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, siz
   nranks_ = nranks;
   rank_ = rank;
   TORCH_CHECK_VALUE(slice_bytes >= 64, "ringreduce: slice_bytes must be >= 64, got ", slice_bytes);
-  TORCH_CHECK_VALUE(trace_buffer >= 0, "ringreduce: RINGREDUCE_TRACE_BUFFER must be >= 0, got ",
-                    trace_buffer);
   comm_ = std::make_unique<shm::Endpoint>(name, create, opt, slice_bytes);
   exec_ = std::make_shared<Executor>();
-  rec_ = std::make_shared<runtime::Recorder>(static_cast<size_t>(trace_buffer));
+  rec_ = std::make_shared<runtime::Recorder>(trace_buffer);
   rec_->set_probe([this] { return comm_->closed() ? std::string() : comm_->protocol().waiting(); });
   runtime::Recorder::add(rec_);
 }
@@ -241,8 +238,10 @@ ShmComm::~ShmComm() {
 }
 
 Prepared ShmComm::all_reduce(const at::Tensor& t, int op, int wire) {
-  check_cpu(t, "tensor");
-  const Wire w = to_wire(wire, t, op, "tensor");
+  const char* api = api_name(Coll::AllReduce);
+  check_cpu(t, "tensor", api);
+  const DType dt = to_dtype(t, "tensor", api);
+  const Wire w = to_wire(wire, t, op, "tensor", api);
   Prepared p;
   bool copy_back = false;
   at::Tensor buf = t;
@@ -250,7 +249,7 @@ Prepared ShmComm::all_reduce(const at::Tensor& t, int op, int wire) {
     buf = t.contiguous();
     copy_back = true;
   }
-  p.call = {Coll::AllReduce, to_dtype(t, "tensor"), to_op(op), t.numel(), buf.data_ptr(), buf.data_ptr(), w};
+  p.call = {Coll::AllReduce, dt, to_op(op), t.numel(), buf.data_ptr(), buf.data_ptr(), w};
   p.keep = {t, buf};
   if (copy_back) p.after = [t, buf]() mutable { t.copy_(buf); };
   p.outputs = {t};
@@ -261,7 +260,7 @@ Prepared ShmComm::all_reduce_flat(const std::vector<at::Tensor>& ts, int op) {
   TORCH_CHECK_VALUE(!ts.empty(), "ringreduce: no tensors to all-reduce");
   std::vector<at::Tensor> flat_parts;
   for (size_t i = 0; i < ts.size(); ++i) {
-    check_cpu(ts[i], "tensors");
+    check_cpu(ts[i], "tensors", api_name(Coll::AllReduce));
     TORCH_CHECK_TYPE(ts[i].scalar_type() == ts[0].scalar_type(), "ringreduce: coalesced tensors ",
                      "must share one dtype; tensor ", i, " is ", ts[i].scalar_type(), ", tensor 0 ",
                      ts[0].scalar_type());
@@ -269,7 +268,7 @@ Prepared ShmComm::all_reduce_flat(const std::vector<at::Tensor>& ts, int op) {
   }
   at::Tensor flat = at::cat(flat_parts);
   Prepared p;
-  p.call = {Coll::AllReduce, to_dtype(flat, "tensors"), to_op(op), flat.numel(), flat.data_ptr(),
+  p.call = {Coll::AllReduce, to_dtype(flat, "tensors", api_name(Coll::AllReduce)), to_op(op), flat.numel(), flat.data_ptr(),
             flat.data_ptr()};
   p.keep = {flat};
   std::vector<at::Tensor> outs = ts;
@@ -285,19 +284,21 @@ Prepared ShmComm::all_reduce_flat(const std::vector<at::Tensor>& ts, int op) {
 }
 
 Prepared ShmComm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int op, int wire) {
-  check_cpu(out, "output");
-  check_cpu(in, "input");
-  const Wire w = to_wire(wire, in, op, "input");
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output dtype ",
-                   out.scalar_type(), " differs from input dtype ", in.scalar_type());
-  TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, "ringreduce: input has ", in.numel(),
+  const char* api = api_name(Coll::ReduceScatter);
+  check_cpu(out, "output", api);
+  check_cpu(in, "input", api);
+  const DType dt = to_dtype(in, "input", api);
+  const Wire w = to_wire(wire, in, op, "input", api);
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), "output dtype ",
+                   torch_name(out.scalar_type()), " differs from input dtype ", torch_name(in.scalar_type()));
+  TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, who(api), "input has ", in.numel(),
                     " elements; expected output.numel() * world size = ", out.numel(), " * ", nranks_,
                     " = ", out.numel() * nranks_);
   at::Tensor src = in.contiguous();
   bool copy_back = false;
   at::Tensor dst = contiguous_out(out, copy_back);
   Prepared p;
-  p.call = {Coll::ReduceScatter, to_dtype(in, "input"), to_op(op), in.numel(), src.data_ptr(),
+  p.call = {Coll::ReduceScatter, dt, to_op(op), in.numel(), src.data_ptr(),
             dst.data_ptr(), w};
   p.keep = {src, dst, out};
   if (copy_back) p.after = [out, dst]() mutable { out.copy_(dst); };
@@ -306,18 +307,21 @@ Prepared ShmComm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, in
 }
 
 Prepared ShmComm::all_gather(const at::Tensor& out, const at::Tensor& in) {
-  check_cpu(out, "output_tensor");
-  check_cpu(in, "input_tensor");
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce: output_tensor dtype ",
-                   out.scalar_type(), " differs from input_tensor dtype ", in.scalar_type());
-  TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks_, "ringreduce: output_tensor has ",
+  const char* api = api_name(Coll::AllGather);
+  check_cpu(out, "output_tensor", api);
+  check_cpu(in, "input_tensor", api);
+  const DType dt = to_dtype(in, "input_tensor", api);
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), "output_tensor dtype ",
+                   torch_name(out.scalar_type()), " differs from input_tensor dtype ",
+                   torch_name(in.scalar_type()));
+  TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks_, who(api), "output_tensor has ",
                     out.numel(), " elements; expected input_tensor.numel() * world size = ",
                     in.numel(), " * ", nranks_, " = ", in.numel() * nranks_);
   at::Tensor src = in.contiguous();
   bool copy_back = false;
   at::Tensor dst = contiguous_out(out, copy_back);
   Prepared p;
-  p.call = {Coll::AllGather, to_dtype(in, "input_tensor"), RedOp::Sum, out.numel(), src.data_ptr(),
+  p.call = {Coll::AllGather, dt, RedOp::Sum, out.numel(), src.data_ptr(),
             dst.data_ptr()};
   p.keep = {src, dst, out};
   if (copy_back) p.after = [out, dst]() mutable { out.copy_(dst); };
@@ -327,7 +331,7 @@ Prepared ShmComm::all_gather(const at::Tensor& out, const at::Tensor& in) {
 
 void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, runtime::Source source,
                        int64_t t_queued) {
-  if (comm_->closed()) throw RingError("ringreduce: communicator is closed");
+  if (comm_->closed()) throw closed_error();
   shm::Protocol& ring = comm_->protocol();
   // A tensor in a pool buffer of this communicator: the buffer stays mapped for the call.
   const uint64_t nbytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
@@ -337,16 +341,17 @@ void ShmComm::run_ring(const Call& c, const Executor::Interrupted* interrupted, 
     pool = {&buf->bases, buf->bytes,
             static_cast<uint64_t>(static_cast<const char*>(c.in) - buf->bases[buf->rank])};
   const shm::Pool* pp = buf ? &pool : nullptr;
+  const Algo algo = ring.choose(c, pp);  // planned once: the recorder and the run share it
   uint64_t seq = 0;
   if (rec_->on()) {
     const int64_t t = runtime::now_ns();
     seq = rec_->begin(coll_name(c.coll), dtype_name(c.dtype), op_name(c.op),
-                      shm::algo_name(ring.choose(c, pp)), c.numel,
+                      shm::algo_name(algo), c.numel,
                       static_cast<uint64_t>(c.numel) * dtype_size(c.dtype), source,
                       t_queued ? t_queued : t, t);
   }
   try {
-    ring.run(c, interrupted, pp);
+    ring.run(c, algo, interrupted, pp);
   } catch (...) {
     rec_->rethrow_failed(seq);
   }
@@ -366,7 +371,7 @@ const char* profile_name(Coll c) {
 }  // namespace
 
 WorkPtr ShmComm::start(Prepared p, bool async_op, c10d::OpType op, bool gil) {
-  if (closed()) throw RingError("ringreduce: communicator is closed");
+  if (closed()) throw closed_error();
   auto abort_fn = [this] { abort("rank " + std::to_string(rank_) + ": interrupted by a signal"); };
   if (!async_op) {
     // torch.profiler: one range around the call on this thread, with its tensors' shapes and
@@ -458,12 +463,12 @@ int64_t ShmComm::slice_bytes() { return static_cast<int64_t>(comm_->protocol().s
 int64_t ShmComm::op_seq() { return static_cast<int64_t>(comm_->protocol().op_seq()); }
 
 void ShmComm::set_auto_steps(const std::vector<AutoStep>& steps) {
-  TORCH_CHECK(!comm_->closed(), "ringreduce: the communicator is closed");
+  if (comm_->closed()) throw closed_error();
   comm_->protocol().set_steps(parse_steps(steps));
 }
 
 std::string ShmComm::cma_probe() {
-  TORCH_CHECK(!comm_->closed(), "ringreduce: the communicator is closed");
+  if (comm_->closed()) throw closed_error();
   return comm_->protocol().cma_probe();
 }
 

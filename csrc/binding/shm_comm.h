@@ -104,7 +104,7 @@ class ShmComm : public FastTarget {
  public:
   ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
           double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
-          int64_t oneshot_max_bytes, int64_t trace_buffer, const std::string& stream = "auto",
+          int64_t oneshot_max_bytes, size_t trace_buffer, const std::string& stream = "auto",
           const std::vector<AutoStep>& auto_steps = {});
   ~ShmComm() override;
   // Auto's algorithm above the one-shot threshold (shm::Step): (from bytes, "ring" | "twoshot" |

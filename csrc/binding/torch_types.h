@@ -4,9 +4,10 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <vector>
 #include <torch/csrc/utils/pybind.h>
 
-#include "ring/types.h"
+#include "ring/call.h"
 
 namespace ringreduce::binding {
 
@@ -25,37 +26,65 @@ inline bool try_dtype(at::ScalarType st, DType& dt) {
   }
 }
 
-// "float32, float64, ..., int64": every dtype the core reduces (ring/types.h), for messages.
-inline std::string dtype_names() {
+// "a, b or c": the names of the values of E (ring/types.h) that keep(value) takes, for messages.
+template <class E, class Keep>
+std::string names_of(const char* (*name)(E), Keep keep) {
+  std::vector<std::string> ns;
+  for (int k = 0; k < static_cast<int>(E::kCount); ++k)
+    if (keep(E(k))) ns.push_back(name(E(k)));
   std::string s;
-  for (int k = 0; k < static_cast<int>(DType::kCount); ++k)
-    s += (k ? ", " : "") + std::string(dtype_name(DType(k)));
+  for (size_t k = 0; k < ns.size(); ++k) s += (k == 0 ? "" : k + 1 == ns.size() ? " or " : ", ") + ns[k];
   return s;
 }
+// Every dtype the core reduces, for messages.
+inline std::string dtype_names() { return names_of(dtype_name, [](DType) { return true; }); }
 
-inline DType to_dtype(const at::Tensor& t, const char* arg) {
+// The API call a collective's checks name: rr.all_reduce, rr.reduce_scatter_tensor, ...
+inline const char* api_name(Coll c) {
+  switch (c) {
+    case Coll::AllReduce: return "all_reduce";
+    case Coll::ReduceScatter: return "reduce_scatter_tensor";
+    case Coll::AllGather: return "all_gather_into_tensor";
+  }
+  return "collective";
+}
+// "ringreduce.<api>: " (api null: "ringreduce: "), the head of every check's message.
+inline std::string who(const char* api) {
+  return api ? std::string("ringreduce.") + api + ": " : std::string("ringreduce: ");
+}
+// torch's name of a dtype, as Python prints it: torch.complex64.
+inline std::string torch_name(at::ScalarType st) {
+  return "torch." + std::string(c10::getDtypeNames(st).first);
+}
+
+// The one dtype check of a collective's tensors (Python does not check dtypes; ring/types.h says
+// which the core reduces). api: the API call, for the message.
+inline DType to_dtype(const at::Tensor& t, const char* arg, const char* api = nullptr) {
   DType dt;
-  TORCH_CHECK_TYPE(try_dtype(t.scalar_type(), dt), "ringreduce: ", arg, " has dtype ", t.scalar_type(),
+  TORCH_CHECK_TYPE(try_dtype(t.scalar_type(), dt), who(api), arg, " has dtype ", torch_name(t.scalar_type()),
                    "; expected one of ", dtype_names());
   return dt;
 }
 
 inline RedOp to_op(int op) {
   TORCH_CHECK_VALUE(op >= 0 && op < static_cast<int>(RedOp::kCount), "ringreduce: op code ", op,
-                    " is not SUM, AVG, MIN, MAX or PRODUCT");
+                    " is not ", names_of(op_name, [](RedOp) { return true; }));
   return static_cast<RedOp>(op);
 }
 
-// A wire code from Python, checked against the tensor and the op (ring/types.h: wire_takes; the
-// Python API says the same first, naming its own arguments). The one place a wire is checked.
-inline Wire to_wire(int wire, const at::Tensor& t, int op, const char* arg) {
-  TORCH_CHECK_VALUE(wire >= 0 && wire < static_cast<int>(Wire::kCount), "ringreduce: wire code ",
+// A wire code from Python, checked against the tensor and the op (ring/types.h: wire_takes). The
+// one place a wire's tensor and op are checked (a traced call's Python says it first: its fake
+// kernel never gets here); what a transport's wire runs: runtime::wire_refusal.
+inline Wire to_wire(int wire, const at::Tensor& t, int op, const char* arg, const char* api = nullptr) {
+  TORCH_CHECK_VALUE(wire >= 0 && wire < static_cast<int>(Wire::kCount), who(api), "wire code ",
                     wire, " out of range");
   if (wire == 0) return Wire::None;
   DType dt;
-  TORCH_CHECK_TYPE(try_dtype(t.scalar_type(), dt) && wire_takes(dt), "ringreduce: ", arg, " is ",
-                   t.scalar_type(), "; wire_dtype takes float32, float16 and bfloat16 tensors");
-  TORCH_CHECK_VALUE(wire_takes(to_op(op)), "ringreduce: wire_dtype takes SUM and AVG, got ",
+  TORCH_CHECK_TYPE(try_dtype(t.scalar_type(), dt) && wire_takes(dt), who(api), arg, " is ",
+                   torch_name(t.scalar_type()), "; wire_dtype takes ",
+                   names_of(dtype_name, [](DType d) { return wire_takes(d); }), " tensors");
+  TORCH_CHECK_VALUE(wire_takes(to_op(op)), who(api), "wire_dtype takes ",
+                    names_of(op_name, [](RedOp o) { return wire_takes(o); }), ", got ",
                     op_name(RedOp(op)));
   return Wire(wire);
 }

@@ -2,6 +2,8 @@
 // with the CPU kernels' arithmetic (ring/wire_scalar.h), so that a CUDA call gives the bits of the
 // CPU's and of tests/reference.py. Included by .cu files only.
 #pragma once
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "ring/wire_scalar.h"
@@ -52,7 +54,8 @@ void dispatch_wire_dtype(DType t, F&& f) {
     case DType::F32: return f(float{});
     case DType::F16: return f(F16{});
     case DType::BF16: return f(BF16{});
-    default: throw std::invalid_argument("ringreduce: a narrow wire needs a float32, float16 or bfloat16 tensor");
+    default: throw std::invalid_argument(std::string("ringreduce: a narrow wire takes no ") + dtype_name(t) +
+                                         " tensor (ring/types.h: wire_takes)");
   }
 }
 

@@ -4,6 +4,8 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace ringreduce {
 
@@ -42,6 +44,20 @@ inline const char* wire_name(Wire w) {
 // check of the API (binding/torch_types.h: to_wire; Python reads it as _C.WIRE_TENSOR_DTYPES).
 constexpr bool wire_takes(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 constexpr bool wire_takes(RedOp op) { return op == RedOp::Sum || op == RedOp::Avg; }
+// What a wire takes, in words, from wire_takes: "float32, float16 or bfloat16 ... with SUM or AVG".
+inline std::string wire_takes_text() {
+  std::vector<std::string> d, o;
+  for (int k = 0; k < static_cast<int>(DType::kCount); ++k)
+    if (wire_takes(DType(k))) d.push_back(dtype_name(DType(k)));
+  for (int k = 0; k < static_cast<int>(RedOp::kCount); ++k)
+    if (wire_takes(RedOp(k))) o.push_back(op_name(RedOp(k)));
+  auto join = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (size_t i = 0; i < v.size(); ++i) s += (i == 0 ? "" : i + 1 == v.size() ? " or " : ", ") + v[i];
+    return s;
+  };
+  return join(d) + " tensor with " + join(o);
+}
 constexpr size_t wire_elem_bytes(Wire w) { return w == Wire::BF16 || w == Wire::F16 ? 2 : 1; }
 constexpr bool wire_scaled(Wire w) { return w == Wire::E4M3 || w == Wire::E5M2; }
 constexpr int64_t wire_blocks(int64_t n) { return (n + kWireBlock - 1) / kWireBlock; }

@@ -106,7 +106,7 @@ class Executor : public std::enable_shared_from_this<Executor> {
         return job;
       }
     }
-    finish(job, "ringreduce: communicator is closed");
+    finish(job, kClosedMessage);
     return job;
   }
 
@@ -164,7 +164,7 @@ class Executor : public std::enable_shared_from_this<Executor> {
       std::lock_guard<std::mutex> lk(mu_);
       left.swap(queue_);
     }
-    for (auto& j : left) finish(j, "ringreduce: communicator is closed");
+    for (auto& j : left) finish(j, kClosedMessage);
   }
 
  private:
@@ -194,7 +194,7 @@ class Executor : public std::enable_shared_from_this<Executor> {
   bool wait_turn(const Interrupted* interrupted) {
     std::unique_lock<std::mutex> lk(mu_);
     while (busy_locked() || stopped_) {
-      if (stopped_) throw RingError("ringreduce: communicator is closed");
+      if (stopped_) throw closed_error();
       if (!running_ && !queue_.empty()) {
         JobPtr next = take_locked();
         lk.unlock();

@@ -361,16 +361,23 @@ std::string Recorder::dump(const std::string& path_in, std::string* error) {
   return path;
 }
 
+std::string Recorder::fail_and_dump(uint64_t seq, const std::string& what) {
+  failed(seq, what);
+  const std::string path = dump_on_failure();
+  if (path.empty()) return what;
+  static const std::string kNamed = "\nflight recorder: ";
+  return what.substr(0, what.find(kNamed)) + kNamed + path + " (every rank's: python -m ringreduce.trace " +
+         path.substr(0, path.rfind('/')) + ")";
+}
+
 void Recorder::rethrow_failed(uint64_t seq) {
   try {
     throw;
   } catch (const RingError& e) {
     if (!seq) throw;
-    failed(seq, e.what());
-    const std::string path = dump_on_failure();
-    if (path.empty()) throw;
-    throw RingError(std::string(e.what()) + "\nflight recorder: " + path +
-                    " (every rank's: python -m ringreduce.trace " + path.substr(0, path.rfind('/')) + ")");
+    const std::string text = fail_and_dump(seq, e.what());
+    if (text == e.what()) throw;
+    throw RingError(text);
   } catch (const std::exception& e) {
     if (seq) failed(seq, e.what());
     throw;

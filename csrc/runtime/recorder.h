@@ -52,7 +52,9 @@ class Recorder {
   // 2 done (*done_ns: when, steady clock; 0 if not known), 3 failed (*error: why).
   using DeviceProbe = std::function<int(uint64_t dev_seq, int64_t* done_ns, std::string* error)>;
 
-  // capacity 0: off (every call is a no-op, dumps hold no entries).
+  // capacity 0: off (every call is a no-op, dumps hold no entries). RINGREDUCE_TRACE_BUFFER is
+  // read and checked by Python (ringreduce/_lifecycle.py: trace_buffer), its default is this.
+  static constexpr size_t kDefaultCapacity = 2000;
   explicit Recorder(size_t capacity);
   ~Recorder();
   Recorder(const Recorder&) = delete;
@@ -86,6 +88,11 @@ class Recorder {
   std::string dump(const std::string& path = "", std::string* error = nullptr);
   // dump() once per recorder, for the first failure; later calls return the first path.
   std::string dump_on_failure();
+  // Call seq (not 0) failed with what: marks it failed, writes the failure's dump (once) and
+  // returns what naming the dump (what itself when none could be written; a dump an inner
+  // communicator's error named is replaced). The one failure wrapper: rethrow_failed's and
+  // Python's (ringreduce/_lifecycle.py: Communicator._traced).
+  std::string fail_and_dump(uint64_t seq, const std::string& what);
   // Called in a catch block of call seq (0: not recorded): marks it failed and rethrows it; a
   // RingError then also names the dump that its failure wrote. Every transport's calls end here.
   [[noreturn]] void rethrow_failed(uint64_t seq);

@@ -22,10 +22,12 @@ struct Caps {
   bool on_caller_stream = false;
   // run() may be captured into a CUDA graph (its replays continue where the group stands).
   bool capture_safe = false;
-  // Runs calls with a narrow wire (Call::wire).
+  // Runs calls with a narrow wire (Call::wire): all_reduce, and reduce_scatter unless
+  // wire_reduce_scatter is false; float16's wire unless wire_f16 is false. Read by the one wire
+  // check (wire_refusal below; the binding calls it).
   bool wire = false;
-  // Honours deterministic mode (Call::deterministic: rank-order bits at every size).
-  bool deterministic = true;
+  bool wire_reduce_scatter = true;
+  bool wire_f16 = true;
   // Closes in two phases (unmap_peers, a barrier, close(true)): peers map this rank's memory.
   bool two_phase_close = false;
   // poll() looks for failures that arrive apart from the calls (NCCL's asynchronous errors).
@@ -90,18 +92,36 @@ class Transport {
   virtual Pin capture_pin() { return {}; }
 };
 
-// The checks every transport makes before a call, written once: a broken transport refuses
-// (failure: its failure(), "" when none), and so does a reduce_scatter or all_gather whose numel
-// is not a multiple of the world.
+// Why a transport with caps k (named transport) cannot run coll on wire w, or "" when it can (or w
+// is Wire::None). The one wire check: what a wire takes (dtype, op) is ring/types.h's wire_takes,
+// checked by the binding (binding/torch_types.h: to_wire); what a transport's wire runs, here.
+inline std::string wire_refusal(const Caps& k, const char* transport, Coll coll, Wire w) {
+  if (w == Wire::None) return "";
+  if (k.wire && (coll != Coll::ReduceScatter || k.wire_reduce_scatter) && (w != Wire::F16 || k.wire_f16))
+    return "";
+  const std::string head = std::string("wire_dtype=") + wire_name(w) + " in " + coll_name(coll) +
+                           " does not run on the " + transport + " transport";
+  if (!k.wire)
+    return head + " (a narrow wire runs on shared memory, on the p2p transport where every GPU maps "
+                  "its peers' memory, and across hosts: RINGREDUCE_TRANSPORT=p2p or hier)";
+  return head + ": its wire runs " + (k.wire_reduce_scatter ? "all_reduce and reduce_scatter" : "all_reduce") +
+         (k.wire_f16 ? "" : " on a bfloat16 or float8 wire (float16's overflow check is not built there)");
+}
+// The same, thrown (std::invalid_argument): for a transport's run(), whose caller may not have
+// asked (the binding asks first and raises NotImplementedError).
+inline void check_wire(const Caps& k, const char* transport, const Call& c) {
+  const std::string why = wire_refusal(k, transport, c.coll, c.wire);
+  if (!why.empty()) throw std::invalid_argument("ringreduce: " + why);
+}
+
+// The check every transport makes before a call, written once: a broken transport refuses
+// (failure: its failure(), "" when none). What the binding checks (the tensors: dtype, sizes, a
+// multiple of the world) is not checked again here; nranks is unused.
 inline std::string broken_message(const std::string& failure) {
   return "ringreduce: communicator is broken by an earlier failure: " + failure;
 }
-inline void check_call(const Call& c, int nranks, const std::string& failure) {
+inline void check_call(const Call& /*c*/, int /*nranks*/, const std::string& failure) {
   if (!failure.empty()) throw RingError(broken_message(failure));
-  if (c.coll != Coll::AllReduce && nranks > 0 && c.numel % nranks != 0)
-    throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + " numel " +
-                                std::to_string(c.numel) + " is not a multiple of " +
-                                std::to_string(nranks));
 }
 
 }  // namespace ringreduce::runtime

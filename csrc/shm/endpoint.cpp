@@ -8,8 +8,7 @@
 
 namespace ringreduce::shm {
 
-Endpoint::Endpoint(const std::string& name, bool create, const Options& opt, size_t slice_bytes)
-    : nranks_(opt.nranks) {
+Endpoint::Endpoint(const std::string& name, bool create, const Options& opt, size_t slice_bytes) {
   uint64_t bytes = create ? segment_bytes(opt.nranks, slice_bytes) : 0;
   base_ = create ? runtime::shm_create(name, bytes) : runtime::shm_map(name, &bytes);
   bytes_ = bytes;
@@ -25,24 +24,8 @@ Endpoint::Endpoint(const std::string& name, bool create, const Options& opt, siz
 Endpoint::~Endpoint() { close(); }
 
 Protocol& Endpoint::protocol() {
-  if (!ring_) throw RingError("ringreduce: communicator is closed");
+  if (!ring_) throw closed_error();
   return *ring_;
-}
-
-runtime::Caps Endpoint::caps() const {
-  runtime::Caps k;
-  k.wire = true;
-  return k;
-}
-
-std::string Endpoint::failure() {
-  if (!ring_ || !ring_->broken()) return "";
-  const std::string why = ring_->abort_reason();
-  return why.empty() ? "ringreduce: communicator is broken" : why;
-}
-
-void Endpoint::abort(const std::string& why) {
-  if (ring_) ring_->abort(why);
 }
 
 void Endpoint::close() {

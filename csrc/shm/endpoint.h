@@ -1,55 +1,37 @@
-// The shared-memory transport's endpoint (a runtime::Transport): the POSIX shared-memory mapping
-// that holds one group's ring, and the protocol running on it. A host transport: a call runs on
-// the calling thread. Torch-free.
+// The shared-memory transport's endpoint: the POSIX shared-memory mapping that holds one group's
+// ring, and the protocol running on it; a call runs on the calling thread. Torch-free. Not a
+// runtime::Transport: its calls need what that interface does not carry (the Ctrl-C check polled
+// inside every wait, the pool buffer a tensor lies in, the protocol's probe for the recorder), and
+// its one driver, binding/ShmComm, plans and runs them on protocol() directly, once per call.
 #pragma once
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "runtime/transport.h"
 #include "shm/protocol.h"
 
 namespace ringreduce::shm {
 
-class Endpoint : public runtime::Transport {
+class Endpoint {
  public:
   // create=true: make the named segment (it must not exist), size and initialise it.
   // create=false: map the segment another rank made.
   Endpoint(const std::string& name, bool create, const Options& opt, size_t slice_bytes);
-  ~Endpoint() override;
+  ~Endpoint();
   Endpoint(const Endpoint&) = delete;
   Endpoint& operator=(const Endpoint&) = delete;
 
   // The protocol, for what only this transport has (pools, interrupts, cma, the recorder's probe).
   Protocol& protocol();
 
-  // runtime::Transport. The peers' liveness is the protocol's own (their pids are in the segment);
-  // nothing of this rank's is mapped by a peer beyond the segment's name, so close is one phase.
-  const char* name() const override { return "shm"; }
-  runtime::Caps caps() const override;
-  int nranks() const override { return nranks_; }
-  Plan plan(const Call& c) override {
-    Plan p;
-    p.algo = protocol().choose(c);
-    return p;
-  }
-  // The protocol plans again, as it must for a pool buffer's call (ShmComm drives it directly).
-  void run(const Call& c, const Plan& /*p*/, void* /*stream*/) override { protocol().run(c); }
-  using Transport::run;
-  std::string failure() override;
-  uint64_t failed_seq() override { return ring_ ? ring_->failed_seq() : 0; }
-  void abort(const std::string& why) override;
-  void watch_peers(std::vector<runtime::Peer> /*peers*/) override {}
-  void close(bool /*peers_done*/) override { close(); }
-  // Unmaps; idempotent. The protocol must not be running.
+  // Unmaps; idempotent. The protocol must not be running. The peers' liveness is the protocol's
+  // own (their pids are in the segment).
   void close();
-  bool closed() const override { return base_ == nullptr; }
-  uint64_t op_seq() const override { return ring_ ? ring_->op_seq() : 0; }
+  bool closed() const { return base_ == nullptr; }
 
  private:
   void* base_ = nullptr;
   size_t bytes_ = 0;
-  int nranks_ = 0;
   std::unique_ptr<Protocol> ring_;
 };
 

@@ -689,7 +689,7 @@ struct Protocol::Prims {
   void copy(char* dst, const char* src, int64_t n) { std::memmove(dst, src, n * es); }
 };
 
-void Protocol::run(const Call& c, const std::function<bool()>* interrupted, const Pool* pool) {
+void Protocol::run(const Call& c, Algo algo, const std::function<bool()>* interrupted, const Pool* pool) {
   interrupted_ = interrupted;
   if (broken()) {
     broken_ = true;
@@ -699,7 +699,7 @@ void Protocol::run(const Call& c, const std::function<bool()>* interrupted, cons
   runtime::check_call(c, n, broken() ? abort_reason() : std::string());
   ++op_seq_;
   msg_in_call_ = 0;
-  algo_ = choose(c, pool);
+  algo_ = algo;
   if (algo_ == Algo::Wire) {
     Ctx ctx{c, "wire", 0, 0};
     wire_flags_ = 0;

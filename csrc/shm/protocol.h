@@ -111,6 +111,11 @@ struct Step {
   Algo algo;
 };
 
+// The algorithms RINGREDUCE_ALGO may force, and those an auto step may name (Python reads both
+// as _C.SHM_ALGOS and _C.SHM_STEP_ALGOS; the binding parses names against them).
+constexpr Algo kForcedAlgos[] = {Algo::Auto, Algo::Ring, Algo::OneShot, Algo::TwoShot, Algo::Cma};
+constexpr Algo kStepAlgos[] = {Algo::Ring, Algo::TwoShot, Algo::Cma};
+
 struct Options {
   int rank = 0;
   int nranks = 1;
@@ -140,9 +145,14 @@ class Protocol {
   // Runs one collective. Throws RingError on timeout, dead peer, mismatch or abort; after that the
   // ring is broken and every later call throws at once. interrupted (optional) is polled while
   // waiting, every 50 ms: true aborts the group (the binding uses it for Ctrl-C).
-  // pool: the call's tensor lies in a pool buffer (all-reduce in place): Auto runs Algo::Pool.
-  void run(const Call& c, const std::function<bool()>* interrupted = nullptr,
+  // algo: choose(c, pool), planned once by the caller (who records it). pool: the call's tensor
+  // lies in a pool buffer (all-reduce in place).
+  void run(const Call& c, Algo algo, const std::function<bool()>* interrupted = nullptr,
            const Pool* pool = nullptr);
+  // The same, planning c itself (the native tests').
+  void run(const Call& c, const std::function<bool()>* interrupted = nullptr, const Pool* pool = nullptr) {
+    run(c, choose(c, pool), interrupted, pool);
+  }
   // Marks the whole group broken (all ranks raise); safe from any thread.
   void abort(const std::string& why);
   bool broken() const;

@@ -414,16 +414,7 @@ class Communicator(_lifecycle.Communicator):
     def _check_wire(self, wire, fn):
         if not wire:
             return
-        if self.transport == "hier" and (fn != "all_reduce" or wire == _WIRE_F16):
-            raise NotImplementedError(
-                f"ringreduce.{fn}: across hosts, wire_dtype on CUDA tensors runs in all_reduce with "
-                f"torch.bfloat16 or a float8 wire (the leg between hosts; float16's overflow check "
-                f"and a wire reduce_scatter are not built there)")
-        if self.transport not in ("p2p", "hier"):
-            raise NotImplementedError(
-                f"ringreduce.{fn}: wire_dtype on CUDA tensors runs on the p2p transport (every "
-                f"GPU maps its peers' memory) and, across hosts, on hier; this group runs "
-                f"{self.transport}")
+        # Which transport's wire runs which call: the binding's one wire check (Caps).
         if wire == _WIRE_F16 and torch.cuda.is_current_stream_capturing():
             raise NotImplementedError(
                 f"ringreduce.{fn}: wire_dtype=torch.float16 cannot be captured in a CUDA graph "

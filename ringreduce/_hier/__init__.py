@@ -39,7 +39,7 @@ from . import two_level
 
 log = logging.getLogger("ringreduce")
 
-SUM, AVG, MIN, MAX, PROD = (_C.OP_CODES[k] for k in ("SUM", "AVG", "MIN", "MAX", "PRODUCT"))
+SUM, AVG, MIN, MAX, PROD = sorted(_C.OP_CODES.values())  # in RedOp's order (csrc/ring/types.h)
 WIRE_BLOCK = _C.WIRE_BLOCK  # elements per fp8 scale
 WIRE_F16 = _C.WIRE_CODES["float16"]  # the only wire that can overflow
 _GLOO_OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .. import _C
 
 SUM, AVG = _C.OP_CODES["SUM"], _C.OP_CODES["AVG"]  # the native op codes
-GLOO_OPS = {_C.OP_CODES[k]: getattr(dist.ReduceOp, k) for k in ("SUM", "MIN", "MAX", "PRODUCT")}
+GLOO_OPS = {code: getattr(dist.ReduceOp, k) for k, code in _C.OP_CODES.items() if k != "AVG"}
 WIRE_BLOCK = _C.WIRE_BLOCK  # elements per fp8 scale
 # Tensor bytes per piece: a quarter of the tensor, between 4 and 16 MiB. Smaller pieces overlap
 # more of the link with the host's work but meet the other ranks more often, and each meeting

@@ -26,7 +26,8 @@ def _is_chunk_of(small, big, rank):
     return small.data_ptr() == big.data_ptr() + rank * small.numel() * small.element_size()
 
 
-ALGOS = ("ring", "oneshot", "twoshot", "cma")  # ringreduce/<algo>: the shm transport with RINGREDUCE_ALGO=<algo>
+# ringreduce/<algo>: the shm transport with RINGREDUCE_ALGO=<algo> (csrc/shm/protocol.h's names)
+ALGOS = tuple(a for a in rr._C.SHM_ALGOS if a != "auto")
 HOSTS = 1  # --hosts: ringreduce/hier's group is split into this many simulated hosts
 REAL_HOSTS = False  # --link: the ranks are on emulated hosts; the group's own host ids count
 DEVICE = "cpu"  # the run's device; on "cuda" every rank is on its emulated host when HOSTS > 1
@@ -135,8 +136,8 @@ class Wire(RingReduce):
                 return "across hosts the CUDA wire carries all_reduce only"
             if self.wire == torch.float16:
                 return "float16's wire does not cross hosts on CUDA (its overflow check)"
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            return "a wire takes float32, float16 and bfloat16 tensors"
+        if dtype not in rr.collectives.WIRE_TENSOR_DTYPES:
+            return f"a wire takes {', '.join(rr._C.WIRE_TENSOR_DTYPES)} tensors"
         if self.op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return "a wire takes sum and avg"
         if self.wire == torch.float16 and self.op == dist.ReduceOp.SUM:

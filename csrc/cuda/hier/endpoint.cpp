@@ -80,8 +80,9 @@ runtime::Caps Endpoint::caps() const {
   k.two_phase_close = true;  // the host's ranks map each other
   k.polls = true;            // NCCL's asynchronous errors, between hosts
   k.run_waits = true;        // NCCL's groups settle on the host
-  k.deterministic = false;   // the hosts' partial sums first: the flat nccl ring runs that mode
-  k.wire = true;             // between hosts (all_reduce; not float16)
+  k.wire = true;             // between hosts: all_reduce on a bfloat16 or float8 wire
+  k.wire_reduce_scatter = false;
+  k.wire_f16 = false;        // float16's overflow check is not built there
   return k;
 }
 
@@ -366,15 +367,10 @@ void Endpoint::all_reduce_wire(const Call& c, cudaStream_t s) {
 }
 
 void Endpoint::run(const Call& c, cudaStream_t stream) {
-  if (closed_) throw RingError("ringreduce: two-level communicator is closed");
+  if (closed_) throw closed_error();
   runtime::check_call(c, layout_.nranks, failure());
+  runtime::check_wire(caps(), name(), c);
   plan(c);
-  if (c.wire != Wire::None && (c.coll != Coll::AllReduce || c.wire == Wire::F16 || !wire_takes(c.dtype) || !wire_takes(c.op)))
-    throw std::invalid_argument(std::string("ringreduce: ") + coll_name(c.coll) + "(wire_dtype=" +
-                                wire_name(c.wire) + ") of a CUDA tensor across hosts: the two-level "
-                                "plan runs all_reduce of float32, float16 or bfloat16 tensors with SUM "
-                                "or AVG on a bfloat16 or float8 wire (float16's overflow check is not "
-                                "built there)");
   DeviceScope scope(device_);
   const uint64_t seq = ++op_seq_;
   if (c.numel > 0) {

@@ -216,7 +216,7 @@ runtime::Caps Endpoint::caps() const {
 }
 
 void Endpoint::run(const Call& c, Algo algo, cudaStream_t stream) {
-  if (closed_) throw RingError("ringreduce: nccl communicator is closed");
+  if (closed_) throw closed_error();
   const int n = opt_.nranks;
   runtime::check_call(c, n, failure());
   // A CUDA graph would replay NCCL's calls but not this function's host side (the staging

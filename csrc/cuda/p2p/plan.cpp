@@ -76,11 +76,9 @@ namespace {
 Plan wire_plan(const Call& c, const Options& o, bool direct) {
   const int n = o.nranks;
   const std::string what = std::string("ringreduce: ") + coll_name(c.coll) + " with wire_dtype=" + wire_name(c.wire);
-  if (c.coll == Coll::AllGather || (c.op != RedOp::Sum && c.op != RedOp::Avg) ||
-      (c.dtype != DType::F32 && c.dtype != DType::F16 && c.dtype != DType::BF16))
-    throw std::invalid_argument(what + ": needs all_reduce or reduce_scatter of a float32, float16 or "
-                                "bfloat16 tensor with SUM or AVG, got " + dtype_name(c.dtype) + " and " +
-                                op_name(c.op));
+  if (c.coll == Coll::AllGather || !wire_takes(c.op) || !wire_takes(c.dtype))
+    throw std::invalid_argument(what + ": needs all_reduce or reduce_scatter of a " + wire_takes_text() +
+                                ", got " + dtype_name(c.dtype) + " and " + op_name(c.op));
   if (!direct)
     throw RingError(what + " cannot run on the p2p transport of this group: it needs the one-shot or "
                     "two-shot algorithm, which reads every rank's memory, and " +
