@@ -8,7 +8,7 @@
 
 #include "ring/schedule.h"
 #include "cpu/wire.h"
-#include "shm/protocol.h"
+#include "shm/algorithms.h"
 
 namespace ringreduce {
 namespace shm {
@@ -17,8 +17,10 @@ namespace shm {
 // two-shot has two, N x the fold's reads. Measured with python -m ringreduce.bench --wire.
 constexpr size_t kWireOneShotMaxBytes = 32 << 10;
 
-int64_t Protocol::run_wire(const Call& c, Ctx& ctx) {
-  const int n = opt_.nranks, r = opt_.rank;
+int64_t run_wire(Parts& p, const Call& c, Ctx& ctx) {
+  const int n = p.n, r = p.rank;
+  Mailbox& mail = p.mail;
+  Scratch& s = p.s;
   const CallView v(c, n, r);
   const Wire w = c.wire;
   const int64_t B = kWireBlock;
@@ -27,50 +29,48 @@ int64_t Protocol::run_wire(const Call& c, Ctx& ctx) {
 
   if (n == 1) {  // the same two roundings as at any world size, a piece at a time
     const int64_t piece = 512 * B;
-    wire_own_.resize(piece / B * bb);
-    wire_res_.resize(piece / B * bb);
+    s.wire_own.resize(piece / B * bb);
+    s.wire_res.resize(piece / B * bb);
     for (int64_t i = 0; i < c.numel; i += piece) {
       const int64_t k = std::min(piece, c.numel - i);
-      over += cpu::wire_encode(w, c.dtype, v.in + i * v.es, k, wire_own_.data());
-      const void* src = wire_own_.data();
-      over += cpu::wire_reduce(w, &src, 1, k, 1, v.ar ? wire_res_.data() : nullptr, c.dtype,
+      over += cpu::wire_encode(w, c.dtype, v.in + i * v.es, k, s.wire_own.data());
+      const void* src = s.wire_own.data();
+      over += cpu::wire_reduce(w, &src, 1, k, 1, v.ar ? s.wire_res.data() : nullptr, c.dtype,
                                v.out + i * v.es);
     }
     return over;
   }
 
   if (v.ar && static_cast<size_t>(c.numel) * v.es <= kWireOneShotMaxBytes &&
-      wire_span_bytes(w, c.numel) <= slice_bytes_) {
+      wire_span_bytes(w, c.numel) <= p.slice_bytes()) {
     // One-shot: every rank publishes its whole tensor on the wire and folds all N (the same
     // blocks, so the same bits as the two-shot schedule): one meeting instead of two.
     ctx.phase = "wire one-shot";
     const uint64_t bytes = wire_span_bytes(w, c.numel);
-    wire_own_.resize(bytes);
-    wire_res_.resize(bytes);
-    const uint32_t ma = sent_;
-    wait_all_consumed(ma + 1 - kSlots, ctx);
-    over += cpu::wire_encode(w, c.dtype, v.in, c.numel, wire_own_.data());
-    if (over) wire_flags_ |= kFlagOverflow;
-    put(slot(r, ma) + sizeof(MsgHeader), wire_own_.data(), bytes);
-    wide_until_ = ma + 1;
-    post_send(ctx, bytes);
-    srcs_.resize(n);
+    s.wire_own.resize(bytes);
+    s.wire_res.resize(bytes);
+    char* d = mail.begin_wide(ctx);
+    over += cpu::wire_encode(w, c.dtype, v.in, c.numel, s.wire_own.data());
+    if (over) mail.raise_flags(kFlagOverflow);
+    p.writer.put(d, s.wire_own.data(), bytes);
+    const uint32_t ma = mail.post_wide(ctx, bytes);
+    s.srcs.resize(n);
     for (int q = 0; q < n; ++q) {
       ctx.step = q;
-      srcs_[q] = q == r ? wire_own_.data() : recv_wide(ctx, q, ma, bytes);
+      s.srcs[q] = q == r ? s.wire_own.data() : mail.recv_wide(ctx, q, ma, bytes);
     }
-    over += cpu::wire_reduce(w, srcs_.data(), n, c.numel, v.divisor, wire_res_.data(), c.dtype, v.out);
-    release_wide(ma);
+    over += cpu::wire_reduce(w, s.srcs.data(), n, c.numel, v.divisor, s.wire_res.data(), c.dtype, v.out);
+    mail.release_wide(ma);
     // Every rank folded every input, so each knows every overflow.
-    return over + ((wire_flags_ & kFlagOverflow) && !over ? 1 : 0);
+    return over + ((mail.flags() & kFlagOverflow) && !over ? 1 : 0);
   }
-  const int64_t P = static_cast<int64_t>(slice_bytes_ / (n - 1) / bb);  // blocks per part
+  const int64_t P = static_cast<int64_t>(p.slice_bytes() / (n - 1) / bb);  // blocks per part
   if (P < 1)
     throw std::invalid_argument(
         "ringreduce: wire_dtype=" + std::string(wire_name(w)) + " needs slices of at least " +
         std::to_string((n - 1) * bb) + " bytes at world size " + std::to_string(n) +
         " (a block of " + std::to_string(B) + " elements per peer); RINGREDUCE_SLICE_BYTES is " +
-        std::to_string(slice_bytes_));
+        std::to_string(p.slice_bytes()));
   const int64_t nbk = wire_blocks(v.ar ? c.numel : v.m);
   const int64_t ns = ring::num_slices(v.ar ? (nbk + n - 1) / n : nbk, P);
   // Elements of slice j of chunk k: [begin, begin + count) of the full tensor.
@@ -87,62 +87,56 @@ int64_t Protocol::run_wire(const Call& c, Ctx& ctx) {
     for (int k = 0; k < n; ++k) b += wire_span_bytes(w, part(k, j).count);
     return b;
   };
-  wire_own_.resize(P * bb);
-  wire_res_.resize(P * bb);
-  wire_tmp_.resize(P * bb);
+  s.wire_own.resize(P * bb);
+  s.wire_res.resize(P * bb);
+  s.wire_tmp.resize(P * bb);
 
   // This rank's slice j of every chunk onto the wire: the others' parts into one message, its own
-  // into wire_own_ (so its flag covers all of its input once the last slice is published).
+  // into s.wire_own (so its flag covers all of its input once the last slice is published).
   auto publish = [&](int64_t j) {
     ctx.slice = j;
     ctx.phase = "wire reduce";
     ctx.step = 0;
-    const uint32_t ma = sent_;
-    wait_all_consumed(ma + 1 - kSlots, ctx);
-    char* parts = slot(r, ma) + sizeof(MsgHeader);
+    char* parts = mail.begin_wide(ctx);
     for (int k = 0; k < n; ++k) {
       const ring::Span sp = part(k, j);
       if (k == r) {
-        over += cpu::wire_encode(w, c.dtype, v.in + sp.begin * v.es, sp.count, wire_own_.data());
+        over += cpu::wire_encode(w, c.dtype, v.in + sp.begin * v.es, sp.count, s.wire_own.data());
         continue;
       }
       // Encoded here (L2), then put(): the slot gets the same stores as every other message
-      // (non-temporal in the machine's slow state: Protocol::put).
-      over += cpu::wire_encode(w, c.dtype, v.in + sp.begin * v.es, sp.count, wire_tmp_.data());
-      put(parts + at(r, k), wire_tmp_.data(), wire_span_bytes(w, sp.count));
+      // (non-temporal in the machine's slow state: Writer::put).
+      over += cpu::wire_encode(w, c.dtype, v.in + sp.begin * v.es, sp.count, s.wire_tmp.data());
+      p.writer.put(parts + at(r, k), s.wire_tmp.data(), wire_span_bytes(w, sp.count));
     }
-    if (over) wire_flags_ |= kFlagOverflow;
-    wide_until_ = ma + 1;
-    post_send(ctx, parts_bytes(j));
+    if (over) mail.raise_flags(kFlagOverflow);
+    mail.post_wide(ctx, parts_bytes(j));
   };
-  srcs_.resize(n);
+  s.srcs.resize(n);
   publish(0);
   for (int64_t j = 0; j < ns; ++j) {
-    const uint32_t ma = sent_ - 1;  // slice j's parts
+    const uint32_t ma = mail.last_sent();  // slice j's parts
     ctx.slice = j;
     ctx.phase = "wire reduce";
     const ring::Span mine = part(r, j);
     for (int q = 0; q < n; ++q) {
       ctx.step = q;
-      srcs_[q] = q == r ? wire_own_.data() : recv_wide(ctx, q, ma, parts_bytes(j)) + at(q, r);
+      s.srcs[q] = q == r ? s.wire_own.data() : mail.recv_wide(ctx, q, ma, parts_bytes(j)) + at(q, r);
     }
-    over += cpu::wire_reduce(w, srcs_.data(), n, mine.count, v.divisor,
-                             v.ar ? wire_res_.data() : nullptr, c.dtype,
+    over += cpu::wire_reduce(w, s.srcs.data(), n, mine.count, v.divisor,
+                             v.ar ? s.wire_res.data() : nullptr, c.dtype,
                              v.out + (mine.begin - v.out_shift) * v.es);
-    if (over) wire_flags_ |= kFlagOverflow;
-    release_wide(ma);
+    if (over) mail.raise_flags(kFlagOverflow);
+    mail.release_wide(ma);
     if (!v.ar) {
       if (j + 1 < ns) publish(j + 1);
       continue;
     }
     ctx.phase = "wire gather";
     ctx.step = 0;
-    const uint32_t mb = sent_;
-    wait_all_consumed(mb + 1 - kSlots, ctx);
     const size_t rb = wire_span_bytes(w, mine.count);
-    put(slot(r, mb) + sizeof(MsgHeader), wire_res_.data(), rb);
-    wide_until_ = mb + 1;
-    post_send(ctx, rb);
+    p.writer.put(mail.begin_wide(ctx), s.wire_res.data(), rb);
+    const uint32_t mb = mail.post_wide(ctx, rb);
     // As in two-shot: slice j+1's input is unread by the copy-out below (it writes slice j only).
     if (j + 1 < ns) publish(j + 1);
     ctx.slice = j;
@@ -151,13 +145,13 @@ int64_t Protocol::run_wire(const Call& c, Ctx& ctx) {
       if (q == r) continue;
       ctx.step = q;
       const ring::Span sp = part(q, j);
-      const char* src = recv_wide(ctx, q, mb, wire_span_bytes(w, sp.count));
+      const char* src = mail.recv_wide(ctx, q, mb, wire_span_bytes(w, sp.count));
       cpu::wire_decode(w, src, sp.count, c.dtype, v.out + sp.begin * v.es);
     }
-    release_wide(mb);  // B(j) read; A(j+1) from the others is not (released next round)
+    mail.release_wide(mb);  // B(j) read; A(j+1) from the others is not (released next round)
   }
   // Every rank's last message carries what it learned from every rank's last parts.
-  return over + ((wire_flags_ & kFlagOverflow) && !over ? 1 : 0);
+  return over + ((mail.flags() & kFlagOverflow) && !over ? 1 : 0);
 }
 
 }  // namespace shm

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "check.h"
+#include "cpu/reduce.h"
 #include "shm/protocol.h"
 
 using namespace ringreduce;
