@@ -10,7 +10,7 @@ target_compile_definitions(cuda_emu PUBLIC RINGREDUCE_EMU=1)
 target_compile_options(cuda_emu PUBLIC -Wno-unknown-pragmas -ffp-contract=off PRIVATE -Wall -Wextra)
 target_link_libraries(cuda_emu PUBLIC Threads::Threads)
 
-# libnccl.so.2 of the stand-in: cuda/nccl/endpoint.cpp dlopens it by path, as it would torch's NCCL.
+# libnccl.so.2 of the stand-in: cuda/nccl/library.cpp dlopens it by path, as it would torch's NCCL.
 add_library(nccl_standin SHARED tests/native/emu/nccl_standin.cpp)
 set_target_properties(nccl_standin PROPERTIES OUTPUT_NAME nccl VERSION 2 SOVERSION 2)
 target_link_libraries(nccl_standin PRIVATE cuda_emu)

@@ -1,6 +1,6 @@
-// Native test of the nccl transport (csrc/cuda/nccl/endpoint.cpp) on the emulated device, against the
-// in-process NCCL stand-in (tests/native/emu/nccl_standin.cpp), which cuda/nccl/endpoint.cpp loads by path as
-// it loads torch's libnccl.so.2. Ranks are threads; rank r on emulated device r.
+// Native test of the nccl transport (csrc/cuda/nccl/) on the emulated device, against the
+// in-process NCCL stand-in (tests/native/emu/nccl_standin.cpp), which cuda/nccl/library.cpp loads by
+// path as it loads torch's libnccl.so.2. Ranks are threads; rank r on emulated device r.
 // (1) the schedules (ring, one-shot, two-shot, and the choice by size): 2-4 ranks, every
 //     collective, in place and not, zero-size and numel < N, tiny staging buffers (a chunk in many
 //     pieces) and the default, many calls in a row; NCCL groups and reduce launches per call;
@@ -30,7 +30,7 @@ using Clock = std::chrono::steady_clock;
 
 static const char* kLib = RR_TEST_NCCL_LIB;
 
-// The stand-in's test hooks, from the library cuda/nccl/endpoint.cpp loads.
+// The stand-in's test hooks, from the library cuda/nccl/library.cpp loads.
 struct Hooks {
   void (*fail_next)(const char*, ncclResult_t) = nullptr;
   int (*group_depth)() = nullptr;

@@ -1,5 +1,5 @@
 // The endpoint: the communicator's life (init, finalize, abort), its calls' groups and NCCL's
-// results, and what each call leaves for the watchdog (watchdog.cpp).
+// results, and what each call leaves in flight (inflight.h) for the watchdog (watchdog.cpp).
 #include "cuda/nccl/endpoint.h"
 
 #include <algorithm>
@@ -13,8 +13,6 @@
 
 namespace ringreduce::cuda::nccl {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 // settle()'s backoff. It polls without sleeping for the first kSpinFor: a non-blocking
 // ncclGroupEnd of p2p calls to connected peers settles in a few to ~20 us, and any sleep costs at
@@ -36,7 +34,7 @@ std::string Endpoint::seconds(double s) {
 
 std::string Endpoint::rank_text() const { return "ringreduce: rank " + std::to_string(opt_.rank) + ": "; }
 
-Endpoint::Endpoint(const Options& opt, const std::string& id) : opt_(opt), descs_(opt.nranks) {
+Endpoint::Endpoint(const Options& opt, const std::string& id) : opt_(opt) {
   if (opt.nranks < 1 || opt.rank < 0 || opt.rank >= opt.nranks)
     throw std::invalid_argument("ringreduce: rank out of range");
   if (id.size() != sizeof(ncclUniqueId)) throw RingError("ringreduce: bad NCCL unique id");
@@ -74,7 +72,6 @@ Endpoint::Endpoint(const Options& opt, const std::string& id) : opt_(opt), descs
     close();
     throw;
   }
-  last_done_ = Clock::now();
   watchdog_ = std::thread([this] { watch(); });
 }
 
@@ -83,27 +80,6 @@ Endpoint::~Endpoint() {
     close();
   } catch (...) {
   }
-}
-
-void Endpoint::release_pending(Pending& p) {
-  if (p.done) cudaEventDestroy(p.done);
-  if (p.descs) cudaEventDestroy(p.descs);
-  if (p.slot >= 0) descs_.give(p.slot);
-  p.done = p.descs = nullptr;
-  p.slot = -1;
-}
-
-void Endpoint::set_failure(const std::string& why, uint64_t seq) {
-  if (seq == 0) seq = first_unfinished();
-  std::lock_guard<std::mutex> lk(fmu_);
-  if (!failure_.empty()) return;
-  failure_ = why;
-  failed_seq_ = seq;
-}
-
-std::string Endpoint::failure() {
-  std::lock_guard<std::mutex> lk(fmu_);
-  return failure_;
 }
 
 void Endpoint::fail_locked(const std::string& why) {
@@ -124,7 +100,7 @@ void Endpoint::nccl_check(int res, const char* what) {
   // Mismatched calls are the cause of a truncated message: say so where the descriptors show it.
   const std::string mismatch = known_mismatch();
   if (!mismatch.empty()) msg = mismatch;
-  set_failure(msg, first_unretired());
+  set_failure(msg, inflight_.first_unretired());
   fail_locked(msg);
   throw RingError(msg);
 }
@@ -190,7 +166,7 @@ void Endpoint::group(const std::vector<P2p>& ops, cudaStream_t stream) {
   // group that mismatched calls block (ranks on different algorithms talking to different peers).
   // The price: one more small group per call.
   if (next_.slot >= 0 && !next_.descs) {
-    char* dev = descs_.dev(next_.slot);
+    char* dev = inflight_.dev(next_.slot);
     gops_.clear();
     for (int k = 1; k < opt_.nranks; ++k) {
       const int to = (opt_.rank + k) % opt_.nranks, from = ring::mod(opt_.rank - k, opt_.nranks);
@@ -200,7 +176,7 @@ void Endpoint::group(const std::vector<P2p>& ops, cudaStream_t stream) {
     }
     post(gops_, stream, "ncclGroupEnd (call descriptors with the peers)");
     RR_CUDA_CHECK(cudaEventCreateWithFlags(&next_.descs, cudaEventDisableTiming));
-    RR_CUDA_CHECK(cudaMemcpyAsync(descs_.host(next_.slot), dev, opt_.nranks * sizeof(Desc),
+    RR_CUDA_CHECK(cudaMemcpyAsync(inflight_.host(next_.slot), dev, opt_.nranks * sizeof(Desc),
                                   cudaMemcpyDeviceToHost, stream));
     RR_CUDA_CHECK(cudaEventRecord(next_.descs, stream));
   }
@@ -231,7 +207,7 @@ void Endpoint::run(const Call& c, Algo algo, cudaStream_t stream) {
   // Earlier calls first: an NCCL error they left is theirs, and raises here before this call.
   const std::string earlier = retire_locked();
   if (!earlier.empty()) {
-    set_failure(earlier, first_unretired());
+    set_failure(earlier, inflight_.first_unretired());
     fail_locked(earlier);
     throw RingError(earlier);
   }
@@ -257,27 +233,21 @@ void Endpoint::run(const Call& c, Algo algo, cudaStream_t stream) {
   struct Release {
     Endpoint& ring;
     ~Release() {
-      if (ring.next_.slot >= 0) ring.release_pending(ring.next_);
+      if (ring.next_.slot >= 0) ring.inflight_.release(ring.next_);
     }
   } release{*this};
-  next_.slot = descs_.take();
-  Desc& mine = descs_.host(next_.slot)[opt_.rank];
+  next_.slot = inflight_.take();
+  Desc& mine = inflight_.host(next_.slot)[opt_.rank];
   mine = describe(c, op_seq_, algo);
-  RR_CUDA_CHECK(cudaMemcpyAsync(descs_.dev(next_.slot) + opt_.rank * sizeof(Desc), &mine, sizeof(Desc),
+  RR_CUDA_CHECK(cudaMemcpyAsync(inflight_.dev(next_.slot) + opt_.rank * sizeof(Desc), &mine, sizeof(Desc),
                                 cudaMemcpyHostToDevice, stream));
   run_algo(groups_, c, algo, stream);
   // The watchdog times the call from here (or from when the call before it finished).
   RR_CUDA_CHECK(cudaEventCreateWithFlags(&next_.done, cudaEventDisableTiming));
   RR_CUDA_CHECK(cudaEventRecord(next_.done, stream));
   next_.enqueued = Clock::now();
-  std::lock_guard<std::mutex> qlk(qmu_);
-  inflight_.push_back(std::move(next_));
+  inflight_.push(std::move(next_));
   next_ = Pending{};  // in flight now: the guard releases nothing
-}
-
-void Endpoint::watch_peers(std::vector<runtime::Peer> peers) {
-  std::lock_guard<std::mutex> lk(fmu_);
-  peers_ = std::move(peers);
 }
 
 void Endpoint::abort(const std::string& why) {
@@ -291,11 +261,7 @@ void Endpoint::abort(const std::string& why) {
 }
 
 void Endpoint::stop_threads() {
-  {
-    std::lock_guard<std::mutex> qlk(qmu_);
-    stop_ = true;
-  }
-  qcv_.notify_all();
+  inflight_.stop();
   if (watchdog_.joinable()) watchdog_.join();
 }
 
@@ -324,13 +290,8 @@ void Endpoint::close() {
     else if (comm_) nc.abort(comm_);
     comm_ = nullptr;
   }
-  {
-    std::lock_guard<std::mutex> qlk(qmu_);
-    for (Pending& p : inflight_) release_pending(p);
-    inflight_.clear();
-  }
-  if (next_.slot >= 0) release_pending(next_);
-  descs_.free_all();
+  inflight_.release(next_);
+  inflight_.clear();
   if (groups_.staging[0]) cudaFree(groups_.staging[0]);
   groups_.staging[0] = groups_.staging[1] = nullptr;
   cudaGetLastError();

@@ -22,9 +22,7 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -33,6 +31,8 @@
 #include "cuda/call_log.h"
 #include "cuda/nccl/algorithms.h"
 #include "cuda/nccl/descriptor.h"
+#include "cuda/nccl/failures.h"
+#include "cuda/nccl/inflight.h"
 #include "cuda/nccl/plan.h"
 #include "ring/call.h"
 #include "runtime/peers.h"
@@ -54,6 +54,9 @@ std::string unique_id(const std::string& lib);
 // plan(c, o, c.deterministic): the plan in the mode the call was made in.
 Algo plan(const Call& c, const Options& o);
 
+// The front over two parts that each own their state and lock: the calls in flight (InFlight)
+// and the failure record (Failures). Lock order is call order: mu_, then one part's lock; the
+// parts call neither each other nor the endpoint.
 class Endpoint : public runtime::Transport {
  public:
   // Collective over the group (every rank with the same id); on the current device.
@@ -85,16 +88,16 @@ class Endpoint : public runtime::Transport {
   void log_calls(bool on) override { calls_.enable(on); }
   void close(bool /*peers_done*/) override { close(); }
   // The first failure (the watchdog's timeout, NCCL's async error, a CUDA error, a dead peer), or "".
-  std::string failure() override;
+  std::string failure() override { return failures_.failure(); }
   bool broken() { return !failure().empty(); }
   // The op_seq of the first call that failed, or 0 (see p2p::Endpoint::failed_seq).
-  uint64_t failed_seq() override { return failed_seq_; }
+  uint64_t failed_seq() override { return failures_.failed_seq(); }
   // Looks at NCCL's asynchronous error now (the watchdog does every period): a call whose event
   // has completed may still have failed inside NCCL (e.g. a truncated message).
   void poll() override;
   void abort(const std::string& why) override;
   // The watchdog also checks these peers' processes; a dead one fails and aborts the communicator.
-  void watch_peers(std::vector<runtime::Peer> peers) override;
+  void watch_peers(std::vector<runtime::Peer> peers) override { failures_.watch_peers(std::move(peers)); }
   // Stops the watchdog thread, nothing else (no NCCL or CUDA call): for a ring left to the
   // process's exit while the interpreter finalizes.
   void stop_threads() override;
@@ -107,16 +110,6 @@ class Endpoint : public runtime::Transport {
   CallLog& calls() { return calls_; }
 
  private:
-  struct Pending {
-    cudaEvent_t done;
-    uint64_t seq;
-    std::chrono::steady_clock::time_point enqueued;
-    std::chrono::steady_clock::time_point seen_done{};  // when its event was first seen complete
-    int slot = -1;                 // its descriptors' slot (DescSlots)
-    cudaEvent_t descs = nullptr;   // the peers' descriptors are in the slot's host copy
-    std::vector<int> from;         // the peers whose descriptors it received
-    bool checked = false;
-  };
   // One group of sends and receives on stream, settled (enqueued) before it returns; the call's
   // first is preceded by the descriptor group.
   void group(const std::vector<P2p>& ops, cudaStream_t stream);
@@ -125,20 +118,14 @@ class Endpoint : public runtime::Transport {
   void nccl_check(int res, const char* what);
   void fail_locked(const std::string& why);  // mu_ held: abort the NCCL communicator, record why
   // Records the first failure; seq: the first call it spoils (0: the oldest call not finished).
-  void set_failure(const std::string& why, uint64_t seq = 0);
-  uint64_t first_unfinished();  // qmu_ not held
-  // The call an NCCL error spoils: the oldest not retired (qmu_ not held). NCCL may report an
-  // error after the call's kernels have finished (its event is complete), so completion alone does
-  // not clear a call.
-  uint64_t first_unretired();
+  void set_failure(const std::string& why, uint64_t seq = 0) {
+    failures_.set(why, seq ? seq : inflight_.first_unfinished());
+  }
   // mu_ held: checks the peers' descriptors of every call that has them (a mismatch is recorded
   // as that call's failure and returned), then retires the calls whose events have completed, once
   // NCCL's async state read after those queries is clean; returns NCCL's error as a message, or "".
   std::string retire_locked();
-  std::string check_descs(const Pending& p);  // "" or the mismatch (descriptor.h)
-  std::string descs_if_seen(Pending& p);  // check_descs once p's descriptors reached the host
-  std::string known_mismatch();  // mu_ held, qmu_ not: the first mismatch seen (in flight, next_)
-  void release_pending(Pending& p);     // qmu_ held: its events and slot
+  std::string known_mismatch() { return inflight_.known_mismatch(next_); }  // mu_ held
   void watch();
   std::string async_error_locked();  // mu_ held: NCCL's async error as a message, or ""
   std::string rank_text() const;     // "ringreduce: rank R: ", every message's start
@@ -149,24 +136,16 @@ class Endpoint : public runtime::Transport {
   ncclComm* comm_ = nullptr;
   Groups groups_;  // the schedules' view: world, staging, group()
   std::vector<P2p> gops_;  // the descriptor group's list
-  DescSlots descs_;
-  Pending next_;  // the call being enqueued: its first group() adds the descriptors
+  Pending next_;  // mu_ held: the call being enqueued; its first group() adds the descriptors
   std::atomic<uint64_t> op_seq_{0};
   CallLog calls_;
   std::atomic<bool> in_call_{false};  // run() is enqueueing call op_seq_
   bool closed_ = false;
 
-  std::mutex mu_;  // NCCL calls on comm_
+  std::mutex mu_;  // NCCL calls on comm_, next_
   std::atomic<bool> abort_requested_{false};
-  std::mutex fmu_;  // failure_, peers_
-  std::string failure_;
-  std::atomic<uint64_t> failed_seq_{0};
-  std::vector<runtime::Peer> peers_;
-  std::mutex qmu_;  // inflight_, stop_
-  std::condition_variable qcv_;
-  std::deque<Pending> inflight_;  // enqueued and not retired
-  std::chrono::steady_clock::time_point last_done_;  // seen_done of the last call retired
-  bool stop_ = false;
+  Failures failures_;
+  InFlight inflight_{opt_.rank, opt_.nranks, op_seq_, in_call_};
   std::thread watchdog_;
 };
 

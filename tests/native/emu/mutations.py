@@ -154,9 +154,9 @@ MUTATIONS = {
           "    slot(i).posted = true;\n    cl.cv.notify_all();")],
         None, NCCL_TEST, "every rank waits for its receive before posting its send: the ring deadlocks"),
     "nccl_descriptors_not_compared": (
-        "csrc/cuda/nccl/watchdog.cpp",
-        "        mismatch = p.descs ? check_descs(p) : std::string();",
-        "        mismatch = std::string();",
+        "csrc/cuda/nccl/inflight.cpp",
+        "    mismatch = p.descs ? check_descs(p) : std::string();",
+        "    mismatch = std::string();",
         ("test_nccl_emu", ["test_size_mismatch"]),
         "a mismatched call fails only the ranks NCCL tells (the receiver of a truncated message): the "
         "sender's call succeeds"),
@@ -174,7 +174,7 @@ MUTATIONS = {
         '    gops_.insert(gops_.end(), ops.begin(), ops.end());\n'
         '    post(gops_, stream, "ncclGroupEnd (call descriptors with the peers)");\n'
         '    RR_CUDA_CHECK(cudaEventCreateWithFlags(&next_.descs, cudaEventDisableTiming));\n'
-        '    RR_CUDA_CHECK(cudaMemcpyAsync(descs_.host(next_.slot), dev, opt_.nranks * sizeof(Desc), '
+        '    RR_CUDA_CHECK(cudaMemcpyAsync(inflight_.host(next_.slot), dev, opt_.nranks * sizeof(Desc), '
         'cudaMemcpyDeviceToHost, stream));\n'
         '    RR_CUDA_CHECK(cudaEventRecord(next_.descs, stream));\n'
         '    return;',

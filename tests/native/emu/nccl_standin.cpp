@@ -1,5 +1,5 @@
-// An in-process stand-in for the NCCL calls of csrc/cuda/nccl/endpoint.cpp (tests only), built as
-// libnccl.so.2 and loaded by path as cuda/nccl/endpoint.cpp loads torch's NCCL. Ranks are threads of one
+// An in-process stand-in for the NCCL calls of csrc/cuda/nccl/ (tests only), built as libnccl.so.2
+// and loaded by path as cuda/nccl/library.cpp loads torch's NCCL. Ranks are threads of one
 // process. What it keeps of NCCL's semantics:
 // - communicators from one unique id form a clique once all nranks have joined; non-blocking
 //   communicators report ncclInProgress until then; two ranks on one device are refused with

@@ -1,6 +1,6 @@
-// The NCCL API subset that csrc/cuda/nccl/endpoint.cpp uses, declared for the in-process NCCL stand-in
-// of the emulated device (tests only; tests/native/emu/nccl_standin.cpp). Names, result codes and
-// signatures follow NCCL's public API so that cuda/nccl/endpoint.cpp compiles unchanged against either.
+// The NCCL API subset that csrc/cuda/nccl/ uses, declared for the in-process NCCL stand-in of the
+// emulated device (tests only; tests/native/emu/nccl_standin.cpp). Names, result codes and
+// signatures follow NCCL's public API so that cuda/nccl/ compiles unchanged against either.
 #pragma once
 #include <cstddef>
 #include <cstdint>
