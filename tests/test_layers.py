@@ -490,6 +490,27 @@ def test_what_a_wire_takes_is_spelled_once():
     assert not re.search(r"transport (not )?in \(\"(shm|p2p|hier)", py)  # a wire by transport name
 
 
+P2P_ALGOS = {"oneshot", "twoshot", "copy", "ll"}  # cuda/p2p/plan.h: kForcedAlgos
+
+
+def test_the_p2p_algorithms_are_spelled_once():
+    """cuda/p2p/plan.h's kForcedAlgos (Python: _C.P2P_ALGOS), parsed by the one parse_algo."""
+    found = respelled(lambda t: P2P_ALGOS <= words(t), {"ring/call.h", "ringreduce/bench/cli.py"})
+    assert found == [], found
+    assert "_C, \"P2P_ALGOS\"" in (PACKAGE / "_cuda" / "policy.py").read_text()
+    assert csrc_files_with("Algo parse_algo(") == ["binding/torch_types.h"]
+    assert "parse_algo(" in code_text(CSRC / "binding" / "cuda_module.cpp")
+
+
+def test_capture_asked_once():
+    """Whether a call's stream is capturing is asked of CUDA by the binding only (Call::captured);
+    a transport that is not capture-safe refuses with the one message."""
+    assert csrc_files_with("cudaStreamIsCapturing(") == ["binding/cuda_comm.cpp"]
+    assert csrc_files_with("cannot run inside a CUDA graph") == ["runtime/transport.h"]
+    for rel in ("binding/cuda_comm.cpp", "cuda/nccl/endpoint.cpp"):
+        assert "capture_refusal(" in code_text(CSRC / rel), rel
+
+
 def test_the_shm_algorithms_are_spelled_once():
     """shm/protocol.h's kForcedAlgos and kStepAlgos (Python: _C.SHM_ALGOS, _C.SHM_STEP_ALGOS)."""
     # (the benchmark's command line names its backends after them: labels, not the rule)

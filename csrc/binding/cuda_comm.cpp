@@ -304,7 +304,7 @@ py::object CudaComm::marker() {
 
 // ---- one call ----
 
-py::object CudaComm::run(const Call& c, const std::vector<at::Tensor>& tensors, bool async_op) {
+py::object CudaComm::run(const Call& call, const std::vector<at::Tensor>& tensors, bool async_op) {
   // The whole call under call_mu_, so that close() on another thread waits for it (the fast path
   // does not take the Python lock that orders the full path with close). Tensors of finished calls
   // are destroyed after the unlock (their destructors may run Python): declared before the lock.
@@ -322,13 +322,13 @@ py::object CudaComm::run(const Call& c, const std::vector<at::Tensor>& tensors, 
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(cur, &capture));
   const bool captured = capture != cudaStreamCaptureStatusNone;
+  Call c = call;  // what the transports read of the capture: asked here only
+  c.captured = captured;
   if (captured) {
     if (async_op)
       throw RingError("ringreduce: async_op=True cannot be captured in a CUDA graph (its Work is "
                       "waited on by the host); use async_op=False inside the capture");
-    if (!caps.capture_safe)
-      throw RingError(std::string("ringreduce: the ") + t.name() + " transport cannot run inside a "
-                      "CUDA graph capture; use RINGREDUCE_TRANSPORT=p2p (capture-safe)");
+    if (!caps.capture_safe) throw RingError(runtime::capture_refusal(t.name()));
     if (nranks_ > 1) pin_for_graph(cur);
   }
   if (nranks_ == 1) return run_alone(c, async_op);

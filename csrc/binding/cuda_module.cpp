@@ -7,6 +7,7 @@
 
 #include "binding/cuda_comm.h"
 #include "binding/cuda_imports.h"
+#include "binding/torch_types.h"
 #include "cuda/hier/endpoint.h"
 #include "cuda/nccl/endpoint.h"
 #include "cuda/p2p/endpoint.h"
@@ -156,15 +157,7 @@ void register_cuda(py::module_& m) {
            o.direct = direct;
            o.copy_slot_bytes = copy_slot_bytes;
            o.sym_blocks = sym_blocks;
-           o.algo = algo == "auto"      ? rr::Algo::Auto
-                    : algo == "ring"    ? rr::Algo::Ring
-                    : algo == "oneshot" ? rr::Algo::OneShot
-                    : algo == "twoshot" ? rr::Algo::TwoShot
-                    : algo == "copy"    ? rr::Algo::Copy
-                    : algo == "ll"      ? rr::Algo::LL
-                                        : rr::Algo(255);
-           TORCH_CHECK_VALUE(o.algo != rr::Algo(255), "ringreduce: RINGREDUCE_CUDA_ALGO must be one "
-                             "of auto, ring, oneshot, twoshot, copy, ll; got '", algo, "'");
+           o.algo = rr::binding::parse_algo(algo, rc::p2p::kForcedAlgos, "RINGREDUCE_CUDA_ALGO");
            return std::make_unique<CudaComm>(std::make_unique<rc::p2p::Endpoint>(o));
          },
          py::arg("device"), py::arg("rank"), py::arg("nranks"), py::arg("channels"),
@@ -229,6 +222,7 @@ void register_cuda(py::module_& m) {
         py::arg("device"), py::arg("rank"), py::arg("hosts"), py::arg("piece_bytes"), py::arg("timeout_s"),
         py::arg("intra_timeout_s"), py::arg("chunk_bytes"), py::arg("max_blocks"), py::arg("sym_blocks"),
         py::arg("staging_bytes"), py::arg("lib"), py::arg("id"));
+  m.attr("P2P_ALGOS") = rr::binding::algo_tuple(rc::p2p::kForcedAlgos);  // RINGREDUCE_CUDA_ALGO's names
   m.attr("HIER_PIECE_BYTES") = rc::hier::kDefaultPieceBytes;
 
   m.def("nccl_unique_id", [](const std::string& lib) { return py::bytes(rc::nccl::unique_id(lib)); },

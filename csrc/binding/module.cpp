@@ -301,12 +301,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     rr::binding::to_dtype(t, arg.c_str(), api.c_str());
   }, py::arg("tensor"), py::arg("arg"), py::arg("api"));
   m.attr("SHM_SLICE_BYTES") = rr::shm::kDefaultSliceBytes;
-  m.attr("TRACE_BUFFER") = rr::runtime::Recorder::kDefaultCapacity;  // RINGREDUCE_TRACE_BUFFER's default  // the shared-memory ring's default
-  py::list shm_algos, step_algos;
-  for (rr::Algo a : rr::shm::kForcedAlgos) shm_algos.append(rr::algo_name(a));
-  for (rr::Algo a : rr::shm::kStepAlgos) step_algos.append(rr::algo_name(a));
-  m.attr("SHM_ALGOS") = py::tuple(shm_algos);        // RINGREDUCE_ALGO's names
-  m.attr("SHM_STEP_ALGOS") = py::tuple(step_algos);  // an auto step's
+  m.attr("TRACE_BUFFER") = rr::runtime::Recorder::kDefaultCapacity;  // RINGREDUCE_TRACE_BUFFER's default
+  m.attr("SHM_ALGOS") = rr::binding::algo_tuple(rr::shm::kForcedAlgos);      // RINGREDUCE_ALGO's names
+  m.attr("SHM_STEP_ALGOS") = rr::binding::algo_tuple(rr::shm::kStepAlgos);  // an auto step's
   register_backend(m);
   // The call vocabulary's codes (ring/types.h), so that Python never spells them itself.
   py::dict ops, wires;

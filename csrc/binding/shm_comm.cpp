@@ -36,17 +36,6 @@ bool python_alive() {
 #endif
 }
 
-// A name of one of algos (shm/protocol.h's lists; Python checked it against the same lists).
-template <size_t N>
-shm::Algo parse_algo(const std::string& name, const shm::Algo (&algos)[N], const char* what) {
-  std::string names;
-  for (shm::Algo a : algos) {
-    if (name == shm::algo_name(a)) return a;
-    names += (names.empty() ? "" : ", ") + std::string(shm::algo_name(a));
-  }
-  TORCH_CHECK_VALUE(false, "ringreduce: ", what, " must be one of ", names, ", got '", name, "'");
-}
-
 std::vector<shm::Step> parse_steps(const std::vector<AutoStep>& steps) {
   std::vector<shm::Step> out;
   for (const auto& [from, name] : steps) {

@@ -89,6 +89,23 @@ inline Wire to_wire(int wire, const at::Tensor& t, int op, const char* arg, cons
   return Wire(wire);
 }
 
+// The name of one of a transport's algos (shm/options.h, cuda/p2p/plan.h: the lists Python reads as
+// _C.SHM_ALGOS, _C.P2P_ALGOS), or a ValueError naming what, the names and the value.
+template <size_t N>
+Algo parse_algo(const std::string& name, const Algo (&algos)[N], const char* what) {
+  for (Algo a : algos)
+    if (name == algo_name(a)) return a;
+  TORCH_CHECK_VALUE(false, "ringreduce: ", what, " must be one of ", algo_names(algos), "; got '", name, "'");
+}
+
+// algos' names as a Python tuple (_C.SHM_ALGOS, _C.P2P_ALGOS).
+template <size_t N>
+py::tuple algo_tuple(const Algo (&algos)[N]) {
+  py::list names;
+  for (Algo a : algos) names.append(algo_name(a));
+  return py::tuple(names);
+}
+
 // Whether to_wire would accept these, without raising (the fast paths leave the rest to the full
 // path, which raises the API's error).
 inline bool wire_fits(int wire, DType dt, int op) {

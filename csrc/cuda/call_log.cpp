@@ -44,11 +44,8 @@ struct QueryScope {
 };
 }  // namespace
 
-void CallLog::record(uint64_t seq, cudaStream_t stream) {
-  if (!enabled_.load(std::memory_order_relaxed)) return;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone)
-    return;
+void CallLog::record(uint64_t seq, cudaStream_t stream, bool captured) {
+  if (captured || !enabled_.load(std::memory_order_relaxed)) return;
   std::lock_guard<std::mutex> lk(mu_);
   if (failed_) return;
   if (!ref_ && cudaGetDevice(&device_) != cudaSuccess) device_ = 0;

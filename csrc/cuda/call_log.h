@@ -24,9 +24,9 @@ class CallLog {
   CallLog(const CallLog&) = delete;
   CallLog& operator=(const CallLog&) = delete;
 
-  // After call seq's kernels on stream (on the current device). Nothing while the stream is being
-  // captured into a CUDA graph (a captured event cannot be queried), or when an event fails.
-  void record(uint64_t seq, cudaStream_t stream);
+  // After call seq's kernels on stream (on the current device). Nothing for a call captured into a
+  // CUDA graph (a captured event cannot be queried), or when an event fails.
+  void record(uint64_t seq, cudaStream_t stream, bool captured);
   // Call seq: Done (*done_ns: when, on the host's steady clock, to about a microsecond; 0 once it
   // left the window, known done because a later call on the stream is), Pending, or Unknown (not
   // recorded).
@@ -55,9 +55,10 @@ struct LogOnReturn {
   CallLog& log;
   uint64_t seq;
   cudaStream_t stream;
+  bool captured;
   int uncaught = std::uncaught_exceptions();
   ~LogOnReturn() {
-    if (std::uncaught_exceptions() == uncaught) log.record(seq, stream);
+    if (std::uncaught_exceptions() == uncaught) log.record(seq, stream, captured);
   }
 };
 

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "ring/types.h"
 
@@ -35,6 +36,15 @@ inline const char* coll_name(Coll c) {
 enum class Algo : uint8_t {
   Auto = 0, Ring, OneShot, TwoShot, Cma, Pool, Wire, Registered, Copy, Imported, LL, TwoLevel, kCount
 };
+
+inline const char* algo_name(Algo a);
+// "a, b, c": the names of algos, for messages.
+template <size_t N>
+std::string algo_names(const Algo (&algos)[N]) {
+  std::string names;
+  for (Algo a : algos) names += (names.empty() ? "" : ", ") + std::string(algo_name(a));
+  return names;
+}
 
 inline const char* algo_name(Algo a) {
   static const char* const names[] = {"auto", "ring", "oneshot", "twoshot", "cma", "pool",
@@ -69,7 +79,19 @@ struct Call {
   // Reduce in rank order (deterministic mode): the process's mode when the call is made (the
   // binding's calls and the tests' alike); a transport's own sub-calls copy their call's.
   bool deterministic = ringreduce::deterministic();
+  // The call's stream is capturing a CUDA graph: asked of CUDA once, by the binding (the one that
+  // refuses what a capture cannot hold); the transports read it (a transport's native callers
+  // never capture).
+  bool captured = false;
 };
+
+// A transport's own sub-call of c (hier's steps): c's mode bits, the rest as given.
+inline Call sub_call(const Call& c, Coll coll, DType dtype, RedOp op, int64_t numel, const void* in, void* out) {
+  Call s{coll, dtype, op, numel, in, out};
+  s.deterministic = c.deterministic;
+  s.captured = c.captured;
+  return s;
+}
 
 // How one call runs, as its transport planned it (Transport::plan; the same on every rank for the
 // same call), taken by Transport::run. algo names it (the flight recorder's column); in_place: it

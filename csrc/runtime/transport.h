@@ -114,6 +114,13 @@ inline void check_wire(const Caps& k, const char* transport, const Call& c) {
   if (!why.empty()) throw std::invalid_argument("ringreduce: " + why);
 }
 
+// Why a transport (named) that is not capture-safe (Caps::capture_safe) refuses a call captured
+// into a CUDA graph: the one message (the binding refuses before the capture sees our stream).
+inline std::string capture_refusal(const char* transport) {
+  return std::string("ringreduce: the ") + transport + " transport cannot run inside a CUDA graph "
+         "capture; use RINGREDUCE_TRANSPORT=p2p (capture-safe) or call the collective outside the capture";
+}
+
 // The check every transport makes before a call, written once: a broken transport refuses
 // (failure: its failure(), "" when none). What the binding checks (the tensors: dtype, sizes, a
 // multiple of the world) is not checked again here; nranks is unused.

@@ -235,11 +235,20 @@ inline void check_collective(std::vector<Rank>& ranks, rr::Coll coll, rr::DType 
   }
 }
 
+// c as the binding passes it on stream: with whether the stream is capturing a graph (the one
+// fact the binding asks CUDA for the transports: Call::captured).
+inline rr::Call bound(rr::Call c, cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
+  c.captured = st != cudaStreamCaptureStatusNone;
+  return c;
+}
+
 // A one-element all_reduce on rank k must throw a RingError whose message contains part.
 inline bool run_throws(Rank& k, int r, const DevBuf& buf, const char* part) {
   cudaSetDevice(k.device);
   try {
-    k.run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 1, buf.p, buf.p}, k.stream);
+    k.run(bound({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, 1, buf.p, buf.p}, k.stream), k.stream);
   } catch (const rr::RingError& e) {
     EXPECT(contains(e.what(), part), "rank %d: '%s' lacks '%s'", r, e.what(), part);
     return true;

@@ -100,7 +100,7 @@ struct Group {
   }
   void run(int r, int64_t numel, const DevBuf& buf) {
     cudaSetDevice(ranks[r].device);
-    rings[r]->run(call(numel, buf), ranks[r].stream);
+    rings[r]->run(bound(call(numel, buf), ranks[r].stream), ranks[r].stream);
   }
   void sync() {
     for (Rank& k : ranks) {

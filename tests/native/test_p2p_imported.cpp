@@ -87,7 +87,8 @@ static void test_imported() {
       for (int r = 0; r < n; ++r) emu_set_capturing(g.ranks[r].stream, 1);
       for (int r = 0; r < n; ++r) {
         RR_CUDA_CHECK(cudaSetDevice(device_of(r)));
-        g.rings[r]->run({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, fresh[r].get(), fresh[r].get()},
+        g.rings[r]->run(bound({rr::Coll::AllReduce, rr::DType::F32, rr::RedOp::Sum, numel, fresh[r].get(), fresh[r].get()},
+                              g.ranks[r].stream),
                         g.ranks[r].stream);
       }
       for (int r = 0; r < n; ++r) {

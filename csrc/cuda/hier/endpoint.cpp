@@ -240,22 +240,22 @@ void Endpoint::all_reduce(const Call& c, cudaStream_t s) {
   pipeline(
       (M + P - 1) / P, s, true,
       [&](int64_t p, Slot& k, cudaStream_t st) {  // reduce-scatter inside the host
-        intra_->run({Coll::ReduceScatter, c.dtype, red, len(p), in + p * P * es, k.buf}, st);
+        intra_->run(sub_call(c, Coll::ReduceScatter, c.dtype, red, len(p), in + p * P * es, k.buf), st);
       },
       [&](int64_t p, Slot& k, cudaStream_t st) {  // the shard between hosts
         const int64_t q = len(p) / L;
-        cross_->run({Coll::AllReduce, c.dtype, red, q, k.buf, k.buf}, st);
+        cross_->run(sub_call(c, Coll::AllReduce, c.dtype, red, q, k.buf, k.buf), st);
         if (c.op == RedOp::Avg) launch_divide(c.dtype, k.buf, q, N, st);
       },
       [&](int64_t p, Slot& k, cudaStream_t st) {  // all-gather inside the host
-        intra_->run({Coll::AllGather, c.dtype, RedOp::Sum, len(p), k.buf, out + p * P * es}, st);
+        intra_->run(sub_call(c, Coll::AllGather, c.dtype, RedOp::Sum, len(p), k.buf, out + p * P * es), st);
       });
   const int64_t r = c.numel - M;  // under L elements: reduced inside the host, then between hosts
   if (r == 0) return;
-  intra_->run({Coll::AllReduce, c.dtype, red, r, in + M * es, out + M * es}, s);
+  intra_->run(sub_call(c, Coll::AllReduce, c.dtype, red, r, in + M * es, out + M * es), s);
   RR_CUDA_CHECK(cudaEventRecord(ready_, s));
   RR_CUDA_CHECK(cudaStreamWaitEvent(x_, ready_, 0));
-  cross_->run({Coll::AllReduce, c.dtype, red, r, out + M * es, out + M * es}, x_);
+  cross_->run(sub_call(c, Coll::AllReduce, c.dtype, red, r, out + M * es, out + M * es), x_);
   if (c.op == RedOp::Avg) launch_divide(c.dtype, out + M * es, r, N, x_);
   RR_CUDA_CHECK(cudaEventRecord(done_, x_));
   RR_CUDA_CHECK(cudaStreamWaitEvent(s, done_, 0));
@@ -279,12 +279,12 @@ void Endpoint::reduce_scatter(const Call& c, cudaStream_t s) {
             RR_CUDA_CHECK(cudaMemcpyAsync(sl.buf + (j * H + h) * k * es,
                                           in + (layout_.by_host[h][j] * m + p * K) * es, k * es,
                                           cudaMemcpyDeviceToDevice, st));
-        intra_->run({Coll::ReduceScatter, c.dtype, red, N * k, sl.buf, sl.buf + N * k * es}, st);
+        intra_->run(sub_call(c, Coll::ReduceScatter, c.dtype, red, N * k, sl.buf, sl.buf + N * k * es), st);
       },
       [&](int64_t p, Slot& sl, cudaStream_t st) {  // this rank's chunk from every host's partial
         const int64_t k = len(p);
         char* dst = out + p * K * es;
-        cross_->run({Coll::ReduceScatter, c.dtype, red, H * k, sl.buf + N * k * es, dst}, st);
+        cross_->run(sub_call(c, Coll::ReduceScatter, c.dtype, red, H * k, sl.buf + N * k * es, dst), st);
         if (c.op == RedOp::Avg) launch_divide(c.dtype, dst, k, N, st);
       },
       [](int64_t, Slot&, cudaStream_t) {});
@@ -301,11 +301,11 @@ void Endpoint::all_gather(const Call& c, cudaStream_t s) {
       (m + K - 1) / K, s, false,
       [&](int64_t p, Slot& sl, cudaStream_t st) {  // local rank j's piece from every host
         const int64_t k = len(p);
-        cross_->run({Coll::AllGather, c.dtype, RedOp::Sum, H * k, in + p * K * es, sl.buf}, st);
+        cross_->run(sub_call(c, Coll::AllGather, c.dtype, RedOp::Sum, H * k, in + p * K * es, sl.buf), st);
       },
       [&](int64_t p, Slot& sl, cudaStream_t st) {  // every local rank's, in (local rank, host) order
         const int64_t k = len(p);
-        intra_->run({Coll::AllGather, c.dtype, RedOp::Sum, N * k, sl.buf, sl.buf + H * k * es}, st);
+        intra_->run(sub_call(c, Coll::AllGather, c.dtype, RedOp::Sum, N * k, sl.buf, sl.buf + H * k * es), st);
       },
       [&](int64_t p, Slot& sl, cudaStream_t st) {  // into the group's rank order
         const int64_t k = len(p);
@@ -347,7 +347,7 @@ void Endpoint::all_reduce_wire(const Call& c, cudaStream_t s) {
           RR_CUDA_CHECK(cudaMemsetAsync(pad_, 0, unit * es, st));
           RR_CUDA_CHECK(cudaMemcpyAsync(pad_, in + M * es, tail * es, cudaMemcpyDeviceToDevice, st));
         }
-        intra_->run({Coll::ReduceScatter, c.dtype, RedOp::Sum, len(p), src(p), k.buf}, st);
+        intra_->run(sub_call(c, Coll::ReduceScatter, c.dtype, RedOp::Sum, len(p), src(p), k.buf), st);
       },
       [&](int64_t p, Slot& k, cudaStream_t st) {  // onto the wire, to every host, folded, rounded
         const int64_t rn = len(p) / (static_cast<int64_t>(L) * H);  // a row's elements
@@ -356,11 +356,11 @@ void Endpoint::all_reduce_wire(const Call& c, cudaStream_t s) {
         char* got = send + up256(H * rb);
         if (c.op == RedOp::Avg) launch_divide(c.dtype, k.buf, H * rn, N, st);
         launch_wire_put(c.dtype, w, k.buf, H, rn, send, st);
-        cross_->run({Coll::AllGather, DType::U8, RedOp::Sum, static_cast<int64_t>(H * H * rb), send, got}, st);
+        cross_->run(sub_call(c, Coll::AllGather, DType::U8, RedOp::Sum, static_cast<int64_t>(H * H * rb), send, got), st);
         launch_wire_fold(c.dtype, w, got, H, H, rn, k.buf, st);
       },
       [&](int64_t p, Slot& k, cudaStream_t st) {  // every rank gets the piece
-        intra_->run({Coll::AllGather, c.dtype, RedOp::Sum, len(p), k.buf, dst(p)}, st);
+        intra_->run(sub_call(c, Coll::AllGather, c.dtype, RedOp::Sum, len(p), k.buf, dst(p)), st);
         if (p == main_pieces)
           RR_CUDA_CHECK(cudaMemcpyAsync(out + M * es, pad_, tail * es, cudaMemcpyDeviceToDevice, st));
       });

@@ -198,11 +198,7 @@ void Endpoint::run(const Call& c, Algo algo, cudaStream_t stream) {
   // A CUDA graph would replay NCCL's calls but not this function's host side (the staging
   // schedule's settle() polls, the watchdog's per-call events): refuse rather than record a graph
   // whose replays the watchdog cannot follow.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone)
-    throw RingError("ringreduce: the nccl transport cannot run inside a CUDA graph capture; use "
-                    "RINGREDUCE_TRANSPORT=p2p (capture-safe) or call the collective outside the capture");
+  if (c.captured) throw RingError(runtime::capture_refusal(name()));
   std::lock_guard<std::mutex> lk(mu_);
   // Earlier calls first: an NCCL error they left is theirs, and raises here before this call.
   const std::string earlier = retire_locked();
@@ -212,7 +208,7 @@ void Endpoint::run(const Call& c, Algo algo, cudaStream_t stream) {
     throw RingError(earlier);
   }
   ++op_seq_;
-  LogOnReturn logged{calls_, op_seq_, stream};
+  LogOnReturn logged{calls_, op_seq_, stream, false};  // never captured: refused above
   in_call_ = true;
   struct Done {
     std::atomic<bool>& flag;

@@ -66,7 +66,7 @@ class Endpoint : public runtime::Transport {
   Endpoint& operator=(const Endpoint&) = delete;
 
   // Enqueues one collective on stream. Throws RingError when the ring is broken or NCCL fails, and
-  // when stream is capturing a CUDA graph (not capture-safe: see run()).
+  // when c.captured (not capture-safe: see run()).
   // Before the call is counted: a call deterministic mode cannot run throws in its plan, on every
   // rank alike (the plan depends only on the call and the options), and the ranks stay in step.
   void run(const Call& c, cudaStream_t stream) { run(c, nccl::plan(c, opt_), stream); }

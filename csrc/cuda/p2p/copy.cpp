@@ -78,7 +78,7 @@ unsigned long long addr(const void* p) { return reinterpret_cast<unsigned long l
 
 }  // namespace
 
-void CopyPath::check(cudaStream_t stream) const {
+void CopyPath::check(bool captured) const {
   if (!on())
     throw RingError("ringreduce: the copy algorithm needs its inbox (RINGREDUCE_CUDA_ALGO=copy or "
                     "ranks sharing a GPU without MPS, at most " + std::to_string(kMaxPeers) + " ranks)");
@@ -99,9 +99,7 @@ void CopyPath::check(cudaStream_t stream) const {
                     "stream memory operations, which this GPU or driver does not offer; start MPS "
                     "(nvidia-cuda-mps-control -d) or use one GPU per rank");
   }
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
-  if (st != cudaStreamCaptureStatusNone)
+  if (captured)
     throw RingError("ringreduce: a CUDA graph cannot capture the copy algorithm, which ranks sharing "
                     "a GPU without MPS run (its stream waits name each call's counts); start MPS "
                     "(nvidia-cuda-mps-control -d) or use one GPU per rank to capture collectives");

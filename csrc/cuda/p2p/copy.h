@@ -33,7 +33,7 @@ class CopyPath {
   CopyCtl* counters_dev() const { return cctl_dev_; }  // set before the first call (attach)
   // Throws where a call cannot run (no inbox or counters, a driver without 64-bit stream memory
   // operations, a capture).
-  void check(cudaStream_t stream) const;
+  void check(bool captured) const;
   // Enqueues call #op_seq's pieces on stream: a: the kernel's arguments; areas: every rank's area.
   void run(const Call& c, const Plan& p, Args a, const std::vector<char*>& areas, HostCtl* ctl_dev,
            uint64_t op_seq, cudaStream_t stream);

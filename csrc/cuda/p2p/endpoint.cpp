@@ -132,15 +132,13 @@ void Endpoint::run(const Call& c, cudaStream_t stream, const Plan* plan) {
   // Before the call is counted: a deterministic call the group cannot run throws here, on every
   // rank alike, and the ranks stay in step; so does a copy-algorithm call that cannot run.
   const Plan p = n < 2 ? Plan{} : plan ? *plan : plan_of(c);
-  if (n > 1 && p.algo == Algo::Copy) copy_.check(stream);
+  if (n > 1 && p.algo == Algo::Copy) copy_.check(c.captured);
   if (p.algo == Algo::Imported) {
     // Inside a capture no new mapping (the IPC calls would invalidate it): memory seen before only.
-    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
-    imp_ = imported_.prepare(c, st != cudaStreamCaptureStatusNone, failures_.ctl(), op_seq_);
+    imp_ = imported_.prepare(c, c.captured, failures_.ctl(), op_seq_);
   }
   ++op_seq_;
-  LogOnReturn logged{calls_, op_seq_, stream};
+  LogOnReturn logged{calls_, op_seq_, stream, c.captured};
   const size_t es = dtype_size(c.dtype);
   if (n == 1 && c.wire != Wire::None) {  // rounded as a group of one rounds: no workspace
     p2p::plan(c, opt_, true);  // its argument checks (the wire plan)
@@ -157,9 +155,7 @@ void Endpoint::run(const Call& c, cudaStream_t stream, const Plan* plan) {
     if (p.algo == Algo::Copy) {
       copy_.run(c, p, args(c, p), areas_.all(), failures_.ctl_dev(), op_seq_, stream);
     } else {
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      RR_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-      const bool graph = capture != cudaStreamCaptureStatusNone;
+      const bool graph = c.captured;
       if (graph) copy_host_abort(stream);
       if (p.algo == Algo::Ring) {
         Args a = args(c, p);

@@ -8,6 +8,9 @@
 
 namespace ringreduce::cuda::p2p {
 
+// The algorithms RINGREDUCE_CUDA_ALGO may force (Python reads them as _C.P2P_ALGOS).
+constexpr Algo kForcedAlgos[] = {Algo::Auto, Algo::Ring, Algo::OneShot, Algo::TwoShot, Algo::Copy, Algo::LL};
+
 struct Options {
   int rank = 0;
   int nranks = 1;

@@ -340,9 +340,9 @@ MUTATIONS = {
         WIRE_TEST, "reduce_scatter rounds a chunk's elements shifted by one (blocks not from the chunk's start)"),
     # The two-level CUDA plan (issue 74): ranks on emulated hosts, the NCCL stand-in between them.
     "hier_piece_folded_twice": (
-        HIER, "        cross_->run({Coll::AllReduce, c.dtype, red, q, k.buf, k.buf}, st);\n",
-        "        cross_->run({Coll::AllReduce, c.dtype, red, q, k.buf, k.buf}, st);\n"
-        "        cross_->run({Coll::AllReduce, c.dtype, red, q, k.buf, k.buf}, st);\n", HIER_TEST,
+        HIER, "        cross_->run(sub_call(c, Coll::AllReduce, c.dtype, red, q, k.buf, k.buf), st);\n",
+        "        cross_->run(sub_call(c, Coll::AllReduce, c.dtype, red, q, k.buf, k.buf), st);\n"
+        "        cross_->run(sub_call(c, Coll::AllReduce, c.dtype, red, q, k.buf, k.buf), st);\n", HIER_TEST,
         "a piece's shard reduced between hosts twice"),
     "hier_partial_sent_before_host_reduce": (
         HIER, "    after(k.in_host, a, b);\n", "", HIER_TEST,
