@@ -275,10 +275,7 @@ class RingBackend:
                           lambda c, a: c.reduce_scatter(out, flat, code, a), [out])
 
     def _check_sizes(self, fn, big_name, big, small_name, small):
-        if big.numel() != small.numel() * self.size:
-            raise ValueError(f"ringreduce.{fn}: {big_name} has {big.numel()} elements; expected "
-                             f"{small_name}.numel() * world size = {small.numel()} * {self.size} = "
-                             f"{small.numel() * self.size}")
+        _C.check_sizes(fn, big_name, big, small_name, small, self.size)  # binding/torch_types.h
 
     # -- delegated ----------------------------------------------------------------------------------
     def broadcast(self, tensors, opts):

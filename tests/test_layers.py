@@ -502,6 +502,15 @@ def test_the_p2p_algorithms_are_spelled_once():
     assert "parse_algo(" in code_text(CSRC / "binding" / "cuda_module.cpp")
 
 
+def test_sizes_checked_once():
+    """reduce_scatter's and all_gather's "a multiple of the world" is binding/torch_types.h's
+    check_sizes, for both communicators, the backend's C++ half and (by _C.check_sizes) its Python."""
+    assert csrc_files_with("world size = ") == ["binding/torch_types.h"]
+    py = {p.name: p.read_text() for p in PACKAGE.rglob("*.py")}
+    assert [n for n, t in py.items() if "world size = " in t] == []
+    assert "_C.check_sizes(" in py["backend.py"]
+
+
 def test_capture_asked_once():
     """Whether a call's stream is capturing is asked of CUDA by the binding only (Call::captured);
     a transport that is not capture-safe refuses with the one message."""

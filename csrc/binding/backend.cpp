@@ -171,7 +171,7 @@ class ForwardingBackend : public c10d::Backend {
   WorkPtr _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
     if (ring_can({out, in}))
       if (auto c = open_cpu()) {
-        check_sizes("all_gather_into_tensor", "output_tensor", out, "input_tensor", in);
+        rr::binding::check_sizes("all_gather_into_tensor", "output_tensor", out, "input_tensor", in, size_);
         slot_->count("ring _allgather_base");
         return run(*c, c->all_gather(out, in), async_of(o, 0), c10d::OpType::_ALLGATHER_BASE);
       }
@@ -189,7 +189,7 @@ class ForwardingBackend : public c10d::Backend {
       if (auto c = open_cpu()) {
         rr::binding::Prepared all;
         for (size_t i = 0; i < out.size(); ++i) {
-          check_sizes("all_gather_into_tensor", "output_tensor", out[i], "input_tensor", in[i]);
+          rr::binding::check_sizes("all_gather_into_tensor", "output_tensor", out[i], "input_tensor", in[i], size_);
           rr::binding::Prepared p = c->all_gather(out[i], in[i]);
           if (i == 0) all = std::move(p); else all.append(std::move(p));
         }
@@ -224,7 +224,7 @@ class ForwardingBackend : public c10d::Backend {
     const int code = op_code(o.reduceOp);
     if (code >= 0 && ring_can({out, in}))
       if (auto c = open_cpu()) {
-        check_sizes("reduce_scatter_tensor", "input", in, "output", out);
+        rr::binding::check_sizes("reduce_scatter_tensor", "input", in, "output", out, size_);
         slot_->count("ring _reduce_scatter_base");
         return run(*c, c->reduce_scatter(out, in, code), async_of(o, 0),
                    c10d::OpType::_REDUCE_SCATTER_BASE);
@@ -240,7 +240,7 @@ class ForwardingBackend : public c10d::Backend {
       if (auto c = open_cpu()) {
         rr::binding::Prepared all;
         for (size_t i = 0; i < out.size(); ++i) {
-          check_sizes("reduce_scatter_tensor", "input", in[i], "output", out[i]);
+          rr::binding::check_sizes("reduce_scatter_tensor", "input", in[i], "output", out[i], size_);
           rr::binding::Prepared p = c->reduce_scatter(out[i], in[i], code);
           if (i == 0) all = std::move(p); else all.append(std::move(p));
         }
@@ -291,13 +291,6 @@ class ForwardingBackend : public c10d::Backend {
     for (const at::Tensor& t : ts)
       if (t.sizes() != like.sizes()) return false;
     return true;
-  }
-
-  void check_sizes(const char* fn, const char* big_name, const at::Tensor& big, const char* small_name,
-                   const at::Tensor& small) {
-    TORCH_CHECK_VALUE(big.numel() == small.numel() * size_, "ringreduce.", fn, ": ", big_name, " has ",
-                      big.numel(), " elements; expected ", small_name, ".numel() * world size = ",
-                      small.numel(), " * ", size_, " = ", small.numel() * size_);
   }
 
   py::object impl_;

@@ -132,10 +132,10 @@ runtime::Transport& CudaComm::transport() {
   return *shared_->t;
 }
 
-void CudaComm::check(const at::Tensor& t, const char* arg) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device_, "ringreduce: ", arg, " is on ",
+void CudaComm::check(const at::Tensor& t, const char* arg, Coll coll) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device_, who(api_name(coll)), arg, " is on ",
                     t.device(), "; this communicator moves tensors on cuda:", device_);
-  TORCH_CHECK_VALUE(t.is_contiguous(), "ringreduce: ", arg, " must be contiguous");
+  TORCH_CHECK_VALUE(t.is_contiguous(), who(api_name(coll)), arg, " must be contiguous");
 }
 
 Wire CudaComm::wire_of(Coll coll, int wire, const at::Tensor& t, int op, const char* arg) {
@@ -147,34 +147,27 @@ Wire CudaComm::wire_of(Coll coll, int wire, const at::Tensor& t, int op, const c
 }
 
 py::object CudaComm::all_reduce(at::Tensor t, int op, bool async_op, int wire) {
-  check(t, "tensor");
+  check(t, "tensor", Coll::AllReduce);
   return run({Coll::AllReduce, to_dtype(t, "tensor", api_name(Coll::AllReduce)), to_op(op), t.numel(), t.data_ptr(), t.data_ptr(),
               wire_of(Coll::AllReduce, wire, t, op, "tensor"), t.storage().unsafeGetStorageImpl()}, {t}, async_op);
 }
 
 py::object CudaComm::reduce_scatter(at::Tensor out, at::Tensor in, int op, bool async_op, int wire) {
-  check(out, "output");
-  check(in, "input");
+  check(out, "output", Coll::ReduceScatter);
+  check(in, "input", Coll::ReduceScatter);
   const char* api = api_name(Coll::ReduceScatter);
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), "output dtype ",
-                   torch_name(out.scalar_type()), " differs from input dtype ", torch_name(in.scalar_type()));
-  TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, who(api), "input has ", in.numel(),
-                    " elements; expected output.numel() * world size = ", out.numel(), " * ", nranks_,
-                    " = ", out.numel() * nranks_);
+  check_same_dtype(api, "output", out, "input", in);
+  check_sizes(api, "input", in, "output", out, nranks_);
   return run({Coll::ReduceScatter, to_dtype(in, "input", api), to_op(op), in.numel(), in.data_ptr(),
               out.data_ptr(), wire_of(Coll::ReduceScatter, wire, in, op, "input")}, {out, in}, async_op);
 }
 
 py::object CudaComm::all_gather(at::Tensor out, at::Tensor in, bool async_op) {
-  check(out, "output_tensor");
-  check(in, "input_tensor");
+  check(out, "output_tensor", Coll::AllGather);
+  check(in, "input_tensor", Coll::AllGather);
   const char* api = api_name(Coll::AllGather);
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), "output_tensor dtype ",
-                   torch_name(out.scalar_type()), " differs from input_tensor dtype ",
-                   torch_name(in.scalar_type()));
-  TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks_, who(api), "output_tensor has ",
-                    out.numel(), " elements; expected input_tensor.numel() * world size = ",
-                    in.numel(), " * ", nranks_, " = ", in.numel() * nranks_);
+  check_same_dtype(api, "output_tensor", out, "input_tensor", in);
+  check_sizes(api, "output_tensor", out, "input_tensor", in, nranks_);
   return run({Coll::AllGather, to_dtype(in, "input_tensor", api), RedOp::Sum, out.numel(), in.data_ptr(),
               out.data_ptr()}, {out, in}, async_op);
 }

@@ -114,7 +114,7 @@ class CudaComm : public FastTarget {
   };
   py::object run(const Call& c, const std::vector<at::Tensor>& tensors, bool async_op);
   py::object run_alone(const Call& c, bool async_op);  // world 1
-  void check(const at::Tensor& t, const char* arg);
+  void check(const at::Tensor& t, const char* arg, Coll coll);  // on our device, contiguous
   Wire wire_of(Coll coll, int wire, const at::Tensor& t, int op, const char* arg);
   std::unique_lock<std::mutex> lock_calls();
   void follow(cudaStream_t s, cudaStream_t cur);

@@ -300,6 +300,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_dtype", [](const at::Tensor& t, const std::string& arg, const std::string& api) {
     rr::binding::to_dtype(t, arg.c_str(), api.c_str());
   }, py::arg("tensor"), py::arg("arg"), py::arg("api"));
+  // The size check of reduce_scatter's and all_gather's tensors, for the backend's Python half.
+  m.def("check_sizes", [](const std::string& api, const std::string& big_name, const at::Tensor& big,
+                          const std::string& small_name, const at::Tensor& small, int world) {
+    rr::binding::check_sizes(api.c_str(), big_name.c_str(), big, small_name.c_str(), small, world);
+  }, py::arg("api"), py::arg("big_name"), py::arg("big"), py::arg("small_name"), py::arg("small"),
+     py::arg("world"));
   m.attr("SHM_SLICE_BYTES") = rr::shm::kDefaultSliceBytes;
   m.attr("TRACE_BUFFER") = rr::runtime::Recorder::kDefaultCapacity;  // RINGREDUCE_TRACE_BUFFER's default
   m.attr("SHM_ALGOS") = rr::binding::algo_tuple(rr::shm::kForcedAlgos);      // RINGREDUCE_ALGO's names
@@ -319,10 +325,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("CLOSED_MESSAGE") = rr::kClosedMessage;  // ring/call.h: the one "closed" error's text
   // The dtypes the core reduces, by name in code order, and those a wire takes (torch's names).
   py::list dtypes, wire_dtypes;
-  for (int k = 0; k < static_cast<int>(rr::DType::kCount); ++k) {
-    dtypes.append(rr::dtype_name(rr::DType(k)));
-    if (rr::wire_takes(rr::DType(k))) wire_dtypes.append(rr::dtype_name(rr::DType(k)));
-  }
+  for (int k = 0; k < static_cast<int>(rr::DType::kCount); ++k) dtypes.append(rr::dtype_name(rr::DType(k)));
+  for (const std::string& name : rr::wire_dtype_names()) wire_dtypes.append(name);
   m.attr("DTYPES") = py::tuple(dtypes);  // ("float32", "float64", ..., "int64")
   m.attr("WIRE_TENSOR_DTYPES") = py::tuple(wire_dtypes);  // ("float32", "float16", "bfloat16")
   // The CUDA transports' defaults (cuda/p2p/layout.h, cuda/nccl/defaults.h; CUDA-free, so in

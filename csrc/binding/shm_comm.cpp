@@ -278,11 +278,8 @@ Prepared ShmComm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, in
   check_cpu(in, "input", api);
   const DType dt = to_dtype(in, "input", api);
   const Wire w = to_wire(wire, in, op, "input", api);
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), "output dtype ",
-                   torch_name(out.scalar_type()), " differs from input dtype ", torch_name(in.scalar_type()));
-  TORCH_CHECK_VALUE(in.numel() == out.numel() * nranks_, who(api), "input has ", in.numel(),
-                    " elements; expected output.numel() * world size = ", out.numel(), " * ", nranks_,
-                    " = ", out.numel() * nranks_);
+  check_same_dtype(api, "output", out, "input", in);
+  check_sizes(api, "input", in, "output", out, nranks_);
   at::Tensor src = in.contiguous();
   bool copy_back = false;
   at::Tensor dst = contiguous_out(out, copy_back);
@@ -300,12 +297,8 @@ Prepared ShmComm::all_gather(const at::Tensor& out, const at::Tensor& in) {
   check_cpu(out, "output_tensor", api);
   check_cpu(in, "input_tensor", api);
   const DType dt = to_dtype(in, "input_tensor", api);
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), "output_tensor dtype ",
-                   torch_name(out.scalar_type()), " differs from input_tensor dtype ",
-                   torch_name(in.scalar_type()));
-  TORCH_CHECK_VALUE(out.numel() == in.numel() * nranks_, who(api), "output_tensor has ",
-                    out.numel(), " elements; expected input_tensor.numel() * world size = ",
-                    in.numel(), " * ", nranks_, " = ", in.numel() * nranks_);
+  check_same_dtype(api, "output_tensor", out, "input_tensor", in);
+  check_sizes(api, "output_tensor", out, "input_tensor", in, nranks_);
   at::Tensor src = in.contiguous();
   bool copy_back = false;
   at::Tensor dst = contiguous_out(out, copy_back);

@@ -57,6 +57,20 @@ inline std::string torch_name(at::ScalarType st) {
   return "torch." + std::string(c10::getDtypeNames(st).first);
 }
 
+// reduce_scatter's and all_gather's tensors, checked once for every communicator and the backend:
+// the same dtype (out's named first), and the world-sized one holds world times the other's elements.
+inline void check_same_dtype(const char* api, const char* out_name, const at::Tensor& out,
+                             const char* in_name, const at::Tensor& in) {
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), who(api), out_name, " dtype ",
+                   torch_name(out.scalar_type()), " differs from ", in_name, " dtype ", torch_name(in.scalar_type()));
+}
+inline void check_sizes(const char* api, const char* big_name, const at::Tensor& big, const char* small_name,
+                        const at::Tensor& small, int world) {
+  TORCH_CHECK_VALUE(big.numel() == small.numel() * world, who(api), big_name, " has ", big.numel(),
+                    " elements; expected ", small_name, ".numel() * world size = ", small.numel(), " * ",
+                    world, " = ", small.numel() * world);
+}
+
 // The one dtype check of a collective's tensors (Python does not check dtypes; ring/types.h says
 // which the core reduces). api: the API call, for the message.
 inline DType to_dtype(const at::Tensor& t, const char* arg, const char* api = nullptr) {

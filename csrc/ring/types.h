@@ -44,11 +44,17 @@ inline const char* wire_name(Wire w) {
 // check of the API (binding/torch_types.h: to_wire; Python reads it as _C.WIRE_TENSOR_DTYPES).
 constexpr bool wire_takes(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 constexpr bool wire_takes(RedOp op) { return op == RedOp::Sum || op == RedOp::Avg; }
-// What a wire takes, in words, from wire_takes: "float32, float16 or bfloat16 ... with SUM or AVG".
-inline std::string wire_takes_text() {
-  std::vector<std::string> d, o;
+// The names of the dtypes a wire takes, in code order (Python: _C.WIRE_TENSOR_DTYPES).
+inline std::vector<std::string> wire_dtype_names() {
+  std::vector<std::string> d;
   for (int k = 0; k < static_cast<int>(DType::kCount); ++k)
     if (wire_takes(DType(k))) d.push_back(dtype_name(DType(k)));
+  return d;
+}
+// What a wire takes, in words, from wire_takes: "float32, float16 or bfloat16 ... with SUM or AVG".
+inline std::string wire_takes_text() {
+  const std::vector<std::string> d = wire_dtype_names();
+  std::vector<std::string> o;
   for (int k = 0; k < static_cast<int>(RedOp::kCount); ++k)
     if (wire_takes(RedOp(k))) o.push_back(op_name(RedOp(k)));
   auto join = [](const std::vector<std::string>& v) {

@@ -11,6 +11,11 @@
 // 2^30 calls a call wipes the idle slot first (ll_wipes), so no word lives to see its flag come
 // round again. The epoch (the workspace's, one per LL call) keeps sym_kernel.cu's halves and
 // barriers in step. Waits poll the abort word and the deadline, as the barriers do.
+// Why a kernel of its own beside sym_kernel.cu's one-shot (the same fold in rank order): LL's
+// synchronisation is in the data (every 8-byte word carries its flag) and its slots are in the
+// peers' areas, where sym_kernel's is a barrier per piece before 16-byte loads of workspace
+// halves. One kernel would put a flag check into every word sym_kernel moves, or a barrier into
+// LL, which exists because it has none. Not measured as one kernel: the reason is the design's.
 #include "cuda/p2p/device.cuh"
 #include "cuda/reduce.cuh"
 

@@ -19,6 +19,8 @@
 // rank (the same cut everywhere), so per-block barriers order all of it; across calls, a peer's
 // block at the next call's start barrier means that peer's previous kernel has ended (stream order).
 // A registered tensor is the user's: its end barrier keeps the peers' reads before our return.
+// The other one-shots (the narrow wire: sym_wire.cu; LL: ll_kernel.cu) say why they are kernels
+// of their own.
 #include "cuda/p2p/device.cuh"
 #include "cuda/p2p/sym_barrier.cuh"
 #include "cuda/reduce.cuh"

@@ -12,6 +12,14 @@
 //                         decoding of the piece two back needs).                             1 (+1)
 //   reduce_scatter:       round in (every chunk), start barrier, fold chunk r into the output.  1
 // The data path (a warp per wire block, in registers): cuda/p2p/wire_warp.cuh.
+// Why a kernel of its own beside sym_kernel.cu (issue 82 asked for one kernel over the word format
+// where that costs nothing): the schedule is shared already (sym_barrier.cuh: the barriers, the
+// halves, the per-block cut); what differs is the unit of work. Here a warp owns a wire block (128
+// elements: a shuffle reduction for the fp8 scale, then each lane's encode or decode), and pieces
+// are cut in whole wire blocks; there a thread owns a 16-byte vector with no step across threads,
+// and pieces are cut at 16 bytes. One kernel templated on the format would carry the warp's
+// block structure into the vector path's loop (or a branch per vector into both). Not tried and
+// not measured on the emulated counts (benchmarks/gpu_cost.py): the reason is the design's.
 #include "cuda/p2p/sym_barrier.cuh"
 #include "cuda/p2p/wire_warp.cuh"
 
