@@ -22,6 +22,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from .. import _env
 from . import header, plot, report, runner
 from .cli import mpi_launchers, parse_args
 
@@ -361,7 +362,7 @@ def _torchrun_main(args):
     # (with local_world, 2 hosts x 1 rank on 2 cores ran 2 intra-op threads per rank, and every
     # small parallel copy waited a time slice for a descheduled thread: 1.6x slower calls).
     # On GPUs in the lab every rank is told its host (the lab's) and takes GPU rank % count.
-    device = (_device_setup(args.device, rank, world, os.environ.get("RINGREDUCE_HOST_ID"),
+    device = (_device_setup(args.device, rank, world, _env.get("RINGREDUCE_HOST_ID"),
                             local_world)
               if args.lab and args.device == "cuda" else
               _device_setup(args.device, local_rank, world if args.lab else local_world))
