@@ -17,6 +17,7 @@ architectures, one line per file compiled). pip shows a build's output only with
 also go to the terminal (/dev/tty) when there is one.
 """
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -27,6 +28,10 @@ import time
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The table of environment knobs, by path: the package itself needs torch and the built library.
+_spec = importlib.util.spec_from_file_location("_rr_env", os.path.join(HERE, "ringreduce", "_env.py"))
+_env = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_env)
 
 
 def find_cuda_home():
@@ -45,11 +50,11 @@ def find_cuda_home():
 
 def cuda_flag():
     """RINGREDUCE_CUDA: "1", "0" or "" (unset), checked before torch is imported (seconds)."""
-    flag = os.environ.get("RINGREDUCE_CUDA", "").strip()
-    if flag not in ("", "0", "1"):
-        raise RuntimeError("RINGREDUCE_CUDA must be 1 (build the CUDA kernels), 0 (do not) or unset "
-                           "(build them when a GPU is visible), got %r" % flag)
-    return flag
+    try:
+        on = _env.get("RINGREDUCE_CUDA")
+    except ValueError as e:
+        raise RuntimeError(str(e)) from None
+    return "" if on is None else "1" if on else "0"
 
 
 def cuda_choice(flag, torch_cuda, cuda_home, cuda_sources, count_gpus):
@@ -124,7 +129,7 @@ print("ringreduce: building %s (%s; torch %s, CUDA toolkit %s)" % (
     "CPU + CUDA" if with_cuda else "CPU only", why, torch.__version__, cuda_home))
 
 cxx_flags = ["-O3", "-Wall", "-Wno-unused-function"]
-if os.environ.get("RINGREDUCE_DEBUG_INFO", "").strip() != "1":
+if not _env.get("RINGREDUCE_DEBUG_INFO", False):
     cxx_flags.append("-g0")
 include_dirs = [os.path.join(HERE, "csrc")]
 if with_cuda:

@@ -32,7 +32,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _env
 
 RingReduceError = _C.RingReduceError
 log = logging.getLogger("ringreduce")
@@ -41,7 +41,7 @@ log = logging.getLogger("ringreduce")
 
 def debug_log_from_env():
     """RINGREDUCE_DEBUG=1: ringreduce's log (transport and algorithm choices) on stderr."""
-    if os.environ.get("RINGREDUCE_DEBUG") == "1" and not log.handlers:
+    if _env.get("RINGREDUCE_DEBUG", False) and not log.handlers:
         h = logging.StreamHandler()
         h.setFormatter(logging.Formatter("ringreduce[%(process)d] %(message)s"))
         log.addHandler(h)
@@ -58,37 +58,17 @@ SETUP_HINT = ("RINGREDUCE_TIMEOUT; did every rank make the same call? A rank tha
 
 
 def default_timeout():
-    raw = os.environ.get("RINGREDUCE_TIMEOUT", "300")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"RINGREDUCE_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if not value > 0 or value == float("inf"):  # nan, inf: no deadline at all
-        raise ValueError(f"RINGREDUCE_TIMEOUT must be a finite number of seconds > 0, got {raw!r}")
-    return value
-
-
-def env_int(name, default):
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    return _env.get("RINGREDUCE_TIMEOUT", 300.0)
 
 
 def trace_buffer():
     """Calls each communicator's flight recorder keeps (RINGREDUCE_TRACE_BUFFER; 0: off)."""
-    n = env_int("RINGREDUCE_TRACE_BUFFER", _C.TRACE_BUFFER)  # the one check of the setting
-    if n < 0:
-        raise ValueError(f"RINGREDUCE_TRACE_BUFFER must be >= 0 (0 turns the recorder off), got {n}")
-    return n
+    return _env.get("RINGREDUCE_TRACE_BUFFER", _C.TRACE_BUFFER)  # the one check of the setting
 
 
 def trace_root():
     """Where flight recorder dumps go: RINGREDUCE_TRACE_DIR, else ringreduce-trace in the temp dir."""
-    return os.environ.get("RINGREDUCE_TRACE_DIR", "").strip() or default_trace_root()
+    return _env.get("RINGREDUCE_TRACE_DIR") or default_trace_root()
 
 
 def default_trace_root():
@@ -140,7 +120,7 @@ def machine_id():
 def host_id():
     """This process's host: RINGREDUCE_HOST_ID if set (tests, simulated hosts), else the machine.
     Ranks with the same host id may map each other's memory (every transport plans by it)."""
-    return os.environ.get("RINGREDUCE_HOST_ID", "").strip() or machine_id()
+    return _env.get("RINGREDUCE_HOST_ID") or machine_id()
 
 
 # The file SIGUSR1 writes this process's Python stacks to (RINGREDUCE_TRACE_SIGNAL=1), or None.
@@ -366,7 +346,7 @@ class Communicator:
             job = self.member.store.get(key).decode()
         name = re.sub(r"[^A-Za-z0-9_.@-]+", "-", prefix).strip("-")
         root = trace_root()
-        if not os.environ.get("RINGREDUCE_TRACE_DIR", "").strip():  # room for this run's folder
+        if not _env.is_set("RINGREDUCE_TRACE_DIR"):  # room for this run's folder
             prune_traces(root, TRACE_KEEP - 1, exclude=f"{name}.{job}")
         self.trace_dir = os.path.join(root, f"{name}.{job}")
         members = None
@@ -645,8 +625,7 @@ def install_trace_signal():
     STACK_FILE, named in each dump). Called at import and when a communicator is made; once.
     A child forked (not exec'd) after it has no dump thread: its SIGUSR1 makes the parent dump."""
     global STACK_FILE
-    if STACK_FILE is not None or os.environ.get("RINGREDUCE_TRACE_SIGNAL", "").strip() not in (
-            "1", "true", "yes"):
+    if STACK_FILE is not None or not _env.get("RINGREDUCE_TRACE_SIGNAL", False):
         return
     import faulthandler
     import signal

@@ -14,8 +14,8 @@ import uuid
 
 import torch
 
-from . import _C, _lifecycle
-from ._lifecycle import Bootstrap, RingReduceError, Work, env_int
+from . import _C, _env, _lifecycle
+from ._lifecycle import Bootstrap, RingReduceError, Work
 
 log = logging.getLogger("ringreduce")
 
@@ -91,10 +91,7 @@ def without_cma(steps):
 
 
 def algo_from_env():
-    algo = (os.environ.get("RINGREDUCE_ALGO") or "auto").strip().lower() or "auto"
-    if algo not in ALGOS:
-        raise ValueError(f"RINGREDUCE_ALGO must be one of {', '.join(ALGOS)}, got {algo!r}")
-    return algo
+    return _env.get("RINGREDUCE_ALGO", "auto")
 
 
 class Communicator(_lifecycle.Communicator):
@@ -106,28 +103,26 @@ class Communicator(_lifecycle.Communicator):
                  machine_ranks=None):
         _lifecycle.require_initialized()
         super().__init__(member or _lifecycle.Member.of_group(group), timeout)
-        self.slice_bytes = int(slice_bytes or env_int("RINGREDUCE_SLICE_BYTES", DEFAULT_SLICE_BYTES))
+        self.slice_bytes = int(slice_bytes or _env.get("RINGREDUCE_SLICE_BYTES", DEFAULT_SLICE_BYTES))
         ncpu = len(os.sched_getaffinity(0))
         # machine_ranks: the processes of the job on this machine, when more than this ring's own
         # (simulated hosts); they compete for the same cores.
         oversubscribed = max(self.world_size, machine_ranks or 0) > ncpu
-        self.spin_ns = env_int("RINGREDUCE_SPIN_NS",
-                               SPIN_NS_OVERSUBSCRIBED if oversubscribed else SPIN_NS_DEDICATED)
-        self.yield_ns = env_int("RINGREDUCE_YIELD_NS", YIELD_NS_OVERSUBSCRIBED if oversubscribed else 0)
+        self.spin_ns = _env.get("RINGREDUCE_SPIN_NS",
+                                SPIN_NS_OVERSUBSCRIBED if oversubscribed else SPIN_NS_DEDICATED)
+        self.yield_ns = _env.get("RINGREDUCE_YIELD_NS", YIELD_NS_OVERSUBSCRIBED if oversubscribed else 0)
         self.algo = algo if algo is not None else algo_from_env()
         if self.algo not in ALGOS:
             raise ValueError(f"ringreduce: algo must be one of {', '.join(ALGOS)}, got {self.algo!r}")
-        self.stream = (os.environ.get("RINGREDUCE_STREAM") or "auto").strip().lower()
-        if self.stream not in ("auto", "0", "1"):
-            raise ValueError(f"RINGREDUCE_STREAM must be auto, 0 or 1, got {self.stream!r}")
-        table = os.environ.get("RINGREDUCE_CPU_TUNING", TUNING_PATH).strip()
-        if table.lower() in ("", "none"):
+        self.stream = _env.get("RINGREDUCE_STREAM", "auto")
+        table = _env.get("RINGREDUCE_CPU_TUNING", TUNING_PATH)
+        if table == "none":
             oneshot_max, steps, self.tuning = None, [], "the defaults (RINGREDUCE_CPU_TUNING=none)"
         else:
             oneshot_max, steps, self.tuning = tuned(cpu_model(), ncpu, self.world_size, table)
         if oneshot_max is None:
             oneshot_max = ONESHOT_MAX_BYTES_WORLD2 if self.world_size == 2 else ONESHOT_MAX_BYTES
-        self.oneshot_max_bytes = env_int("RINGREDUCE_ONESHOT_MAX_BYTES", oneshot_max)
+        self.oneshot_max_bytes = _env.get("RINGREDUCE_ONESHOT_MAX_BYTES", oneshot_max)
         self.auto_steps = steps if self.algo == "auto" else []
         self._native = self._bootstrap()
         self._setup_trace(self._trace_prefix, self._native.recorder())

@@ -22,7 +22,6 @@ ring's message). Everything else is forwarded here: the first call, CUDA tensors
 import collections
 import datetime
 import logging
-import os
 import threading
 import warnings
 import weakref
@@ -30,7 +29,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _C, _lifecycle
+from . import _C, _env, _lifecycle
 from .collectives import _OP_CODES, SUPPORTED_DTYPES, cpu_communicator
 
 log = logging.getLogger("ringreduce")
@@ -64,7 +63,7 @@ class RingBackend:
         self.store, self.rank, self.size = store, rank, size
         self.slot = slot  # _C.BackendSlot: what the C++ half runs without Python
         self.group_name = group_name
-        self.timeout = (None if "RINGREDUCE_TIMEOUT" in os.environ else _seconds(timeout))
+        self.timeout = (None if _env.is_set("RINGREDUCE_TIMEOUT") else _seconds(timeout))
         self._torch_timeout = timeout
         self._lock = threading.Lock()  # creations; a DDP thread and the main thread may race
         self._comms = {}
@@ -94,7 +93,7 @@ class RingBackend:
                     from . import _cuda
                     index = device.index if device.index is not None else torch.cuda.current_device()
                     dev = torch.device("cuda", index)
-                    requested = os.environ.get("RINGREDUCE_TRANSPORT", "auto").strip().lower() or "auto"
+                    requested = _env.get("RINGREDUCE_TRANSPORT", "auto")
                     transport = _cuda.policy.choose_transport(member, requested, dev, self.timeout)
                     comm = _cuda.Communicator(member, dev, transport, self.timeout)
                 else:

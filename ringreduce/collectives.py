@@ -2,13 +2,12 @@
 which transport's communicator serves a group (the bottom of the API layer: ops, functional, ddp,
 bucketing, nn and the backend build on it)."""
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _C, _hier, _lifecycle, _shm
+from . import _C, _env, _hier, _lifecycle, _shm
 from ._lifecycle import REGISTRY, default_timeout
 
 log = logging.getLogger("ringreduce")
@@ -48,17 +47,8 @@ def is_deterministic():
     return _C.deterministic()
 
 
-_FLAG_OFF, _FLAG_ON = ("", "0", "false", "no", "off"), ("1", "true", "yes", "on")
-
-
 def _deterministic_from_env():
-    raw = os.environ.get("RINGREDUCE_DETERMINISTIC", "").strip().lower()
-    if raw in _FLAG_OFF:
-        return False
-    if raw in _FLAG_ON:
-        return True
-    raise ValueError(f"RINGREDUCE_DETERMINISTIC must be one of {', '.join(_FLAG_ON)} (on) or "
-                     f"{', '.join(v for v in _FLAG_OFF if v)} (off), got {raw!r}")
+    return _env.get("RINGREDUCE_DETERMINISTIC", False)
 
 
 set_deterministic(_deterministic_from_env())
@@ -71,7 +61,21 @@ def _op_code(op, fn):
                 return code
         except TypeError:
             break
-    raise ValueError(f"ringreduce.{fn}: op must be ReduceOp.{_names(_C.OP_CODES)}, got {op!r}")
+    raise ValueError(f"ringreduce.{fn}: op must be ReduceOp.{_names(_C.OP_CODES)}, "
+                     f"got {_op_name(op)}")
+
+
+def _op_name(op):
+    """ReduceOp.<NAME> for any ReduceOp (a premul-sum op's repr is an object address), else repr."""
+    if not isinstance(op, (ReduceOp, ReduceOp.RedOpType)):
+        return repr(op)
+    for name, member in ReduceOp.RedOpType.__members__.items():
+        try:
+            if op == member:
+                return f"ReduceOp.{name}"
+        except TypeError:
+            break
+    return repr(op)
 
 
 def _wire_code(wire_dtype, t, arg, op_code, fn):
@@ -113,13 +117,7 @@ def _check_tensor(t, arg, fn):
 
 
 def _transport(device):
-    choice = os.environ.get("RINGREDUCE_TRANSPORT")
-    if choice is None:
-        return "auto"
-    choice = choice.strip().lower() or "auto"
-    if choice not in TRANSPORTS:
-        raise ValueError(f"RINGREDUCE_TRANSPORT must be one of {', '.join(TRANSPORTS)}, "
-                         f"got {choice!r}")
+    choice = _env.get("RINGREDUCE_TRANSPORT", "auto")
     if device.type == "cpu" and choice not in ("auto", "shm"):
         raise ValueError(f"RINGREDUCE_TRANSPORT={choice} cannot move CPU tensors; use shm or auto")
     return choice

@@ -5,6 +5,7 @@ two minutes on a 2-core machine. No assertion is made on speed.
 """
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,7 @@ from ringreduce.bench import cli, data, header, report
 RUN_TIMEOUT = 240
 ROW_FIELDS = {"collective", "backend", "nranks", "size_bytes", "count", "dtype", "op", "inplace",
               "time_us", "algbw_GBps", "busbw_GBps", "wrong", "iters", "agg_iters", "time_us_min",
-              "time_us_max"}
+              "time_us_max", "time_us_q1", "time_us_q3"}
 MACHINE_FIELDS = {"cpu_model", "cpu_cores", "memory_bytes", "python", "torch", "ringreduce",
                   "cuda", "gpu_name", "nccl_version"}
 RUN_FIELDS = {"nranks", "device", "machine", "backends", "notes", "peak_membw_GBps",
@@ -94,6 +95,9 @@ def test_quick_results_folder(quick_run):
         [run["rows"] for run in json.loads((out / "r.json").read_text())["runs"]]
     start, end = doc["load_average"]["start"], doc["load_average"]["end"]
     assert len(start) == 3 and len(end) == 3 and min(start + end) >= 0
+    assert doc["load_average"]["other_cores"] >= 0  # issue 83: CPU time, the bench's own aside
+    assert doc["load_average"]["other_how"] == "CPU time from /proc"
+    assert f"# other work during the run: {doc['load_average']['other_cores']:.2f} cores" in res.stdout
     assert "torch/nccl" in dict(doc["left_out"]) and "ps/gloo" in doc["legend"]
     for name in ("busbw.png", "time_vs_n.png"):
         assert (folder / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -106,7 +110,9 @@ def test_quick_results_folder(quick_run):
             cols = table.splitlines()[2].strip("| ").split(" | ")
             row = next(line for line in table.splitlines()
                        if line.startswith(f"| {report.human(r['size_bytes'])} |"))
-            assert row.strip("| ").split(" | ")[cols.index(r["backend"])] == f"{r['time_us']:.1f}"
+            assert row.strip("| ").split(" | ")[cols.index(r["backend"])] == \
+                f"{r['time_us']:.1f} ({r['time_us_q1']:.1f} - {r['time_us_q3']:.1f})"
+            assert r["time_us_min"] <= r["time_us_q1"] <= r["time_us"] <= r["time_us_q3"] <= r["time_us_max"]
     assert "Wrong elements in total: 0." in md
 
 
@@ -525,7 +531,8 @@ def test_summary_fits_100_columns(capsys):
                 for inplace in (False, True):
                     rows.append({"collective": c, "size_bytes": size, "backend": b,
                                  "inplace": inplace, "time_us": 10.0 * (i + 1),
-                                 "busbw_GBps": 1.0, "wrong": 0})
+                                 "time_us_q1": 9.0 * (i + 1), "time_us_q3": 11.0 * (i + 1),
+                                 "iters": 20, "busbw_GBps": 1.0, "wrong": 0})
     summary = report.summarize(rows, labels)
     run = {"summary": summary, "nranks": 4, "peak_membw_GBps": None, "rows": rows}
     report.print_summary(run)
@@ -533,12 +540,16 @@ def test_summary_fits_100_columns(capsys):
     lines = out.splitlines()
     assert max(len(line) for line in lines) <= 100, max(lines, key=len)
     table = out[out.index("/ time of ringreduce/shm"):]
-    header = table.splitlines()[1]
+    assert "medians of 20 timed iterations" in table.splitlines()[1]  # issue 83: how many, and
+    assert "its spread" in table.splitlines()[1]                      # how far apart
+    header = table.splitlines()[3]
     assert header.split()[1:] == ["collective", "size", "torch", "torch/ringreduce", "mpi/openmpi",
                                   "mpi/mpich", "deepspeed"], header
-    first = table.splitlines()[2].split()
+    first = table.splitlines()[4].split()
     assert first[1:4] == ["all_reduce", "4", "KiB"] and first[4:] == ["4.00", "5.00", "6.00", "7.00",
                                                                       "8.00"], first
+    # torch (4x ours): its lower quartile 36 / ours' upper 11, its upper 44 / ours' lower 9
+    assert table.splitlines()[5].split()[1:3] == ["3.27-4.89", "4.09-6.11"], table.splitlines()[5]
     # the full matrix (every ringreduce row against every baseline) is still in the JSON summary
     assert summary["time_ratios_inplace"][0]["deepspeed / ringreduce/ring"] == 4.0
 
@@ -658,14 +669,69 @@ def test_lab_hosts_start_quiet():
 
 
 def test_busy_machine_flagged(monkeypatch):
-    """Issue 73: a run whose load average exceeded the cores says its rows are not to be trusted
-    (in the output and in summary.md); an idle one says nothing."""
+    """Issue 83 (73 before it): a run says its rows are not to be trusted when other work took the
+    cores the ranks need, measured by CPU time with the bench's own ranks aside; its own busy
+    ranks (a load of 2.2 on 2 cores) say nothing."""
+    from ringreduce.bench import load
     monkeypatch.setattr(header, "cores", lambda: 2)
-    assert header.busy_note((0.5, 0.4, 0.3), (1.9, 1.0, 0.5)) is None
-    assert header.busy_note(None, None) is None
-    note = header.busy_note((11.75, 8.0, 4.0), (1.0, 1.0, 1.0))
-    assert "11.75 at start, 1.00 at end" in note and "2 cores" in note and "not to be trusted" in note
-    assert "0.50" not in (header.busy_note(None, (3.0, 1.0, 1.0)) or "") and "3.00" in header.busy_note(None, (3.0, 1, 1))
+    tick = os.sysconf("SC_CLK_TCK")
+    s = load.Sample(wall=100.0, machine=0, own=0)
+    # 2 s: the bench's ranks took 3.9 core-seconds, something else 0.1 (0.05 cores)
+    quiet = load.Sample(wall=102.0, machine=int(4.0 * tick), own=int(3.9 * tick))
+    assert abs(load.other_cores(s, quiet) - 0.05) < 0.01
+    assert header.other_work(((2.2, 1, 1), s), ((2.2, 1, 1), quiet), 2)[2] is None
+    busy = load.Sample(wall=102.0, machine=int(4.0 * tick), own=int(2.8 * tick))  # 0.6 cores
+    other, how, note = header.other_work((None, s), (None, busy), 2)
+    assert how == "CPU time from /proc" and abs(other - 0.6) < 0.01
+    assert "kept 0.60 cores busy" in note and "own 2 ranks aside" in note and \
+        "the 0 of the 2 cores" in note and "not to be trusted" in note, note
+    # one rank leaves a core free: 0.6 cores of other work fit beside it
+    assert header.other_work((None, s), (None, busy), 1)[2] is None
+    # without /proc: the 1-minute load average less the ranks
+    other, how, note = header.other_work(((2.2, 1, 1), None), ((3.0, 1, 1), None), 2)
+    assert how == "the 1-minute load average less the ranks" and abs(other - 1.0) < 1e-9 and note
+    assert header.other_work(((2.2, 1, 1), None), ((2.1, 1, 1), None), 2)[2] is None
+    assert header.other_work((None, None), (None, None), 2) == (None, "the 1-minute load average less the ranks", None)
+
+
+def _load_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "bench_load", pathlib.Path(__file__).resolve().parents[1] / "ringreduce" / "bench" / "load.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+def test_own_tree_counts_reaped_children():
+    """A child's CPU time, once reaped, is the bench's own (in its reaper's cutime), not other work."""
+    import resource
+    load = _load_module()
+    s = load.sample(os.getpid())
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 0.3: pass"], check=True, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    e = load.sample(os.getpid())
+    child = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert child >= 0.3
+    assert (e.own - s.own) / os.sysconf("SC_CLK_TCK") >= child - 0.05, (s, e, child)
+
+
+def test_bench_root_is_the_top_bench_process():
+    """Through ancestors that run ringreduce.bench (torchrun, the --link launcher), not beyond."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "ringreduce" / "bench" / "load.py"
+    inner = ("import importlib.util as u, os\n"
+             f"s = u.spec_from_file_location('l', {str(path)!r}); m = u.module_from_spec(s)\n"
+             "s.loader.exec_module(m); print(m.bench_root(), os.getppid())")
+    outer = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {inner!r}])"
+    p = subprocess.run([sys.executable, "-c", outer, "ringreduce.bench"], capture_output=True,
+                       text=True, timeout=120)
+    root, parent = p.stdout.split()
+    assert root == parent, p.stdout  # the process running "ringreduce.bench", not pytest above it
+    p = subprocess.run([sys.executable, "-c", inner], capture_output=True, text=True, timeout=120)
+    root, parent = p.stdout.split()
+    assert root != parent, p.stdout  # pytest does not run the bench: the process itself
 
 
 def test_nccl_over_sockets_is_labelled():

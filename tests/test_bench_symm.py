@@ -32,8 +32,8 @@ def test_skip_line_printed_and_in_the_json(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     res = subprocess.run([sys.executable, "-m", "ringreduce.bench", "--quick", "--nranks", "2",
                           "-e", "1K", "--collectives", "all_reduce", "--backends",
-                          "torch,torch/symm", "--json", str(tmp_path / "r.json")],
-                         capture_output=True, text=True, timeout=240, env=env)
+                          "torch,torch/symm", "--json", str(tmp_path / "r.json"), "--no-results"],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("# note: torch/symm-* skipped: no GPU") == 1
     import json
@@ -234,13 +234,13 @@ def test_the_sweep_checks_where_the_result_lands(label, inplace, monkeypatch, wo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_peer_quick_sweep_on_the_gpu():
+def test_peer_quick_sweep_on_the_gpu(tmp_path):
     """The real ops, two ranks (on one GPU where there is one: the launcher sets
     TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1): every row checked, the run exits 0."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     res = subprocess.run([sys.executable, "-m", "ringreduce.bench", "--quick", "--nranks", "2",
-                          "--collectives", "all_reduce", "--backends", "torch/symm"],
-                         capture_output=True, text=True, timeout=300, env=env)
+                          "--collectives", "all_reduce", "--backends", "torch/symm", "--no-results"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = [line.split() for line in res.stdout.splitlines()
             if line.strip() and not line.startswith("#")]

@@ -39,10 +39,10 @@ def test_build_builds_cuda_only_where_a_gpu_is_visible_or_asked():
 
 
 def test_build_flag_checked():
-    status, _, err = decide("yes")
+    status, _, err = decide("maybe")
     assert status != 0
-    assert "RINGREDUCE_CUDA must be 1 (build the CUDA kernels), 0 (do not) or unset (build them " \
-           "when a GPU is visible), got 'yes'" in err, err[-2000:]
+    assert "RINGREDUCE_CUDA must be one of 1, true, yes, on (build the CUDA kernels) or 0, false, " \
+           "no, off (do not), or unset (build them when a GPU is visible), got 'maybe'" in err, err[-2000:]
     status, out, err = decide("1")
     if torch.version.cuda is None:
         assert status != 0

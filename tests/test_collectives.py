@@ -293,7 +293,7 @@ def test_auto_algorithm_choice_and_bad_name():
         assert (out["small"], out["above"], out["large"]) == ("oneshot", "ring", "ring"), out
         assert out["default"] == "auto"
         assert "algo must be one of auto, ring, oneshot, twoshot, cma, got 'fastest'" in out["bad"], out
-        assert "RINGREDUCE_STREAM must be auto, 0 or 1, got 'sometimes'" in out["bad_stream"], out
+        assert "RINGREDUCE_STREAM must be one of auto, 0, 1 (non-temporal stores into shared memory), got 'sometimes'" in out["bad_stream"], out
         assert out["stream_switches"] == 0, out  # 16 B: below the size where copies are timed
 
 

@@ -464,27 +464,91 @@ def test_docs_are_linked_and_links_resolve():
     assert not missing, f"docs not linked from README.md (directly or through a linked doc): {missing}"
 
 
-def _collected(*args):
-    """The node ids `pytest --collect-only` finds under tests/ with these extra arguments."""
+def _collected(*args, env=None):
+    """The lines `pytest --collect-only` prints for tests/ with these extra arguments."""
     res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                           *args, str(ROOT / "tests")], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
-    ids = [line for line in res.stdout.splitlines() if "::" in line]
-    assert ids, res.stdout[-2000:] + res.stderr[-2000:]
-    return ids
+                         cwd=ROOT, env=env)
+    assert "::" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+    return res.stdout.splitlines()
+
+
+# Every skipif reason in the suite, by what skips it where the README's test command runs (no GPU;
+# its build has no CUDA kernels; the test extra, not the peers). A new reason fails the count
+# below until it is put here.
+SKIP_REASONS = [
+    (r"needs a CUDA device", "gpu"),  # these tests are marked gpu too
+    (r"built without CUDA|has no CUDA code", "kernels"),
+    (r"^needs mpi4py|^needs DeepSpeed", "peers"),
+    (r"need root", "root"),
+    # skipped only with a GPU, in a CUDA build, or without the test extra: run there
+    (r"without a GPU|this build has CUDA kernels|^needs (lightning|accelerate)", None),
+]
+
+
+def skip_tally():
+    """{category: tests} that skip where the README's command runs: gpu (marked gpu), snippets
+    (docs blocks marked '# needs a GPU', at every world), kernels (they read the CUDA kernels),
+    peers (MPI, DeepSpeed); root (not as root: tests/test_lab.py and simulated hosts). From one
+    collection with tests/skip_tally.py; also "all": every test collected."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    lines = [line[len("SKIP-TALLY "):].split("\t") for line in _collected("-p", "skip_tally", env=env)
+             if line.startswith("SKIP-TALLY ")]
+    tally = {"all": len(lines), "gpu": 0, "snippets": 0, "kernels": 0, "peers": 0, "root": 0}
+    for nodeid, gpu, reasons, _ in lines:
+        if gpu == "1":
+            tally["gpu"] += 1
+            continue
+        if nodeid.startswith("tests/test_lab.py::"):  # its reason says why only where it skips
+            tally["root"] += 1
+            continue
+        kinds = set()
+        for reason in filter(None, reasons.split("|")):
+            kind = next((k for pattern, k in SKIP_REASONS if re.search(pattern, reason)), "?")
+            assert kind != "?", f"{nodeid}: skip reason {reason!r} not in SKIP_REASONS"
+            kinds.add(kind)
+        kind = next((k for k in ("kernels", "peers", "root") if k in kinds), None)
+        if kind:
+            tally[kind] += 1
+    tally["snippets"] = sum(s.gpu for s in SNIPPETS) * len(WORLDS)
+    return tally
 
 
 def test_readme_counts_what_the_suite_holds():
-    """The README's test counts come from the suite, not from a hand: every test, those that need
-    a GPU (marked gpu), those that need root (tests/test_lab.py); and the README fits 300 lines."""
-    text = (ROOT / "README.md").read_text()
-    m = re.search(r"The suite has (\d+) tests \((\d+) need a GPU and skip without one; the (\d+) of\s+"
-                  r"`tests/test_lab.py` need\s+root\)", text)
-    assert m, "README.md: the sentence 'The suite has N tests (G need a GPU ...; the L of " \
-              "`tests/test_lab.py` need root)' is missing"
-    every = _collected()
+    """The README's test counts come from the suite, not from a hand: every test, those that skip
+    without a GPU by reason, those that need root; and the README fits 300 lines."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"Of the suite's (\d+) tests, (\d+) skip without a GPU in this build \(no CUDA "
+                  r"kernels\): (\d+) need a GPU, (\d+) run docs blocks marked `# needs a GPU`, (\d+) "
+                  r"read the CUDA kernels \(`RINGREDUCE_CUDA=1`\), (\d+) need MPI or DeepSpeed \(the "
+                  r"`peers` extra\); not as root, (\d+) more", text)
+    assert m, "README.md: the sentence 'Of the suite's N tests, S skip without a GPU in this build " \
+              "(no CUDA kernels): ...' is missing"
+    t = skip_tally()
     said = tuple(int(g) for g in m.groups())
-    found = (len(every), len(_collected("-m", "gpu")),
-             sum(i.startswith("tests/test_lab.py::") for i in every))
-    assert said == found, f"README.md says {said} (tests, GPU, root); the suite holds {found}"
-    assert len(text.splitlines()) <= 300, f"README.md has {len(text.splitlines())} lines (at most 300)"
+    found = (t["all"], t["gpu"] + t["snippets"] + t["kernels"] + t["peers"], t["gpu"], t["snippets"],
+             t["kernels"], t["peers"], t["root"])
+    assert said == found, f"README.md says {said}; the suite holds {found} (all, skipped, gpu, " \
+                          f"snippets, kernels, peers, root)"
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines (at most 300)"
+
+
+def gpu_runs():
+    """The GPU runs docs/gpu-runs.md records: its sections '## The ... run (..., <date> ...)', by
+    the GPU each names."""
+    heads = re.findall(r"^## The [^\n]*\brun \([^)\n]*\b20\d\d-\d\d-\d\d[^\n]*$",
+                       (ROOT / "docs" / "gpu-runs.md").read_text(), re.M)
+    return [re.search(r"\bH\d00\b", h).group(0) for h in heads]
+
+
+def test_readme_counts_the_gpu_runs():
+    """The README's count of GPU runs is docs/gpu-runs.md's."""
+    runs = gpu_runs()
+    assert len(runs) >= 4, runs
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"What ran on real GPUs so far \((\d+) runs of 15 minutes: (\d+) on an H100, "
+                  r"(\d+) on an H200\)", text)
+    assert m, "README.md: 'What ran on real GPUs so far (N runs of 15 minutes: A on an H100, B on " \
+              "an H200)' is missing"
+    assert tuple(int(g) for g in m.groups()) == (len(runs), runs.count("H100"), runs.count("H200")), runs

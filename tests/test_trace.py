@@ -132,7 +132,7 @@ def bad_env_worker(rank, world):
 
 def test_bad_buffer_size_is_a_clear_error():
     for msg in run_ranks(2, bad_env_worker, env={"RINGREDUCE_TRACE_BUFFER": "-1"}):
-        assert msg and "RINGREDUCE_TRACE_BUFFER must be >= 0" in msg and "-1" in msg, msg
+        assert msg and "RINGREDUCE_TRACE_BUFFER must be an integer >= 0" in msg and "-1" in msg, msg
 
 
 # -- failures: the dump every surviving rank writes, and the analyzer's diagnosis ----------------

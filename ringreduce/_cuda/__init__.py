@@ -40,9 +40,11 @@ import torch
 
 from .. import _C, _lifecycle
 from .._lifecycle import host_id  # RINGREDUCE_HOST_ID, else host name and boot id
-from .._lifecycle import REGISTRY, Bootstrap, Work, env_int
+from .. import _env
+from .._lifecycle import REGISTRY, Bootstrap, Work
 from . import policy
-from .policy import (CLOSE_BARRIER_S, DEFAULT_STAGING_BYTES, DEFAULT_SYM_BLOCKS, MAX_DIRECT_RANKS,
+from .policy import (CLOSE_BARRIER_S, DEFAULT_SYM_BLOCKS, MAX_DIRECT_RANKS, blocking_wait,
+                     staging_bytes,
                      MAX_SYM_BLOCKS, P2P_KNOBS, _WIRE_F16, _nccl_lib, _require_cuda,
                      _warned_connections, _warned_sharing, choose_transport, connections_warning, log,
                      device_record, mps_active, mps_sm_share, p2p_knobs, parse_device_records,
@@ -71,7 +73,7 @@ class Communicator(_lifecycle.Communicator):
         self.transport = transport
         self._native = None
         self._lock = threading.Lock()  # calls from several threads enqueue one at a time
-        self._blocking = os.environ.get("RINGREDUCE_BLOCKING_WAIT") == "1"
+        self._blocking = blocking_wait()
         _check_connections(self.device)
         self._setup = Bootstrap(self.member, "cuda-" + transport, self.timeout)
         bootstrap = {"p2p": self._bootstrap_p2p, "nccl": self._bootstrap_nccl,
@@ -235,7 +237,7 @@ class Communicator(_lifecycle.Communicator):
 
     def _bootstrap_nccl(self):
         lib = _nccl_lib()
-        staging = env_int("RINGREDUCE_NCCL_STAGING_BYTES", DEFAULT_STAGING_BYTES)
+        staging = staging_bytes()
         if self.rank == 0:
             self._setup.set("id", _C.nccl_unique_id(lib))
         uid = self._setup.get("id", "rank 0 of the group to create the NCCL id")
@@ -260,8 +262,8 @@ class Communicator(_lifecycle.Communicator):
             raise ValueError(f"ringreduce: the hier transport needs the same number of ranks on every "
                              f"host; ranks by host: {by_host} (RINGREDUCE_TRANSPORT=nccl runs any layout)")
         k = p2p_knobs()
-        kb = os.environ.get("RINGREDUCE_HIER_PIECE_KB", "").strip()
-        piece = int(kb) << 10 if kb else _C.HIER_PIECE_BYTES
+        kb = _env.get("RINGREDUCE_HIER_PIECE_KB")
+        piece = kb << 10 if kb else _C.HIER_PIECE_BYTES
         # Every rank's plan of a call must be the same: its knobs and the piece size.
         config = f"{k['config']}/{piece}".encode()
         setup.set(f"config/{r}", config)
@@ -283,7 +285,7 @@ class Communicator(_lifecycle.Communicator):
         grace = max(5.0, 0.05 * self.timeout)
         native = _C.HierComm(self.device.index, r, by_host, piece, self.timeout, self.timeout + grace,
                              k["chunk_bytes"], max_blocks, k["sym_blocks_set"] or DEFAULT_SYM_BLOCKS,
-                             env_int("RINGREDUCE_NCCL_STAGING_BYTES", DEFAULT_STAGING_BYTES), lib, uid)
+                             staging_bytes(), lib, uid)
         try:
             setup.set(f"handle/{r}", native.handle())
             self._warn_if_sharing()

@@ -11,7 +11,8 @@ import torch
 
 from .. import _C
 from .._lifecycle import host_id  # RINGREDUCE_HOST_ID, else host name and boot id
-from .._lifecycle import Bootstrap, default_timeout, env_int
+from .. import _env
+from .._lifecycle import Bootstrap, default_timeout
 
 log = logging.getLogger("ringreduce")
 _WIRE_F16 = _C.WIRE_CODES["float16"]  # the only wire that can overflow
@@ -190,13 +191,8 @@ def mps_pipe_present():
 def mps_active():
     """Whether this host's ranks share GPUs through MPS: RINGREDUCE_CUDA_MPS=1/0 says so, else
     an MPS control daemon's pipe is taken for a running daemon (mps_pipe_present)."""
-    forced = os.environ.get("RINGREDUCE_CUDA_MPS", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    if forced:
-        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_MPS must be 1 (MPS runs), 0 (it does not) "
-                         f"or unset (look for the daemon's pipe); got {forced!r}")
-    return mps_pipe_present()
+    forced = _env.get("RINGREDUCE_CUDA_MPS")
+    return mps_pipe_present() if forced is None else forced
 
 
 def device_record(host, machine, bus, sms, mps):
@@ -276,45 +272,35 @@ DEFAULT_SYM_BLOCKS, MAX_SYM_BLOCKS = _DEFAULTS["sym_blocks"], _DEFAULTS["max_sym
 def p2p_knobs():
     """The p2p transport's knobs from the environment, checked, as a dict; the same string of them
     (knobs["config"]) must come from every rank, since every call's plan depends on them."""
-    k = dict(channels=env_int("RINGREDUCE_CUDA_CHANNELS", DEFAULT_CHANNELS),
-             slice_bytes=env_int("RINGREDUCE_CUDA_SLICE_BYTES", DEFAULT_SLICE_BYTES),
-             chunk_bytes=env_int("RINGREDUCE_CUDA_CHUNK_BYTES", DEFAULT_CHUNK_BYTES),
-             algo=os.environ.get("RINGREDUCE_CUDA_ALGO", "auto").strip().lower() or "auto",
+    k = dict(channels=_env.get("RINGREDUCE_CUDA_CHANNELS", DEFAULT_CHANNELS),
+             slice_bytes=_env.get("RINGREDUCE_CUDA_SLICE_BYTES", DEFAULT_SLICE_BYTES),
+             chunk_bytes=_env.get("RINGREDUCE_CUDA_CHUNK_BYTES", DEFAULT_CHUNK_BYTES),
+             algo=_env.get("RINGREDUCE_CUDA_ALGO", "auto"),
              # 0: as many as every rank's kernel can keep resident (resident_blocks); fewer leave
              # SMs to the model's kernels (as NCCL_MAX_CTAS does), and measure what blocks buy.
-             blocks_cap=env_int("RINGREDUCE_CUDA_MAX_BLOCKS", 0),
-             copy_bytes=env_int("RINGREDUCE_CUDA_COPY_BYTES", DEFAULT_COPY_BYTES),
+             blocks_cap=_env.get("RINGREDUCE_CUDA_MAX_BLOCKS", 0),
+             copy_bytes=_env.get("RINGREDUCE_CUDA_COPY_BYTES", DEFAULT_COPY_BYTES),
              # The workspace's blocks below that cap; unset: the device's entry in gpu_tuning.json
              # where a measurement found more blocks faster, else SymmetricMemory's ~24.
-             sym_blocks=env_int("RINGREDUCE_CUDA_SYM_BLOCKS", 0))
+             sym_blocks=_env.get("RINGREDUCE_CUDA_SYM_BLOCKS", 0))
     # Ordinary tensors reduced where they lie (csrc/cuda/p2p/imports.cpp); 0: always through the
     # workspace (a copy in and out), to measure what importing buys.
-    raw = os.environ.get("RINGREDUCE_CUDA_IMPORT", "1").strip().lower()
-    if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_IMPORT must be 1/true/yes/on (reduce ordinary "
-                         f"tensors where they lie) or 0/false/no/off (copy them through the "
-                         f"workspace); got {raw!r}")
-    k["imports"] = int(raw in ("1", "true", "yes", "on"))
-    if k["copy_bytes"] < 16 or k["copy_bytes"] % 16:
-        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_COPY_BYTES must be a positive multiple of "
-                         f"16 (the copy algorithm's largest piece); got {k['copy_bytes']}")
-    if k["blocks_cap"] < 0:
-        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_MAX_BLOCKS must be >= 0 (0: from the "
-                         f"device); got {k['blocks_cap']}")
+    k["imports"] = int(_env.get("RINGREDUCE_CUDA_IMPORT", True))
     k["sym_blocks_set"] = k["sym_blocks"] or None
-    if "RINGREDUCE_CUDA_SYM_BLOCKS" not in os.environ:
+    if not _env.is_set("RINGREDUCE_CUDA_SYM_BLOCKS"):
         k["sym_blocks"] = "measured"  # in the config the ranks compare: the table's, else the default
-    elif not 1 <= k["sym_blocks"] <= MAX_SYM_BLOCKS:
-        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_SYM_BLOCKS must be 1..{MAX_SYM_BLOCKS} (a "
-                         f"workspace call's most thread blocks); got {k['sym_blocks']}")
-    if k["chunk_bytes"] < 16 or k["chunk_bytes"] % 16:
-        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_CHUNK_BYTES must be a positive multiple of "
-                         f"16 (the symmetric workspace's largest piece); got {k['chunk_bytes']}")
-    if k["algo"] not in ALGOS:
-        raise ValueError(f"ringreduce: RINGREDUCE_CUDA_ALGO must be one of {', '.join(ALGOS)}; "
-                         f"got {k['algo']!r}")
     k["config"] = "/".join(str(k[name]) for name in P2P_KNOBS)
     return k
+
+
+def blocking_wait():
+    """RINGREDUCE_BLOCKING_WAIT: every synchronous call waits for the GPU and raises its failure."""
+    return _env.get("RINGREDUCE_BLOCKING_WAIT", False)
+
+
+def staging_bytes():
+    """The nccl transport's staging buffer (RINGREDUCE_NCCL_STAGING_BYTES; tests use 4096)."""
+    return _env.get("RINGREDUCE_NCCL_STAGING_BYTES", DEFAULT_STAGING_BYTES)
 
 
 def agree_imports(setup, rank, world, why_not):

@@ -28,12 +28,11 @@ timeout; a Gloo error is raised as a RingReduceError naming the call, the phase 
 """
 import datetime
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
-from .. import _C, _lifecycle
+from .. import _C, _env, _lifecycle
 from .._lifecycle import Bootstrap, RingReduceError, host_id, machine_id
 from . import two_level
 
@@ -63,10 +62,7 @@ def plan_for(hosts):
     sizes = [len(rs) for rs in by_host]
     if len(order) == 1:
         return "flat", by_host, f"all {len(hosts)} ranks on one host"
-    forced = os.environ.get("RINGREDUCE_HIER_PLAN", "auto").strip() or "auto"
-    if forced not in ("auto", "leaders"):
-        raise ValueError(f"ringreduce: RINGREDUCE_HIER_PLAN must be auto or leaders, "
-                         f"got {forced!r}")
+    forced = _env.get("RINGREDUCE_HIER_PLAN", "auto")
     if forced == "leaders":  # measurements: the leaders plan on a layout two-level would take
         return "leaders", by_host, f"{len(order)} hosts of {sizes} ranks (RINGREDUCE_HIER_PLAN)"
     if len(set(sizes)) == 1:

@@ -20,12 +20,11 @@ With a wire, pieces are whole numbers of 128-element blocks in every row, so a c
 block boundary: the bits do not depend on the piece size.
 """
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
-from .. import _C
+from .. import _C, _env
 
 SUM, AVG = _C.OP_CODES["SUM"], _C.OP_CODES["AVG"]  # the native op codes
 GLOO_OPS = {code: getattr(dist.ReduceOp, k) for k, code in _C.OP_CODES.items() if k != "AVG"}
@@ -45,8 +44,8 @@ ONE_SHOT_BYTES = 256 << 10
 
 
 def piece_bytes(total):
-    kb = os.environ.get("RINGREDUCE_HIER_PIECE_KB", "").strip()
-    return int(kb) << 10 if kb else max(PIECE_MIN, min(PIECE_MAX, total // 4))
+    kb = _env.get("RINGREDUCE_HIER_PIECE_KB")
+    return kb << 10 if kb else max(PIECE_MIN, min(PIECE_MAX, total // 4))
 
 
 def pieces(per_rank, L, H, elem_size, align):

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from .. import _env
+
 # nccl-tests' type names first (the name the table prints), then torch's spellings.
 DTYPES = {
     "float": torch.float32, "float32": torch.float32,
@@ -233,8 +235,8 @@ def parse_args(argv=None):
         a.results = os.path.join(RESULTS_ROOT, time.strftime("%Y%m%d-%H%M%S"))
         if os.path.exists(a.results):  # another run this second
             a.results += f"-{os.getpid()}"
-    a.lab = os.environ.get(LAB_ENV)  # set by the --link launcher for the ranks it starts
-    a.link_gbps = float(os.environ.get(LAB_GBPS_ENV) or 0) or None  # what a socket got across it
+    a.lab = _env.get(LAB_ENV)  # set by the --link launcher for the ranks it starts
+    a.link_gbps = _env.get(LAB_GBPS_ENV)  # what a socket got across it
     if a.hosts > 1 and a.device == "cuda" and a.torchrun and not a.lab:
         parser.error(f"--hosts {a.hosts} on GPUs emulates hosts among the ranks the bench starts "
                      f"itself (or, with --link, in the lab); under torchrun the hosts are "

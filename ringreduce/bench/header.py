@@ -4,6 +4,7 @@ import importlib.util
 import os
 import textwrap
 
+from . import load
 from .cli import DEFAULT_RANKS_CPU, PEERS_HINT, cores, mpi_launchers
 
 WIDTH = 100  # columns, as the summary (tests/test_bench.py)
@@ -105,19 +106,19 @@ def load_line(when, load):
            f"on {cores()} cores"
 
 
-def busy_note(start, end):
-    """A note when the 1-minute load average at the start or the end of a run exceeded the cores
-    (other processes competed with the ranks for them), else None. The small sizes suffer most:
-    each call there is a few microseconds of a core, and one time slice lost to another process is
-    milliseconds."""
-    loads = [x[0] for x in (start, end) if x]
-    c = cores()
-    if not loads or max(loads) <= c:
-        return None
-    return (f"the load average ({' at start, '.join(f'{x:.2f}' for x in loads)}"
-            f"{' at end' if len(loads) == 2 else ''}) exceeded the {c} cores: other processes "
-            f"competed with the ranks, so these times (small sizes most) are not to be trusted; "
-            f"rerun on an idle machine")
+def other_work(start, end, ranks):
+    """(cores other processes kept busy on average during the run, how that was measured, the
+    note when they took the cores the ranks need or None). start, end: (load average, load.Sample).
+    The small sizes suffer most: each call there is a few microseconds of a core, and one time
+    slice lost to another process is milliseconds. Without /proc: the larger 1-minute load
+    average, less the bench's ranks."""
+    other = load.other_cores(start[1], end[1])
+    how = "CPU time from /proc"
+    if other is None:
+        loads = [x[0] for x in (start[0], end[0]) if x]
+        other = max(0.0, max(loads) - ranks) if loads else None
+        how = "the 1-minute load average less the ranks"
+    return other, how, load.busy_note(other, ranks, cores(), how)
 
 
 def oversubscribed(a, local_world=None):

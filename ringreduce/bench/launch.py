@@ -22,7 +22,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import header, plot, report, runner
+from .. import _env
+from . import header, load, plot, report, runner
 from .cli import mpi_launchers, parse_args
 
 GRACE_S = 3.0  # after one rank fails, how long the others get to report before they are killed
@@ -302,16 +303,29 @@ def mpi_rank_main(tmpdir):
     _spawned_rank(int(rank), int(world), tmpdir, args)
 
 
-def _finish(args, runs, load_start):
+def _start():
+    """What _finish compares the end of the run with: (load average, CPU time sample, tree root)."""
+    root = load.bench_root()
+    return header.load_average(), load.sample(root), root
+
+
+def _finish(args, runs, start, ranks):
+    """The run's closing lines and files; ranks: the bench's ranks on this machine."""
     if len(runs) > 1:
         report.print_vs_n(runs)
+    load_start, _, root = start
     load_end = header.load_average()
     print(header.load_line("end", load_end))
-    busy = header.busy_note(load_start, load_end)
+    other, how, busy = header.other_work(start[:2], (load_end, load.sample(root)), ranks)
+    if other is not None:
+        print(f"# other work during the run: {other:.2f} cores on average ({how}; the bench's "
+              f"{ranks} ranks aside)")
     if busy:
         print("\n".join(textwrap.wrap(busy, header.WIDTH, initial_indent="# note: ",
                                        subsequent_indent="#   ", break_on_hyphens=False)))
-    extra = {"load_average": {"start": load_start, "end": load_end, "busy": busy is not None},
+    extra = {"load_average": {"start": load_start, "end": load_end, "busy": busy is not None,
+                              "other_cores": None if other is None else round(other, 3),
+                              "other_how": how},
              "left_out": header.left_out(args),
              "legend": {b: header.legend(b) for b in args.backends}}
     if args.json:
@@ -361,20 +375,21 @@ def _torchrun_main(args):
     # (with local_world, 2 hosts x 1 rank on 2 cores ran 2 intra-op threads per rank, and every
     # small parallel copy waited a time slice for a descheduled thread: 1.6x slower calls).
     # On GPUs in the lab every rank is told its host (the lab's) and takes GPU rank % count.
-    device = (_device_setup(args.device, rank, world, os.environ.get("RINGREDUCE_HOST_ID"),
+    device = (_device_setup(args.device, rank, world, _env.get("RINGREDUCE_HOST_ID"),
                             local_world)
               if args.lab and args.device == "cuda" else
               _device_setup(args.device, local_rank, world if args.lab else local_world))
-    load = header.load_average()
+    start = _start()
     if rank == 0:
-        print("\n".join(header.lines(args, load, local_world)), flush=True)
+        print("\n".join(header.lines(args, start[0], local_world)), flush=True)
         if args.lab:
             print(f"# ranks: {world} on {args.hosts} emulated hosts x {local_world} "
                   f"(torchrun per host)", flush=True)
     dist.init_process_group(_backend(args.device), init_method="env://")
     try:
         run = run_rank(args, rank, world, device, local_world)
-        return _finish(args, [run], load) if rank == 0 else 0
+        # --link: every emulated host's ranks run on this machine
+        return _finish(args, [run], start, world if args.lab else local_world) if rank == 0 else 0
     finally:
         _close_ringreduce()
         dist.destroy_process_group()
@@ -481,9 +496,9 @@ def main(argv=None):
         return _torchrun_main(args)
     runs = []
     ds_prefix = None
-    load = header.load_average()
+    start = _start()
     # Flushed before any rank is forked: a forked rank would print what is still buffered.
-    print("\n".join(header.lines(args, load)), flush=True)
+    print("\n".join(header.lines(args, start[0])), flush=True)
     try:
         if any(b.startswith("deepspeed/") for b in args.backends):
             ds_prefix = _prepare_deepspeed()
@@ -498,4 +513,4 @@ def main(argv=None):
         if ds_prefix:  # DeepSpeed never removes its segments; a rank that died left its own
             from .backends import remove_shm
             remove_shm(ds_prefix)
-    return _finish(args, runs, load)
+    return _finish(args, runs, start, max(args.nranks))  # one world at a time

@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from .. import _env
+
 PREFIX = "rrlab"  # every lab's namespaces start with this, then the owner's pid
 # Host addresses: 10.213.<lab index>.<host + 1>; nothing outside the lab's namespaces routes there.
 SUBNET = "10.213"
@@ -135,13 +137,14 @@ class Lab:
             raise ValueError(f"Lab: hosts must be an int >= 2, got {hosts!r}")
         if rate is not None:
             rate_bits(rate)
+        # The setting is checked first, with or without the rights to make a lab.
+        self.burst = _env.get("RINGREDUCE_LAB_BURST") or (
+            f"{max(64 << 10, int(rate_bits(rate) / 8 * BURST_S)) >> 10}kb" if rate else None)
         why = lab_unavailable()
         if why:
             raise LabUnavailable(why)
         remove_stale()
         self.hosts, self.rate = hosts, rate
-        self.burst = os.environ.get("RINGREDUCE_LAB_BURST") or (
-            f"{max(64 << 10, int(rate_bits(rate) / 8 * BURST_S)) >> 10}kb" if rate else None)
         self._procs = []
         self._closed = False
         # One lab per process at a time is the common case; the index keeps two apart.

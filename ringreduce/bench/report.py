@@ -58,19 +58,25 @@ def summarize(rows, backends):
         avg[b] = per
     ours = [b for b in backends if b.startswith("ringreduce/")]
     bases = [b for b in backends if not b.startswith("ringreduce/")]
-    times = {(r["collective"], r["size_bytes"], r["backend"]): r["time_us"]
-             for r in rows if r["inplace"]}
-    ratios = []
+    by = {(r["collective"], r["size_bytes"], r["backend"]): r for r in rows if r["inplace"]}
+    ratios, spreads = [], []
     for (c, size) in dict.fromkeys((r["collective"], r["size_bytes"]) for r in rows):
-        entry = {"collective": c, "size_bytes": size}
+        entry, spread = {"collective": c, "size_bytes": size}, {"collective": c, "size_bytes": size}
         for o in ours:
             for base in bases:
-                if (c, size, o) in times and (c, size, base) in times:
-                    entry[f"{base} / {o}"] = times[(c, size, base)] / times[(c, size, o)]
+                mine, theirs = by.get((c, size, o)), by.get((c, size, base))
+                if mine and theirs:
+                    entry[f"{base} / {o}"] = theirs["time_us"] / mine["time_us"]
+                    if "time_us_q1" in mine and "time_us_q1" in theirs:
+                        spread[f"{base} / {o}"] = [theirs["time_us_q1"] / mine["time_us_q3"],
+                                                   theirs["time_us_q3"] / mine["time_us_q1"]]
         ratios.append(entry)
+        spreads.append(spread)
     # The printed table compares each baseline with the automatic choice (the first ringreduce
-    # row: ringreduce/shm on CPU, p2p on GPU); every pair stays in the JSON.
-    return {"avg_busbw_GBps": avg, "time_ratios_inplace": ratios,
+    # row: ringreduce/shm on CPU, p2p on GPU); every pair stays in the JSON. The spread of a ratio:
+    # the baseline's lower quartile over ours' upper, to its upper over ours' lower.
+    return {"avg_busbw_GBps": avg, "time_ratios_inplace": ratios, "time_ratio_spread": spreads,
+            "iters": max((r.get("iters") or 0 for r in rows), default=0) or None,
             "reference": ours[0] if ours else None, "baselines": bases}
 
 
@@ -89,15 +95,24 @@ def print_summary(run):
     bases = [b for b in s.get("baselines", []) if any(f"{b} / {ref}" in e
                                                        for e in s["time_ratios_inplace"])]
     if ref and bases:
-        print(f"#\n# time of each baseline / time of {ref}, in-place (> 1: {ref} faster)")
-        widths = [max(8, len(b)) + 2 for b in bases]
+        n = s.get("iters")
+        print(f"#\n# time of each baseline / time of {ref}, in-place (> 1: {ref} faster)\n"
+              f"# medians{f' of {n} timed iterations' if n else ''}; below each ratio its spread, "
+              f"from the baseline's lower\n# quartile over ours' upper to its upper over ours' "
+              f"lower")
+        widths = [max(10, len(b)) + 2 for b in bases]
         print("# " + f"{'collective':<15}{'size':>9}" +
               "".join(f"{b:>{w}}" for b, w in zip(bases, widths)))
-        for e in s["time_ratios_inplace"]:
+        spreads = s.get("time_ratio_spread") or [{}] * len(s["time_ratios_inplace"])
+        for e, sp in zip(s["time_ratios_inplace"], spreads):
             cells = (e.get(f"{b} / {ref}") for b in bases)
             print("# " + f"{e['collective']:<15}{human(e['size_bytes']):>9}" +
                   "".join(f"{c:>{w}.2f}" if c is not None else f"{'-':>{w}}"
                           for c, w in zip(cells, widths)))
+            ranges = [sp.get(f"{b} / {ref}") for b in bases]
+            if any(ranges):
+                print("# " + " " * 24 + "".join(
+                    f"{_range(r):>{w}}" for r, w in zip(ranges, widths)))
     if run["peak_membw_GBps"] is not None:
         print(f"#\n# peak memory bandwidth (rank 0, {run['membw_method']}): "
               f"{run['peak_membw_GBps']:.1f} GB/s")
@@ -280,9 +295,11 @@ def markdown(doc):
            (f"; {m['gpu_count']} x {m['gpu_name']}, NCCL {m['nccl_version']}" if m.get("gpu_name")
             else "; no GPU") + ".",
            f"Load average (1 min): {_load1(load.get('start'))} at start, "
-           f"{_load1(load.get('end'))} at end. Type {a['datatype']}, op {a['op']}, "
-           f"{a['iters']} timed iterations." +
-           (" **The machine was busy (load above its cores): these times are not to be trusted.**"
+           f"{_load1(load.get('end'))} at end" +
+           (f"; other work: {load['other_cores']:.2f} cores on average ({load.get('other_how')}, "
+            f"the bench's ranks aside)" if load.get("other_cores") is not None else "") +
+           f". Type {a['datatype']}, op {a['op']}, {a['iters']} timed iterations." +
+           (" **Other work took the cores the ranks need: these times are not to be trusted.**"
             if load.get("busy") else ""), ""]
     if doc.get("legend"):
         out += ["Backends:", ""] + [f"- `{b}`: {text}" for b, text in doc["legend"].items()] + [""]
@@ -293,13 +310,16 @@ def markdown(doc):
         for c in dict.fromkeys(r["collective"] for r in run["rows"]):
             rows = [r for r in run["rows"] if r["collective"] == c and r["inplace"]]
             backends = list(dict.fromkeys(r["backend"] for r in rows))
-            t = {(r["size_bytes"], r["backend"]): r["time_us"] for r in rows}
-            out += [f"## {c}, {n} ranks: time (us), in-place", "",
+            t = {(r["size_bytes"], r["backend"]): _spread_cell(r) for r in rows}
+            iters = max((r.get("iters") or 0 for r in rows), default=0)
+            out += [f"## {c}, {n} ranks: time (us), in-place: the median"
+                    f"{f' of {iters} timed iterations' if iters else ''} (lower - upper quartile)",
+                    "",
                     "| size | " + " | ".join(backends) + " |",
                     "| ---: |" + " ---: |" * len(backends)]
             for size in sorted(dict.fromkeys(r["size_bytes"] for r in rows)):
                 out.append(f"| {human(size)} | " + " | ".join(
-                    f"{t[(size, b)]:.1f}" if (size, b) in t else "-" for b in backends) + " |")
+                    t.get((size, b), "-") for b in backends) + " |")
             out.append("")
         out += [f"## {n} ranks: average busbw (GB/s), both forms", "",
                 "| backend | " + " | ".join(_collectives(run)) + " |",
@@ -316,6 +336,16 @@ def markdown(doc):
     wrong = sum(r["wrong"] or 0 for run in doc["runs"] for r in run["rows"])
     out.append(f"Wrong elements in total: {wrong}.")
     return "\n".join(out) + "\n"
+
+
+def _range(r):
+    return "-" if not r else f"{r[0]:.3g}-{r[1]:.3g}"
+
+
+def _spread_cell(r):
+    if "time_us_q1" not in r:
+        return f"{r['time_us']:.1f}"
+    return f"{r['time_us']:.1f} ({r['time_us_q1']:.1f} - {r['time_us_q3']:.1f})"
 
 
 def _load1(load):

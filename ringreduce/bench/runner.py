@@ -247,8 +247,10 @@ def time_case(ctx, buffers, inplace, backends, agg):
     out = []
     for j in range(k):
         t = times[j].tolist()
+        q1, _, q3 = statistics.quantiles(t, n=4) if len(t) > 1 else t * 3
         out.append({"time_us": statistics.median(t) * 1e6, "time_us_min": min(t) * 1e6,
-                    "time_us_max": max(t) * 1e6, "agg_iters": calls[j],
+                    "time_us_max": max(t) * 1e6, "time_us_q1": q1 * 1e6, "time_us_q3": q3 * 1e6,
+                    "agg_iters": calls[j],
                     "wrong": int(wrong[j].max()) if a.check else None,
                     "max_err": float(err[j]) if a.wire and a.check else None})
     return out
@@ -300,7 +302,8 @@ def sweep(ctx):
                                      busbw_GBps=algbw * bus_factor(collective, ctx.world),
                                      wrong=s["wrong"], max_err=s["max_err"], iters=a.iters,
                                      agg_iters=s["agg_iters"],
-                                     time_us_min=s["time_us_min"], time_us_max=s["time_us_max"]))
+                                     time_us_min=s["time_us_min"], time_us_max=s["time_us_max"],
+                                     time_us_q1=s["time_us_q1"], time_us_q3=s["time_us_q3"]))
                 if ctx.rank == 0:
                     ctx.clear_progress()
                     report.print_row(rows[-2], rows[-1])
