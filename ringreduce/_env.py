@@ -32,6 +32,11 @@ def _shm_algos():
     return tuple(_C.SHM_ALGOS)
 
 
+def _p2p_algos():
+    from . import _C  # csrc/cuda/p2p/plan.h's kForcedAlgos, spelled once; never read by setup.py
+    return tuple(_C.P2P_ALGOS)
+
+
 def _knobs(*ks):
     return {k.name: k for k in ks}
 
@@ -78,7 +83,7 @@ KNOBS = _knobs(
     Knob("RINGREDUCE_BLOCKING_WAIT", "bool", "every synchronous CUDA call waits for the GPU", "off",
          choices=("wait", "do not"), bad="always"),
     Knob("RINGREDUCE_CUDA_ALGO", "choice", "the p2p algorithm", "auto",
-         choices=("auto", "ring", "oneshot", "twoshot", "copy", "ll"), bad="tree"),
+         choices=_p2p_algos, bad="tree"),
     Knob("RINGREDUCE_CUDA_IMPORT", "bool", "reduce ordinary tensors where they lie", "on",
          choices=("reduce ordinary tensors where they lie", "copy them through the workspace"),
          bad="sometimes"),

@@ -53,7 +53,7 @@ def test_table_agrees_with_the_code():
     k = _env.KNOBS
     assert _env.choices(k["RINGREDUCE_ALGO"]) == tuple(_C.SHM_ALGOS)
     assert k["RINGREDUCE_TRANSPORT"].choices == collectives.TRANSPORTS
-    assert k["RINGREDUCE_CUDA_ALGO"].choices == policy.ALGOS
+    assert _env.choices(k["RINGREDUCE_CUDA_ALGO"]) == policy.ALGOS == tuple(_C.P2P_ALGOS)
     assert k["RINGREDUCE_CUDA_SYM_BLOCKS"].hi == _C.CUDA_DEFAULTS["max_sym_blocks"]
     layout = (REPO / "csrc" / "cuda" / "p2p" / "layout.h").read_text()
     assert f"kMaxChannels = {k['RINGREDUCE_CUDA_CHANNELS'].hi};" in layout

@@ -497,7 +497,8 @@ def test_the_p2p_algorithms_are_spelled_once():
     """cuda/p2p/plan.h's kForcedAlgos (Python: _C.P2P_ALGOS), parsed by the one parse_algo."""
     found = respelled(lambda t: P2P_ALGOS <= words(t), {"ring/call.h", "ringreduce/bench/cli.py"})
     assert found == [], found
-    assert "_C, \"P2P_ALGOS\"" in (PACKAGE / "_cuda" / "policy.py").read_text()
+    assert "_C.P2P_ALGOS" in (PACKAGE / "_cuda" / "policy.py").read_text()
+    assert "_C.P2P_ALGOS" in (PACKAGE / "_env.py").read_text()
     assert csrc_files_with("Algo parse_algo(") == ["binding/torch_types.h"]
     assert "parse_algo(" in code_text(CSRC / "binding" / "cuda_module.cpp")
 

@@ -222,7 +222,6 @@ void register_cuda(py::module_& m) {
         py::arg("device"), py::arg("rank"), py::arg("hosts"), py::arg("piece_bytes"), py::arg("timeout_s"),
         py::arg("intra_timeout_s"), py::arg("chunk_bytes"), py::arg("max_blocks"), py::arg("sym_blocks"),
         py::arg("staging_bytes"), py::arg("lib"), py::arg("id"));
-  m.attr("P2P_ALGOS") = rr::binding::algo_tuple(rc::p2p::kForcedAlgos);  // RINGREDUCE_CUDA_ALGO's names
   m.attr("HIER_PIECE_BYTES") = rc::hier::kDefaultPieceBytes;
 
   m.def("nccl_unique_id", [](const std::string& lib) { return py::bytes(rc::nccl::unique_id(lib)); },

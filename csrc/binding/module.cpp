@@ -17,6 +17,7 @@
 #include "cpu/wire.h"
 #include "cuda/nccl/defaults.h"
 #include "cuda/p2p/layout.h"
+#include "cuda/p2p/plan.h"
 #include "runtime/shm_map.h"
 
 namespace rr = ringreduce;
@@ -342,6 +343,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   d["max_peers"] = rc::p2p::kMaxPeers;
   d["staging_bytes"] = rc::nccl::kDefaultStagingBytes;
   m.attr("CUDA_DEFAULTS") = d;
+  m.attr("P2P_ALGOS") = rr::binding::algo_tuple(rc::p2p::kForcedAlgos);  // RINGREDUCE_CUDA_ALGO's names
 #ifdef RINGREDUCE_WITH_CUDA
   m.attr("cuda_compiled") = true;
   register_cuda(m);

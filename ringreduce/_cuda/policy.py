@@ -30,7 +30,7 @@ DEFAULT_SLICE_BYTES = _DEFAULTS["slice_bytes"]  # the largest slice; each call's
 DEFAULT_CHUNK_BYTES = _DEFAULTS["chunk_bytes"]
 # copy: no kernel waits for another rank (for ranks sharing a GPU without MPS; opt-in, unmeasured;
 # csrc/cuda/p2p/copy.cpp).
-ALGOS = getattr(_C, "P2P_ALGOS", ())  # csrc/cuda/p2p/plan.h: kForcedAlgos (a CUDA build's)
+ALGOS = _C.P2P_ALGOS  # csrc/cuda/p2p/plan.h: kForcedAlgos
 # The copy algorithm's largest piece (RINGREDUCE_CUDA_COPY_BYTES): each piece is a handshake, i.e.
 # time slices, between ranks sharing a GPU without MPS.
 DEFAULT_COPY_BYTES = _DEFAULTS["copy_bytes"]
