@@ -14,6 +14,8 @@ from dist_utils import run_ranks
 
 def cal_worker(rank, world, env):
     os.environ.update(env)
+    if "CACHE_OF_RANK" in env:  # each rank its own cache folder
+        os.environ["XDG_CACHE_HOME"] = os.path.join(env["CACHE_OF_RANK"], str(rank))
     rr._read_environment()  # RINGREDUCE_DETERMINISTIC is read at the import
     g = dist.new_group()
     t = (torch.arange(1 << 22, dtype=torch.float32) % 977) * (rank + 1) / 7  # 16 MiB
@@ -66,6 +68,19 @@ def test_a_cached_file_chooses_the_algorithm(tmp_path):
     out = run(2, tmp_path)
     assert out["source"] == "calibration (cached)"
     assert out["algos"] == {1 << 20: "twoshot", 4 << 20: "ring", 16 << 20: "twoshot"}, out["algos"]
+
+
+def test_every_rank_runs_rank_0s_steps(tmp_path):
+    """Rank 1's own cache says something else: rank 0's file decides for the group."""
+    run(2, tmp_path)
+    path, = cache_files(tmp_path)
+    data = json.load(open(path))
+    for rank, steps in ((0, [[1 << 20, "twoshot"]]), (1, [[1 << 20, "ring"]])):
+        os.makedirs(tmp_path / "own" / str(rank) / "ringreduce")
+        json.dump(dict(data, steps=steps),
+                  open(tmp_path / "own" / str(rank) / "ringreduce" / os.path.basename(path), "w"))
+    out = run(2, tmp_path, CACHE_OF_RANK=str(tmp_path / "own"))  # run() checks the ranks agree
+    assert out["source"] == "calibration (cached)" and set(out["algos"].values()) == {"twoshot"}
 
 
 def test_a_corrupt_cache_is_ignored_with_a_warning(tmp_path):
