@@ -67,6 +67,8 @@ KNOBS = _knobs(
     # CPU (shared memory)
     Knob("RINGREDUCE_ALGO", "choice", "the CPU all-reduce algorithm", "auto",
          choices=_shm_algos, bad="tree"),
+    Knob("RINGREDUCE_CALIBRATE", "choice", "where auto's CPU steps from 1 MiB up come from", "auto",
+         choices=("auto", "off", "0", "force"), bad="sometimes"),
     Knob("RINGREDUCE_CPU_TUNING", "path", "the measured CPU table auto follows",
          "ringreduce/cpu_tuning.json", bad="/nonexistent/cpu_tuning.json"),
     Knob("RINGREDUCE_ONESHOT_MAX_BYTES", "int", "the largest one-shot all-reduce, bytes",

@@ -14,7 +14,7 @@ import uuid
 
 import torch
 
-from . import _C, _env, _lifecycle
+from . import _C, _calibrate, _env, _lifecycle
 from ._lifecycle import Bootstrap, RingReduceError, Work
 
 log = logging.getLogger("ringreduce")
@@ -90,6 +90,23 @@ def without_cma(steps):
     return [(b, "ring" if a == "cma" else a) for b, a in steps]
 
 
+def calibrate_from_env():
+    """RINGREDUCE_CALIBRATE: auto (default: the cached calibration of this machine class, else a
+    fresh one), off or 0 (the table, else the defaults), force (calibrate again, rewrite the cache)."""
+    mode = _env.get("RINGREDUCE_CALIBRATE", "auto")
+    return "off" if mode == "0" else mode
+
+
+def allow_ptrace_by_peers():
+    """Where Yama restricts ptrace to descendants, let the peers read this process by cma (what
+    csrc/shm/protocol.cpp does when cma is configured); calibration may time cma before it is."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def algo_from_env():
     return _env.get("RINGREDUCE_ALGO", "auto")
 
@@ -120,10 +137,15 @@ class Communicator(_lifecycle.Communicator):
             oneshot_max, steps, self.tuning = None, [], "the defaults (RINGREDUCE_CPU_TUNING=none)"
         else:
             oneshot_max, steps, self.tuning = tuned(cpu_model(), ncpu, self.world_size, table)
+        # Where the steps come from: "table", "defaults", or "calibration (cached|fresh)" (below).
+        self.tuning_source = "table" if self.tuning.startswith("measured on ") else "defaults"
         if oneshot_max is None:
             oneshot_max = ONESHOT_MAX_BYTES_WORLD2 if self.world_size == 2 else ONESHOT_MAX_BYTES
         self.oneshot_max_bytes = _env.get("RINGREDUCE_ONESHOT_MAX_BYTES", oneshot_max)
         self.auto_steps = steps if self.algo == "auto" else []
+        self._calibration = self._may_calibrate(ncpu, machine_ranks)
+        if self._calibration:
+            allow_ptrace_by_peers()
         self._native = self._bootstrap()
         self._setup_trace(self._trace_prefix, self._native.recorder())
         plan = self._plan_text()
@@ -175,7 +197,10 @@ class Communicator(_lifecycle.Communicator):
                         f"({_lifecycle.SETUP_HINT})")
                 time.sleep(0.001)
                 joined = setup.add("mapped", 0)
-            if any(a == "cma" for _, a in self.auto_steps):
+            self._cma_agreed = False
+            if self._calibration:
+                self._calibrate(setup, native)
+            if any(a == "cma" for _, a in self.auto_steps) and not self._cma_agreed:
                 self._agree_on_cma(setup, native)
             return native
         except BaseException:
@@ -187,6 +212,62 @@ class Communicator(_lifecycle.Communicator):
         return dict(spin_ns=self.spin_ns, yield_ns=self.yield_ns, algo=self.algo,
                     oneshot_max_bytes=self.oneshot_max_bytes, trace_buffer=self.trace_buffer,
                     stream=self.stream, auto_steps=self.auto_steps)
+
+    def _may_calibrate(self, ncpu, machine_ranks):
+        """The machine key if this communicator calibrates (or reads the cache), else None, the
+        reason said in self.tuning."""
+        mode = calibrate_from_env()
+        why = ("RINGREDUCE_CALIBRATE=off" if mode == "off" else
+               "an algorithm is forced" if self.algo != "auto" else
+               "world 1" if self.world_size == 1 else
+               # deterministic calls run rank-order substitutes of what would be timed
+               "deterministic mode" if _C.deterministic() else None)
+        if why:
+            self.tuning += f"; not calibrated: {why}"
+            return None
+        key = _calibrate.machine_key(cpu_model(), ncpu, self.world_size, self.slice_bytes)
+        key["machine_ranks"] = max(self.world_size, machine_ranks or 0)
+        return dict(key=key, mode=mode)
+
+    def _calibrate(self, setup, native):
+        """Rank 0 takes this machine class's cached steps, or every rank times the algorithms and
+        rank 0 derives the steps; every rank then runs rank 0's steps."""
+        key, mode = self._calibration["key"], self._calibration["mode"]
+        path = _calibrate.cache_path(key)
+        if self.rank == 0:
+            cached = None if mode == "force" else _calibrate.read_cache(path, key)
+            setup.set("cal/plan", "cached" if cached else "fresh")
+        plan = setup.get("cal/plan", "rank 0's calibration plan").decode()
+        if plan == "cached":
+            if self.rank == 0:
+                setup.set("cal/steps", json.dumps({"steps": cached[0], "why": (
+                    f"calibration (cached in {path}, measured {cached[1].get('date', '?')})")}))
+        else:
+            t0 = time.perf_counter()
+            why = native.cma_probe()
+            setup.set(f"cma/{self.rank}", why)
+            denied = [v.decode() for v in setup.all("cma", self.world_size, "cross-memory attach probe")
+                      if v]
+            self._cma_agreed = True
+            algos = [a for a in STEP_ALGOS if a != "cma" or not denied]
+            medians = _calibrate.time_algos(native, algos, _C.OP_CODES, self.rank)
+            cost_ms = (time.perf_counter() - t0) * 1e3
+            if self.rank == 0:
+                fallback = without_cma(self.auto_steps) if denied else self.auto_steps
+                steps = _calibrate.derive_steps(medians, fallback)
+                cma = f"; cma not timed: {denied[0]}" if denied else ""
+                try:
+                    _calibrate.write_cache(path, key, steps, {"median_us": medians, "cost_ms": cost_ms})
+                    where = f"cached in {path}"
+                except OSError as e:
+                    where = f"not cached: {e}"
+                setup.set("cal/steps", json.dumps({"steps": steps, "why": (
+                    f"calibration (fresh, {cost_ms:.0f} ms, {where}; median us {medians}{cma})")}))
+        got = json.loads(setup.get("cal/steps", "rank 0's calibrated steps").decode())
+        self.auto_steps = [(int(b), str(a)) for b, a in got["steps"]]
+        native.set_auto_steps(self.auto_steps)
+        self.tuning = f"{got['why']}, over {self.tuning}"
+        self.tuning_source = f"calibration ({plan})"
 
     def _agree_on_cma(self, setup, native):
         """Auto runs cma only if every rank can read every peer (a ptrace policy or a seccomp

@@ -16,6 +16,8 @@ tempfile.tempdir = SESSION_TMP
 # The CPU ring's automatic choice as the code's defaults, not as the measured table's entry for
 # the machine the tests happen to run on (ringreduce/cpu_tuning.json); the table's tests set their own.
 os.environ["RINGREDUCE_CPU_TUNING"] = "none"
+# Nor calibrated on it (ringreduce/_calibrate.py); the calibration's tests set their own.
+os.environ["RINGREDUCE_CALIBRATE"] = "off"
 
 
 def pytest_report_header(config):

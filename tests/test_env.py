@@ -132,6 +132,7 @@ READERS = {
     "RINGREDUCE_TRACE_BUFFER": _cpu_comm,
     "RINGREDUCE_TRACE_SIGNAL": lambda: rr._lifecycle.install_trace_signal(),
     "RINGREDUCE_ALGO": _cpu_comm,
+    "RINGREDUCE_CALIBRATE": _cpu_comm,
     "RINGREDUCE_CPU_TUNING": _cpu_comm,
     "RINGREDUCE_ONESHOT_MAX_BYTES": _cpu_comm,
     "RINGREDUCE_SLICE_BYTES": _cpu_comm,

@@ -12,7 +12,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ringreduce"
 
 # Bottom to top. The extension (_C) sits below all of them; any layer may use it.
 LAYERS = [
-    ("core", {"_lifecycle", "_env"}),  # errors, Work, registry, options, environment, host identity
+    ("core", {"_lifecycle", "_env", "_calibrate"}),  # errors, Work, registry, options, environment,
+    # host identity; the machine class's measured steps (cache, timing) that a transport may run on
     ("transport", {"_shm", "_hier", "_cuda"}),  # shared memory, across hosts, CUDA
     ("api", {"collectives", "ops", "functional", "ddp", "bucketing", "nn"}),
     ("backend", {"backend"}),  # dist.init_process_group("ringreduce")

@@ -1,0 +1,148 @@
+"""Auto's steps measured on the machine itself (issue 85): the shm ring's own algorithms timed on the
+real group at its first use, once per machine class, cached outside the package.
+
+The table (cpu_tuning.json) is keyed by a CPU model string, and two machines of one model string
+can disagree (a 300 MiB L3 guest against the 260 MiB one an entry came from). So the key here is
+what the passes depend on: the model, every cache level's size, the cores the ranks share, the
+world size and the slice (cma's block). Rank 0 decides (its cache file or its timings) and
+publishes the steps through the communicator's setup store: every rank runs the same steps, or
+calls would mismatch.
+"""
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+import warnings
+
+import torch
+
+log = logging.getLogger("ringreduce")
+
+# Sizes timed (bytes): where the table's choice and Open MPI's lead were measured to differ
+# (issue 85: 1-16 MiB). Below the first, the table's or the defaults' steps stay.
+SIZES = (1 << 20, 4 << 20, 16 << 20)
+# Timed rounds per (size, algorithm), interleaved, after one warm-up round; the median is kept.
+ROUNDS = 3
+# Fewer rounds once this much time has gone (rank 0's clock; all ranks stop after the same round):
+# a round is 3 algorithms x 21 MiB, 40 ms at world 2 and 130 ms at world 4 on the idle dev
+# machine, several times that on a loaded one, so the cost stays near this bound plus a round.
+BUDGET_S = 0.25
+# Another algorithm replaces the fallback's at a size only if it is this much faster: the
+# dev machine's run-to-run noise at 4-16 MiB is 5-10% (docs/cpu-passes.md).
+MARGIN = 0.90
+# Written into every cache file; a file of another format is recalibrated.
+FORMAT = 1
+
+
+def caches():
+    """cpu0's caches from sysfs as ["L1 Data 32K", ...]; [] where sysfs has none."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    out = []
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith("index"))
+    except OSError:
+        return out
+    for n in names:
+        try:
+            vals = [open(os.path.join(root, n, f)).read().strip() for f in ("level", "type", "size")]
+        except OSError:
+            continue
+        out.append("L%s %s %s" % tuple(vals))
+    return out
+
+
+def machine_key(model, cores, world, slice_bytes):
+    return {"format": FORMAT, "cpu_model": model, "caches": caches(), "cores": cores,
+            "world": world, "slice_bytes": slice_bytes}
+
+
+def cache_path(key):
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(root, "ringreduce", f"cpu-{digest}.json")
+
+
+def read_cache(path, key):
+    """The cached steps for key, or None (no file; a corrupt or foreign one, with a warning)."""
+    try:
+        with open(path) as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        warnings.warn(f"ringreduce: calibration cache {path} unreadable ({e}); calibrating again")
+        return None
+    try:
+        data = json.loads(raw)
+        if data["key"] != key:
+            raise ValueError(f"its key {data['key']} is not this machine's {key}")
+        steps = [(int(b), str(a)) for b, a in data["steps"]]
+        if any(a not in ("ring", "twoshot", "cma") or b < 0 for b, a in steps):
+            raise ValueError(f"bad steps {data['steps']}")
+        return steps, data
+    except (ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"ringreduce: calibration cache {path} ignored ({type(e).__name__}: {e}); "
+                      f"calibrating again")
+        log.warning("ringreduce: calibration cache %s ignored (%s)", path, e)
+        return None
+
+
+def write_cache(path, key, steps, result):
+    """Atomic (rename): a rank of another job reading it meanwhile sees the old file or the new."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = f"{path}.{os.getpid()}.part"
+    with open(part, "w") as f:
+        json.dump(dict(result, key=key, steps=[list(s) for s in steps],
+                       date=time.strftime("%Y-%m-%d %H:%M:%S")), f, indent=1)
+    os.replace(part, path)
+
+
+def step_algo(steps, nbytes):
+    """The algorithm steps give an all_reduce of nbytes (the ring below the first step)."""
+    algo = "ring"
+    for b, a in sorted(steps):
+        if nbytes >= b:
+            algo = a
+    return algo
+
+
+def time_algos(native, algos, op_codes, rank, sizes=SIZES, rounds=ROUNDS, budget_s=BUDGET_S):
+    """{algo: {size: median us}}, every algorithm forced by a single step from 0. Collective: every
+    rank must call it with the same algos and sizes. Leaves the native steps to the caller."""
+    start = time.perf_counter()
+    bufs = {s: torch.ones(s // 4, dtype=torch.float32) for s in sizes}
+    times = {a: {s: [] for s in sizes} for a in algos}
+    for r in range(rounds + 1):
+        for s in sizes:
+            for a in algos:
+                native.set_auto_steps([(0, a)])
+                t0 = time.perf_counter()
+                native.all_reduce(bufs[s], op_codes["SUM"], False, 0)
+                if r:  # round 0 warms pages, slots and the peers' pins
+                    times[a][s].append((time.perf_counter() - t0) * 1e6)
+        # rank 0's verdict on the budget, by a one-element MAX over the ring (one-shot size)
+        over = torch.tensor([float(rank == 0 and time.perf_counter() - start > budget_s)])
+        native.all_reduce(over, op_codes["MAX"], False, 0)
+        if r and over.item():
+            break
+    return {a: {s: round(sorted(v)[len(v) // 2], 1) for s, v in per.items()}
+            for a, per in times.items()}
+
+
+def derive_steps(medians, fallback, sizes=SIZES, margin=MARGIN):
+    """Auto's steps from the timings: at each size the fallback's algorithm, unless another measured
+    faster than margin x its time; the winner of a size from the geometric middle between it and
+    the size below (the first from itself); the fallback's steps below the first size."""
+    steps = [(b, a) for b, a in sorted(fallback) if b < sizes[0]]
+    for i, s in enumerate(sizes):
+        base = step_algo(fallback, s)
+        if base not in medians:  # e.g. cma in the table where the probe denies it
+            base = "ring"
+        best = min(medians, key=lambda a: medians[a][s])
+        pick = best if medians[best][s] < margin * medians[base][s] else base
+        start = s if i == 0 else math.isqrt(sizes[i - 1] * s)
+        if step_algo(steps, start) != pick or not steps:
+            steps.append((start, pick))
+    return steps
