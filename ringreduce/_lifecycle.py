@@ -169,6 +169,34 @@ class Member:
                    "-".join(map(str, ranks)), g)
 
 
+# Groups shrink_group replaced, by torch's group name: what a call on the stale group object says.
+_SHRUNK = {}
+
+
+def note_shrunk(group_name, excluded):
+    _SHRUNK[group_name] = sorted(excluded)
+
+
+def group_named(name):
+    """The live process group torch knows by name, or None."""
+    for pg, n in list(dist.distributed_c10d._world.pg_names.items()):
+        if n == name:
+            return pg
+    return None
+
+
+def check_not_shrunk(group, fn):
+    """A call on a group object that shrink_group replaced raises, naming the shrink."""
+    if not _SHRUNK or group in dist.distributed_c10d._world.pg_map:
+        return
+    excluded = _SHRUNK.get(getattr(group, "group_name", None))
+    if excluded is not None:
+        raise RingReduceError(
+            f"ringreduce.{fn}: this process group was shrunk (shrink_group excluding ranks "
+            f"{excluded}) and is gone; use the group shrink_group returned (after shrinking the "
+            f"default group, group=None is the new one)")
+
+
 class Bootstrap:
     """Store keys of one communicator's setup, under a prefix unique to (what, member, n-th time)."""
 

@@ -29,7 +29,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _C, _env, _lifecycle
+from . import _C, _env, _lifecycle, _shrink
 from .collectives import _OP_CODES, SUPPORTED_DTYPES, cpu_communicator
 
 log = logging.getLogger("ringreduce")
@@ -356,6 +356,34 @@ class RingBackend:
         # On the CPU delegate: a barrier orders the processes, not the devices' streams (as Gloo).
         return self._delegated("cpu", "barrier", opts)
 
+    # -- dist.shrink_group ---------------------------------------------------------------------------
+    def shrink(self, excluded, flags):
+        """The survivors' new backend (ringreduce/_shrink.py); called by torch on every survivor."""
+        excluded = sorted(int(r) for r in excluded)
+        timeout = self.timeout if self.timeout is not None else _lifecycle.default_timeout()
+        name = f"{self.group_name}~shrunk-{'-'.join(map(str, excluded))}"
+        prefix = f"ringreduce-shrink/{name}"
+        with self._lock:
+            comms = list(self._comms.values())
+        # The direct API's communicators of the same group (rr.all_reduce(t, group=...)) end too.
+        pg = _lifecycle.group_named(self.group_name)
+        direct = [c for c in _lifecycle.REGISTRY.of_group(pg) if all(c is not d for d in comms)] \
+            if pg is not None else []
+        comms += direct
+        if flags & _shrink.SHRINK_ABORT:
+            _shrink.abort_parent(comms, excluded)
+        survivors = _shrink.agree(self.store, prefix, self.rank, excluded, self.size, timeout)
+        _lifecycle.note_shrunk(self.group_name, excluded)
+        _shrink.close_parent(comms, timeout)
+        self.close()
+        if pg is not None:
+            _lifecycle.REGISTRY.destroy(pg)  # their entries (closed above)
+        for delegate in self._delegates.values():
+            _abort_delegate(delegate)
+        log.debug("rank %d: group %s shrunk to ranks %s of it", self.rank, self.group_name, survivors)
+        return _make(dist.PrefixStore(prefix + "/", self.store), survivors.index(self.rank),
+                     len(survivors), self._torch_timeout, name)
+
     def close(self):
         if self.slot is not None:
             self.slot.set_cpu(None)
@@ -383,34 +411,62 @@ _warned_no_cuda = False
 def _create(dist_opts, backend_opts):
     """torch's creator hook (extended API): one RingBackend per process group."""
     _warn_if_gpus_unserved()
+    return _make(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
+                 dist_opts.group_id)
+
+
+def _make(store, rank, size, timeout, group_name):
     slot = _C.BackendSlot()
-    impl = RingBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                       dist_opts.timeout, dist_opts.group_id, slot)
+    impl = RingBackend(store, rank, size, timeout, group_name, slot)
     _backends.add(impl)
-    return _C.make_backend(dist_opts.group_rank, dist_opts.group_size, impl, slot)
+    return _C.make_backend(rank, size, impl, slot)
+
+
+def _abort_delegate(backend):
+    """A parent's Gloo/NCCL delegate after a shrink: its peers may be dead; never wait for them."""
+    for name in ("abort", "shutdown"):
+        fn = getattr(backend, name, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except Exception:  # noqa: BLE001  (Gloo has neither on some versions)
+                continue
 
 
 _backends = weakref.WeakSet()  # a group's backend goes with the group (destroy_process_group)
 
 
+def _impls_of(group):
+    """The RingBackends behind group's backends (one per device type, or one for all)."""
+    impls = []
+    try:
+        devices = group._device_types
+    except (AttributeError, RuntimeError, ValueError):
+        return impls
+    for device in devices:
+        try:
+            impl = _C.backend_impl(group._get_backend(device))
+        except (RuntimeError, TypeError):
+            continue
+        if impl is not None and all(impl is not i for i in impls):
+            impls.append(impl)
+    return impls
+
+
 def backend_of(group=None):
     """The RingBackend serving a process group (None: the default group), or None if the group
     uses another backend."""
-    name = (group if group is not None else dist.group.WORLD).group_name
-    for impl in list(_backends):
-        if impl.group_name == name:
-            return impl
-    return None
+    impls = _impls_of(group if group is not None else dist.group.WORLD)
+    return impls[0] if impls else None
 
 
 def _comms_of(group):
     """The open ring communicators of the backend serving group (for dump_trace)."""
-    name = getattr(group, "group_name", None)
     comms = []
-    for impl in list(_backends):
-        if impl.group_name == name:
-            with impl._lock:
-                comms.extend(c for c in impl._comms.values() if not c.closed)
+    for impl in _impls_of(group):
+        with impl._lock:
+            comms.extend(c for c in impl._comms.values() if not c.closed)
     return comms
 
 

@@ -129,6 +129,7 @@ def _comm_for(group, device, fn):
         raise RuntimeError(f"ringreduce.{fn}: torch.distributed is not initialized; call "
                            f"torch.distributed.init_process_group(...) first")
     g = group if group is not None else dist.group.WORLD
+    _lifecycle.check_not_shrunk(g, fn)
     if dist.get_rank(g) < 0:
         return None  # like torch.distributed: a rank outside the group does nothing
     choice = _transport(device)

@@ -1,4 +1,5 @@
-"""Runs a function on N real processes joined by a Gloo process group (file store, no ports).
+"""Runs a function on N real processes joined by a Gloo process group (file store, no ports; or a
+TCPStore, RR_TEST_TCP_STORE).
 
 The ranks are forked by a server that has imported torch and ringreduce once (tests/prefork.py):
 importing torch in a fresh process takes seconds on the CI machine, and every rank of every test
@@ -12,6 +13,7 @@ sends it to the ranks still running at a timeout). run_ranks requires every rank
 status 0: a rank killed by a signal at exit (as every CUDA process was, once) is a failure, by name.
 """
 import atexit
+import datetime
 import faulthandler
 import multiprocessing as mp
 import os
@@ -51,7 +53,15 @@ def _entry(rank, world, store_path, fn, args, q, env, backend):
         # The prefork server imported ringreduce in its own environment: what the import read
         # (RINGREDUCE_DETERMINISTIC, RINGREDUCE_DEBUG) is read again from this rank's.
         ringreduce._read_environment()
-        store = dist.FileStore(store_path, world)
+        # RR_TEST_TCP_STORE: "host:port" of a TCPStore the test process holds (as torchrun's
+        # agent holds one), or "host:port:rank0", one rank 0 holds (its loss takes the store).
+        tcp = os.environ.get("RR_TEST_TCP_STORE")
+        if tcp:
+            host, port, *holder = tcp.split(":")
+            store = dist.TCPStore(host, int(port), is_master=bool(holder) and rank == 0,
+                                  wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+        else:
+            store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         _report(tmp, q, (rank, "ok", fn(rank, world, *args)))
     except BaseException:

@@ -264,6 +264,16 @@ class ForwardingBackend : public c10d::Backend {
   }
   WorkPtr barrier(const c10d::BarrierOptions& o) override { return call("barrier", o); }
 
+  // dist.shrink_group: the survivors agree on the lost ranks and get a new backend of their own
+  // (ringreduce/backend.py: RingBackend.shrink). torch passes the excluded ranks sorted and checked.
+  bool supportsShrinking() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int flags,
+                                           const c10::intrusive_ptr<Options>&) override {
+    py::gil_scoped_acquire gil;
+    return impl_.attr("shrink")(ranks_to_exclude, flags).template cast<c10::intrusive_ptr<c10d::Backend>>();
+  }
+  py::object impl() const { return impl_; }
+
  private:
   // The group's shared-memory communicator when Python has made it and it is still open.
   std::shared_ptr<rr::binding::ShmComm> open_cpu() {
@@ -309,6 +319,10 @@ void register_backend(py::module_& m) {
             -> c10::intrusive_ptr<c10d::Backend> {
     return c10::make_intrusive<ForwardingBackend>(rank, size, std::move(impl), std::move(slot));
   }, py::arg("rank"), py::arg("size"), py::arg("impl"), py::arg("slot"));
+  m.def("backend_impl", [](const c10::intrusive_ptr<c10d::Backend>& b) -> py::object {
+    auto* f = dynamic_cast<ForwardingBackend*>(b.get());
+    return f ? f->impl() : py::none();
+  }, py::arg("backend"), "the RingBackend behind a group's backend; None for another backend's");
   // op: the name of the Backend method, for profilers and debug output.
   m.def("ring_work", [](const std::string& op, std::vector<at::Tensor> outputs) -> WorkPtr {
     return c10::make_intrusive<RingWork>(rr::binding::op_type(op), std::move(outputs));

@@ -28,6 +28,7 @@ timeout; a Gloo error is raised as a RingReduceError naming the call, the phase 
 """
 import datetime
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,8 @@ log = logging.getLogger("ringreduce")
 
 SUM, AVG, MIN, MAX, PROD = sorted(_C.OP_CODES.values())  # in RedOp's order (csrc/ring/types.h)
 WIRE_BLOCK = _C.WIRE_BLOCK  # elements per fp8 scale
+# How often a rank waiting for a Gloo call looks for another rank's failure (a store round trip).
+BROKEN_POLL_S = 0.05
 WIRE_F16 = _C.WIRE_CODES["float16"]  # the only wire that can overflow
 _GLOO_OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,
              PROD: dist.ReduceOp.PRODUCT}
@@ -177,9 +180,24 @@ class HierCommunicator(_lifecycle.Communicator):
     def _gloo_wait(self, started):
         what, work = started
         try:
+            if not work.is_completed():
+                self._watch_broken(work)
             work.wait()
         except Exception as e:
             self._gloo_failed(what, e)
+
+    def _watch_broken(self, work):
+        """Waits for a Gloo call while watching the group's broken key: a rank whose call failed
+        sets it (_breaking), and a peer on another host waiting for that rank's part would
+        otherwise wait until the timeout (Gloo notices a dead process, not a living one that left)."""
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        key = f"{self._prefix}/broken"
+        while not done.wait(BROKEN_POLL_S):
+            if self.member.store.check([key]):
+                reason = self.member.store.get(key).decode()
+                self._abort_gloo()
+                raise RingReduceError(f"the group was broken by another rank's failure: {reason}")
 
     def _gloo_failed(self, what, e):
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -533,6 +551,7 @@ class HierCommunicator(_lifecycle.Communicator):
                          [output], async_op)
 
     def _run(self, fn, result, async_op):
+        fn = self._breaking(fn)
         if async_op:
             fn = _overflow_as_error(fn)
         fut = self._submit(fn, result, torch.futures.Future, inline=not async_op)
@@ -549,14 +568,35 @@ class HierCommunicator(_lifecycle.Communicator):
     def broken(self):
         return self.intra.broken
 
-    def abort(self, reason="aborted by the user"):
-        self.intra.abort(reason)
+    def _breaking(self, fn):
+        """A call that broke the host's ring also closes this rank's Gloo groups: the other hosts'
+        ranks waiting on this one in an inter-host step then fail at once ("connection closed"),
+        not at the timeout, and abort their own hosts' rings in turn."""
+        def run():
+            try:
+                fn()
+            except RingReduceError as e:
+                if self.intra.broken:
+                    try:
+                        self.member.store.set(f"{self._prefix}/broken",
+                                              str(e).splitlines()[0][:500])
+                    except Exception:  # noqa: BLE001  (the store's holder lost: Gloo notices)
+                        pass
+                    self._abort_gloo()
+                raise
+        return run
+
+    def _abort_gloo(self):
         for pg in (self.cross, self.host_pg, self._all):
             if pg is not None and hasattr(pg, "abort"):
                 try:
                     pg.abort()
                 except Exception:
                     pass
+
+    def abort(self, reason="aborted by the user"):
+        self.intra.abort(reason)
+        self._abort_gloo()
 
     def _stop_calls(self, busy):
         if busy:

@@ -1,0 +1,90 @@
+"""dist.shrink_group on the ringreduce backend: the survivors agree on who is lost, the parent's
+communicators end, and a new backend of the survivors takes over (ringreduce/backend.py's
+RingBackend.shrink).
+
+Nothing of the parent is reused: the new backend creates its communicators (and its Gloo/NCCL
+delegate) on first use, like any new group, on a prefix of the parent's store that no other group
+uses. That works on every transport the parent could run (shared memory, two-level, CUDA p2p and
+nccl) without a native shrink, at the cost of one setup; it needs the store, which is why the loss
+of the store's holder is refused by name. Agreement: each survivor writes the ranks it excludes
+under one key and reads every other survivor's; a mismatch, or a survivor that never comes, is an
+error on every rank that sees it (within the timeout), never a new group of ranks that disagree.
+"""
+import json
+import time
+
+import torch.distributed as dist
+
+from ._lifecycle import RingReduceError
+
+SHRINK_ABORT = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
+_POLL_S = 0.005
+
+STORE_LOST = ("the rendezvous store cannot be reached ({err}): it is held by one process (rank "
+              "0's, or torchrun's agent on the first host), and the survivors agree on the lost "
+              "ranks through it, so a group cannot shrink once its holder is gone; restart from the "
+              "last checkpoint (the elastic recipe, docs/failures.md)")
+
+
+def _store_call(rank, fn, *args):
+    try:
+        return fn(*args)
+    except (RuntimeError, OSError) as e:  # the TCPStore's "Connection reset", "Broken pipe", ...
+        raise RingReduceError(f"ringreduce: rank {rank}: shrink_group: " +
+                              STORE_LOST.format(err=str(e).splitlines()[0][:200])) from None
+
+
+def agree(store, prefix, rank, excluded, size, timeout):
+    """Every survivor (in this rank's view) must exclude the same ranks. Returns the survivors."""
+    survivors = [r for r in range(size) if r not in excluded]
+    mine = json.dumps(sorted(excluded))
+    _store_call(rank, store.set, f"{prefix}/excludes/{rank}", mine)
+    waiting = [q for q in survivors if q != rank]
+    deadline = time.monotonic() + timeout
+    while waiting:
+        _refused = f"{prefix}/refused"
+        if _store_call(rank, store.check, [_refused]):
+            why = _store_call(rank, store.get, _refused).decode()
+            raise RingReduceError(f"ringreduce: rank {rank}: shrink_group refused: {why}")
+        for q in list(waiting):
+            key = f"{prefix}/excludes/{q}"
+            if not _store_call(rank, store.check, [key]):
+                continue
+            theirs = _store_call(rank, store.get, key).decode()
+            waiting.remove(q)
+            if theirs != mine:
+                why = (f"rank {rank} excludes ranks {sorted(excluded)} but rank {q} excludes "
+                       f"{json.loads(theirs)}: every survivor must call shrink_group with the same "
+                       f"ranks_to_exclude")
+                _store_call(rank, store.set, _refused, why)
+                raise RingReduceError(f"ringreduce: rank {rank}: shrink_group refused: {why}")
+        if waiting and time.monotonic() > deadline:
+            raise RingReduceError(
+                f"ringreduce: rank {rank}: shrink_group timed out after {timeout:g} s waiting for "
+                f"survivor(s) {waiting} to call it too (excluding {sorted(excluded)}): every rank "
+                f"not excluded must call shrink_group; a rank that died must be in "
+                f"ranks_to_exclude")
+        if waiting:
+            time.sleep(_POLL_S)
+    return survivors
+
+
+def abort_parent(comms, excluded):
+    """SHRINK_ABORT: the parent's calls in flight end now, with an error naming the shrink."""
+    for comm in comms:
+        if not comm.closed:
+            try:
+                comm.abort(f"aborted by shrink_group excluding ranks {sorted(excluded)} (SHRINK_ABORT)")
+            except Exception:  # noqa: BLE001  (already broken: its calls are ending anyway)
+                pass
+
+
+def close_parent(comms, timeout):
+    """The parent's calls in flight end by themselves (a dead peer is noticed in well under a
+    second; SHRINK_ABORT ended them already), else at the timeout; then its communicators close:
+    their shared memory and mappings are released."""
+    deadline = time.monotonic() + timeout
+    for comm in comms:
+        while not comm.closed and comm._inflight and time.monotonic() < deadline:
+            time.sleep(_POLL_S)  # native counts notify nobody
+        comm.close()
