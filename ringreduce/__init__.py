@@ -26,6 +26,7 @@ from . import _lifecycle
 from . import backend as _backend
 from . import ddp, functional, nn, ops
 from .bucketing import GradientBucketer
+from ._shrink import lost_ranks
 
 _backend.register()  # dist.init_process_group("ringreduce") from now on
 
@@ -46,5 +47,5 @@ __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "ReduceOp", "RingReduceError",
     "Communicator", "Work", "get_communicator", "destroy", "SUPPORTED_DTYPES",
     "ddp", "GradientBucketer", "functional", "nn", "dump_trace", "set_deterministic",
-    "is_deterministic", "shared_empty",
+    "is_deterministic", "shared_empty", "lost_ranks",
 ]

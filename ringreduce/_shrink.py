@@ -11,11 +11,12 @@ under one key and reads every other survivor's; a mismatch, or a survivor that n
 error on every rank that sees it (within the timeout), never a new group of ranks that disagree.
 """
 import json
+import os
 import time
 
 import torch.distributed as dist
 
-from ._lifecycle import RingReduceError
+from ._lifecycle import REGISTRY, RingReduceError
 
 SHRINK_ABORT = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
 _POLL_S = 0.005
@@ -88,3 +89,63 @@ def close_parent(comms, timeout):
         while not comm.closed and comm._inflight and time.monotonic() < deadline:
             time.sleep(_POLL_S)  # native counts notify nobody
         comm.close()
+
+
+_lost_attempts = {}
+
+
+def _known_dead(group):
+    """Ranks of group whose process this machine knows is gone (the pids its communicators of the
+    group recorded at setup; ranks on other machines are unknown here)."""
+    dead = set()
+    for comm in REGISTRY.of_group(group):
+        try:
+            pids = comm._pids() or []
+        except Exception:  # noqa: BLE001  (closed, or a transport that does not know)
+            continue
+        for r, pid in enumerate(pids):
+            if pid:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    dead.add(r)
+                except PermissionError:
+                    pass
+    return dead
+
+
+def lost_ranks(group=None, wait=5.0):
+    """The ranks of group (None: the default group) that are gone, agreed by every survivor: the
+    list to hand to dist.shrink_group. Collective over the survivors: each says it is alive through
+    the store; a rank is lost when this machine saw its process die, or when it has not said so
+    within `wait` seconds (a lost host: nobody is left there to tell). The first survivor to decide
+    decides for all (the store's compare_set), so every survivor returns the same list; a rank that
+    finds itself in it (it came later than `wait`) raises RingReduceError."""
+    g = group if group is not None else dist.group.WORLD
+    store = dist.distributed_c10d._get_default_store()
+    ranks = dist.get_process_group_ranks(g)
+    me, n = dist.get_rank(g), len(ranks)
+    name = g.group_name
+    _lost_attempts[name] = _lost_attempts.get(name, 0) + 1
+    base = f"ringreduce-lost/{name}/{_lost_attempts[name]}"
+    _store_call(me, store.set, f"{base}/alive/{me}", "1")
+    for r in _known_dead(g):
+        _store_call(me, store.set, f"{base}/dead/{r}", "1")
+    deadline = time.monotonic() + wait
+    unknown = set(range(n)) - {me}
+    while unknown and time.monotonic() < deadline:
+        for r in list(unknown):
+            if _store_call(me, store.check, [f"{base}/alive/{r}"]) or \
+                    _store_call(me, store.check, [f"{base}/dead/{r}"]):
+                unknown.discard(r)
+        if unknown:
+            time.sleep(_POLL_S)
+    lost = [r for r in range(n) if r != me and not
+            _store_call(me, store.check, [f"{base}/alive/{r}"])]
+    decided = _store_call(me, store.compare_set, f"{base}/decided", "", json.dumps(lost))
+    lost = json.loads(decided)
+    if me in lost:
+        raise RingReduceError(f"ringreduce: rank {me}: lost_ranks: the other survivors declared this rank "
+                   f"lost (it came after their {wait:g} s wait): it is not in the shrunk group; "
+                   f"exit, or rejoin with a restart")
+    return lost

@@ -69,6 +69,7 @@ class RingBackend:
         self._comms = {}
         self._delegates = {}
         self._calls = collections.Counter()  # "ring <op>" / "delegate <op>": for tests and debugging
+        self._shrinks = 0  # shrink_group attempts on this group
 
     @property
     def calls(self):
@@ -361,8 +362,11 @@ class RingBackend:
         """The survivors' new backend (ringreduce/_shrink.py); called by torch on every survivor."""
         excluded = sorted(int(r) for r in excluded)
         timeout = self.timeout if self.timeout is not None else _lifecycle.default_timeout()
-        name = f"{self.group_name}~shrunk-{'-'.join(map(str, excluded))}"
-        prefix = f"ringreduce-shrink/{name}"
+        # The keys of this attempt: the same on every survivor whatever list it was given (a
+        # refused attempt leaves its keys; the survivors' next attempt meets under the next number).
+        self._shrinks += 1
+        prefix = f"ringreduce-shrink/{self.group_name}/{self._shrinks}"
+        name = f"{self.group_name}~{self._shrinks}"
         with self._lock:
             comms = list(self._comms.values())
         # The direct API's communicators of the same group (rr.all_reduce(t, group=...)) end too.
@@ -381,7 +385,7 @@ class RingBackend:
         for delegate in self._delegates.values():
             _abort_delegate(delegate)
         log.debug("rank %d: group %s shrunk to ranks %s of it", self.rank, self.group_name, survivors)
-        return _make(dist.PrefixStore(prefix + "/", self.store), survivors.index(self.rank),
+        return _make(dist.PrefixStore(prefix + "/group/", self.store), survivors.index(self.rank),
                      len(survivors), self._torch_timeout, name)
 
     def close(self):

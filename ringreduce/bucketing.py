@@ -112,7 +112,8 @@ class GradientBucketer:
         self.wire_dtype = wire_dtype
         self.params = unique
         self.group = group
-        self.world_size = dist.get_world_size(group if group is not None else dist.group.WORLD)
+        self._pg = group if group is not None else dist.group.WORLD  # what the buffers belong to
+        self.world_size = dist.get_world_size(self._pg)
         self.bucket_cap_bytes = int(bucket_cap_mb * (1 << 20))
         self._lock = threading.Lock()
         self._sync = True
@@ -196,7 +197,19 @@ class GradientBucketer:
                     break
                 self._launch(b)
 
+    def _follow_default_group(self):
+        """After dist.shrink_group of the default group (group=None): the next buckets go to the
+        new one, in buffers of its own (the old group's shared buffers went with it)."""
+        if self.group is None and dist.group.WORLD is not self._pg:
+            self._pg = dist.group.WORLD
+            self.world_size = dist.get_world_size(self._pg)
+            self._shared, self._cuda_share = None, {}
+            for b in self.buckets:
+                b.buffer = None
+
     def _launch(self, bucket):
+        if self._next == 0:
+            self._follow_default_group()
         if bucket.buffer is None:
             # With a wire the used-flags start a block of their own (WIRE_BLOCK elements): an
             # fp8 block's scale comes from its largest value, and a flag of 1 would coarsen the

@@ -15,7 +15,7 @@ LAYERS = [
     ("core", {"_lifecycle", "_env", "_calibrate"}),  # errors, Work, registry, options, environment,
     # host identity; the machine class's measured steps (cache, timing) that a transport may run on
     ("transport", {"_shm", "_hier", "_cuda"}),  # shared memory, across hosts, CUDA
-    ("api", {"collectives", "ops", "functional", "ddp", "bucketing", "nn"}),
+    ("api", {"collectives", "ops", "functional", "ddp", "bucketing", "nn", "_shrink"}),
     ("backend", {"backend"}),  # dist.init_process_group("ringreduce")
     ("package", {"__init__"}),  # `import ringreduce`: the public names
     ("tools", {"trace", "bench"}),  # command lines: python -m ringreduce.trace / .bench

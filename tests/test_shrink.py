@@ -150,3 +150,194 @@ def test_shrink_with_abort_and_across_hosts(tmp_path, tcp_store):
     (hosts of 2 and 1: the leaders plan) shrink with SHRINK_ABORT."""
     _run(tcp_store, tmp_path, 4, [3], "all_reduce", flags=dist.distributed_c10d.SHRINK_ABORT,
          hosts=["h0", "h0", "h1", "h1"])
+
+
+def disagree_worker(rank, world, ready_dir):
+    t = torch.ones(3 << 16)
+    dist.all_reduce(t)
+    if rank == 3:
+        open(os.path.join(ready_dir, "ready3"), "w").close()
+        time.sleep(300)  # killed by the test
+    _wait_file(os.path.join(ready_dir, "ready3"))
+    time.sleep(0.3)
+    raised(lambda: [dist.all_reduce(t) for _ in range(10 ** 6)])
+    if rank == 1:  # never calls shrink_group: its peers must not wait past the timeout
+        time.sleep(12)
+        return None
+    excluded = [1, 3] if rank == 2 else [3]
+    return raised(lambda: dist.shrink_group(excluded))
+
+
+def test_shrink_with_disagreeing_lists(tmp_path, tcp_store):
+    """Rank 2 excludes [1, 3], rank 0 [3], rank 1 never calls: every caller raises, naming why."""
+    procs, q, _ = spawn(4, disagree_worker, str(tmp_path), backend="ringreduce",
+                        env=_env(tcp_store, RINGREDUCE_TIMEOUT="8"))
+    _wait_file(str(tmp_path / "ready3"))
+    time.sleep(0.1)
+    os.kill(procs[3].pid, signal.SIGKILL)
+    results, errors = collect(procs, q, timeout=120, expect=[0, 1, 2], check_exit=True)
+    assert not errors, errors
+    name, msg, secs = results[2]
+    assert name == "RingReduceError" and "rank 2 excludes ranks [1, 3] but rank 0 excludes [3]" in msg
+    assert secs < 8, results[2]
+    name, msg, secs = results[0]  # it sees rank 2's list, or rank 2's refusal, at once
+    assert name == "RingReduceError" and "refused" in msg and "[1, 3]" in msg, results[0]
+    assert secs < 8, results[0]
+
+
+def store_lost_worker(rank, world, ready_dir):
+    t = torch.ones(3 << 16)
+    dist.all_reduce(t)
+    if rank == 0:
+        open(os.path.join(ready_dir, "ready0"), "w").close()
+        time.sleep(300)  # killed by the test, and the store it holds with it
+    _wait_file(os.path.join(ready_dir, "ready0"))
+    time.sleep(0.3)
+    failed = raised(lambda: [dist.all_reduce(t) for _ in range(10 ** 6)])
+    return failed[0], raised(lambda: dist.shrink_group([0]))
+
+
+def test_shrink_refused_when_the_store_holder_is_lost(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, q, _ = spawn(3, store_lost_worker, str(tmp_path), backend="ringreduce",
+                        env={"RINGREDUCE_TIMEOUT": "20", "RR_TEST_TCP_STORE": f"127.0.0.1:{port}:rank0"})
+    _wait_file(str(tmp_path / "ready0"))
+    time.sleep(0.1)
+    os.kill(procs[0].pid, signal.SIGKILL)
+    results, errors = collect(procs, q, timeout=120, expect=[1, 2], check_exit=True)
+    assert not errors, errors
+    for rank, (failed, (name, msg, secs)) in results.items():
+        assert failed == "RingReduceError", results
+        assert name == "RingReduceError" and "rendezvous store cannot be reached" in msg, (rank, msg)
+        assert secs < 20, (rank, secs)
+
+
+def abort_worker(rank, world, ready_dir, flags):
+    t = torch.ones(3 << 18)
+    dist.all_reduce(t)
+    if rank == 2:
+        open(os.path.join(ready_dir, "ready2"), "w").close()
+        time.sleep(300)  # stopped (SIGSTOP: alive, so no one sees it die), then killed
+    _wait_file(os.path.join(ready_dir, "stopped"))
+    work = dist.all_reduce(t, async_op=True)  # waits on the stopped rank
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    dist.shrink_group([2], shrink_flags=flags)
+    shrink_s = time.monotonic() - t0
+    x = torch.ones(7)
+    dist.all_reduce(x)
+    return shrink_s, raised(work.wait)[:2], x[0].item()
+
+
+@pytest.mark.parametrize("flags", [1, 0], ids=["SHRINK_ABORT", "SHRINK_DEFAULT"])
+def test_shrink_abort_ends_calls_in_flight(flags, tmp_path, tcp_store):
+    """A rank that hangs alive (SIGSTOP) is excluded while the survivors' call waits on it:
+    SHRINK_ABORT ends that call at once; SHRINK_DEFAULT waits for it, here until the timeout."""
+    procs, q, _ = spawn(3, abort_worker, str(tmp_path), flags, backend="ringreduce",
+                        env=_env(tcp_store, RINGREDUCE_TIMEOUT="6"))
+    try:
+        _wait_file(str(tmp_path / "ready2"))
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        (tmp_path / "stopped").touch()
+        results, errors = collect(procs, q, timeout=120, expect=[0, 1], check_exit=True)
+    finally:
+        procs[2].kill()  # collect killed it already, unless it raised first
+    assert not errors, errors
+    for rank, (shrink_s, (name, msg), total) in results.items():
+        assert total == 2.0, results
+        assert name is not None and "SHRINK_ABORT" in msg if flags else "timed out" in msg, msg
+        assert shrink_s < 3 if flags else shrink_s > 4, (rank, shrink_s)
+
+
+def _batch(step, rank, world, b=8):
+    """The step's samples of a rank: the same rule whatever the world (as DistributedSampler's
+    shards are re-cut for the survivors)."""
+    g = torch.Generator().manual_seed(1000 * step + 17)
+    x = torch.randn(world * b, 16, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+
+
+def ddp_worker(rank, world, mode, victim, kill_step, state_path, steps, bucketer):
+    """mode "shrink": DDP (or GradientBucketer) at world ranks, the victim SIGKILLs itself at
+    kill_step, the survivors find the lost rank, shrink, re-wrap and redo the step. mode "fresh":
+    the same training started at kill_step on world ranks from the state saved before it."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = 0
+    if mode == "fresh":
+        state = torch.load(state_path)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step = kill_step
+
+    def wrap():
+        if bucketer:
+            return model, rr.GradientBucketer(model.parameters())
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, rr.ddp.allreduce_hook)
+        return ddp, None
+    net, buckets = wrap()
+    losses, shrinks = {}, []
+    while step < steps:
+        if mode == "shrink" and step == kill_step:
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, state_path)
+            dist.barrier()
+            if rank == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+        x, y = _batch(step, dist.get_rank(), dist.get_world_size())
+        try:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            if buckets is not None:
+                buckets.wait()
+            opt.step()
+        except RuntimeError as e:  # RingReduceError, or DDP's error carrying its message
+            t0 = time.monotonic()
+            lost = rr.lost_ranks(wait=5.0)
+            dist.shrink_group(lost)
+            if buckets is None:
+                del net  # its reducer's hooks go with it
+                net, buckets = wrap()
+            shrinks.append((str(e).splitlines()[0][:200], lost, time.monotonic() - t0))
+            continue  # the failed step again, on the survivors
+        losses[step] = loss.item().hex()
+        step += 1
+    digest = [p.detach().clone() for p in model.parameters()]
+    pools = len({line.split()[-2] for line in open("/proc/self/maps") if "ringreduce-pool" in line})
+    return losses, shrinks, [d.sum().item().hex() for d in digest], (
+        pools, len(buckets.buckets) if buckets is not None else None)
+
+
+@pytest.mark.parametrize("bucketer", [False, True], ids=["ddp_hook", "bucketer"])
+def test_ddp_goes_on_at_n_minus_1(bucketer, tmp_path, tcp_store):
+    """Deterministic mode: from the shrink on, the survivors' losses and parameters equal, bit for
+    bit, a run that starts at N-1 from the same step's state."""
+    state = str(tmp_path / "state.pt")
+    env = _env(tcp_store, RINGREDUCE_DETERMINISTIC="1")
+    procs, q, _ = spawn(3, ddp_worker, "shrink", 1, 3, state, 7, bucketer, backend="ringreduce",
+                        env=env)
+    shrunk, errors = collect(procs, q, timeout=180, expect=[0, 2], check_exit=True)
+    assert not errors, errors
+    for rank, (losses, shrinks, _, (pools, nbuckets)) in shrunk.items():
+        assert len(shrinks) == 1 and shrinks[0][1] == [1], (rank, shrinks)
+        assert sorted(losses) == list(range(7)), losses
+        if bucketer:  # the old group's shared buffers are gone; the new group's (2 ranks) mapped
+            assert pools == 2 * nbuckets, (rank, pools, nbuckets)
+    assert shrunk[0][2] == shrunk[2][2]  # the same parameters on every survivor
+    procs, q, _ = spawn(2, ddp_worker, "fresh", None, 3, state, 7, bucketer, backend="ringreduce",
+                        env=dict(env, RR_TEST_TCP_STORE=""))
+    fresh, errors = collect(procs, q, timeout=180, check_exit=True)
+    assert not errors, errors
+    for old, new in ((0, 0), (2, 1)):  # the survivors, renumbered
+        after = {s: v for s, v in shrunk[old][0].items() if s >= 3}
+        assert after == fresh[new][0], (old, after, fresh[new][0])
+        assert shrunk[old][2] == fresh[new][2]
