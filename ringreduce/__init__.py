@@ -26,7 +26,7 @@ from . import _lifecycle
 from . import backend as _backend
 from . import ddp, functional, nn, ops
 from .bucketing import GradientBucketer
-from ._shrink import lost_ranks
+from ._shrink import lost_ranks, shrink_group
 
 _backend.register()  # dist.init_process_group("ringreduce") from now on
 
@@ -47,5 +47,5 @@ __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "ReduceOp", "RingReduceError",
     "Communicator", "Work", "get_communicator", "destroy", "SUPPORTED_DTYPES",
     "ddp", "GradientBucketer", "functional", "nn", "dump_trace", "set_deterministic",
-    "is_deterministic", "shared_empty", "lost_ranks",
+    "is_deterministic", "shared_empty", "lost_ranks", "shrink_group",
 ]

@@ -70,6 +70,25 @@ def agree(store, prefix, rank, excluded, size, timeout):
     return survivors
 
 
+def shrink_group(ranks_to_exclude=None, group=None, shrink_flags=SHRINK_ABORT):
+    """dist.shrink_group after a failure, in one call: the lost ranks found (lost_ranks) unless
+    given, calls in flight aborted (SHRINK_ABORT unless told otherwise), and the new group served on
+    every device the old one was (torch registers a shrunk group's backend for its bound device
+    only, else the CPU). Returns the new group; after shrinking the default group it is the default."""
+    g = group if group is not None else dist.group.WORLD
+    devices = list(g._device_types)
+    if ranks_to_exclude is None:
+        ranks_to_exclude = lost_ranks(group)
+    new = dist.shrink_group(list(ranks_to_exclude), group=group, shrink_flags=shrink_flags)
+    served = new._device_types
+    if served:
+        backend = new._get_backend(served[0])  # ours: one backend for every device type
+        for d in devices:
+            if all(d.type != s.type for s in served):
+                new._register_backend(d, dist.ProcessGroup.BackendType.CUSTOM, backend)
+    return new
+
+
 def abort_parent(comms, excluded):
     """SHRINK_ABORT: the parent's calls in flight end now, with an error naming the shrink."""
     for comm in comms:
@@ -82,12 +101,18 @@ def abort_parent(comms, excluded):
 
 def close_parent(comms, timeout):
     """The parent's calls in flight end by themselves (a dead peer is noticed in well under a
-    second; SHRINK_ABORT ended them already), else at the timeout; then its communicators close:
-    their shared memory and mappings are released."""
+    second; SHRINK_ABORT ended them already), else at the timeout; then its communicators close,
+    aborted first: a close never waits for a lost rank (a CUDA one keeps its memory until exit, as
+    after any failure; the shared-memory ones release theirs now)."""
     deadline = time.monotonic() + timeout
     for comm in comms:
         while not comm.closed and comm._inflight and time.monotonic() < deadline:
             time.sleep(_POLL_S)  # native counts notify nobody
+        if not comm.closed:
+            try:
+                comm.abort("closed by shrink_group")
+            except Exception:  # noqa: BLE001
+                pass
         comm.close()
 
 

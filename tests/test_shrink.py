@@ -302,8 +302,13 @@ def ddp_worker(rank, world, mode, victim, kill_step, state_path, steps, bucketer
             opt.step()
         except RuntimeError as e:  # RingReduceError, or DDP's error carrying its message
             t0 = time.monotonic()
-            lost = rr.lost_ranks(wait=5.0)
-            dist.shrink_group(lost)
+            if bucketer:  # the two steps rr.shrink_group takes, by hand
+                lost = rr.lost_ranks(wait=5.0)
+                dist.shrink_group(lost)
+            else:
+                lost = dist.get_process_group_ranks(dist.group.WORLD)
+                rr.shrink_group()
+                lost = sorted(set(lost) - set(dist.get_process_group_ranks(dist.group.WORLD)))
             if buckets is None:
                 del net  # its reducer's hooks go with it
                 net, buckets = wrap()

@@ -28,7 +28,7 @@ timeout; a Gloo error is raised as a RingReduceError naming the call, the phase 
 """
 import datetime
 import logging
-import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ log = logging.getLogger("ringreduce")
 SUM, AVG, MIN, MAX, PROD = sorted(_C.OP_CODES.values())  # in RedOp's order (csrc/ring/types.h)
 WIRE_BLOCK = _C.WIRE_BLOCK  # elements per fp8 scale
 # How often a rank waiting for a Gloo call looks for another rank's failure (a store round trip).
-BROKEN_POLL_S = 0.05
+BROKEN_POLL = datetime.timedelta(milliseconds=50)
 WIRE_F16 = _C.WIRE_CODES["float16"]  # the only wire that can overflow
 _GLOO_OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,
              PROD: dist.ReduceOp.PRODUCT}
@@ -190,10 +190,15 @@ class HierCommunicator(_lifecycle.Communicator):
         """Waits for a Gloo call while watching the group's broken key: a rank whose call failed
         sets it (_breaking), and a peer on another host waiting for that rank's part would
         otherwise wait until the timeout (Gloo notices a dead process, not a living one that left)."""
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _: done.set())
         key = f"{self._prefix}/broken"
-        while not done.wait(BROKEN_POLL_S):
+        deadline = time.monotonic() + self.timeout  # then the plain wait, with its own deadline
+        while time.monotonic() < deadline:
+            try:  # a Work's wait with a timeout raises at the timeout and leaves the call running
+                work.wait(BROKEN_POLL)
+                return
+            except Exception:
+                if work.is_completed():
+                    raise  # the call's own failure
             if self.member.store.check([key]):
                 reason = self.member.store.get(key).decode()
                 self._abort_gloo()

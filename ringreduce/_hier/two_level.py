@@ -89,10 +89,13 @@ class _Works:
     def __init__(self, works, timeout):
         self.works, self.timeout = works, datetime.timedelta(seconds=timeout)
 
-    def wait(self):
+    def is_completed(self):
+        return all(w.is_completed() for _, w in self.works)
+
+    def wait(self, timeout=None):
         for what, w in self.works:
             try:
-                w.wait(self.timeout)
+                w.wait(timeout or self.timeout)
             except Exception as e:
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise RuntimeError(f"{what}: {first}") from e
