@@ -89,13 +89,10 @@ class _Works:
     def __init__(self, works, timeout):
         self.works, self.timeout = works, datetime.timedelta(seconds=timeout)
 
-    def is_completed(self):
-        return all(w.is_completed() for _, w in self.works)
-
-    def wait(self, timeout=None):
+    def wait(self):
         for what, w in self.works:
             try:
-                w.wait(timeout or self.timeout)
+                w.wait(self.timeout)
             except Exception as e:
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise RuntimeError(f"{what}: {first}") from e
