@@ -77,7 +77,7 @@ struct Parts {
 void run_ring(Parts& p, const Call& c, Ctx& ctx);
 void run_oneshot(Parts& p, const Call& c, Ctx& ctx);
 void run_twoshot(Parts& p, const Call& c, Ctx& ctx);
-void run_cma(Parts& p, const Call& c, Ctx& ctx);
+void run_cma(Parts& p, const Call& c, Ctx& ctx, uint64_t block_bytes);  // 0: whole chunks
 void run_pool(Parts& p, const Call& c, Ctx& ctx, const Pool& pool);
 // Returns how many finite values overflowed the wire on any rank (fp16), as far as this rank
 // learned it: every rank, for an all-reduce.

@@ -45,6 +45,8 @@ class Protocol {
   int nranks() const { return opt_.nranks; }
   // The algorithm run() uses for c (Auto resolved; rank order when c.deterministic).
   Algo choose(const Call& c, const Pool* pool = nullptr) const;
+  // The block cma reads c in (0: whole chunks): a cmawhole step's, else Options::cma_block_bytes.
+  uint64_t cma_block(const Call& c) const;
   // Replaces Options::steps; before the first call, the same on every rank.
   void set_steps(std::vector<Step> steps) { opt_.steps = std::move(steps); }
   // Whether this rank can read every peer's memory by cross-memory attach: "" if so, else why not
@@ -60,6 +62,7 @@ class Protocol {
 
  private:
   static GroupHeader* checked(void* base, size_t bytes, const Options& opt);
+  const Step* step_of(const Call& c) const;  // the last auto step an all-reduce reaches, or null
 
   Options opt_;
   GroupHeader* const hdr_;
