@@ -121,6 +121,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_auto_steps", &ShmComm::set_auto_steps, py::arg("steps"))
       .def("cma_probe", &ShmComm::cma_probe,
            "'' when this rank can read every peer's memory by cross-memory attach, else why not")
+      .def("drop_cma_scratch", &ShmComm::drop_cma_scratch,
+           "frees the scratch cma read whole chunks into (after the calibration's timings)")
       .def("recorder", &ShmComm::recorder, "this communicator's flight recorder")
       .def("pids", &ShmComm::pids, "every rank's process id")
       .def("pool_create", &ShmComm::pool_create, py::arg("name"), py::arg("bytes"))

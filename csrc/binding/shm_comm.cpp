@@ -453,6 +453,12 @@ void ShmComm::set_auto_steps(const std::vector<AutoStep>& steps) {
   comm_->protocol().set_steps(parse_steps(steps));
 }
 
+void ShmComm::drop_cma_scratch() {
+  if (comm_->closed()) throw closed_error();
+  synchronize(/*gil=*/true);  // between calls
+  comm_->protocol().drop_cma_scratch();
+}
+
 std::string ShmComm::cma_probe() {
   if (comm_->closed()) throw closed_error();
   return comm_->protocol().cma_probe();

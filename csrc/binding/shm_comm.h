@@ -112,6 +112,7 @@ class ShmComm : public FastTarget {
   // "cma" | "cmawhole"); before the first call, the same on every rank.
   void set_auto_steps(const std::vector<AutoStep>& steps);
   std::string cma_probe();  // "" when this rank can read every peer by cross-memory attach
+  void drop_cma_scratch();  // after the calibration timed cma in whole chunks (16 MiB tensors)
 
   int nranks() const { return nranks_; }
   int rank() const { return rank_; }

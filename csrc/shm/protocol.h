@@ -53,6 +53,8 @@ class Protocol {
   // (a ptrace policy, a seccomp filter). Every rank must have constructed its Protocol first.
   std::string cma_probe() const { return shm::cma_probe(areas_, opt_.rank, opt_.nranks); }
   size_t slice_bytes() const { return mail_.slice_bytes(); }
+  // Frees cma's scratch (whole chunks: (N-1)/N of the largest tensor read so); between calls only.
+  void drop_cma_scratch() { std::vector<char>().swap(scratch_.blocks); }
   // What this rank waits for now, as a JSON object (the flight recorder's "waiting"), or "" when
   // no wait has outlasted its spin. Kept after a failed wait. Safe from any thread.
   std::string waiting() const { return waits_.waiting(); }
