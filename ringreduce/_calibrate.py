@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+from . import _C
+
 log = logging.getLogger("ringreduce")
 
 # Sizes timed (bytes): where the table's choice and Open MPI's lead were measured to differ
@@ -37,7 +39,7 @@ MARGIN = 0.90
 # 2: steps may name cmawhole; the key has cma's block.
 FORMAT = 2
 # The names a cached step may take (csrc/shm/options.h's kStepAlgos and kCmaWholeStep).
-STEP_NAMES = ("ring", "twoshot", "cma", "cmawhole")
+STEP_NAMES = tuple(_C.SHM_STEP_ALGOS)
 
 
 def caches():

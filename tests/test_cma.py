@@ -155,7 +155,6 @@ def test_a_table_step_names_cmawhole(tmp_path, deterministic):
 
 
 def test_without_cma_drops_both_names():
-    from ringreduce import _calibrate, _shm
+    from ringreduce import _shm
     assert _shm.without_cma([(1, "cma"), (5, "cmawhole"), (9, "twoshot")]) == [
         (1, "ring"), (5, "ring"), (9, "twoshot")]
-    assert _calibrate.STEP_NAMES == tuple(rr._C.SHM_STEP_ALGOS)
