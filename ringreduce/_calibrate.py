@@ -4,7 +4,7 @@ real group at its first use, once per machine class, cached outside the package.
 The table (cpu_tuning.json) is keyed by a CPU model string, and two machines of one model string
 can disagree (a 300 MiB L3 guest against the 260 MiB one an entry came from). So the key here is
 what the passes depend on: the model, every cache level's size, the cores the ranks share, the
-world size and the slice (cma's block). Rank 0 decides (its cache file or its timings) and
+world size, the slice and cma's block. Rank 0 decides (its cache file or its timings) and
 publishes the steps through the communicator's setup store: every rank runs the same steps, or
 calls would mismatch.
 """
@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+from . import _C
+
 log = logging.getLogger("ringreduce")
 
 # Sizes timed (bytes): where the table's choice and Open MPI's lead were measured to differ
@@ -26,14 +28,18 @@ SIZES = (1 << 20, 4 << 20, 16 << 20)
 # Timed rounds per (size, algorithm), interleaved, after one warm-up round; the median is kept.
 ROUNDS = 3
 # Fewer rounds once this much time has gone (rank 0's clock; all ranks stop after the same round):
-# a round is 3 algorithms x 21 MiB, 40 ms at world 2 and 130 ms at world 4 on the idle dev
-# machine, several times that on a loaded one, so the cost stays near this bound plus a round.
+# a round is 4 algorithms (ring, twoshot, cma, cmawhole) x 21 MiB, about 55 ms at world 2 and
+# 175 ms at world 4 on the idle dev machine (3 algorithms: 40 and 130), several times that on a
+# loaded one, so the cost stays near this bound plus a round.
 BUDGET_S = 0.25
 # Another algorithm replaces the fallback's at a size only if it is this much faster: the
 # dev machine's run-to-run noise at 4-16 MiB is 5-10% (docs/cpu-passes.md).
 MARGIN = 0.90
-# Written into every cache file; a file of another format is recalibrated.
-FORMAT = 1
+# Written into every cache file (and part of its name): a file of another format is recalibrated.
+# 2: steps may name cmawhole; the key has cma's block.
+FORMAT = 2
+# The names a cached step may take (csrc/shm/options.h's kStepAlgos and kCmaWholeStep).
+STEP_NAMES = tuple(_C.SHM_STEP_ALGOS)
 
 
 def caches():
@@ -53,9 +59,11 @@ def caches():
     return out
 
 
-def machine_key(model, cores, world, slice_bytes):
+def machine_key(model, cores, world, slice_bytes, cma_block_bytes=None):
+    """cma_block_bytes: the block a "cma" step reads in (None: the slice)."""
     return {"format": FORMAT, "cpu_model": model, "caches": caches(), "cores": cores,
-            "world": world, "slice_bytes": slice_bytes}
+            "world": world, "slice_bytes": slice_bytes,
+            "cma_block_bytes": slice_bytes if cma_block_bytes is None else cma_block_bytes}
 
 
 def cache_path(key):
@@ -79,7 +87,7 @@ def read_cache(path, key):
         if data["key"] != key:
             raise ValueError(f"its key {data['key']} is not this machine's {key}")
         steps = [(int(b), str(a)) for b, a in data["steps"]]
-        if any(a not in ("ring", "twoshot", "cma") or b < 0 for b, a in steps):
+        if any(a not in STEP_NAMES or b < 0 for b, a in steps):
             raise ValueError(f"bad steps {data['steps']}")
         return steps, data
     except (ValueError, KeyError, TypeError) as e:

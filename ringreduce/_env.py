@@ -75,6 +75,8 @@ KNOBS = _knobs(
          "the table's entry, else 1 KiB at world 2, 32 KiB above", lo=0, bad="-1"),
     Knob("RINGREDUCE_SLICE_BYTES", "int", "the CPU ring's pipeline slice, bytes", "128 KiB",
          lo=64, bad="-5"),
+    Knob("RINGREDUCE_CMA_BLOCK_BYTES", "int", "what cma reads from a peer at a time, bytes; 0: the "
+         "whole chunk", "the slice", lo=0, bad="-1"),
     Knob("RINGREDUCE_SPIN_NS", "int", "busy-poll before waiting, ns",
          "50,000 (0 when ranks outnumber cores)", lo=0, bad="-1"),
     Knob("RINGREDUCE_YIELD_NS", "int", "sched_yield polling before sleeping, ns",

@@ -46,7 +46,19 @@ ALGOS = _C.SHM_ALGOS  # csrc/shm/protocol.h: kForcedAlgos
 # one-shot threshold and its algorithm above it. RINGREDUCE_CPU_TUNING names another table, or
 # "none" for the defaults above.
 TUNING_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_tuning.json")
-STEP_ALGOS = _C.SHM_STEP_ALGOS  # kStepAlgos
+STEP_ALGOS = _C.SHM_STEP_ALGOS  # kStepAlgos, and "cmawhole" (cma reading whole chunks)
+
+
+def is_cma(algo):
+    return algo in ("cma", "cmawhole")
+
+
+def check_cma_block_bytes(value):
+    """The cma_block_bytes option, checked once (the environment's value went through _env)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"ringreduce: cma_block_bytes must be an integer >= 0 (the bytes cma reads "
+                         f"from a peer at a time; 0: the whole chunk), got {value!r}")
+    return value
 
 
 def cpu_model():
@@ -87,7 +99,7 @@ def tuned(model, cores, world, path=TUNING_PATH):
 
 def without_cma(steps):
     """steps with cma replaced by the ring: where a rank cannot read its peers' memory."""
-    return [(b, "ring" if a == "cma" else a) for b, a in steps]
+    return [(b, "ring" if is_cma(a) else a) for b, a in steps]
 
 
 def calibrate_from_env():
@@ -117,10 +129,14 @@ class Communicator(_lifecycle.Communicator):
     transport = "shm"
 
     def __init__(self, group=None, timeout=None, slice_bytes=None, member=None, algo=None,
-                 machine_ranks=None):
+                 machine_ranks=None, cma_block_bytes=None):
         _lifecycle.require_initialized()
         super().__init__(member or _lifecycle.Member.of_group(group), timeout)
         self.slice_bytes = int(slice_bytes or _env.get("RINGREDUCE_SLICE_BYTES", DEFAULT_SLICE_BYTES))
+        # cma's read size (csrc/shm/options.h): the slice unless set; 0 reads whole chunks.
+        self.cma_block_bytes = check_cma_block_bytes(
+            _env.get("RINGREDUCE_CMA_BLOCK_BYTES", self.slice_bytes) if cma_block_bytes is None
+            else cma_block_bytes)
         ncpu = len(os.sched_getaffinity(0))
         # machine_ranks: the processes of the job on this machine, when more than this ring's own
         # (simulated hosts); they compete for the same cores.
@@ -149,8 +165,9 @@ class Communicator(_lifecycle.Communicator):
         self._native = self._bootstrap()
         self._setup_trace(self._trace_prefix, self._native.recorder())
         plan = self._plan_text()
-        log.debug("rank %d/%d: shm ring ready (slice %d B, timeout %g s, spin %d ns, yield %d ns, "
-                  "%s: %s)", self.rank, self.world_size, self.slice_bytes, self.timeout,
+        log.debug("rank %d/%d: shm ring ready (slice %d B, cma block %d B, timeout %g s, spin %d ns, "
+                  "yield %d ns, %s: %s)", self.rank, self.world_size, self.slice_bytes,
+                  self.cma_block_bytes, self.timeout,
                   self.spin_ns, self.yield_ns, plan, self.tuning)
 
     def _plan_text(self):
@@ -163,7 +180,7 @@ class Communicator(_lifecycle.Communicator):
             return f"deterministic mode: {self.algo}"
         if self.algo == "oneshot":
             return "deterministic mode: all_reduce one-shot, reduce_scatter two-shot"
-        cma = " (cma from where the steps pick it)" if any(a == "cma" for _, a in self.auto_steps) else ""
+        cma = " (cma from where the steps pick it)" if any(is_cma(a) for _, a in self.auto_steps) else ""
         return (f"deterministic mode: all_reduce one-shot up to {self.oneshot_max_bytes} B, then "
                 f"two-shot{cma}; reduce_scatter two-shot")
 
@@ -200,7 +217,7 @@ class Communicator(_lifecycle.Communicator):
             self._cma_agreed = False
             if self._calibration:
                 self._calibrate(setup, native)
-            if any(a == "cma" for _, a in self.auto_steps) and not self._cma_agreed:
+            if any(is_cma(a) for _, a in self.auto_steps) and not self._cma_agreed:
                 self._agree_on_cma(setup, native)
             return native
         except BaseException:
@@ -211,7 +228,8 @@ class Communicator(_lifecycle.Communicator):
     def _tuning(self):
         return dict(spin_ns=self.spin_ns, yield_ns=self.yield_ns, algo=self.algo,
                     oneshot_max_bytes=self.oneshot_max_bytes, trace_buffer=self.trace_buffer,
-                    stream=self.stream, auto_steps=self.auto_steps)
+                    stream=self.stream, auto_steps=self.auto_steps,
+                    cma_block_bytes=self.cma_block_bytes)
 
     def _may_calibrate(self, ncpu, machine_ranks):
         """The machine key if this communicator calibrates (or reads the cache), else None, the
@@ -225,7 +243,8 @@ class Communicator(_lifecycle.Communicator):
         if why:
             self.tuning += f"; not calibrated: {why}"
             return None
-        key = _calibrate.machine_key(cpu_model(), ncpu, self.world_size, self.slice_bytes)
+        key = _calibrate.machine_key(cpu_model(), ncpu, self.world_size, self.slice_bytes,
+                                     self.cma_block_bytes)
         key["machine_ranks"] = max(self.world_size, machine_ranks or 0)
         return dict(key=key, mode=mode)
 
@@ -249,8 +268,9 @@ class Communicator(_lifecycle.Communicator):
             denied = [v.decode() for v in setup.all("cma", self.world_size, "cross-memory attach probe")
                       if v]
             self._cma_agreed = True
-            algos = [a for a in STEP_ALGOS if a != "cma" or not denied]
+            algos = [a for a in STEP_ALGOS if not is_cma(a) or not denied]
             medians = _calibrate.time_algos(native, algos, _C.OP_CODES, self.rank)
+            native.drop_cma_scratch()  # cmawhole's: up to (N-1)/N of 16 MiB, wanted or not
             cost_ms = (time.perf_counter() - t0) * 1e3
             if self.rank == 0:
                 fallback = without_cma(self.auto_steps) if denied else self.auto_steps
@@ -287,7 +307,8 @@ class Communicator(_lifecycle.Communicator):
         return self._native.pids()
 
     def algo_for(self, numel, dtype):
-        """The algorithm ("ring", "oneshot", "twoshot" or "cma") an all_reduce of numel elements of dtype runs."""
+        """The algorithm ("ring", "oneshot", "twoshot", "cma" or "cmawhole": cma reading whole chunks)
+        an all_reduce of numel elements of dtype runs."""
         return self._native.algo(numel, torch.empty(0, dtype=dtype))
 
     def shared_empty(self, shape, dtype):

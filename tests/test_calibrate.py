@@ -50,6 +50,9 @@ def test_fresh_calibration_is_cached_and_read_again(tmp_path, world):
     data = json.load(open(files[0]))
     assert data["key"]["world"] == world and data["key"]["cpu_model"] == rr._shm.cpu_model()
     assert {a for a in data["median_us"]} >= {"ring", "twoshot"}
+    # cma is timed in whole chunks beside its blocks (or neither, where the probe denies cma)
+    assert ("cma" in data["median_us"]) == ("cmawhole" in data["median_us"]), data["median_us"]
+    assert (data["key"]["format"], data["key"]["cma_block_bytes"]) == (2, rr._C.SHM_SLICE_BYTES)
     assert [tuple(s) for s in data["steps"]] == first["steps"] and first["steps"]
     second = run(world, tmp_path)
     assert second["source"] == "calibration (cached)", second["tuning"]
@@ -68,6 +71,32 @@ def test_a_cached_file_chooses_the_algorithm(tmp_path):
     out = run(2, tmp_path)
     assert out["source"] == "calibration (cached)"
     assert out["algos"] == {1 << 20: "twoshot", 4 << 20: "ring", 16 << 20: "twoshot"}, out["algos"]
+
+
+def test_a_cached_cmawhole_step_runs_cma_in_whole_chunks(tmp_path):
+    """The step the calibration records for cma reading whole chunks is what runs (run() checks
+    every rank's bits)."""
+    run(2, tmp_path)
+    path, = cache_files(tmp_path)
+    data = json.load(open(path))
+    data["steps"] = [[1 << 20, "cma"], [3 << 20, "cmawhole"], [8 << 20, "twoshot"]]
+    json.dump(data, open(path, "w"))
+    out = run(2, tmp_path)
+    assert out["source"] == "calibration (cached)"
+    assert out["algos"] == {1 << 20: "cma", 4 << 20: "cmawhole", 16 << 20: "twoshot"}, out["algos"]
+
+
+def test_an_old_format_cache_is_recalibrated(tmp_path):
+    """A format-1 file (steps without cmawhole, a key without cma's block) is not this machine's."""
+    run(2, tmp_path)
+    path, = cache_files(tmp_path)
+    data = json.load(open(path))
+    data["key"]["format"] = 1
+    del data["key"]["cma_block_bytes"]
+    json.dump(data, open(path, "w"))
+    out = run(2, tmp_path)
+    assert out["source"] == "calibration (fresh)", out["tuning"]
+    assert json.load(open(path))["key"]["format"] == 2
 
 
 def test_every_rank_runs_rank_0s_steps(tmp_path):
@@ -176,3 +205,8 @@ def test_derive_steps():
     # an algorithm the fallback names but the calibration could not time (cma denied): the ring
     del med["cma"]
     assert derive_steps(med, [(4 * M, "cma")]) == [(M, "ring"), (2 * M, "twoshot"), (8 * M, "ring")]
+    # cma in whole chunks is a candidate of its own: it wins where it is the margin faster
+    med["cma"] = {M: 200, 4 * M: 380, 16 * M: 1000}
+    med["cmawhole"] = {M: 210, 4 * M: 250, 16 * M: 960}
+    assert derive_steps(med, []) == [(M, "ring"), (2 * M, "cmawhole"), (8 * M, "ring")]
+    assert derive_steps(med, [(8 * M, "cma")]) == [(M, "ring"), (2 * M, "cmawhole"), (8 * M, "cma")]

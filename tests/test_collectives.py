@@ -337,7 +337,7 @@ def test_tuning_table_lookup(tmp_path):
     oneshot_max, steps, why = _shm.tuned("X", 8, 2, str(table))  # another core count: no entry
     assert (oneshot_max, steps) == (None, []) and "no measurement for 'X', 8 cores, world 2" in why
     assert "no table" in _shm.tuned("X", 2, 2, str(tmp_path / "missing.json"))[2]
-    with pytest.raises(ValueError, match="must be one of ring, twoshot, cma, got 'fastest'"):
+    with pytest.raises(ValueError, match="must be one of ring, twoshot, cma, cmawhole, got 'fastest'"):
         _shm.tuned("X", 2, 4, str(table))
     assert _shm.without_cma([(1, "twoshot"), (5, "cma")]) == [(1, "twoshot"), (5, "ring")]
 

@@ -136,6 +136,7 @@ READERS = {
     "RINGREDUCE_CPU_TUNING": _cpu_comm,
     "RINGREDUCE_ONESHOT_MAX_BYTES": _cpu_comm,
     "RINGREDUCE_SLICE_BYTES": _cpu_comm,
+    "RINGREDUCE_CMA_BLOCK_BYTES": _cpu_comm,
     "RINGREDUCE_SPIN_NS": _cpu_comm,
     "RINGREDUCE_YIELD_NS": _cpu_comm,
     "RINGREDUCE_STREAM": _cpu_comm,

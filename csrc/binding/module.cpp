@@ -112,14 +112,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<ShmComm, ShmPtr>(m, "ShmComm")
       .def(py::init<const std::string&, bool, int, int, size_t, double, int64_t, int64_t,
                     const std::string&, int64_t, size_t, const std::string&,
-                    const std::vector<rr::binding::AutoStep>&>(),
+                    const std::vector<rr::binding::AutoStep>&, uint64_t>(),
            py::arg("name"), py::arg("create"), py::arg("rank"), py::arg("nranks"), py::arg("slice_bytes"),
            py::arg("timeout_s"), py::arg("spin_ns"), py::arg("yield_ns") = 0, py::arg("algo") = "auto",
            py::arg("oneshot_max_bytes") = 0, py::arg("trace_buffer") = rr::runtime::Recorder::kDefaultCapacity, py::arg("stream") = "auto",
-           py::arg("auto_steps") = std::vector<rr::binding::AutoStep>{})
+           py::arg("auto_steps") = std::vector<rr::binding::AutoStep>{},
+           py::arg("cma_block_bytes") = static_cast<uint64_t>(rr::shm::kDefaultSliceBytes))
       .def("set_auto_steps", &ShmComm::set_auto_steps, py::arg("steps"))
       .def("cma_probe", &ShmComm::cma_probe,
            "'' when this rank can read every peer's memory by cross-memory attach, else why not")
+      .def("drop_cma_scratch", &ShmComm::drop_cma_scratch,
+           "frees the scratch cma read whole chunks into (after the calibration's timings)")
       .def("recorder", &ShmComm::recorder, "this communicator's flight recorder")
       .def("pids", &ShmComm::pids, "every rank's process id")
       .def("pool_create", &ShmComm::pool_create, py::arg("name"), py::arg("bytes"))
@@ -310,7 +313,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SHM_SLICE_BYTES") = rr::shm::kDefaultSliceBytes;
   m.attr("TRACE_BUFFER") = rr::runtime::Recorder::kDefaultCapacity;  // RINGREDUCE_TRACE_BUFFER's default
   m.attr("SHM_ALGOS") = rr::binding::algo_tuple(rr::shm::kForcedAlgos);      // RINGREDUCE_ALGO's names
-  m.attr("SHM_STEP_ALGOS") = rr::binding::algo_tuple(rr::shm::kStepAlgos);  // an auto step's
+  py::list step_algos(rr::binding::algo_tuple(rr::shm::kStepAlgos));  // an auto step's names
+  step_algos.append(rr::shm::kCmaWholeStep);
+  m.attr("SHM_STEP_ALGOS") = py::tuple(step_algos);
   register_backend(m);
   // The call vocabulary's codes (ring/types.h), so that Python never spells them itself.
   py::dict ops, wires;

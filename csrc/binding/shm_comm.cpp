@@ -40,7 +40,10 @@ std::vector<shm::Step> parse_steps(const std::vector<AutoStep>& steps) {
   std::vector<shm::Step> out;
   for (const auto& [from, name] : steps) {
     TORCH_CHECK_VALUE(from >= 0, "ringreduce: an auto step's size must be >= 0 bytes, got ", from);
-    out.push_back({static_cast<uint64_t>(from), parse_algo(name, shm::kStepAlgos, "an auto step's algorithm")});
+    if (name == shm::kCmaWholeStep)
+      out.push_back({static_cast<uint64_t>(from), Algo::Cma, true});
+    else
+      out.push_back({static_cast<uint64_t>(from), parse_algo(name, shm::kStepAlgos, "an auto step's algorithm")});
   }
   return out;
 }
@@ -190,7 +193,7 @@ void with_interrupts(const std::function<bool(const Executor::Interrupted*)>& fn
 ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
                  double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
                  int64_t oneshot_max_bytes, size_t trace_buffer, const std::string& stream,
-                 const std::vector<AutoStep>& auto_steps) {
+                 const std::vector<AutoStep>& auto_steps, uint64_t cma_block_bytes) {
   shm::Options opt;
   opt.rank = rank;
   opt.nranks = nranks;
@@ -202,6 +205,7 @@ ShmComm::ShmComm(const std::string& name, bool create, int rank, int nranks, siz
                     oneshot_max_bytes);
   opt.oneshot_max_bytes = static_cast<size_t>(oneshot_max_bytes);
   opt.steps = parse_steps(auto_steps);
+  opt.cma_block_bytes = cma_block_bytes;  // checked by the caller (ringreduce/_shm.py)
   using Stream = shm::Options::Stream;
   TORCH_CHECK_VALUE(stream == "auto" || stream == "0" || stream == "1",
                     "ringreduce: RINGREDUCE_STREAM must be auto, 0 or 1, got '", stream, "'");
@@ -449,6 +453,12 @@ void ShmComm::set_auto_steps(const std::vector<AutoStep>& steps) {
   comm_->protocol().set_steps(parse_steps(steps));
 }
 
+void ShmComm::drop_cma_scratch() {
+  if (comm_->closed()) throw closed_error();
+  synchronize(/*gil=*/true);  // between calls
+  comm_->protocol().drop_cma_scratch();
+}
+
 std::string ShmComm::cma_probe() {
   if (comm_->closed()) throw closed_error();
   return comm_->protocol().cma_probe();
@@ -456,7 +466,9 @@ std::string ShmComm::cma_probe() {
 
 std::string ShmComm::algo(int64_t numel, const at::Tensor& like) {
   const Call c{Coll::AllReduce, to_dtype(like, "like"), RedOp::Sum, numel, nullptr, nullptr};
-  return shm::algo_name(comm_->protocol().choose(c));
+  const shm::Protocol& p = comm_->protocol();
+  const Algo a = p.choose(c);
+  return a == Algo::Cma && p.cma_block(c) == 0 ? shm::kCmaWholeStep : shm::algo_name(a);
 }
 
 void ShmComm::synchronize(bool gil) {

@@ -105,12 +105,14 @@ class ShmComm : public FastTarget {
   ShmComm(const std::string& name, bool create, int rank, int nranks, size_t slice_bytes,
           double timeout_s, int64_t spin_ns, int64_t yield_ns, const std::string& algo,
           int64_t oneshot_max_bytes, size_t trace_buffer, const std::string& stream = "auto",
-          const std::vector<AutoStep>& auto_steps = {});
+          const std::vector<AutoStep>& auto_steps = {},
+          uint64_t cma_block_bytes = shm::kDefaultSliceBytes);
   ~ShmComm() override;
   // Auto's algorithm above the one-shot threshold (shm::Step): (from bytes, "ring" | "twoshot" |
-  // "cma"); before the first call, the same on every rank.
+  // "cma" | "cmawhole"); before the first call, the same on every rank.
   void set_auto_steps(const std::vector<AutoStep>& steps);
   std::string cma_probe();  // "" when this rank can read every peer by cross-memory attach
+  void drop_cma_scratch();  // after the calibration timed cma in whole chunks (16 MiB tensors)
 
   int nranks() const { return nranks_; }
   int rank() const { return rank_; }

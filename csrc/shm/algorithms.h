@@ -7,7 +7,7 @@
 // in rank order at any size. One-shot and two-shot give every element the bits of
 // ((x0 op x1) op x2) ... (deterministic mode). Cma (RINGREDUCE_ALGO=cma, opt-in): two-shot's
 // schedule with the data read straight from the peers' buffers by cross-memory attach
-// (process_vm_readv), no slot copies; rank order too. Pool: a tensor in a buffer every rank maps
+// (process_vm_readv) a block at a time (Options::cma_block_bytes), no slot copies; rank order too. Pool: a tensor in a buffer every rank maps
 // (ringreduce.shared_empty): rank r folds chunk r of every rank's tensor in rank order and writes
 // it into all of them, one pass, no slots. Wire: a call with a wire dtype (Call::wire): two-shot's
 // schedule in whole blocks of kWireBlock elements, each part rounded onto the wire as it is
@@ -58,7 +58,7 @@ struct CallView {
 struct Scratch {
   std::vector<const void*> srcs;          // the N sources of a fold, in rank order
   std::vector<uint64_t> peer_in, peer_out;  // cma: the peers' buffers in the current call
-  std::vector<char> blocks;                 // cma: a block of every peer's chunk
+  std::vector<char> blocks;                 // cma: a block of every peer's chunk (whole: the chunk)
   std::vector<char*> pool_at;               // pool: every rank's tensor, mapped here
   std::vector<char> wire_own, wire_res;     // wire: this rank's part and its result, encoded
   std::vector<char> wire_tmp;               // wire: a part on its way into a slot
@@ -77,7 +77,7 @@ struct Parts {
 void run_ring(Parts& p, const Call& c, Ctx& ctx);
 void run_oneshot(Parts& p, const Call& c, Ctx& ctx);
 void run_twoshot(Parts& p, const Call& c, Ctx& ctx);
-void run_cma(Parts& p, const Call& c, Ctx& ctx);
+void run_cma(Parts& p, const Call& c, Ctx& ctx, uint64_t block_bytes);  // 0: whole chunks
 void run_pool(Parts& p, const Call& c, Ctx& ctx, const Pool& pool);
 // Returns how many finite values overflowed the wire on any rank (fp16), as far as this rank
 // learned it: every rank, for an all-reduce.

@@ -158,12 +158,12 @@ std::string cma_probe(const RankArea* areas, int rank, int n) {
 
 // Cross-memory attach: three (reduce_scatter two) wide messages per call, the data read straight
 // from the peers' memory. 1: every rank publishes its buffers' addresses. 2: rank r reads chunk r
-// of every peer's input a block at a time (the block stays in cache) and folds the N blocks in rank
-// order into its output, then says its chunk is final, which also says it has read the peers'
+// of every peer's input a block at a time (block_bytes, Options::cma_block_bytes; 0: the whole
+// chunk) and folds the N blocks in rank order into its output, then says its chunk is final, which also says it has read the peers'
 // inputs. 3 (all_reduce): it reads each peer's final chunk from the peer's output into its own,
 // then says so; a rank returns only once every peer has read its buffers. In place is safe: a
 // rank overwrites chunk q of its buffer only after rank q, the only reader of it, said final.
-void run_cma(Parts& p, const Call& c, Ctx& ctx) {
+void run_cma(Parts& p, const Call& c, Ctx& ctx, uint64_t block_bytes) {
   const int n = p.n, r = p.rank;
   const CallView v(c, n, r);
   Mailbox& mail = p.mail;
@@ -186,7 +186,9 @@ void run_cma(Parts& p, const Call& c, Ctx& ctx) {
 
   ctx.phase = "cma reduce";
   const ring::Span mine = v.chunk(r);
-  const int64_t B = std::max<int64_t>(1, static_cast<int64_t>(p.slice_bytes() / v.es));
+  const uint64_t whole = static_cast<uint64_t>(mine.count);
+  const int64_t B = static_cast<int64_t>(
+      std::max<uint64_t>(1, block_bytes == 0 ? whole : std::min(whole, block_bytes / v.es)));
   s.blocks.resize(static_cast<size_t>(n - 1) * B * v.es);
   s.srcs.resize(n);
   for (int64_t b = 0, j = 0; b < mine.count; b += B, ++j) {

@@ -23,7 +23,11 @@ using ringreduce::algo_name;
 struct Step {
   uint64_t from_bytes;
   Algo algo;
+  bool cma_whole = false;  // cma only (the step's name kCmaWholeStep): whole-chunk reads
 };
+
+// The step name of cma reading whole chunks (Options::cma_block_bytes = 0 for that step only).
+constexpr const char* kCmaWholeStep = "cmawhole";
 
 // The algorithms RINGREDUCE_ALGO may force, and those an auto step may name (Python reads both
 // as _C.SHM_ALGOS and _C.SHM_STEP_ALGOS; the binding parses names against them).
@@ -40,6 +44,13 @@ struct Options {
   Algo algo = Algo::Auto;    // RINGREDUCE_ALGO
   size_t oneshot_max_bytes = 0;  // Auto picks one-shot for all-reduces up to this size
   std::vector<Step> steps;       // and these above it
+  // RINGREDUCE_CMA_BLOCK_BYTES: cma reads a peer's chunk this many bytes at a time (whole elements,
+  // at least one), a process_vm_readv each, and folds every block before the next. 0: the whole
+  // chunk in one read into a chunk-sized scratch ((N-1)/N of the tensor, kept for later calls), as
+  // Open MPI does: fewer calls, but the scratch stays in cache only on a large L3. Python passes
+  // the slice by default (the block before it was an option). Local to the reading rank: the
+  // fold is in rank order whatever the block, so the bits do not depend on it.
+  uint64_t cma_block_bytes = kDefaultSliceBytes;
   // RINGREDUCE_STREAM: how data other ranks read is written (slots, pool tensors), from
   // kStreamMinBytes up: Auto copies with ordinary stores and switches to non-temporal ones for a
   // while when copies run slower than kSlowBytesPerNs (a VM's slow state: Writer::put);

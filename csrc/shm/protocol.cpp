@@ -92,6 +92,20 @@ Protocol::Protocol(void* base, size_t bytes, const Options& opt)
   if (uses_cma(opt)) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
 }
 
+const Step* Protocol::step_of(const Call& c) const {
+  if (c.coll != Coll::AllReduce) return nullptr;
+  const uint64_t bytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
+  const Step* at = nullptr;
+  for (const Step& s : opt_.steps)
+    if (bytes >= s.from_bytes) at = &s;
+  return at;
+}
+
+uint64_t Protocol::cma_block(const Call& c) const {
+  const Step* s = opt_.algo == Algo::Auto ? step_of(c) : nullptr;
+  return s && s->algo == Algo::Cma && s->cma_whole ? 0 : opt_.cma_block_bytes;
+}
+
 Algo Protocol::choose(const Call& c, const Pool* pool) const {
   if (c.wire != Wire::None && c.coll != Coll::AllGather) return Algo::Wire;
   if (opt_.nranks == 1 || c.coll == Coll::AllGather) return Algo::Ring;  // nothing to reduce
@@ -101,10 +115,8 @@ Algo Protocol::choose(const Call& c, const Pool* pool) const {
   if (pool && ar && c.in == c.out && opt_.algo == Algo::Auto) return Algo::Pool;
   const uint64_t bytes = static_cast<uint64_t>(c.numel) * dtype_size(c.dtype);
   const bool small = ar && bytes <= opt_.oneshot_max_bytes;
-  Algo big = Algo::Ring;  // Auto above the one-shot threshold
-  if (ar)
-    for (const Step& s : opt_.steps)
-      if (bytes >= s.from_bytes) big = s.algo;
+  const Step* step = step_of(c);
+  const Algo big = step ? step->algo : Algo::Ring;  // Auto above the one-shot threshold
   if (opt_.algo == Algo::Cma) return Algo::Cma;  // rank order as well
   if (c.deterministic) {  // rank order whatever RINGREDUCE_ALGO says
     if (opt_.algo == Algo::OneShot && ar) return Algo::OneShot;
@@ -144,7 +156,7 @@ void Protocol::run(const Call& c, Algo algo, const std::function<bool()>* interr
   switch (algo) {
     case Algo::OneShot: return run_oneshot(parts, c, ctx);
     case Algo::TwoShot: return run_twoshot(parts, c, ctx);
-    case Algo::Cma: return run_cma(parts, c, ctx);
+    case Algo::Cma: return run_cma(parts, c, ctx, cma_block(c));
     case Algo::Pool: return run_pool(parts, c, ctx, *pool);
     default: return run_ring(parts, c, ctx);
   }

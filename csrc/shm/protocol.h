@@ -45,12 +45,16 @@ class Protocol {
   int nranks() const { return opt_.nranks; }
   // The algorithm run() uses for c (Auto resolved; rank order when c.deterministic).
   Algo choose(const Call& c, const Pool* pool = nullptr) const;
+  // The block cma reads c in (0: whole chunks): a cmawhole step's, else Options::cma_block_bytes.
+  uint64_t cma_block(const Call& c) const;
   // Replaces Options::steps; before the first call, the same on every rank.
   void set_steps(std::vector<Step> steps) { opt_.steps = std::move(steps); }
   // Whether this rank can read every peer's memory by cross-memory attach: "" if so, else why not
   // (a ptrace policy, a seccomp filter). Every rank must have constructed its Protocol first.
   std::string cma_probe() const { return shm::cma_probe(areas_, opt_.rank, opt_.nranks); }
   size_t slice_bytes() const { return mail_.slice_bytes(); }
+  // Frees cma's scratch (whole chunks: (N-1)/N of the largest tensor read so); between calls only.
+  void drop_cma_scratch() { std::vector<char>().swap(scratch_.blocks); }
   // What this rank waits for now, as a JSON object (the flight recorder's "waiting"), or "" when
   // no wait has outlasted its spin. Kept after a failed wait. Safe from any thread.
   std::string waiting() const { return waits_.waiting(); }
@@ -60,6 +64,7 @@ class Protocol {
 
  private:
   static GroupHeader* checked(void* base, size_t bytes, const Options& opt);
+  const Step* step_of(const Call& c) const;  // the last auto step an all-reduce reaches, or null
 
   Options opt_;
   GroupHeader* const hdr_;

@@ -42,6 +42,7 @@ static void with_ring(int n, size_t slice_bytes, double timeout_s,
       opt.yield_ns = 20000;
       opt.algo = g_algo;
       opt.oneshot_max_bytes = 4096;
+      opt.cma_block_bytes = slice_bytes;  // as ringreduce/_shm.py's default: many reads per chunk
       if (g_tweak) g_tweak(r, opt);
       Protocol ring(mem, bytes, opt);
       body(r, ring);
@@ -234,16 +235,18 @@ static void alternating_algorithms() {
 
 // Auto with measured steps (one-shot up to 4 KiB, the ring, two-shot from 8 KiB, cma from 32 KiB,
 // the ring again from 128 KiB): every algorithm in turn around the FIFO, narrow and wide messages
-// and cma's reads mixed; exact results, the same bits on every rank; reduce_scatter ignores steps.
+// and cma's reads mixed (in slice-sized blocks, and whole chunks from 64 KiB); exact results, the
+// same bits on every rank; reduce_scatter ignores steps.
 static void alternating_steps() {
   const int n = 3;
   std::vector<std::vector<float>> res(n);
   g_algo = shm::Algo::Auto;
   g_tweak = [](int, shm::Options& o) {
-    o.steps = {{8 << 10, shm::Algo::TwoShot}, {32 << 10, shm::Algo::Cma}, {128 << 10, shm::Algo::Ring}};
+    o.steps = {{8 << 10, shm::Algo::TwoShot}, {32 << 10, shm::Algo::Cma}, {64 << 10, shm::Algo::Cma, true},
+               {128 << 10, shm::Algo::Ring}};
   };
   with_ring(n, 512, 30.0, [&](int r, Protocol& ring) {
-    const int64_t sizes[] = {1, 1500, 3000, 9000, 40000, 7, 1025, 2048, 8191, 8192, 32768, 33000};
+    const int64_t sizes[] = {1, 1500, 3000, 9000, 40000, 7, 1025, 2048, 8191, 8192, 16385, 32767, 32768, 33000};
     for (int rep = 0; rep < 6; ++rep) {
       for (int64_t numel : sizes) {
         std::vector<float> x(numel);
@@ -255,6 +258,9 @@ static void alternating_steps() {
                                                                       : shm::Algo::Ring;
         CHECK(ring.choose(c) == want, "auto with steps chose %s for %lld floats, want %s",
               shm::algo_name(ring.choose(c)), (long long)numel, shm::algo_name(want));
+        if (want == shm::Algo::Cma)
+          CHECK(ring.cma_block(c) == (b >= (64 << 10) ? 0u : 512u), "cma's block for %lld floats: %llu",
+                (long long)numel, (unsigned long long)ring.cma_block(c));
         ring.run(c);
         for (int64_t i = 0; i < numel; ++i) {
           double want_v = 0;
