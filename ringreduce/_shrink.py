@@ -128,15 +128,18 @@ def _known_dead(group):
             pids = comm._pids() or []
         except Exception:  # noqa: BLE001  (closed, or a transport that does not know)
             continue
-        for r, pid in enumerate(pids):
-            if pid:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    dead.add(r)
-                except PermissionError:
-                    pass
+        dead.update(r for r, pid in enumerate(pids) if pid and _process_dead(pid))
     return dead
+
+
+def _process_dead(pid):
+    """Gone, or a zombie its parent has not reaped yet (as csrc/runtime/peers.cpp judges it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(")") + 2:stat.rfind(")") + 3] in ("Z", "X")
 
 
 def lost_ranks(group=None, wait=5.0):

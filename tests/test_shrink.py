@@ -335,6 +335,7 @@ def test_ddp_goes_on_at_n_minus_1(bucketer, tmp_path, tcp_store):
     assert not errors, errors
     for rank, (losses, shrinks, _, (pools, nbuckets)) in shrunk.items():
         assert len(shrinks) == 1 and shrinks[0][1] == [1], (rank, shrinks)
+        assert shrinks[0][2] < 3, shrinks  # the dead pid seen on this machine: no 5 s wait
         assert sorted(losses) == list(range(7)), losses
         if bucketer:  # the old group's shared buffers are gone; the new group's (2 ranks) mapped
             assert pools == 2 * nbuckets, (rank, pools, nbuckets)
