@@ -1,6 +1,7 @@
 // Native test of the p2p transport's ring and its plan: 2-4 ranks, every collective, in place and
 // not, zero-size and numel < N, tiny slices and the defaults; ranks and communicators sharing a
-// device; failures and their messages (a silent rank, mismatched calls, a dead peer), the call log;
+// device; failures and their messages (a silent rank, mismatched calls, a dead peer; the survivors'
+// fresh ring after it), the call log;
 // the transport choice (can_map), the options' checks, the tuned thresholds and the README's table.
 // Built against the emulated device in every CI run (test_p2p_ring_emu; ranks are threads, areas
 // are shared through the emulated IPC) and by nvcc where a toolkit is found (test_p2p_ring; on a
@@ -339,6 +340,31 @@ static void test_dead_peer() {
   std::printf("dead peer: noticed in %.2f s; rank 0 says: %s\n", took, g.rings[0]->failure().c_str());
 }
 
+// dist.shrink_group on p2p (ringreduce/_shrink.py): rank 2 dies, and the survivors build a fresh
+// ring of their own beside the broken one, which still holds its memory (the binding keeps a
+// broken ring's until exit); the new ring's results are exact, call after call.
+static void test_survivors_after_dead_peer() {
+  const pid_t child = fork();
+  if (child == 0) {
+    pause();  // plays rank 2's process
+    _exit(0);
+  }
+  DevBuf buf(4096 * 4);
+  auto broken = std::make_unique<Group>(3, 2, 4096, 30.0);
+  for (int r = 0; r < 2; ++r) broken->rings[r]->watch_peers({{2, child}});
+  for (int r = 0; r < 2; ++r) broken->rings[r]->run(broken->call(4096, buf), broken->ranks[r].stream);
+  kill(child, SIGKILL);
+  sync_all(*broken);
+  waitpid(child, nullptr, 0);
+  for (int r = 0; r < 2; ++r) EXPECT(!broken->rings[r]->failure().empty(), "rank %d not broken", r);
+  Group survivors(2, 2, 4096, 30.0);
+  const int cases = sweep(survivors.ranks, {1, 3, 4099, 3 * 65536 + 5}, "p2p survivors", 0);
+  for (int r = 0; r < 2; ++r)
+    EXPECT(survivors.rings[r]->failure().empty(), "survivor %d: %s", r, survivors.rings[r]->failure().c_str());
+  broken.reset();  // the parent goes after the new ring ran: torch destroys it after the shrink
+  std::printf("survivors after a dead peer: %d cases on a fresh ring of 2\n", cases);
+}
+
 // The transport choice: p2p only where every device can map its neighbours' memory.
 static void test_can_map() {
   std::string why;
@@ -421,6 +447,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_timeout_with_every_block", [&] { test_timeout_with_every_block(); });
     run_test(argc, argv, "test_mismatch", [&] { test_mismatch(); });
     run_test(argc, argv, "test_dead_peer", [&] { test_dead_peer(); });
+    run_test(argc, argv, "test_survivors_after_dead_peer", [&] { test_survivors_after_dead_peer(); });
     run_test(argc, argv, "test_call_log", [&] { test_call_log(); });
     run_test(argc, argv, "test_can_map", [&] { test_can_map(); });
     run_test(argc, argv, "test_tuned_thresholds", [&] { test_tuned_thresholds(); });
