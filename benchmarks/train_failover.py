@@ -164,7 +164,11 @@ def main():
     for i in range(args.runs):
         for mode in args.modes.split(","):
             load = os.getloadavg()[0]
-            run = launch(os.path.join(args.workdir, f"{mode}-{i}-{os.getpid()}"), mode)
+            workdir = os.path.join(args.workdir, f"{mode}-{i}-{os.getpid()}")
+            run = launch(workdir, mode)
+            for h, out in enumerate(run["outs"]):
+                with open(os.path.join(workdir, f"host{h}.out"), "w") as f:
+                    f.write(out)
             seconds = kill_to_next_step(run, mode)
             results.setdefault(mode, []).append(seconds)
             print(f"{mode} run {i}: kill to next step {seconds:.2f} s (load average {load:.2f} "
