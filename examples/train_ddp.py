@@ -5,6 +5,8 @@
     torchrun --nproc-per-node=2 examples/train_ddp.py --backend ringreduce   # no hook: DDP as is
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 --max-restarts=3 \
         examples/train_ddp.py --checkpoint ck.pt --checkpoint-every 20   # resumes where it stopped
+    torchrun --nnodes=3 --node-rank=H ... --max-restarts=0 examples/train_ddp.py \
+        --backend ringreduce --on-failure shrink   # a lost host: the others go on without it
 
 The model is the one PyTorch's DDP tutorial trains (Flatten, Linear(784, 10), ReLU, Linear(10, 10),
 ReLU, Linear(10, 10)) with a BatchNorm1d after the first layer (--sync-bn makes it ringreduce's
@@ -26,11 +28,20 @@ size (torchrun --nnodes=1:2 losing a node) it resumes at the same point of the e
 the cosine LR schedule, not bitwise. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun so that
 each attempt gets a fresh store: the shared one keeps the failed attempt's keys.
 
+With --on-failure shrink (--backend ringreduce) a step that fails because ranks are lost is not
+raised: the survivors agree on who is gone and shrink the group (rr.shrink_group), wrap the model
+in a new DDP, re-cut the epoch's remaining data and the test set among themselves, put the LR
+schedule where the data is, and redo the step. Under torchrun this is for a whole host lost (its
+agent too) with --max-restarts=0: a dead worker makes its own agent stop that host's others.
+
 Lines other programs parse (one write each): "epoch E/N  train loss L  test accuracy A  (...)",
 and with --events (for tests and restart measurements) "rank R host H parameters sha1 D" and,
 with wall-clock times (time.time()), "rank R restart C dying at step S time T", "rank R restart C
 failed at step S time T: ERROR", "rank R restart C resumed at step S (epoch E, batch B) time T",
-"rank R restart C first step S done time T". Without --events a resumed job says so once (rank 0).
+"rank R restart C first step S done time T", and after a shrink "rank R restart C shrunk at
+step S time T (lost [...]; now rank R' of W)" and "rank R restart C first step after shrink S done
+time T" (R' and the new step numbering from there on). Without --events a resumed job says so
+once (rank 0).
 """
 import argparse
 import contextlib
@@ -189,6 +200,14 @@ def kill_node():
             os.kill(pid, signal.SIGKILL)
 
 
+def lost_rank_error(e):
+    """A collective that failed, as a lost rank makes it: ringreduce's error, torch.distributed's,
+    or a RuntimeError carrying ringreduce's or Gloo's message (DDP's backward raises the hook's
+    error as one; its buffer broadcast in forward goes through Gloo: "Connection closed by peer")."""
+    return isinstance(e, (rr.RingReduceError, dist.DistError)) or \
+        (isinstance(e, RuntimeError) and ("ringreduce" in str(e) or "gloo" in str(e).lower()))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=10)
@@ -216,6 +235,10 @@ def main(argv=None):
                     help="written by rank 0, resumed from by every rank if it exists")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                     help="also checkpoint every K steps (0: only at the end of each epoch)")
+    ap.add_argument("--on-failure", choices=("restart", "shrink"), default="restart",
+                    help="a lost rank: restart (raise, so that torchrun restarts the group) or "
+                         "shrink (the survivors drop the lost ranks and redo the step; needs "
+                         "--backend ringreduce, under torchrun --max-restarts=0)")
     ap.add_argument("--die-at-step", type=int, default=0, metavar="N",
                     help="test only: on torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0), "
                          "--die-rank SIGKILLs itself in step N, between forward and backward, "
@@ -232,6 +255,8 @@ def main(argv=None):
         ap.error("--error-feedback needs --wire")
     if args.checkpoint is None and (args.checkpoint_every or args.die_at_step):
         ap.error("--checkpoint-every and --die-at-step need --checkpoint PATH (where to save)")
+    if args.on_failure == "shrink" and args.backend != "ringreduce":
+        ap.error("--on-failure shrink needs --backend ringreduce (a Gloo group cannot shrink)")
     if args.hook is None:
         args.hook = "none" if args.backend == "ringreduce" else "allreduce"
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -253,16 +278,23 @@ def main(argv=None):
              "starting up. Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.")
 
     train_set, test_set = load_digits_28x28()
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
-    skipper = SkipSampler(sampler)
     # Each iterator draws a seed from its generator (the global one if none is given: resuming
     # would then draw once more than an uninterrupted run and shift every dropout mask after it).
     loader_generator = torch.Generator()
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=skipper,
-                              generator=loader_generator)
+
+    def cut_data(rank, world):
+        """This rank's share of the training data and its test shard (every world-th test sample,
+        so that each test image is counted exactly once)."""
+        sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
+                                     seed=SEED)
+        skipper = SkipSampler(sampler)
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=skipper,
+                            generator=loader_generator)
+        test = test_set.tensors[0][rank::world].to(device), test_set.tensors[1][rank::world]
+        return sampler, skipper, loader, test
+
+    sampler, skipper, train_loader, (test_x, test_y) = cut_data(rank, world)
     steps_per_epoch = -(-len(sampler) // args.batch_size)
-    # Test shard: every world-th sample, so that each test image is counted exactly once.
-    test_x, test_y = test_set.tensors[0][rank::world].to(device), test_set.tensors[1][rank::world]
 
     torch.manual_seed(SEED)  # DDP broadcasts rank 0's parameters anyway
     random.seed(SEED)
@@ -276,6 +308,13 @@ def main(argv=None):
     total_steps = args.epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+
+    def schedule_at(step):
+        """The LR schedule where the data is (after a change of world size)."""
+        scheduler.last_epoch = step
+        for group, lr in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = lr * scheduler.lr_lambdas[0](step)
+
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16 if args.amp == "bf16"
                                else torch.float16) if args.amp != "none"
@@ -309,9 +348,7 @@ def main(argv=None):
         done = saved["samples_done"] // world
         if saved["world_size"] != world:  # steps count this world size's batches
             step = epoch * steps_per_epoch + done // args.batch_size
-            scheduler.last_epoch = step
-            for group, lr in zip(optimizer.param_groups, scheduler.base_lrs):
-                group["lr"] = lr * scheduler.lr_lambdas[0](step)
+            schedule_at(step)
         mine = saved["ranks"][rank % len(saved["ranks"])]
         set_rng_state(mine["rng"], device)
         if len(saved["ranks"]) == world:
@@ -332,15 +369,22 @@ def main(argv=None):
     if args.sync_bn:  # torch >= 2.14 renamed the option
         new = "forward_sync_buffers" in inspect.signature(DDP).parameters
         ddp_options["forward_sync_buffers" if new else "broadcast_buffers"] = False
-    model = DDP(model, device_ids=device_ids, **ddp_options)
     # The wire hooks' state: this rank's error feedback residuals, saved with the checkpoint.
-    wire_state = rr_ddp.WireState(None, args.error_feedback, model.module.parameters()) \
+    wire_state = rr_ddp.WireState(None, args.error_feedback, model.parameters()) \
         if args.hook.endswith("-wire") else None
     if saved is not None and wire_state is not None and len(saved["ranks"]) == world and \
             saved["ranks"][rank].get("wire") is not None:
         wire_state.load_state_dict(saved["ranks"][rank]["wire"])
-    if args.hook != "none":
-        model.register_comm_hook(wire_state, HOOKS[args.hook])
+
+    def wrap(module):
+        """DDP on the current default group (a new one after a shrink): it broadcasts rank 0's
+        parameters and buffers, so every rank starts the same."""
+        ddp = DDP(module, device_ids=device_ids, **ddp_options)
+        if args.hook != "none":  # the hooks' state names no group (None): the default one
+            ddp.register_comm_hook(wire_state, HOOKS[args.hook])
+        return ddp
+
+    net, model = model, wrap(model)
 
     def checkpoint():
         if not args.checkpoint:
@@ -358,9 +402,9 @@ def main(argv=None):
                 "args": vars(args)}, args.checkpoint)
         dist.barrier()  # nobody goes on (and may die) before the file is complete
 
-    first_step = True
-    try:
-        while epoch < args.epochs:
+    first_step, after_shrink = True, False
+    while epoch < args.epochs:
+        try:
             sampler.set_epoch(epoch)
             loader_generator.manual_seed(SEED + epoch)
             skipper.skip = done
@@ -384,33 +428,67 @@ def main(argv=None):
                 stats[0] += loss.detach().double() * len(y)
                 stats[1] += len(y)
                 step, done = step + 1, done + len(y)
-                if first_step and args.events:
-                    emit(f"rank {rank} restart {restart} first step {step} done "
+                if args.events and (first_step or after_shrink):
+                    emit(f"rank {rank} restart {restart} first step "
+                         f"{'after shrink ' if after_shrink else ''}{step} done "
                          f"time {time.time():.6f}")
-                first_step = False
+                first_step = after_shrink = False
                 if args.checkpoint_every and step % args.checkpoint_every == 0:
                     checkpoint()
             model.eval()
             with torch.no_grad(), autocast:
                 predicted = model(test_x).argmax(dim=1).cpu()
-            stats[2] += (predicted == test_y).sum().item()
-            stats[3] += len(test_y)
-            rr.all_reduce(stats)
-            loss_avg, accuracy = (stats[0] / stats[1]).item(), (stats[2] / stats[3]).item()
+            totals = stats.clone()  # stats stay this rank's own if the reduction fails
+            totals[2] += (predicted == test_y).sum().item()
+            totals[3] += len(test_y)
+            rr.all_reduce(totals)
+            loss_avg, accuracy = (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
             if rank == 0:
                 emit(f"epoch {epoch + 1}/{args.epochs}  train loss {loss_avg:.4f}  "
-                     f"test accuracy {accuracy:.4f}  ({int(stats[3].item())} test images, "
+                     f"test accuracy {accuracy:.4f}  ({int(totals[3].item())} test images, "
                      f"{world} ranks, backend {dist.get_backend()}, hook {args.hook})")
             epoch, done = epoch + 1, 0
             stats.zero_()
             checkpoint()
-    except Exception as e:
-        # Survivors of a dead rank: say when we noticed (torchrun restarts the group).
-        first_line = (str(e).strip().splitlines() or [""])[0]
+            continue
+        except Exception as e:
+            # Survivors of a dead rank: say when we noticed.
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            if args.events:
+                emit(f"rank {rank} restart {restart} failed at step {step + 1} "
+                     f"time {time.time():.6f}: {type(e).__name__}: {first_line}")
+            if args.on_failure != "shrink" or not lost_rank_error(e):
+                raise  # torchrun restarts the group (from the checkpoint, if any)
+            lost = rr.lost_ranks()  # collective over the survivors: all agree on the list
+            if not lost:
+                raise
+        # --on-failure shrink, out of the except block: its traceback holds the old DDP's frames.
+        model = loss = None  # the old DDP (its hooks, its reducer on the old group) goes first
+        gc.collect()
+        old_rank, old_world = rank, world
+        rr.shrink_group(lost)
+        rank, world = dist.get_rank(), dist.get_world_size()
         if args.events:
-            emit(f"rank {rank} restart {restart} failed at step {step + 1} time {time.time():.6f}: "
-                 f"{type(e).__name__}: {first_line}")
-        raise
+            emit(f"rank {old_rank} restart {restart} shrunk at step {step + 1} "
+                 f"time {time.time():.6f} (lost {lost}; now rank {rank} of {world})")
+        # Every survivor failed in the same step (no step completes without every rank); say so
+        # if not, rather than train on from different points.
+        where = torch.tensor([epoch, done, -epoch, -done], dtype=torch.float64, device=device)
+        rr.all_reduce(where, op=dist.ReduceOp.MAX)
+        if where[:2].tolist() != (-where[2:]).tolist():
+            raise RuntimeError(f"rank {rank}: after shrink_group the survivors are at different "
+                               f"points of the data (epoch, samples done: {where.tolist()})")
+        model = wrap(net)
+        # Redo the failed step on the new world's shares: the epoch's permutation skips the samples
+        # done so far (done * old_world of it, as a resume at another world size does), the LR
+        # schedule goes where the data is. The lost ranks' partial epoch statistics are gone.
+        done = done * old_world // world
+        sampler, skipper, train_loader, (test_x, test_y) = cut_data(rank, world)
+        steps_per_epoch = -(-len(sampler) // args.batch_size)
+        total_steps = args.epochs * steps_per_epoch
+        step = epoch * steps_per_epoch + done // args.batch_size
+        schedule_at(step)
+        after_shrink = True
 
     # Every rank's parameters, as a digest: DDP keeps them identical, and a test compares them.
     digest = hashlib.sha1(b"".join(p.detach().cpu().double().numpy().tobytes()

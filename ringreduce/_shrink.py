@@ -119,6 +119,48 @@ def close_parent(comms, timeout):
 _lost_attempts = {}
 
 
+def _give_up_calls(group, me):
+    """This rank gives up the group's calls in flight (its rings, and the backend's Gloo/NCCL
+    delegate): a peer blocked in one with it fails now (through shared memory, the group's broken
+    key, closed connections) and comes to lost_ranks too, instead of at the timeout, too late to be
+    counted alive. Say this rank's own failure came from the delegate's broadcast (DDP's buffers)
+    while a peer waits for it in an all-reduce."""
+    why = f"rank {me} gave up the group's calls in flight (lost_ranks after a failure)"
+    for comm in REGISTRY.of_group(group):
+        if not comm.closed:
+            try:
+                comm.abort(why)
+            except Exception:  # noqa: BLE001  (already broken)
+                pass
+    for delegate in _delegates_of(group):
+        abort_delegate(delegate)
+
+
+def _no_delegates(group):
+    return []
+
+
+# group -> the Gloo/NCCL delegates serving it: set by the layer that makes them (backend.register).
+_delegates_of = _no_delegates
+
+
+def set_delegates_of(fn):
+    global _delegates_of
+    _delegates_of = fn
+
+
+def abort_delegate(backend):
+    """A Gloo/NCCL delegate of a group that lost ranks: its peers may be dead; never wait for them."""
+    for name in ("abort", "shutdown"):
+        fn = getattr(backend, name, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except Exception:  # noqa: BLE001  (Gloo has neither on some versions)
+                continue
+
+
 def _known_dead(group):
     """Ranks of group whose process this machine knows is gone (the pids its communicators of the
     group recorded at setup; ranks on other machines are unknown here)."""
@@ -146,14 +188,16 @@ def lost_ranks(group=None, wait=5.0):
     """The ranks of group (None: the default group) that are gone, agreed by every survivor: the
     list to hand to dist.shrink_group. Collective over the survivors: each says it is alive through
     the store; a rank is lost when this machine saw its process die, or when it has not said so
-    within `wait` seconds (a lost host: nobody is left there to tell). The first survivor to decide
-    decides for all (the store's compare_set), so every survivor returns the same list; a rank that
-    finds itself in it (it came later than `wait`) raises RingReduceError."""
+    within `wait` seconds (a lost host: nobody is left there to tell). It first gives up this
+    rank's calls in flight on the group, so that no survivor stays blocked in one. The first
+    survivor to decide decides for all (the store's compare_set), so every survivor returns the
+    same list; a rank that finds itself in it (it came later than `wait`) raises RingReduceError."""
     g = group if group is not None else dist.group.WORLD
     store = dist.distributed_c10d._get_default_store()
     ranks = dist.get_process_group_ranks(g)
     me, n = dist.get_rank(g), len(ranks)
     name = g.group_name
+    _give_up_calls(g, me)
     _lost_attempts[name] = _lost_attempts.get(name, 0) + 1
     base = f"ringreduce-lost/{name}/{_lost_attempts[name]}"
     _store_call(me, store.set, f"{base}/alive/{me}", "1")

@@ -383,7 +383,7 @@ class RingBackend:
         if pg is not None:
             _lifecycle.REGISTRY.destroy(pg)  # their entries (closed above)
         for delegate in self._delegates.values():
-            _abort_delegate(delegate)
+            _shrink.abort_delegate(delegate)
         log.debug("rank %d: group %s shrunk to ranks %s of it", self.rank, self.group_name, survivors)
         return _make(dist.PrefixStore(prefix + "/group/", self.store), survivors.index(self.rank),
                      len(survivors), self._torch_timeout, name)
@@ -426,16 +426,6 @@ def _make(store, rank, size, timeout, group_name):
     return _C.make_backend(rank, size, impl, slot)
 
 
-def _abort_delegate(backend):
-    """A parent's Gloo/NCCL delegate after a shrink: its peers may be dead; never wait for them."""
-    for name in ("abort", "shutdown"):
-        fn = getattr(backend, name, None)
-        if fn is not None:
-            try:
-                fn()
-                return
-            except Exception:  # noqa: BLE001  (Gloo has neither on some versions)
-                continue
 
 
 _backends = weakref.WeakSet()  # a group's backend goes with the group (destroy_process_group)
@@ -474,6 +464,11 @@ def _comms_of(group):
     return comms
 
 
+def _delegates_of(group):
+    """The Gloo/NCCL delegates of the backend serving group (rr.lost_ranks gives up their calls)."""
+    return [d for impl in _impls_of(group) for d in list(impl._delegates.values())]
+
+
 def _close_all():
     """At exit (the registry's destroy_all): close every backend's rings."""
     for impl in list(_backends):
@@ -490,3 +485,4 @@ def register():
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=devices)
         # The registry (the bottom layer) reaches this backend's rings only through these.
         _lifecycle.REGISTRY.add_owner(_comms_of, _close_all)
+        _shrink.set_delegates_of(_delegates_of)
