@@ -199,8 +199,9 @@ class HierCommunicator(_lifecycle.Communicator):
                 work.wait(BROKEN_POLL)
                 return
             except Exception:
-                if work.is_completed():
-                    raise  # the call's own failure
+                if work.is_completed():  # done meanwhile: its own outcome, not this timeout
+                    work.wait()
+                    return
             if self.member.store.check([key]):
                 reason = self.member.store.get(key).decode()
                 self._abort_gloo()
