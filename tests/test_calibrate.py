@@ -61,14 +61,19 @@ def test_fresh_calibration_is_cached_and_read_again(tmp_path, world):
     assert second["algos"][16 << 20] == [a for b, a in first["steps"] if b <= 16 << 20][-1]
 
 
-def test_a_cached_file_chooses_the_algorithm(tmp_path):
-    """A cache file written by hand (the steps of another run) is what every rank runs."""
+def run_with_cached_steps(tmp_path, steps):
+    """Calibrates once, writes steps into the cache file by hand, runs again."""
     run(2, tmp_path)
     path, = cache_files(tmp_path)
     data = json.load(open(path))
-    data["steps"] = [[1 << 20, "twoshot"], [3 << 20, "ring"], [8 << 20, "twoshot"]]
+    data["steps"] = steps
     json.dump(data, open(path, "w"))
-    out = run(2, tmp_path)
+    return run(2, tmp_path)
+
+
+def test_a_cached_file_chooses_the_algorithm(tmp_path):
+    """A cache file written by hand (the steps of another run) is what every rank runs."""
+    out = run_with_cached_steps(tmp_path, [[1 << 20, "twoshot"], [3 << 20, "ring"], [8 << 20, "twoshot"]])
     assert out["source"] == "calibration (cached)"
     assert out["algos"] == {1 << 20: "twoshot", 4 << 20: "ring", 16 << 20: "twoshot"}, out["algos"]
 
@@ -76,12 +81,7 @@ def test_a_cached_file_chooses_the_algorithm(tmp_path):
 def test_a_cached_cmawhole_step_runs_cma_in_whole_chunks(tmp_path):
     """The step the calibration records for cma reading whole chunks is what runs (run() checks
     every rank's bits)."""
-    run(2, tmp_path)
-    path, = cache_files(tmp_path)
-    data = json.load(open(path))
-    data["steps"] = [[1 << 20, "cma"], [3 << 20, "cmawhole"], [8 << 20, "twoshot"]]
-    json.dump(data, open(path, "w"))
-    out = run(2, tmp_path)
+    out = run_with_cached_steps(tmp_path, [[1 << 20, "cma"], [3 << 20, "cmawhole"], [8 << 20, "twoshot"]])
     assert out["source"] == "calibration (cached)"
     assert out["algos"] == {1 << 20: "cma", 4 << 20: "cmawhole", 16 << 20: "twoshot"}, out["algos"]
 

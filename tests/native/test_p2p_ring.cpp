@@ -312,14 +312,20 @@ static void test_call_log() {
   rec.set_device_probe(nullptr);
 }
 
+// A process that only waits to be killed: a rank's process for watch_peers.
+static pid_t fake_rank_process() {
+  const pid_t child = fork();
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  return child;
+}
+
 // The process of rank 2 dies (SIGKILL) while ranks 0 and 1 wait for it: both stop within about a
 // second, naming it, instead of waiting out their 30 s timeout.
 static void test_dead_peer() {
-  const pid_t child = fork();
-  if (child == 0) {
-    pause();  // plays rank 2's process
-    _exit(0);
-  }
+  const pid_t child = fake_rank_process();  // plays rank 2's process
   DevBuf buf(4096 * 4);
   Group g(3, 2, 4096, 30.0);
   for (int r = 0; r < 2; ++r) g.rings[r]->watch_peers({{2, child}});
@@ -344,11 +350,7 @@ static void test_dead_peer() {
 // ring of their own beside the broken one, which still holds its memory (the binding keeps a
 // broken ring's until exit); the new ring's results are exact, call after call.
 static void test_survivors_after_dead_peer() {
-  const pid_t child = fork();
-  if (child == 0) {
-    pause();  // plays rank 2's process
-    _exit(0);
-  }
+  const pid_t child = fake_rank_process();  // plays rank 2's process
   DevBuf buf(4096 * 4);
   auto broken = std::make_unique<Group>(3, 2, 4096, 30.0);
   for (int r = 0; r < 2; ++r) broken->rings[r]->watch_peers({{2, child}});
