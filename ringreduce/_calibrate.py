@@ -36,8 +36,9 @@ BUDGET_S = 0.25
 # dev machine's run-to-run noise at 4-16 MiB is 5-10% (docs/cpu-passes.md).
 MARGIN = 0.90
 # Written into every cache file (and part of its name): a file of another format is recalibrated.
-# 2: steps may name cmawhole; the key has cma's block.
-FORMAT = 2
+# 2: steps may name cmawhole; the key has cma's block. 3: the fallback's steps from twice the last
+# size timed (a format-2 file carries its last choice to every size above).
+FORMAT = 3
 # The names a cached step may take (csrc/shm/options.h's kStepAlgos and kCmaWholeStep).
 STEP_NAMES = tuple(_C.SHM_STEP_ALGOS)
 
@@ -142,15 +143,23 @@ def time_algos(native, algos, op_codes, rank, sizes=SIZES, rounds=ROUNDS, budget
 def derive_steps(medians, fallback, sizes=SIZES, margin=MARGIN):
     """Auto's steps from the timings: at each size the fallback's algorithm, unless another measured
     faster than margin x its time; the winner of a size from the geometric middle between it and
-    the size below (the first from itself); the fallback's steps below the first size."""
+    the size below (the first from itself); the fallback's steps below the first size, and from
+    twice the last size on (the middle towards 4x it, which nothing timed: on the 480 MiB-L3
+    Intel guest cma won at 16 MiB and was 1.17x slower than the table's ring at 64 MiB, B35)."""
+    def fallback_at(nbytes):
+        algo = step_algo(fallback, nbytes)
+        return algo if algo in medians else "ring"  # e.g. cma in the table, denied by the probe
+
     steps = [(b, a) for b, a in sorted(fallback) if b < sizes[0]]
+    reach = 2 * sizes[-1]
     for i, s in enumerate(sizes):
-        base = step_algo(fallback, s)
-        if base not in medians:  # e.g. cma in the table where the probe denies it
-            base = "ring"
+        base = fallback_at(s)
         best = min(medians, key=lambda a: medians[a][s])
         pick = best if medians[best][s] < margin * medians[base][s] else base
         start = s if i == 0 else math.isqrt(sizes[i - 1] * s)
         if step_algo(steps, start) != pick or not steps:
             steps.append((start, pick))
+    for b in [reach] + sorted(b for b, _ in fallback if b > reach):
+        if step_algo(steps, b) != fallback_at(b):
+            steps.append((b, fallback_at(b)))
     return steps

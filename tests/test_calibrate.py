@@ -52,7 +52,7 @@ def test_fresh_calibration_is_cached_and_read_again(tmp_path, world):
     assert {a for a in data["median_us"]} >= {"ring", "twoshot"}
     # cma is timed in whole chunks beside its blocks (or neither, where the probe denies cma)
     assert ("cma" in data["median_us"]) == ("cmawhole" in data["median_us"]), data["median_us"]
-    assert (data["key"]["format"], data["key"]["cma_block_bytes"]) == (2, rr._C.SHM_SLICE_BYTES)
+    assert (data["key"]["format"], data["key"]["cma_block_bytes"]) == (3, rr._C.SHM_SLICE_BYTES)
     assert [tuple(s) for s in data["steps"]] == first["steps"] and first["steps"]
     second = run(world, tmp_path)
     assert second["source"] == "calibration (cached)", second["tuning"]
@@ -96,7 +96,7 @@ def test_an_old_format_cache_is_recalibrated(tmp_path):
     json.dump(data, open(path, "w"))
     out = run(2, tmp_path)
     assert out["source"] == "calibration (fresh)", out["tuning"]
-    assert json.load(open(path))["key"]["format"] == 2
+    assert json.load(open(path))["key"]["format"] == 3
 
 
 def test_every_rank_runs_rank_0s_steps(tmp_path):
@@ -195,16 +195,22 @@ def test_derive_steps():
     med = {"ring": {M: 100, 4 * M: 400, 16 * M: 1600},
            "twoshot": {M: 95, 4 * M: 300, 16 * M: 1700},
            "cma": {M: 200, 4 * M: 380, 16 * M: 1000}}
-    # 5% faster is noise (the fallback's ring stays at 1 MiB); 25% and 37% faster are not
-    assert derive_steps(med, []) == [(M, "ring"), (2 * M, "twoshot"), (8 * M, "cma")]
-    # the fallback's steps below 1 MiB stay, and its twoshot where it measured fastest
-    assert derive_steps(med, [(65536, "twoshot")]) == [(65536, "twoshot"), (8 * M, "cma")]
+    # 5% faster is noise (the fallback's ring stays at 1 MiB); 25% and 37% faster are not; from
+    # 32 MiB (nothing timed there) the fallback's choice again
+    assert derive_steps(med, []) == [(M, "ring"), (2 * M, "twoshot"), (8 * M, "cma"), (32 * M, "ring")]
+    # the fallback's steps below 1 MiB stay, its twoshot where it measured fastest, and above
+    assert derive_steps(med, [(65536, "twoshot")]) == [(65536, "twoshot"), (8 * M, "cma"),
+                                                       (32 * M, "twoshot")]
+    # the fallback's steps beyond the reach stay as they are
+    assert derive_steps(med, [(64 * M, "cma")]) == [(M, "ring"), (2 * M, "twoshot"), (8 * M, "cma"),
+                                                    (32 * M, "ring"), (64 * M, "cma")]
     # the fallback's cma at 16 MiB is kept where nothing beats it by the margin
     med["ring"][16 * M] = 950
     assert derive_steps(med, [(8 * M, "cma")]) == [(M, "ring"), (2 * M, "twoshot"), (8 * M, "cma")]
     # an algorithm the fallback names but the calibration could not time (cma denied): the ring
     del med["cma"]
     assert derive_steps(med, [(4 * M, "cma")]) == [(M, "ring"), (2 * M, "twoshot"), (8 * M, "ring")]
+    assert derive_steps(med, [(64 * M, "cma")]) == [(M, "ring"), (2 * M, "twoshot"), (8 * M, "ring")]
     # cma in whole chunks is a candidate of its own: it wins where it is the margin faster
     med["cma"] = {M: 200, 4 * M: 380, 16 * M: 1000}
     med["cmawhole"] = {M: 210, 4 * M: 250, 16 * M: 960}
