@@ -96,10 +96,15 @@ def launch(workdir, mode, epochs=2, die_step=20, timeout=240, lab=None):
         else:
             rdzv = [f"--nnodes=2:{HOSTS}", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint={master}:{port}", "--rdzv-id=rr-failover",
-                    "--max-restarts=1", "--rdzv-conf=last_call_timeout=5"]
+                    "--max-restarts=1", "--rdzv-conf=last_call_timeout=5" +
+                    # torchrun guesses the store's host from its hostname, which a namespace
+                    # shares with the machine: no agent in the lab would host it.
+                    (f",is_host={int(h == 0)}" if lab else "")]
             job = example + ["--checkpoint-every", "10"]
+        # Else rank 0's agent tells the workers MASTER_ADDR=localhost, their own namespace.
+        local = [f"--local-addr={lab.address(h)}"] if lab else []
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={PER_HOST}",
-               "--monitor-interval=0.1", *rdzv, *job]
+               "--monitor-interval=0.1", *local, *rdzv, *job]
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", LOGLEVEL="INFO",
                    PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
                    RINGREDUCE_HOST_ID=f"host{h}",
