@@ -2,7 +2,7 @@
 `--on-failure shrink` the survivors drop it and go on in place (no restart), against the elastic
 recipe (torchrun --nnodes=2:3 restarts the survivors, which resume from the checkpoint at world 4).
 
-    python benchmarks/train_failover.py  # as root [--runs 3] [--modes shrink,restart]
+    python benchmarks/train_failover.py  # as root [--runs 3] [--modes shrink,restart] [--lab]
 
 Hosts are simulated on this machine: one torchrun agent per host, each in its own mount namespace
 with a private /dev/shm (root and unshare needed) and RINGREDUCE_HOST_ID=host<h>, so ringreduce
@@ -20,6 +20,10 @@ SIGKILLs it (a SIGTERM was not acted on there for over a minute: Python runs tor
 once the store's wait returns). Restart: c10d rendezvous, --max-restarts=1, last_call_timeout=5
 (torchrun's default is 30 s), hosts started 1 s apart so that host 0's agent holds the store
 and host 2 has ranks 4-5.
+
+--lab: each host's agent runs in a network namespace of a ringreduce.bench.netlab.Lab (unshaped
+veth pairs on a bridge, a private /dev/shm each), the store at host 0's lab address, so the
+ranks talk real TCP between hosts instead of loopback.
 """
 import argparse
 import os
@@ -33,6 +37,8 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from ringreduce.bench import netlab  # noqa: E402
 EXAMPLE = os.path.join(REPO, "examples", "train_ddp.py")
 HOSTS, PER_HOST = 3, 2
 DEAD_HOST, DIE_RANK = 2, 5
@@ -69,37 +75,47 @@ def ours(marker):
     return found
 
 
-def launch(workdir, mode, epochs=2, die_step=20, timeout=240):
+def launch(workdir, mode, epochs=2, die_step=20, timeout=240, lab=None):
     """One job of HOSTS simulated hosts, host DEAD_HOST killed in step die_step. Returns
     {"rcs", "outs", "leftovers", "stopped"}: per host, the launcher's return code, its output
     (agent and workers), what was left in its /dev/shm, and whether this function SIGKILLed its
-    agent in the exit barrier (shrink mode only); and "stray", the pids it had to kill at the end."""
+    agent in the exit barrier (shrink mode only); and "stray", the pids it had to kill at the end.
+    With lab (a netlab.Lab of HOSTS hosts) each agent runs in its host's namespace."""
     os.makedirs(workdir, exist_ok=True)
     port = free_port()
+    master = lab.address(0) if lab else "127.0.0.1"
     example = [EXAMPLE, "--events", "--backend", "ringreduce", "--epochs", str(epochs),
                "--checkpoint", os.path.join(workdir, "ck.pt"), "--die-at-step", str(die_step),
                "--die-rank", str(DIE_RANK), "--die-node"]
     procs, outs = [], [[] for _ in range(HOSTS)]
     for h in range(HOSTS):
         if mode == "shrink":
-            rdzv = [f"--nnodes={HOSTS}", f"--node-rank={h}", "--master-addr=127.0.0.1",
+            rdzv = [f"--nnodes={HOSTS}", f"--node-rank={h}", f"--master-addr={master}",
                     f"--master-port={port}", "--max-restarts=0"]
             job = example + ["--on-failure", "shrink"]
         else:
             rdzv = [f"--nnodes=2:{HOSTS}", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=rr-failover",
-                    "--max-restarts=1", "--rdzv-conf=last_call_timeout=5"]
+                    f"--rdzv-endpoint={master}:{port}", "--rdzv-id=rr-failover",
+                    "--max-restarts=1", "--rdzv-conf=last_call_timeout=5" +
+                    # torchrun guesses the store's host from its hostname, which a namespace
+                    # shares with the machine: no agent in the lab would host it.
+                    (f",is_host={int(h == 0)}" if lab else "")]
             job = example + ["--checkpoint-every", "10"]
+        # Else rank 0's agent tells the workers MASTER_ADDR=localhost, their own namespace.
+        local = [f"--local-addr={lab.address(h)}"] if lab else []
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={PER_HOST}",
-               "--monitor-interval=0.1", *rdzv, *job]
+               "--monitor-interval=0.1", *local, *rdzv, *job]
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", LOGLEVEL="INFO",
                    PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
                    RINGREDUCE_HOST_ID=f"host{h}",
                    RINGREDUCE_TRACE_DIR=os.path.join(workdir, "trace"),
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-        p = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", SCRIPT,
-                              "sh"] + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env=env, cwd=workdir)
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=workdir)
+        if lab:  # Lab.env sets the host identity and the sockets' interface
+            p = lab.popen(h, cmd, private_shm=True, env=env, **pipes)
+        else:
+            p = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                                  SCRIPT, "sh"] + cmd, env=env, **pipes)
         threading.Thread(target=lambda p=p, out=outs[h]: out.extend(p.stdout),
                          daemon=True).start()
         procs.append(p)
@@ -114,7 +130,8 @@ def launch(workdir, mode, epochs=2, die_step=20, timeout=240):
                 # to SIGTERM meanwhile (Python runs its handler once the store's wait returns).
                 if mode == "shrink" and p.poll() is None and not stopped[h] and \
                         any(FINISHED in line for line in outs[h]):
-                    for agent in children(p.pid):
+                    # The lab's shell execs the agent; SCRIPT's shell waits for it.
+                    for agent in [p.pid] if lab else children(p.pid):
                         os.kill(agent, signal.SIGKILL)
                     stopped[h] = True
             time.sleep(0.1)
@@ -159,13 +176,20 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--modes", default="shrink,restart")
     ap.add_argument("--workdir", default="/tmp/rr-failover")
+    ap.add_argument("--lab", action="store_true",
+                    help="each host in a network namespace of a netlab.Lab (real TCP)")
     args = ap.parse_args()
     results = {}
     for i in range(args.runs):
         for mode in args.modes.split(","):
             load = os.getloadavg()[0]
             workdir = os.path.join(args.workdir, f"{mode}-{i}-{os.getpid()}")
-            run = launch(workdir, mode)
+            lab = netlab.Lab(HOSTS) if args.lab else None
+            try:
+                run = launch(workdir, mode, lab=lab)
+            finally:
+                if lab:
+                    lab.close()
             for h, out in enumerate(run["outs"]):
                 with open(os.path.join(workdir, f"host{h}.out"), "w") as f:
                     f.write(out)
