@@ -7,7 +7,8 @@
 // (2) failures and their messages, on every algorithm where they differ: a silent rank (the
 //     watchdog's timeout), mismatched sizes (NCCL's "message truncated"), an NCCL call failing inside a group (the group must still be ended), a
 //     CUDA fault on the stream (the watchdog must report it), two ranks on one GPU (NCCL refuses;
-//     the message says what to do), a peer process that dies, an abort, which call failed first;
+//     the message says what to do), a peer process that dies (and the survivors' fresh group
+//     beside the broken one), an abort, which call failed first;
 // (3) deterministic mode: every forced algorithm gives the bits of the rank-order reference (one
 //     rounding in the accumulation type) at worlds 2-5, tiny staging and the default; its plans;
 //     the error where two-shot's pieces would be under one element.
@@ -448,6 +449,40 @@ static void test_dead_peer() {
            "rank %d: '%s'", r, g.rings[r]->failure().c_str());
 }
 
+// After a dead peer, the survivors go on in a fresh group of two beside the broken one, as
+// shrink_group's new backend does (nothing of the parent reused: a new unique id): every
+// collective, dtype and op exact there; then the broken group still closes.
+static void test_survivors_after_dead_peer() {
+  const pid_t child = fork();
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  DevBuf buf(4096 * 4);
+  auto broken = std::make_unique<Group>(3, 4096, 30.0);
+  for (int r = 0; r < 2; ++r) broken->rings[r]->watch_peers({{2, child}});
+  for (int r = 0; r < 2; ++r) broken->run(r, 4096, buf);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  kill(child, SIGKILL);
+  const double took = broken->await_failures({0, 1}, 10);
+  waitpid(child, nullptr, 0);
+  broken->sync();
+  EXPECT(took < 2, "the dead peer was noticed after %.1f s", took);
+  const auto t0 = Clock::now();
+  {
+    Group fresh(2, rc::nccl::kDefaultStagingBytes, 20.0);
+    const int cases = sweep(fresh.ranks, {1, 7, 4099, 3 * 65536 + 5}, "nccl survivors");
+    EXPECT(cases > 0, "no case ran");
+    for (int r = 0; r < 2; ++r)
+      EXPECT(fresh.rings[r]->failure().empty(), "fresh rank %d: '%s'", r,
+             fresh.rings[r]->failure().c_str());
+    for (int r = 0; r < 2; ++r)
+      EXPECT(!broken->rings[r]->failure().empty(), "broken rank %d forgot its failure", r);
+    std::printf("survivors: %d cases (%.1f s)\n", cases, seconds_since(t0));
+  }
+  broken.reset();
+}
+
 // abort() while a call waits: the NCCL communicator is aborted, the stream is free at once.
 static void test_abort() {
   DevBuf buf(4096 * 4);
@@ -593,6 +628,7 @@ int main(int argc, char** argv) {
     run_test(argc, argv, "test_cuda_fault", [&] { test_cuda_fault(); });
     run_test(argc, argv, "test_shared_gpu", [&] { test_shared_gpu(); });
     run_test(argc, argv, "test_dead_peer", [&] { test_dead_peer(); });
+    run_test(argc, argv, "test_survivors_after_dead_peer", [&] { test_survivors_after_dead_peer(); });
     run_test(argc, argv, "test_abort", [&] { test_abort(); });
     run_test(argc, argv, "test_capture_refused", [&] { test_capture_refused(); });
     run_test(argc, argv, "test_watchdog_spares_a_capture", [&] { test_watchdog_spares_a_capture(); });
