@@ -427,13 +427,19 @@ static void test_shared_gpu() {
   std::printf("shared gpu: %s\n", msg.c_str());
 }
 
-// Rank 2's process dies while ranks 0 and 1 wait for it: both fail within about a second.
-static void test_dead_peer() {
+// A process that plays a peer rank's until the test SIGKILLs it.
+static pid_t peer_process() {
   const pid_t child = fork();
   if (child == 0) {
     pause();
     _exit(0);
   }
+  return child;
+}
+
+// Rank 2's process dies while ranks 0 and 1 wait for it: both fail within about a second.
+static void test_dead_peer() {
+  const pid_t child = peer_process();
   DevBuf buf(4096 * 4);
   Group g(3, 4096, 30.0);
   for (int r = 0; r < 2; ++r) g.rings[r]->watch_peers({{2, child}});
@@ -453,11 +459,7 @@ static void test_dead_peer() {
 // shrink_group's new backend does (nothing of the parent reused: a new unique id): every
 // collective, dtype and op exact there; then the broken group still closes.
 static void test_survivors_after_dead_peer() {
-  const pid_t child = fork();
-  if (child == 0) {
-    pause();
-    _exit(0);
-  }
+  const pid_t child = peer_process();
   DevBuf buf(4096 * 4);
   auto broken = std::make_unique<Group>(3, 4096, 30.0);
   for (int r = 0; r < 2; ++r) broken->rings[r]->watch_peers({{2, child}});
