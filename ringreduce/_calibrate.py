@@ -25,20 +25,21 @@ log = logging.getLogger("ringreduce")
 # Sizes timed (bytes): where the table's choice and Open MPI's lead were measured to differ
 # (issue 85: 1-16 MiB). Below the first, the table's or the defaults' steps stay.
 SIZES = (1 << 20, 4 << 20, 16 << 20)
-# Timed rounds per (size, algorithm), interleaved, after one warm-up round; the median is kept.
+# Timed rounds per (size, algorithm); the median is kept.
 ROUNDS = 3
 # Fewer rounds once this much time has gone (rank 0's clock; all ranks stop after the same round):
-# a round is 4 algorithms (ring, twoshot, cma, cmawhole) x 21 MiB, about 55 ms at world 2 and
-# 175 ms at world 4 on the idle dev machine (3 algorithms: 40 and 130), several times that on a
-# loaded one, so the cost stays near this bound plus a round.
+# a round is 4 algorithms (ring, twoshot, cma, cmawhole) x 21 MiB, each called twice (a warm call,
+# then the timed one), about 60 ms at world 2 and 120 ms at world 4 on the idle AMD EPYC (B36),
+# several times that on a loaded one, so the cost stays near this bound plus a round.
 BUDGET_S = 0.25
 # Another algorithm replaces the fallback's at a size only if it is this much faster: the
 # dev machine's run-to-run noise at 4-16 MiB is 5-10% (docs/cpu-passes.md).
 MARGIN = 0.90
 # Written into every cache file (and part of its name): a file of another format is recalibrated.
 # 2: steps may name cmawhole; the key has cma's block. 3: the fallback's steps from twice the last
-# size timed (a format-2 file carries its last choice to every size above).
-FORMAT = 3
+# size timed (a format-2 file carries its last choice to every size above). 4: timed warm (a
+# format-3 file's cold timings could pick an algorithm slower than the table's, B36).
+FORMAT = 4
 # The names a cached step may take (csrc/shm/options.h's kStepAlgos and kCmaWholeStep).
 STEP_NAMES = tuple(_C.SHM_STEP_ALGOS)
 
@@ -118,23 +119,29 @@ def step_algo(steps, nbytes):
 
 
 def time_algos(native, algos, op_codes, rank, sizes=SIZES, rounds=ROUNDS, budget_s=BUDGET_S):
-    """{algo: {size: median us}}, every algorithm forced by a single step from 0. Collective: every
-    rank must call it with the same algos and sizes. Leaves the native steps to the caller."""
+    """{algo: {size: median us}}, every algorithm forced by a single step from 0. Each is timed
+    warm, as a training loop and the bench call it: the timed call follows an untimed one of the same
+    algorithm on the same buffer, and the order of the algorithms turns every round. (Timed cold,
+    the first algorithm of each size paid for the cache the one before it evicted: on the AMD EPYC
+    the ring at 1 MiB timed 192 us at world 2 and 1,022 at world 4 against the bench's 88 and 278,
+    and lost to two-shot and cmawhole it beats, B36.) Collective: every rank must call it with the
+    same algos and sizes. Leaves the native steps to the caller."""
     start = time.perf_counter()
     bufs = {s: torch.ones(s // 4, dtype=torch.float32) for s in sizes}
     times = {a: {s: [] for s in sizes} for a in algos}
-    for r in range(rounds + 1):
+    for r in range(rounds):
+        order = algos[r % len(algos):] + algos[:r % len(algos)]
         for s in sizes:
-            for a in algos:
+            for a in order:
                 native.set_auto_steps([(0, a)])
+                native.all_reduce(bufs[s], op_codes["SUM"], False, 0)  # pages, slots, peers' pins
                 t0 = time.perf_counter()
                 native.all_reduce(bufs[s], op_codes["SUM"], False, 0)
-                if r:  # round 0 warms pages, slots and the peers' pins
-                    times[a][s].append((time.perf_counter() - t0) * 1e6)
+                times[a][s].append((time.perf_counter() - t0) * 1e6)
         # rank 0's verdict on the budget, by a one-element MAX over the ring (one-shot size)
         over = torch.tensor([float(rank == 0 and time.perf_counter() - start > budget_s)])
         native.all_reduce(over, op_codes["MAX"], False, 0)
-        if r and over.item():
+        if over.item():
             break
     return {a: {s: round(sorted(v)[len(v) // 2], 1) for s, v in per.items()}
             for a, per in times.items()}

@@ -3,6 +3,7 @@ runs (a table entry, a calibration, neither), the cache, and ranks agreeing."""
 import glob
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def test_fresh_calibration_is_cached_and_read_again(tmp_path, world):
     assert {a for a in data["median_us"]} >= {"ring", "twoshot"}
     # cma is timed in whole chunks beside its blocks (or neither, where the probe denies cma)
     assert ("cma" in data["median_us"]) == ("cmawhole" in data["median_us"]), data["median_us"]
-    assert (data["key"]["format"], data["key"]["cma_block_bytes"]) == (3, rr._C.SHM_SLICE_BYTES)
+    assert (data["key"]["format"], data["key"]["cma_block_bytes"]) == (4, rr._C.SHM_SLICE_BYTES)
     assert [tuple(s) for s in data["steps"]] == first["steps"] and first["steps"]
     second = run(world, tmp_path)
     assert second["source"] == "calibration (cached)", second["tuning"]
@@ -96,7 +97,7 @@ def test_an_old_format_cache_is_recalibrated(tmp_path):
     json.dump(data, open(path, "w"))
     out = run(2, tmp_path)
     assert out["source"] == "calibration (fresh)", out["tuning"]
-    assert json.load(open(path))["key"]["format"] == 3
+    assert json.load(open(path))["key"]["format"] == 4
 
 
 def test_every_rank_runs_rank_0s_steps(tmp_path):
@@ -216,3 +217,40 @@ def test_derive_steps():
     med["cmawhole"] = {M: 210, 4 * M: 250, 16 * M: 960}
     assert derive_steps(med, []) == [(M, "ring"), (2 * M, "cmawhole"), (8 * M, "ring")]
     assert derive_steps(med, [(8 * M, "cma")]) == [(M, "ring"), (2 * M, "cmawhole"), (8 * M, "cma")]
+
+
+class ColdCacheNative:
+    """A stand-in for the native ring whose calls cost the algorithm's time, plus a cold penalty
+    where the call before it was another algorithm or another buffer (the cache the real one
+    evicts): what the calibration must not measure."""
+    COST_S = {"ring": 0.002, "twoshot": 0.004, "cma": 0.006}
+    COLD_S = 0.020
+
+    def __init__(self):
+        self.algo, self.last, self.calls = None, None, []
+
+    def set_auto_steps(self, steps):
+        (_, self.algo), = steps
+
+    def all_reduce(self, t, op, deterministic, timeout):
+        if t.numel() == 1:  # the budget's verdict
+            return
+        state = (self.algo, t.numel())
+        self.calls.append(state)
+        time.sleep(self.COST_S[self.algo] + (self.COLD_S if state != self.last else 0))
+        self.last = state
+
+
+def test_algorithms_are_timed_warm():
+    from ringreduce._calibrate import time_algos
+    native = ColdCacheNative()
+    algos = ["ring", "twoshot", "cma"]
+    sizes = (1 << 10, 1 << 12)
+    med = time_algos(native, algos, rr._C.OP_CODES, 0, sizes=sizes, rounds=3, budget_s=60)
+    for a in algos:  # each algorithm's own cost, not the penalty for the one before it
+        for s in sizes:
+            assert native.COST_S[a] * 1e6 <= med[a][s] < (native.COST_S[a] + 0.010) * 1e6, med
+    # every timed call followed a call of its own; the order of the algorithms turned
+    assert all(native.calls[i] == native.calls[i + 1] for i in range(0, len(native.calls), 2))
+    firsts = {native.calls[i][0] for i in range(0, len(native.calls), 2 * len(algos))}
+    assert firsts == set(algos), native.calls
