@@ -31,9 +31,9 @@ ROUNDS = 3
 # cores) only adds time, and one such call had the ring at 1 MiB 1.2-1.4 ms against 250 us (B36).
 CALLS = 2
 # Fewer rounds once this much time has gone (rank 0's clock; all ranks stop after the same round):
-# a round is 4 algorithms (ring, twoshot, cma, cmawhole) x 21 MiB, each called twice (a warm call,
-# then the timed one), about 60 ms at world 2 and 120 ms at world 4 on the idle AMD EPYC (B36),
-# several times that on a loaded one, so the cost stays near this bound plus a round.
+# a round is 4 algorithms (ring, twoshot, cma, cmawhole) x 21 MiB, each called 1 + CALLS times;
+# a calibration took 220 ms at world 2 and 270-303 ms at world 4 on the idle AMD EPYC (B36), so
+# the cost stays near this bound plus a round.
 BUDGET_S = 0.25
 # Another algorithm replaces the fallback's at a size only if it is this much faster: the
 # dev machine's run-to-run noise at 4-16 MiB is 5-10% (docs/cpu-passes.md).
