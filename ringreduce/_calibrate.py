@@ -32,7 +32,7 @@ ROUNDS = 3
 CALLS = 2
 # Fewer rounds once this much time has gone (rank 0's clock; all ranks stop after the same round):
 # a round is 4 algorithms (ring, twoshot, cma, cmawhole) x 21 MiB, each called 1 + CALLS times;
-# a calibration took 220 ms at world 2 and 270-303 ms at world 4 on the idle AMD EPYC (B36), so
+# a calibration took 220 ms at world 2 and 270-328 ms at world 4 on the idle AMD EPYC (B36), so
 # the cost stays near this bound plus a round.
 BUDGET_S = 0.25
 # Another algorithm replaces the fallback's at a size only if it is this much faster: the
@@ -123,7 +123,7 @@ def step_algo(steps, nbytes):
 
 def time_algos(native, algos, op_codes, rank, sizes=SIZES, rounds=ROUNDS, budget_s=BUDGET_S):
     """{algo: {size: median us}}, every algorithm forced by a single step from 0. Each is timed
-    warm, as a training loop and the bench call it: the timed call follows an untimed one of the same
+    warm, as a training loop and the bench call it: the timed calls follow an untimed one of the same
     algorithm on the same buffer, and the order of the algorithms turns every round. (Timed cold,
     the first algorithm of each size paid for the cache the one before it evicted: on the AMD EPYC
     the ring at 1 MiB timed 192 us at world 2 and 1,022 at world 4 against the bench's 88 and 278,
