@@ -129,6 +129,11 @@ def time_algos(native, algos, op_codes, rank, sizes=SIZES, rounds=ROUNDS, budget
     the ring at 1 MiB timed 192 us at world 2 and 1,022 at world 4 against the bench's 88 and 278,
     and lost to two-shot and cmawhole it beats, B36.) Collective: every rank must call it with the
     same algos and sizes. Leaves the native steps to the caller."""
+    def call_us(buf):
+        t0 = time.perf_counter()
+        native.all_reduce(buf, op_codes["SUM"], False, 0)
+        return (time.perf_counter() - t0) * 1e6
+
     start = time.perf_counter()
     bufs = {s: torch.ones(s // 4, dtype=torch.float32) for s in sizes}
     times = {a: {s: [] for s in sizes} for a in algos}
@@ -137,13 +142,8 @@ def time_algos(native, algos, op_codes, rank, sizes=SIZES, rounds=ROUNDS, budget
         for s in sizes:
             for a in order:
                 native.set_auto_steps([(0, a)])
-                native.all_reduce(bufs[s], op_codes["SUM"], False, 0)  # pages, slots, peers' pins
-                best = math.inf
-                for _ in range(CALLS):
-                    t0 = time.perf_counter()
-                    native.all_reduce(bufs[s], op_codes["SUM"], False, 0)
-                    best = min(best, time.perf_counter() - t0)
-                times[a][s].append(best * 1e6)
+                call_us(bufs[s])  # untimed: pages, slots, the peers' pins
+                times[a][s].append(min(call_us(bufs[s]) for _ in range(CALLS)))
         # rank 0's verdict on the budget, by a one-element MAX over the ring (one-shot size)
         over = torch.tensor([float(rank == 0 and time.perf_counter() - start > budget_s)])
         native.all_reduce(over, op_codes["MAX"], False, 0)
